@@ -1,0 +1,34 @@
+"""dcpbridge storage: DCP StorageWriter/StorageReader over fsspec (local disk, S3, any URL)."""
+
+from __future__ import annotations
+
+from storage.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    UnsafePathError,
+)
+from storage.format import FORMAT_VERSION, METADATA_FILE, StorageIndex, StoredItem
+from storage.paths import Location, resolve
+from storage.reader import FsspecCheckpointReader, read_checkpoint_metadata
+from storage.writer import FsspecCheckpointWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA_FILE",
+    "CheckpointError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "FsspecCheckpointReader",
+    "FsspecCheckpointWriter",
+    "IncompleteCheckpointError",
+    "Location",
+    "NotACheckpointError",
+    "StorageIndex",
+    "StoredItem",
+    "UnsafePathError",
+    "read_checkpoint_metadata",
+    "resolve",
+]

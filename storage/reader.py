@@ -1,0 +1,446 @@
+"""DCP ``StorageReader`` over fsspec that fetches only the byte ranges each read needs."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from storage import checksum
+from storage.backends import ByteIO, RangeRead
+from storage.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+)
+from storage.format import DATA_FILE_RE, METADATA_FILE, StorageIndex, StoredItem, decode_metadata
+from storage.paths import Location, resolve
+from storage.regions import Extent, c_strides, expand_to_blocks, plan_extents
+
+# Reads smaller than this are merged with their neighbours into one request.
+_SMALL_READ = 1 << 20
+_MAX_MERGED = 16 << 20
+# Memory held by temporary read buffers at once (direct reads into tensors need none).
+_STAGING_BUDGET = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTuning:
+    """How finely the reader splits and merges byte ranges for one kind of storage."""
+
+    min_piece_bytes: int
+    merge_gap: int
+
+    @staticmethod
+    def for_location(location: Location) -> ReadTuning:
+        if location.is_local:
+            return ReadTuning(min_piece_bytes=16 << 10, merge_gap=0)
+        # Object stores: a request costs ~ms, so prefer fewer, larger ranges.
+        return ReadTuning(min_piece_bytes=1 << 20, merge_gap=256 << 10)
+
+
+def diagnose_missing_metadata(byteio: ByteIO, url: str) -> Exception:
+    """Explain why ``url`` has no commit file: absent, incomplete, or another format."""
+    names = byteio.list_names()
+    if not names and not byteio.fs.exists(byteio.location.root):
+        return NotACheckpointError(f"{url}: no such checkpoint directory")
+    data = sorted(n for n in names if DATA_FILE_RE.match(n))
+    if data:
+        return IncompleteCheckpointError(
+            f"{url} is an incomplete checkpoint: {len(data)} data file(s) (e.g. {data[0]}) exist "
+            f"but the commit file {METADATA_FILE} does not, so the save that wrote them did not "
+            "finish. Re-save, or load an earlier checkpoint."
+        )
+    if ".metadata" in names:
+        return NotACheckpointError(
+            f"{url} holds a plain torch.distributed.checkpoint checkpoint (.metadata), not a "
+            f"dcpbridge one ({METADATA_FILE}); read it with torch.distributed.checkpoint"
+        )
+    return NotACheckpointError(f"{url} is not a dcpbridge checkpoint: {METADATA_FILE} is missing")
+
+
+def read_checkpoint_metadata(location: Location) -> Metadata:
+    """Read and decode the commit file at ``location`` (single process, no collectives)."""
+    byteio = ByteIO.for_location(location)
+    try:
+        raw = byteio.read_file(location.path(METADATA_FILE))
+    except FileNotFoundError:
+        raise diagnose_missing_metadata(byteio, location.url) from None
+    return decode_metadata(raw, where=location.path(METADATA_FILE))
+
+
+def read_object_bytes(
+    location: Location, metadata: Metadata, fqn: str, *, verify: bool = True
+) -> bytes:
+    """The stored bytes of object ``fqn`` (checksum-verified), without a process group."""
+    index = metadata.storage_data
+    if not isinstance(index, StorageIndex):
+        raise CorruptCheckpointError(f"{location.url}: metadata has no dcpbridge storage index")
+    stored = index.items.get(MetadataIndex(fqn))
+    if stored is None:
+        raise KeyError(f"{location.url}: the checkpoint has no object {fqn!r}")
+    buf = memoryview(bytearray(stored.nbytes))
+    ByteIO.for_location(location).fetch(
+        [RangeRead(location.path(stored.file), stored.offset, buf)], threads=1
+    )
+    if verify and stored.checksums and index.checksum_block_size:
+        checksum.verify_blocks(
+            buf,
+            0,
+            stored.checksums,
+            index.checksum_block_size,
+            what=f"object {fqn!r} in {stored.file}",
+        )
+    return bytes(buf)
+
+
+class _TensorSink:
+    """Counts a tensor ReadItem's outstanding extents and commits it when the last lands."""
+
+    def __init__(self, planner: LoadPlanner, item: ReadItem, dest: torch.Tensor, parts: int):
+        self.planner, self.item, self.dest = planner, item, dest
+        self._left = parts
+        self._lock = threading.Lock()
+
+    def part_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.planner.commit_tensor(self.item, self.dest)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview | None:
+    """Writable bytes of ``t`` if it is a contiguous CPU tensor, else None."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class FsspecCheckpointReader(StorageReader):
+    """Reads a dcpbridge checkpoint; usable with ``torch.distributed.checkpoint.load``.
+
+    For every ``ReadItem`` it fetches only the byte ranges of the stored chunk that hold the
+    requested box (one range for a dim-0 slice, one per row for a dim-1 slice), reads straight
+    into the destination tensor when layouts allow, verifies block checksums of what it read,
+    and runs the reads on ``thread_count`` threads.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 4,
+        verify_checksums: bool = True,
+    ) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self.thread_count = max(1, thread_count)
+        self.verify_checksums = verify_checksums
+        self.location: Location | None = None
+        self._io: ByteIO | None = None
+        self._metadata: Metadata | None = None
+        self._chunks: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.bytes_read = 0
+        if path is not None:
+            self.reset(path)
+
+    # -- DCP StorageReader protocol -------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            location = resolve(checkpoint_id, self.storage_options)
+            if location != self.location:
+                self.location = location
+                self._io = ByteIO.for_location(location)
+                self._metadata = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self._loc.url
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = read_checkpoint_metadata(self._loc)
+        return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if not isinstance(metadata.storage_data, StorageIndex):
+            raise CorruptCheckpointError(
+                f"{self._loc.url}: metadata has no dcpbridge storage index"
+            )
+        self._metadata = metadata
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    key = MetadataIndex(fqn, chunk.offsets)
+                    self._chunks[key] = (tuple(chunk.sizes), md.properties.dtype)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        reads: list[_Op] = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                reads.append(self._bytes_op(item, planner))
+            else:
+                reads.extend(self._tensor_ops(item, planner))
+        self._execute(reads)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return bool(os.fspath(checkpoint_id))
+
+    # -- planning byte ranges -------------------------------------------------------------
+
+    @property
+    def _loc(self) -> Location:
+        if self.location is None:
+            raise ValueError("no checkpoint path: pass one to the reader or to load()")
+        return self.location
+
+    @property
+    def _index(self) -> StorageIndex:
+        assert self._metadata is not None and isinstance(self._metadata.storage_data, StorageIndex)
+        return self._metadata.storage_data
+
+    def _stored(self, index: MetadataIndex) -> StoredItem:
+        item = self._index.items.get(index)
+        if item is None:
+            raise CorruptCheckpointError(
+                f"{self._loc.url}: metadata has no stored bytes for {index.fqn!r} "
+                f"at offsets {list(index.offset or ())}"
+            )
+        return item
+
+    def _verifier(
+        self, stored: StoredItem, lo: int, what: str
+    ) -> Callable[[memoryview], None] | None:
+        """Checksum check for item bytes ``[lo, ...)`` (``lo`` on a block edge), if enabled."""
+        bs = self._index.checksum_block_size
+        if not (self.verify_checksums and stored.checksums and bs):
+            return None
+        sums = stored.checksums
+
+        def verify(data: memoryview) -> None:
+            checksum.verify_blocks(data, lo // bs, sums, bs, what=what)
+
+        return verify
+
+    def _bytes_op(self, item: ReadItem, planner: LoadPlanner) -> _Op:
+        stored = self._stored(item.storage_index)
+        what = f"object {item.storage_index.fqn!r} in {stored.file}"
+        verify = self._verifier(stored, 0, what)
+
+        def deliver(buf: memoryview) -> None:
+            if verify is not None:
+                verify(buf)
+            planner.load_bytes(item, io.BytesIO(bytes(buf)))
+
+        return _Op(stored.file, stored.offset, stored.offset + stored.nbytes, None, deliver)
+
+    def _tensor_ops(self, item: ReadItem, planner: LoadPlanner) -> list[_Op]:
+        stored = self._stored(item.storage_index)
+        sizes, dtype = self._chunks[item.storage_index]
+        itemsize = dtype.itemsize
+        tuning = ReadTuning.for_location(self._loc)
+        extents = plan_extents(
+            sizes,
+            item.storage_offsets,
+            item.lengths,
+            itemsize,
+            min_piece_bytes=tuning.min_piece_bytes,
+        )
+        dest = planner.resolve_tensor(item)
+        if tuple(dest.shape) != tuple(item.lengths):
+            raise RuntimeError(
+                f"{item.dest_index.fqn!r}: planner resolved a tensor of shape {tuple(dest.shape)} "
+                f"for a read of {tuple(item.lengths)}"
+            )
+        if dest.dtype != dtype:
+            raise TypeError(
+                f"{item.dest_index.fqn!r}: stored dtype {dtype}, destination dtype {dest.dtype}"
+            )
+        if not extents:
+            planner.commit_tensor(item, dest)
+            return []
+        sink = _TensorSink(planner, item, dest, len(extents))
+        what = (
+            f"tensor {item.storage_index.fqn!r} chunk {list(item.storage_offsets)} in {stored.file}"
+        )
+        checking = self._verifier(stored, 0, what) is not None
+        ops = []
+        for ext in extents:
+            start, stop = ext.start * itemsize, ext.stop * itemsize
+            lo, hi = start, stop
+            if checking:
+                lo, hi = expand_to_blocks(
+                    start, stop, stored.nbytes, self._index.checksum_block_size
+                )
+            direct = None
+            if (lo, hi) == (start, stop) and ext.contiguous:
+                direct = _byte_view(_box(dest, ext))
+            ops.append(
+                _Op(
+                    stored.file,
+                    stored.offset + lo,
+                    stored.offset + hi,
+                    direct,
+                    _extent_delivery(
+                        dest,
+                        ext,
+                        sizes,
+                        dtype,
+                        start - lo,
+                        direct is not None,
+                        self._verifier(stored, lo, what),
+                        sink,
+                    ),
+                )
+            )
+        return ops
+
+    # -- executing ------------------------------------------------------------------------
+
+    def _execute(self, ops: list[_Op]) -> None:
+        tuning = ReadTuning.for_location(self._loc)
+        batches = _merge_and_batch(ops, tuning.merge_gap)
+        for batch in batches:
+            reads = [r.to_range_read(self._loc) for r in batch]
+            self._byteio.fetch(reads, self.thread_count)
+            self.bytes_read += sum(len(r.out) for r in reads)
+
+    @property
+    def _byteio(self) -> ByteIO:
+        assert self._io is not None
+        return self._io
+
+
+def _box(dest: torch.Tensor, ext: Extent) -> torch.Tensor:
+    view = dest
+    for d, (o, n) in enumerate(zip(ext.box_offsets, ext.box_lengths)):
+        if o != 0 or n != view.shape[d]:
+            view = view.narrow(d, o, n)
+    return view
+
+
+def _extent_delivery(
+    dest: torch.Tensor,
+    ext: Extent,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    skip: int,
+    in_place: bool,
+    verify: Callable[[memoryview], None] | None,
+    sink: _TensorSink,
+) -> Callable[[memoryview], None]:
+    """Callback for fetched item bytes: verify them, copy the extent's box into ``dest``."""
+    strides = c_strides(sizes)
+
+    def deliver(buf: memoryview) -> None:
+        if verify is not None:
+            verify(buf)
+        if not in_place:
+            nbytes = (ext.stop - ext.start) * dtype.itemsize
+            src = torch.frombuffer(buf[skip : skip + nbytes], dtype=torch.uint8).view(dtype)
+            _box(dest, ext).copy_(src.as_strided(ext.box_lengths, strides))
+        sink.part_done()
+
+    return deliver
+
+
+@dataclass(slots=True)
+class _Op:
+    """Bytes ``[start, stop)`` of ``file``: read into ``direct`` (or a staging buffer), then
+    handed to ``deliver``."""
+
+    file: str
+    start: int
+    stop: int
+    direct: memoryview | None
+    deliver: Callable[[memoryview], None]
+
+
+@dataclass(slots=True)
+class _Merged:
+    """Adjacent ops of one file fetched by a single request."""
+
+    file: str
+    start: int
+    stop: int
+    ops: list[_Op]
+
+    @property
+    def staged_bytes(self) -> int:
+        return 0 if self.ops[0].direct is not None else self.stop - self.start
+
+    def to_range_read(self, loc: Location) -> RangeRead:
+        if self.ops[0].direct is not None:
+            op = self.ops[0]
+            direct = op.direct
+            return RangeRead(loc.path(self.file), self.start, direct, lambda: op.deliver(direct))
+        buf = memoryview(np.empty(self.stop - self.start, dtype=np.uint8)).cast("B")
+
+        def done() -> None:
+            for op in self.ops:
+                op.deliver(buf[op.start - self.start : op.stop - self.start])
+
+        return RangeRead(loc.path(self.file), self.start, buf, done)
+
+
+def _merge_and_batch(ops: list[_Op], merge_gap: int) -> list[list[_Merged]]:
+    """Merge small neighbouring staged reads per file, then batch under the staging budget."""
+    merged: list[_Merged] = []
+    by_file: dict[str, list[_Op]] = {}
+    for op in ops:
+        by_file.setdefault(op.file, []).append(op)
+    for file, file_ops in by_file.items():
+        file_ops.sort(key=lambda o: o.start)
+        cur: _Merged | None = None
+        for op in file_ops:
+            mergeable = op.direct is None and op.stop - op.start < _SMALL_READ
+            if (
+                mergeable
+                and cur is not None
+                and cur.ops[0].direct is None
+                and cur.stop <= op.start <= cur.stop + merge_gap
+                and op.stop - cur.start <= _MAX_MERGED
+            ):
+                cur.stop = op.stop
+                cur.ops.append(op)
+                continue
+            cur = _Merged(file, op.start, op.stop, [op])
+            merged.append(cur)
+    batches: list[list[_Merged]] = []
+    batch: list[_Merged] = []
+    staged = 0
+    for m in merged:
+        if batch and staged + m.staged_bytes > _STAGING_BUDGET:
+            batches.append(batch)
+            batch, staged = [], 0
+        batch.append(m)
+        staged += m.staged_bytes
+    if batch:
+        batches.append(batch)
+    return batches

@@ -1,0 +1,289 @@
+"""DCP ``StorageWriter`` over fsspec: raw bytes, a few files per rank, JSON metadata written last."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from storage import checksum
+from storage.backends import ByteIO
+from storage.format import (
+    DATA_FILE_RE,
+    METADATA_FILE,
+    StorageIndex,
+    StoredItem,
+    data_file_name,
+    encode_metadata,
+    temp_metadata_name,
+)
+from storage.paths import Location, resolve
+
+log = logging.getLogger(__name__)
+
+_SMALL_ITEM = 256 << 10
+_COALESCE_BYTES = 8 << 20
+# Items start on 64-byte boundaries so staged reads can be viewed as any dtype.
+_ALIGN = 64
+_PADDING = memoryview(bytes(_ALIGN))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RankTarget:
+    """What the coordinator tells each rank: the save id and its rank number for file names."""
+
+    save_id: str
+    rank: int
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's elements in C order as bytes (copies only if not contiguous on the CPU)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Bytes this item writes: the chunk's size, not the global tensor's (unlike DCP's helper)."""
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for s in item.tensor_data.chunk.sizes:
+        numel *= s
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
+    """Spread items over ``files`` buckets by bytes (largest first), keeping plan order inside."""
+    if files <= 1 or len(items) <= 1:
+        return [items] if items else []
+    loads = [0] * files
+    owner: dict[int, int] = {}
+    for pos in sorted(range(len(items)), key=lambda i: -item_nbytes(items[i])):
+        b = min(range(files), key=loads.__getitem__)
+        owner[pos] = b
+        loads[b] += item_nbytes(items[pos])
+    buckets: list[list[WriteItem]] = [[] for _ in range(files)]
+    for pos, item in enumerate(items):
+        buckets[owner[pos]].append(item)
+    return [b for b in buckets if b]
+
+
+class _CoalescingFile:
+    """Writes many small items as few large writes; large items go straight through."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._buf = bytearray()
+
+    def write(self, data: memoryview) -> None:
+        if len(data) < _SMALL_ITEM:
+            self._buf += data
+            if len(self._buf) >= _COALESCE_BYTES:
+                self.flush()
+            return
+        self.flush()
+        _write_all(self._f, data)
+
+    def flush(self) -> None:
+        if self._buf:
+            _write_all(self._f, memoryview(self._buf))
+            self._buf = bytearray()
+
+
+def _write_all(f: BinaryIO, data: memoryview) -> None:
+    while len(data):
+        n = f.write(data)
+        if n is None:  # buffered/remote writers consume everything
+            return
+        data = data[n:]
+
+
+class FsspecCheckpointWriter(StorageWriter):
+    """Writes a checkpoint to any fsspec location; usable with ``torch.distributed.checkpoint.save``.
+
+    Each rank writes raw tensor bytes into ``thread_count`` files (one thread each), records
+    block checksums, and syncs its files; the coordinator then publishes ``dcpbridge.json``
+    atomically. Until that file exists the directory is not a loadable checkpoint.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+        checksums: bool = True,
+        checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        super().__init__()
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if checksum_block_size <= 0:
+            raise ValueError(f"checksum_block_size must be > 0, got {checksum_block_size}")
+        self.storage_options = dict(storage_options or {})
+        self.thread_count = thread_count
+        self.sync_files = sync_files
+        self.checksums = checksums
+        self.checksum_block_size = checksum_block_size
+        self.location: Location | None = None
+        self._io: ByteIO | None = None
+        self._save_id = ""
+        self._is_coordinator = False
+        if path is not None:
+            self.reset(path)
+
+    # -- DCP StorageWriter protocol -------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.location = resolve(checkpoint_id, self.storage_options)
+            self._io = ByteIO.for_location(self.location)
+        self._save_id = ""
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self._loc.url
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._loc.url) if self.location else None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._byteio.makedirs()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._save_id = uuid.uuid4().hex[:16]
+        return [
+            dataclasses.replace(p, storage_data=_RankTarget(self._save_id, rank))
+            for rank, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target = plan.storage_data
+        if not isinstance(target, _RankTarget):
+            raise RuntimeError("plan has no storage target: prepare_global_plan did not run")
+        self._save_id = target.save_id
+        buckets = split_into_files(plan.items, self.thread_count)
+
+        def write_file(index: int) -> list[WriteResult]:
+            name = data_file_name(target.rank, index, target.save_id)
+            return self._write_file(name, buckets[index], planner, target.rank)
+
+        if len(buckets) <= 1:
+            results = [r for i in range(len(buckets)) for r in write_file(i)]
+        else:
+            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpb-write") as pool:
+                results = [r for rs in pool.map(write_file, range(len(buckets))) for r in rs]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        metadata.storage_data = StorageIndex(
+            items=items,
+            save_id=self._save_id,
+            files=tuple(sorted({it.file for it in items.values()})),
+            checksum_algorithm=checksum.ALGORITHM if self.checksums else None,
+            checksum_block_size=self.checksum_block_size if self.checksums else 0,
+            world_size=len(results),
+        )
+        raw = encode_metadata(metadata)
+        self._byteio.commit_file(
+            METADATA_FILE, raw, temp_metadata_name(self._save_id), sync=self.sync_files
+        )
+        self._remove_stale_files()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return bool(os.fspath(checkpoint_id))
+
+    # -- helpers --------------------------------------------------------------------------
+
+    @property
+    def _loc(self) -> Location:
+        if self.location is None:
+            raise ValueError("no checkpoint path: pass one to the writer or to save()")
+        return self.location
+
+    @property
+    def _byteio(self) -> ByteIO:
+        if self._io is None:
+            raise ValueError("no checkpoint path: pass one to the writer or to save()")
+        return self._io
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
+    ) -> list[WriteResult]:
+        results: list[WriteResult] = []
+        pos = 0
+        with self._byteio.open_write(self._loc.path(name)) as raw:
+            out = _CoalescingFile(raw)
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    if not isinstance(data, io.BytesIO):
+                        raise TypeError(
+                            f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}"
+                        )
+                    mv = data.getbuffer()
+                else:
+                    mv = tensor_bytes(data)
+                expected = item_nbytes(item)
+                if item.tensor_data is not None and len(mv) != expected:
+                    raise ValueError(
+                        f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
+                        f"data has {len(mv)} bytes, the plan expects {expected}"
+                    )
+                digests = (
+                    tuple(checksum.block_digests(mv, self.checksum_block_size))
+                    if self.checksums
+                    else None
+                )
+                pad = -pos % _ALIGN
+                if pad:
+                    out.write(_PADDING[:pad])
+                    pos += pad
+                out.write(mv)
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=len(mv),
+                        storage_data=StoredItem(name, pos, len(mv), rank, digests),
+                    )
+                )
+                pos += len(mv)
+            out.flush()
+            if self.sync_files:
+                self._byteio.sync(raw)
+        return results
+
+    def _remove_stale_files(self) -> None:
+        """Delete data files of earlier saves to this location, now that ours is committed."""
+        try:
+            stale = [
+                n
+                for n in self._byteio.list_names()
+                if ((m := DATA_FILE_RE.match(n)) and m.group(3) != self._save_id)
+                or n.startswith(f"{METADATA_FILE}.tmp-")
+            ]
+            self._byteio.remove(stale)
+        except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
+            log.warning("could not remove stale files in %s: %s", self._loc.url, e)
