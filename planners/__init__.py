@@ -1,0 +1,47 @@
+"""dcpbridge planners: DCP SavePlanner/LoadPlanner for Megatron-style sharded state."""
+
+from __future__ import annotations
+
+from planners.boxes import Placed, coverage_problems, find_gap, find_overlaps, intersect
+from planners.errors import (
+    DTypeMismatchError,
+    MissingKeysError,
+    PickleRefusedError,
+    ShapeMismatchError,
+    ShardingValidationError,
+    UnexpectedKeysError,
+)
+from planners.load_planner import (
+    ShardedLoadPlanner,
+    StrictMode,
+    load_object,
+    plan_local_reads,
+    plan_tensor_reads,
+)
+from planners.protocol import ObjectShard, TensorShard, is_main_replica
+from planners.save_planner import ShardedSavePlanner, build_metadata, plan_local_writes
+
+__all__ = [
+    "DTypeMismatchError",
+    "MissingKeysError",
+    "ObjectShard",
+    "PickleRefusedError",
+    "Placed",
+    "ShapeMismatchError",
+    "ShardedLoadPlanner",
+    "ShardedSavePlanner",
+    "ShardingValidationError",
+    "StrictMode",
+    "TensorShard",
+    "UnexpectedKeysError",
+    "build_metadata",
+    "coverage_problems",
+    "find_gap",
+    "find_overlaps",
+    "intersect",
+    "is_main_replica",
+    "load_object",
+    "plan_local_reads",
+    "plan_local_writes",
+    "plan_tensor_reads",
+]

@@ -1,0 +1,146 @@
+"""Box geometry for shards: intersections, overlap and gap detection (pure, no process group)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+# Gap localisation marks a compressed grid; beyond this many cells it only reports counts.
+_MAX_GAP_CELLS = 4_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A chunk ``offsets``+``sizes`` of a global tensor, written by ``rank``."""
+
+    offsets: Shape
+    sizes: Shape
+    rank: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def fmt_box(offsets: Sequence[int], sizes: Sequence[int]) -> str:
+    """``[0:4, 8:16]`` style slice notation of a box."""
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+
+
+def intersect(
+    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
+) -> tuple[Shape, Shape] | None:
+    """The overlap of two boxes as (offsets, sizes), or None if it is empty."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(a_off, a_size, b_off, b_size))
+    if any(h <= s for s, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - s for s, h in zip(lo, hi))
+
+
+def sweep_dim(chunks: Sequence[Placed]) -> int:
+    """The dimension with the most distinct chunk offsets: sweeping it keeps few boxes active."""
+    ndim = len(chunks[0].offsets)
+    return max(range(ndim), key=lambda d: len({c.offsets[d] for c in chunks}))
+
+
+def find_overlaps(chunks: Sequence[Placed], limit: int = 3) -> list[tuple[Placed, Placed]]:
+    """Pairs of non-empty chunks that share elements (sweep line: near-linear for grids)."""
+    boxes = [c for c in chunks if c.numel > 0]
+    if len(boxes) < 2:
+        return []
+    if not boxes[0].offsets:  # 0-d tensors: every chunk is the whole tensor
+        return [(boxes[0], boxes[1])]
+    d = sweep_dim(boxes)
+    found: list[tuple[Placed, Placed]] = []
+    active: list[Placed] = []
+    for c in sorted(boxes, key=lambda c: (c.offsets[d], c.rank)):
+        start = c.offsets[d]
+        active = [a for a in active if a.offsets[d] + a.sizes[d] > start]
+        for a in active:
+            if intersect(a.offsets, a.sizes, c.offsets, c.sizes) is not None:
+                found.append((a, c))
+                if len(found) >= limit:
+                    return found
+        active.append(c)
+    return found
+
+
+def find_gap(shape: Shape, chunks: Sequence[Placed]) -> tuple[Shape, Shape] | None:
+    """A box of ``shape`` no chunk covers, on a grid compressed to the chunk edges.
+
+    Returns None when everything is covered, or when the grid is too large to mark
+    (the caller then reports element counts only).
+    """
+    if math.prod(shape) == 0:
+        return None
+    if not shape:
+        return None if any(c.numel for c in chunks) else ((), ())
+    edges = []
+    for d, n in enumerate(shape):
+        cuts = {0, n}
+        for c in chunks:
+            cuts.add(min(c.offsets[d], n))
+            cuts.add(min(c.offsets[d] + c.sizes[d], n))
+        edges.append(np.array(sorted(cuts), dtype=np.int64))
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > _MAX_GAP_CELLS:
+        return None
+    covered = np.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for c in chunks:
+        if c.numel == 0:
+            continue
+        index = tuple(
+            slice(int(np.searchsorted(e, o)), int(np.searchsorted(e, min(o + s, len_))))
+            for e, o, s, len_ in zip(edges, c.offsets, c.sizes, shape)
+        )
+        covered[index] = True
+    holes = np.argwhere(~covered)
+    if len(holes) == 0:
+        return None
+    cell = holes[0]
+    offsets = tuple(int(e[i]) for e, i in zip(edges, cell))
+    sizes = tuple(int(e[i + 1] - e[i]) for e, i in zip(edges, cell))
+    return offsets, sizes
+
+
+def coverage_problems(key: str, shape: Shape, chunks: Sequence[Placed]) -> list[str]:
+    """Why ``chunks`` do not tile ``shape`` exactly once (empty list: they do)."""
+    problems = []
+    for c in chunks:
+        if len(c.offsets) != len(shape) or any(
+            o < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
+        ):
+            problems.append(
+                f"{key!r}: rank {c.rank} shard {fmt_box(c.offsets, c.sizes)} lies outside "
+                f"the global shape {shape}"
+            )
+    if problems:
+        return problems
+    for a, b in find_overlaps(chunks):
+        both = intersect(a.offsets, a.sizes, b.offsets, b.sizes)
+        assert both is not None
+        problems.append(
+            f"{key!r}: shards overlap: rank {a.rank} {fmt_box(a.offsets, a.sizes)} and "
+            f"rank {b.rank} {fmt_box(b.offsets, b.sizes)} both write {fmt_box(*both)} "
+            "(two main replicas of one shard? check replica_id)"
+        )
+    if problems:
+        return problems
+    total = math.prod(shape)
+    covered = sum(c.numel for c in chunks)
+    if covered != total:
+        gap = find_gap(shape, chunks)
+        where = f" elements {fmt_box(*gap)} are not written by any rank;" if gap else ""
+        ranks = sorted({c.rank for c in chunks})
+        problems.append(
+            f"{key!r} (global shape {shape}):{where} main replicas cover {covered} of "
+            f"{total} elements (ranks writing it: {ranks or 'none'}; is replica_id 0 on "
+            "exactly one holder of each shard?)"
+        )
+    return problems

@@ -1,0 +1,32 @@
+"""Planning errors: each names the key, ranks and ranges at fault."""
+
+from __future__ import annotations
+
+from storage.errors import CheckpointError
+
+
+class ShardingValidationError(CheckpointError):
+    """The shards of a save do not tile their global tensors (gap, overlap, disagreement)."""
+
+
+class MissingKeysError(CheckpointError, KeyError):
+    """Requested keys are not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnexpectedKeysError(CheckpointError):
+    """The checkpoint holds keys no rank requested (strict load)."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A requested tensor's global shape differs from the stored one."""
+
+
+class DTypeMismatchError(CheckpointError, TypeError):
+    """A requested tensor's dtype differs from the stored one."""
+
+
+class PickleRefusedError(CheckpointError):
+    """A stored object needs full unpickling, which was not allowed."""

@@ -1,0 +1,320 @@
+"""Load planning: for each requested shard, the exact overlaps with the stored chunks."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import io
+import math
+import pickle
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from planners.boxes import Shape, fmt_box, intersect
+from planners.errors import (
+    DTypeMismatchError,
+    MissingKeysError,
+    PickleRefusedError,
+    ShapeMismatchError,
+    UnexpectedKeysError,
+)
+from planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
+from planners.walk import Leaf, iter_leaves
+from storage.errors import CorruptCheckpointError
+
+# Keys with more stored chunks than this get a sorted index instead of a linear scan.
+_INDEX_THRESHOLD = 32
+
+
+class StrictMode(str, enum.Enum):
+    """How a load treats missing keys (requested, not stored) and unexpected keys (stored,
+    requested by no rank)."""
+
+    RAISE_MISSING = "raise_missing"  # default: missing raise, unexpected are ignored
+    RAISE_ALL = "raise_all"  # both raise
+    RETURN_ALL = "return_all"  # neither raises; both lists are returned
+
+
+def _read_item(
+    fqn: str,
+    dest_offset: Shape,
+    chunk: ChunkStorageMetadata,
+    overlap: tuple[Shape, Shape],
+) -> ReadItem:
+    lo, lengths = overlap
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(fqn, dest_offset),
+        dest_offsets=torch.Size(s - d for s, d in zip(lo, dest_offset)),
+        storage_index=MetadataIndex(fqn, chunk.offsets),
+        storage_offsets=torch.Size(s - c for s, c in zip(lo, chunk.offsets)),
+        lengths=torch.Size(lengths),
+    )
+
+
+class ChunkIndex:
+    """Stored chunks of one tensor, sorted along one dimension for fast overlap queries."""
+
+    def __init__(self, chunks: list[ChunkStorageMetadata]) -> None:
+        self.chunks = chunks
+        ndim = len(chunks[0].offsets) if chunks else 0
+        self.dim = (
+            max(range(ndim), key=lambda d: len({c.offsets[d] for c in chunks})) if ndim else -1
+        )
+        if self.dim >= 0 and len(chunks) > _INDEX_THRESHOLD:
+            self.chunks = sorted(chunks, key=lambda c: c.offsets[self.dim])
+            self.starts = [c.offsets[self.dim] for c in self.chunks]
+            self.max_len = max(c.sizes[self.dim] for c in self.chunks)
+        else:
+            self.starts = []
+
+    def candidates(self, offsets: Shape, sizes: Shape) -> Iterable[ChunkStorageMetadata]:
+        if not self.starts:
+            return self.chunks
+        d = self.dim
+        lo = bisect.bisect_right(self.starts, offsets[d] - self.max_len)
+        hi = bisect.bisect_left(self.starts, offsets[d] + sizes[d])
+        return self.chunks[lo:hi]
+
+
+def plan_tensor_reads(
+    fqn: str, offsets: Shape, sizes: Shape, index: ChunkIndex
+) -> tuple[list[ReadItem], int]:
+    """Read items for the box ``offsets``+``sizes`` and the number of elements they cover."""
+    items = []
+    covered = 0
+    for chunk in index.candidates(offsets, sizes):
+        overlap = intersect(offsets, sizes, chunk.offsets, chunk.sizes)
+        if overlap is not None:
+            items.append(_read_item(fqn, offsets, chunk, overlap))
+            covered += math.prod(overlap[1])
+    return items, covered
+
+
+def load_object(value: io.BytesIO, *, allow_pickle: bool, what: str) -> Any:
+    """``torch.load`` with ``weights_only`` unless pickles are explicitly allowed."""
+    try:
+        return torch.load(value, weights_only=not allow_pickle, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        if allow_pickle:
+            raise
+        lines = [ln.strip() for ln in str(e).splitlines()]
+        detail = next((ln for ln in lines if "Unsupported global" in ln), "unsupported object")
+        raise PickleRefusedError(
+            f"{what} holds Python objects that safe (weights_only) loading refuses ({detail}). "
+            "If you trust this checkpoint, load it with allow_pickle=True."
+        ) from None
+
+
+@dataclass(slots=True)
+class _Dest:
+    """Where a requested box lands: one or more local tensors (duplicates share the read)."""
+
+    views: list[torch.Tensor]
+    stored_dtype: torch.dtype
+
+
+@dataclass(slots=True)
+class LocalReads:
+    """A rank's read items, where they land, and which requested keys are absent."""
+
+    items: list[ReadItem] = field(default_factory=list)
+    dests: dict[MetadataIndex, _Dest] = field(default_factory=dict)
+    objects: dict[str, list[Leaf]] = field(default_factory=dict)
+    requested: set[str] = field(default_factory=set)
+    missing: list[str] = field(default_factory=list)
+
+
+def plan_local_reads(
+    leaves: Iterable[Leaf], metadata: Metadata, *, allow_dtype_cast: bool = False
+) -> LocalReads:
+    """Read items that fill every requested tensor shard, tensor and object from ``metadata``."""
+    out = LocalReads()
+    stored = metadata.state_dict_metadata
+    indexes: dict[str, ChunkIndex] = {}
+    for leaf in leaves:
+        value = leaf.value
+        kind = leaf_kind(value)
+        if kind in ("object_shard", "object"):
+            fqn = value.unique_key if kind == "object_shard" else leaf.path
+            out.requested.add(fqn)
+            if fqn not in stored or isinstance(stored[fqn], TensorStorageMetadata):
+                out.missing.append(fqn)
+                continue
+            if fqn not in out.objects:
+                z = torch.Size([0])
+                mi = MetadataIndex(fqn)
+                out.items.append(ReadItem(LoadItemType.BYTE_IO, mi, z, mi, z, z))
+            out.objects.setdefault(fqn, []).append(leaf)
+            continue
+        if kind == "tensor_shard":
+            sh: TensorShard = value
+            fqn, view = sh.key, chunk_view(sh)
+            offsets, sizes, shape = tuple(sh.global_offset), chunk_sizes(sh), tuple(sh.global_shape)
+            allow_mismatch = sh.allow_shape_mismatch
+        else:
+            fqn, view = leaf.path, value
+            shape = sizes = tuple(value.shape)
+            offsets = (0,) * len(shape)
+            allow_mismatch = False
+        out.requested.add(fqn)
+        md = stored.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            out.missing.append(fqn)
+            continue
+        if md.properties.dtype != view.dtype and not allow_dtype_cast:
+            raise DTypeMismatchError(
+                f"{fqn!r}: stored as {md.properties.dtype}, requested as {view.dtype} "
+                "(pass allow_dtype_cast=True to convert)"
+            )
+        stored_shape = tuple(md.size)
+        if stored_shape != shape:
+            if not allow_mismatch or len(stored_shape) != len(shape):
+                raise ShapeMismatchError(
+                    f"{fqn!r}: global shape in checkpoint is {stored_shape}, requested {shape}"
+                    + (
+                        ""
+                        if allow_mismatch
+                        else " (set allow_shape_mismatch=True to load the overlap)"
+                    )
+                )
+            view.zero_()
+        if math.prod(sizes) == 0:
+            continue
+        dest_key = MetadataIndex(fqn, offsets)
+        dest = out.dests.get(dest_key)
+        if dest is not None:  # the same box requested twice on this rank: read once, copy
+            if tuple(dest.views[0].shape) != tuple(view.shape):
+                raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
+            dest.views.append(view)
+            continue
+        out.dests[dest_key] = _Dest([view], md.properties.dtype)
+        index = indexes.get(fqn)
+        if index is None:
+            index = indexes[fqn] = ChunkIndex(md.chunks)
+        items, covered = plan_tensor_reads(fqn, offsets, sizes, index)
+        inside = intersect(offsets, sizes, (0,) * len(shape), stored_shape)
+        expected = math.prod(inside[1]) if inside else 0
+        if covered != expected:
+            raise CorruptCheckpointError(
+                f"{fqn!r}: stored chunks cover {covered} of the {expected} elements requested "
+                f"at {fmt_box(offsets, sizes)}; the checkpoint is missing part of this tensor"
+            )
+        out.items.extend(items)
+    return out
+
+
+class ShardedLoadPlanner(LoadPlanner):
+    """DCP ``LoadPlanner`` that reshards: any box split of the stored tensors to any other.
+
+    Works with ``dcp.load`` too. Tensor shards are filled in place; objects are unpickled
+    with ``weights_only`` unless ``allow_pickle``; ``strict`` decides what happens to
+    missing and unexpected keys (see ``StrictMode``).
+    """
+
+    def __init__(
+        self,
+        *,
+        strict: StrictMode | str = StrictMode.RAISE_MISSING,
+        allow_pickle: bool = False,
+        allow_dtype_cast: bool = False,
+    ) -> None:
+        self.strict = StrictMode(strict)
+        self.allow_pickle = allow_pickle
+        self.allow_dtype_cast = allow_dtype_cast
+        self.missing_keys: list[str] = []
+        self.unexpected_keys: list[str] = []
+        self.loaded_objects: dict[str, Any] = {}
+        self._state_dict: Any = None
+        self._metadata: Metadata | None = None
+        self._local = LocalReads()
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is None:
+            raise ValueError("ShardedLoadPlanner needs the checkpoint metadata")
+        self._state_dict = state_dict
+        self._metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self._metadata is not None
+        self._local = plan_local_reads(
+            iter_leaves(self._state_dict), self._metadata, allow_dtype_cast=self.allow_dtype_cast
+        )
+        self.missing_keys = sorted(self._local.missing)
+        if self.missing_keys and self.strict != StrictMode.RETURN_ALL:
+            raise MissingKeysError(
+                f"{len(self.missing_keys)} requested key(s) are not in the checkpoint: "
+                f"{_preview(self.missing_keys)}"
+            )
+        wants_global = self.strict != StrictMode.RAISE_MISSING
+        return LoadPlan(
+            self._local.items, planner_data=self._local.requested if wants_global else None
+        )
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        assert self._metadata is not None
+        if self.strict == StrictMode.RAISE_MISSING:
+            return global_plan
+        requested: set[str] = set().union(*(p.planner_data or () for p in global_plan))
+        unexpected = sorted(set(self._metadata.state_dict_metadata) - requested)
+        if unexpected and self.strict == StrictMode.RAISE_ALL:
+            raise UnexpectedKeysError(
+                f"{len(unexpected)} key(s) in the checkpoint were requested by no rank: "
+                f"{_preview(unexpected)}"
+            )
+        return [dataclasses.replace(p, planner_data=unexpected) for p in global_plan]
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        if self.strict != StrictMode.RAISE_MISSING:
+            self.unexpected_keys = list(central_plan.planner_data or [])
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = load_object(value, allow_pickle=self.allow_pickle, what=f"object {fqn!r}")
+        self.loaded_objects[fqn] = obj
+        for leaf in self._local.objects.get(fqn, ()):
+            if leaf_kind(leaf.value) == "object":
+                leaf.replace(obj)
+            else:
+                leaf.value.data = obj
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        dest = self._local.dests[read_item.dest_index]
+        target = _narrow(dest.views[0], read_item.dest_offsets, read_item.lengths)
+        if target.dtype != dest.stored_dtype:
+            return torch.empty(read_item.lengths, dtype=dest.stored_dtype)
+        return target
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        dest = self._local.dests[read_item.dest_index]
+        first = _narrow(dest.views[0], read_item.dest_offsets, read_item.lengths)
+        if tensor.data_ptr() != first.data_ptr() or tensor.dtype != first.dtype:
+            first.copy_(tensor)
+        for view in dest.views[1:]:
+            _narrow(view, read_item.dest_offsets, read_item.lengths).copy_(first)
+
+
+def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.shape[d]:
+            t = t.narrow(d, o, n)
+    return t
+
+
+def _preview(keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
