@@ -1,0 +1,194 @@
+"""``save`` / ``load`` with Megatron-Core's meaning, plus metadata-only readers."""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from dcpbridge.collectives import Group
+from dcpbridge.engine import run_load, run_save
+from dcpbridge.mapping import (
+    COMMON_KEY,
+    ReplicaId,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+)
+from dcpbridge.state import (
+    HOLE,
+    apply_factories,
+    apply_factory_merges,
+    extract,
+    fill_holes,
+    is_nonpersistent,
+    is_sharded,
+    leaves,
+    map_leaves,
+    merge,
+)
+from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
+from storage import (
+    FsspecCheckpointReader,
+    FsspecCheckpointWriter,
+    read_checkpoint_metadata,
+    resolve,
+)
+from storage.reader import read_object_bytes
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass
+class _CommonState:
+    """The non-sharded rest of the state dict, stored once by the group's rank 0."""
+
+    data: Any
+    replica_id: ReplicaId
+    key: str = COMMON_KEY
+    global_shape: tuple[int, ...] = (1,)
+    global_offset: tuple[int, ...] = (0,)
+
+    @property
+    def unique_key(self) -> str:
+        return COMMON_KEY
+
+
+class _BridgeLoadPlanner(ShardedLoadPlanner):
+    """Treats the common state as optional (plain-DCP checkpoints written with our planner lack it)."""
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is not None and COMMON_KEY not in metadata.state_dict_metadata:
+            state_dict = {k: v for k, v in state_dict.items() if k != "common"}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: dict[str, Any] | None = None,
+    validate_access_integrity: bool = True,
+    thread_count: int = 1,
+    sync_files: bool = True,
+    checksums: bool = True,
+) -> None:
+    """Save a sharded state dict; every rank of ``process_group`` calls it.
+
+    ShardedTensors and ShardedObjects are written by their main replica only, factories are
+    built first, LocalNonpersistentObjects are skipped, and everything else is common state
+    written once by the group's rank 0. The checkpoint is committed (``dcpbridge.json``
+    published) only after every rank's data is durable and the sharding validated.
+    """
+    group = Group.resolve(process_group)
+    tree = apply_factories(sharded_state_dict)
+    _, tree = extract(tree, is_nonpersistent)
+    sharded, common = extract(tree, is_sharded)
+    state = {
+        "common": _CommonState(fill_holes(common) if common is not HOLE else {}, group.rank),
+        "shards": leaves(sharded) if sharded is not HOLE else [],
+    }
+    writer = FsspecCheckpointWriter(
+        checkpoint_dir,
+        storage_options=storage_options,
+        thread_count=thread_count,
+        sync_files=sync_files,
+        checksums=checksums,
+    )
+    run_save(state, ShardedSavePlanner(validate=validate_access_integrity), writer, group)
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    strict: StrictMode | str = StrictMode.RAISE_MISSING,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+    allow_dtype_cast: bool = False,
+    verify_checksums: bool = True,
+    thread_count: int = 4,
+) -> StateDict | tuple[StateDict, list[str], list[str]]:
+    """Load into a template sharded state dict, in any parallel layout.
+
+    Returns the template's structure with ShardedTensors replaced by their (in-place filled)
+    tensors, ShardedObjects by their objects, factories merged, merged with the checkpoint's
+    common state and the template's LocalNonpersistentObjects. With
+    ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``.
+    """
+    strict = StrictMode(strict)
+    group = Group.resolve(process_group)
+    nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
+    built = apply_factories(tree)
+    sharded, _ = extract(built, is_sharded)
+    shards = leaves(sharded) if sharded is not HOLE else []
+    for sh in shards:
+        if isinstance(sh, ShardedTensor):
+            sh.init_data()
+    state = {"common": _CommonState(None, 0), "shards": shards}
+    planner = _BridgeLoadPlanner(
+        strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
+    )
+    reader = FsspecCheckpointReader(
+        checkpoint_dir,
+        storage_options=storage_options,
+        thread_count=thread_count,
+        verify_checksums=verify_checksums,
+    )
+    run_load(state, planner, reader, group)
+
+    objects = planner.loaded_objects
+    missing = set(planner.missing_keys)
+
+    def loaded_value(x: Any) -> Any:
+        if isinstance(x, ShardedObject):
+            return objects.get(x.unique_key, HOLE)
+        return HOLE if x.key in missing else x.data
+
+    loaded = map_leaves(sharded, loaded_value) if sharded is not HOLE else HOLE
+    loaded = apply_factory_merges(loaded, tree)
+    result = merge(objects.get(COMMON_KEY, {}), loaded)
+    if nonpersistent is not HOLE:
+        result = merge(result, map_leaves(nonpersistent, lambda x: x.unwrap()))
+    result = fill_holes(result, None)
+    if strict == StrictMode.RETURN_ALL:
+        return result, sorted(missing), sorted(planner.unexpected_keys)
+    return result
+
+
+def load_tensors_metadata(
+    checkpoint_dir: PathLike, *, storage_options: dict[str, Any] | None = None
+) -> dict[str, ShardedTensor]:
+    """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
+    metadata = read_checkpoint_metadata(resolve(checkpoint_dir, storage_options))
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            data = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+            out[key] = ShardedTensor.from_box(key, data, tuple(md.size), (0,) * len(md.size))
+    return out
+
+
+def load_common_state_dict(
+    checkpoint_dir: PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+) -> StateDict:
+    """The checkpoint's common (non-sharded) state, read in this process alone."""
+    location = resolve(checkpoint_dir, storage_options)
+    metadata = read_checkpoint_metadata(location)
+    if COMMON_KEY not in metadata.state_dict_metadata:
+        return {}
+    raw = read_object_bytes(location, metadata, COMMON_KEY)
+    return load_object(io.BytesIO(raw), allow_pickle=allow_pickle, what="the common state")

@@ -1,0 +1,81 @@
+"""The one place dcpbridge calls torch.distributed: counted object collectives on one group."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+# Collectives actually issued, by name (tests use it to prove caching skips exchanges).
+CALLS: Counter[str] = Counter()
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group (or a single process) and this process's place in it."""
+
+    pg: dist.ProcessGroup | None
+    rank: int
+    size: int
+    coordinator: int  # global rank of the group's rank 0
+
+    @staticmethod
+    def resolve(process_group: dist.ProcessGroup | None = None) -> Group:
+        """``process_group``, the default group, or one process when distributed is not up."""
+        if not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None:
+                raise ValueError(
+                    "a process_group was given but torch.distributed is not initialized"
+                )
+            return Group(None, 0, 1, 0)
+        pg = process_group or dist.group.WORLD
+        rank = dist.get_rank(pg)
+        if rank < 0:
+            raise ValueError("this process is not a member of the given process_group")
+        return Group(pg, rank, dist.get_world_size(pg), dist.get_global_rank(pg, 0))
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.pg is not None and self.size > 1
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on the coordinator (None elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        CALLS["gather"] += 1
+        out: list[Any] | None = [None] * self.size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self.coordinator, group=self.pg)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank ``i`` receives ``objs[i]`` from the coordinator."""
+        if not self.distributed:
+            assert objs is not None
+            return objs[0]
+        CALLS["scatter"] += 1
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs, src=self.coordinator, group=self.pg)
+        return out[0]
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        CALLS["broadcast"] += 1
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.coordinator, group=self.pg)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        CALLS["all_gather"] += 1
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
