@@ -99,8 +99,9 @@ def merge(base: Any, overlay: Any) -> Any:
 
 
 def fill_holes(tree: Any, value: Any = None) -> Any:
+    """Drop dict entries that are holes; put ``value`` in list positions that are."""
     if isinstance(tree, Mapping):
-        return {k: fill_holes(v, value) for k, v in tree.items()}
+        return {k: fill_holes(v, value) for k, v in tree.items() if v is not HOLE}
     if isinstance(tree, (list, tuple)):
         return type(tree)(fill_holes(v, value) for v in tree)
     return value if tree is HOLE else tree

@@ -28,5 +28,9 @@ class DTypeMismatchError(CheckpointError, TypeError):
     """A requested tensor's dtype differs from the stored one."""
 
 
+class SerializationError(CheckpointError, TypeError):
+    """A state-dict object could not be serialized for saving."""
+
+
 class PickleRefusedError(CheckpointError):
     """A stored object needs full unpickling, which was not allowed."""

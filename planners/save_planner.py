@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from planners.boxes import Placed, Shape, coverage_problems
-from planners.errors import ShardingValidationError
+from planners.errors import SerializationError, ShardingValidationError
 from planners.protocol import (
     ObjectShard,
     TensorShard,
@@ -287,6 +287,11 @@ class ShardedSavePlanner(SavePlanner):
             return source
         value = source.data if kind == "object_shard" else source
         buf = io.BytesIO()
-        torch.save(value, buf)
+        try:
+            torch.save(value, buf)
+        except Exception as e:
+            raise SerializationError(
+                f"cannot serialize object {write_item.index.fqn!r} ({type(value).__name__}): {e}"
+            ) from e
         buf.seek(0)
         return buf
