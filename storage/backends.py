@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -144,12 +144,16 @@ class LocalByteIO(ByteIO):
                 if r.on_done is not None:
                     r.on_done()
 
-            if threads <= 1 or len(reads) <= 1:
-                for r in reads:
+            def run_all(batch: Sequence[RangeRead]) -> None:
+                for r in batch:
                     run(r)
+
+            batches = _balanced_batches(reads, threads)
+            if len(batches) <= 1:
+                run_all(reads)
                 return
-            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dcpb-read") as pool:
-                for fut in [pool.submit(run, r) for r in reads]:
+            with ThreadPoolExecutor(len(batches), thread_name_prefix="dcpb-read") as pool:
+                for fut in [pool.submit(run_all, b) for b in batches]:
                     fut.result()
 
 
@@ -176,6 +180,21 @@ class _FdCache:
                 os.close(fd)
 
 
-def iter_blocks(total: int, block: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, total, block):
-        yield start, min(start + block, total)
+def _balanced_batches(reads: Sequence[RangeRead], parts: int) -> list[Sequence[RangeRead]]:
+    """Cut ``reads`` into at most ``parts`` consecutive runs of about equal bytes.
+
+    One task per thread keeps per-read overhead at a loop iteration, not a pool submission.
+    """
+    total = sum(len(r.out) for r in reads)
+    if parts <= 1 or len(reads) <= 1 or total == 0:
+        return [reads] if reads else []
+    batches, start, acc = [], 0, 0
+    target = total / parts
+    for i, r in enumerate(reads):
+        acc += len(r.out)
+        if acc >= target * (len(batches) + 1) and len(batches) < parts - 1:
+            batches.append(reads[start : i + 1])
+            start = i + 1
+    if start < len(reads):
+        batches.append(reads[start:])
+    return batches

@@ -44,7 +44,7 @@ class ReadTuning:
     @staticmethod
     def for_location(location: Location) -> ReadTuning:
         if location.is_local:
-            return ReadTuning(min_piece_bytes=16 << 10, merge_gap=0)
+            return ReadTuning(min_piece_bytes=4 << 10, merge_gap=0)
         # Object stores: a request costs ~ms, so prefer fewer, larger ranges.
         return ReadTuning(min_piece_bytes=1 << 20, merge_gap=256 << 10)
 
@@ -285,40 +285,30 @@ class FsspecCheckpointReader(StorageReader):
         if not extents:
             planner.commit_tensor(item, dest)
             return []
-        sink = _TensorSink(planner, item, dest, len(extents))
         what = (
             f"tensor {item.storage_index.fqn!r} chunk {list(item.storage_offsets)} in {stored.file}"
         )
+        block = self._index.checksum_block_size
         checking = self._verifier(stored, 0, what) is not None
+        groups = _group_extents(extents, itemsize, stored.nbytes, block if checking else 0)
+        sink = _TensorSink(planner, item, dest, len(groups))
         ops = []
-        for ext in extents:
-            start, stop = ext.start * itemsize, ext.stop * itemsize
-            lo, hi = start, stop
-            if checking:
-                lo, hi = expand_to_blocks(
-                    start, stop, stored.nbytes, self._index.checksum_block_size
-                )
+        for lo, hi, members in groups:
+            only = members[0]
             direct = None
-            if (lo, hi) == (start, stop) and ext.contiguous:
-                direct = _byte_view(_box(dest, ext))
-            ops.append(
-                _Op(
-                    stored.file,
-                    stored.offset + lo,
-                    stored.offset + hi,
-                    direct,
-                    _extent_delivery(
-                        dest,
-                        ext,
-                        sizes,
-                        dtype,
-                        start - lo,
-                        direct is not None,
-                        self._verifier(stored, lo, what),
-                        sink,
-                    ),
-                )
+            if len(members) == 1 and (lo, hi) == _byte_span(only, itemsize) and only.contiguous:
+                direct = _byte_view(_box(dest, only))
+            delivery = _GroupDelivery(
+                dest,
+                members,
+                sizes,
+                dtype,
+                lo,
+                direct is not None,
+                self._verifier(stored, lo, what),
+                sink,
             )
+            ops.append(_Op(stored.file, stored.offset + lo, stored.offset + hi, direct, delivery))
         return ops
 
     # -- executing ------------------------------------------------------------------------
@@ -345,29 +335,53 @@ def _box(dest: torch.Tensor, ext: Extent) -> torch.Tensor:
     return view
 
 
-def _extent_delivery(
-    dest: torch.Tensor,
-    ext: Extent,
-    sizes: tuple[int, ...],
-    dtype: torch.dtype,
-    skip: int,
-    in_place: bool,
-    verify: Callable[[memoryview], None] | None,
-    sink: _TensorSink,
-) -> Callable[[memoryview], None]:
-    """Callback for fetched item bytes: verify them, copy the extent's box into ``dest``."""
-    strides = c_strides(sizes)
+def _byte_span(ext: Extent, itemsize: int) -> tuple[int, int]:
+    return ext.start * itemsize, ext.stop * itemsize
 
-    def deliver(buf: memoryview) -> None:
-        if verify is not None:
-            verify(buf)
-        if not in_place:
-            nbytes = (ext.stop - ext.start) * dtype.itemsize
-            src = torch.frombuffer(buf[skip : skip + nbytes], dtype=torch.uint8).view(dtype)
-            _box(dest, ext).copy_(src.as_strided(ext.box_lengths, strides))
-        sink.part_done()
 
-    return deliver
+def _group_extents(
+    extents: list[Extent], itemsize: int, total: int, block: int
+) -> list[tuple[int, int, list[Extent]]]:
+    """Byte ranges to fetch: each extent's span, widened to whole checksum blocks when
+    ``block`` > 0; extents whose ranges overlap share one fetch (and one verification)."""
+    groups: list[tuple[int, int, list[Extent]]] = []
+    for ext in sorted(extents, key=lambda e: e.start):
+        lo, hi = _byte_span(ext, itemsize)
+        if block:
+            lo, hi = expand_to_blocks(lo, hi, total, block)
+        if groups and lo < groups[-1][1]:
+            glo, ghi, members = groups[-1]
+            groups[-1] = (glo, max(ghi, hi), [*members, ext])
+        else:
+            groups.append((lo, hi, [ext]))
+    return groups
+
+
+@dataclass(slots=True)
+class _GroupDelivery:
+    """Verifies fetched item bytes ``[lo, ...)`` and copies each extent's box into ``dest``."""
+
+    dest: torch.Tensor
+    extents: list[Extent]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    lo: int
+    in_place: bool
+    verify: Callable[[memoryview], None] | None
+    sink: _TensorSink
+
+    def __call__(self, buf: memoryview) -> None:
+        if self.verify is not None:
+            self.verify(buf)
+        if not self.in_place:
+            strides = c_strides(self.sizes)
+            isz = self.dtype.itemsize
+            for ext in self.extents:
+                skip = ext.start * isz - self.lo
+                raw = buf[skip : skip + (ext.stop - ext.start) * isz]
+                src = torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype)
+                _box(self.dest, ext).copy_(src.as_strided(ext.box_lengths, strides))
+        self.sink.part_done()
 
 
 @dataclass(slots=True)

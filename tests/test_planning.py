@@ -1,0 +1,192 @@
+"""Pure planning functions: no process group, no files."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+import dcpbridge as db
+from planners import (
+    Placed,
+    ShardingValidationError,
+    build_metadata,
+    coverage_problems,
+    find_gap,
+    find_overlaps,
+    plan_local_reads,
+    plan_local_writes,
+)
+from planners.walk import iter_leaves
+from storage.regions import expand_to_blocks, plan_extents
+
+
+def _grid(rows: int, cols: int, r: int, c: int) -> list[Placed]:
+    out = []
+    for i in range(r):
+        for j in range(c):
+            out.append(Placed((i * rows // r, j * cols // c), (rows // r, cols // c), i * c + j))
+    return out
+
+
+def test_coverage_of_an_exact_grid_is_clean():
+    assert coverage_problems("w", (64, 64), _grid(64, 64, 8, 8)) == []
+
+
+def test_overlap_and_gap_are_located():
+    chunks = [Placed((0, 0), (4, 8), 0), Placed((3, 0), (4, 8), 1)]
+    ((a, b),) = find_overlaps(chunks)
+    assert (a.rank, b.rank) == (0, 1)
+    gap = find_gap((10, 8), [Placed((0, 0), (4, 8), 0), Placed((6, 0), (4, 8), 1)])
+    assert gap == ((4, 0), (2, 8))
+    problems = coverage_problems(
+        "w", (10, 8), [Placed((0, 0), (4, 8), 0), Placed((6, 0), (4, 8), 1)]
+    )
+    assert len(problems) == 1 and "[4:6, 0:8]" in problems[0]
+
+
+def test_zero_size_chunks_neither_overlap_nor_cover():
+    chunks = [
+        Placed((0,), (5,), 0),
+        Placed((5,), (0,), 1),
+        Placed((5,), (5,), 2),
+        Placed((5,), (0,), 3),
+    ]
+    assert coverage_problems("v", (10,), chunks) == []
+    assert coverage_problems("s", (), [Placed((), (), 0)]) == []
+    assert "overlap" in coverage_problems("s", (), [Placed((), (), 0), Placed((), (), 1)])[0]
+
+
+def test_overlap_check_is_fast_when_split_along_the_small_dim():
+    """4096 column shards of a (4096, 4096) tensor: the sweep must pick the split dim."""
+    chunks = [Placed((0, i), (4096, 1), i) for i in range(4096)]
+    t0 = time.perf_counter()
+    assert coverage_problems("w", (4096, 4096), chunks) == []
+    assert time.perf_counter() - t0 < 5  # quadratic would be ~16M box tests
+
+
+def _plan(rank: int, shards: list, coordinator: bool = False):
+    plan = plan_local_writes(iter_leaves({"s": shards}), is_coordinator=coordinator)
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    return SavePlan(plan.items, planner_data=plan.summary)
+
+
+def test_save_plan_skips_replicas_and_empty_shards_and_builds_metadata():
+    w = torch.arange(12.0).reshape(4, 3)
+    r0 = [
+        db.ShardedTensor.from_rank_offsets("w", w[:2], (0, 0, 2), replica_id=(0, 0, 0)),
+        db.ShardedTensor.from_box("e", torch.zeros(0), (3,), (0,)),
+    ]
+    r1 = [
+        db.ShardedTensor.from_rank_offsets("w", w[2:], (0, 1, 2), replica_id=(0, 0, 0)),
+        db.ShardedTensor.from_box("e", torch.zeros(3), (3,), (0,)),
+    ]
+    r2 = [  # a DP replica of rank 0's shard: not written
+        db.ShardedTensor.from_rank_offsets("w", w[:2], (0, 0, 2), replica_id=(0, 0, 1)),
+        db.ShardedTensor.from_box("e", torch.zeros(0), (3,), (3,)),
+    ]
+    plans = [_plan(0, r0, True), _plan(1, r1), _plan(2, r2)]
+    assert [len(p.items) for p in plans] == [1, 2, 0]
+    md = build_metadata(plans)
+    chunks = md.state_dict_metadata["w"].chunks
+    assert [(list(c.offsets), list(c.sizes)) for c in chunks] == [
+        ([0, 0], [2, 3]),
+        ([2, 0], [2, 3]),
+    ]
+    assert list(md.state_dict_metadata["e"].size) == [3]
+
+
+def test_object_grid_must_be_saved_exactly_once():
+    objs = [db.ShardedObject("rng", i, (3,), (i,), replica_id=0) for i in range(2)]
+    with pytest.raises(
+        ShardingValidationError,
+        match=r"2 of 3 shards are saved; no main replica saves offsets \[\(2,\)\]",
+    ):
+        build_metadata([_plan(0, objs, True)])
+    dup = [db.ShardedObject("c", 1, (1,), (0,))]
+    with pytest.raises(ShardingValidationError, match=r"written by ranks \[0, 1\]"):
+        build_metadata([_plan(0, dup, True), _plan(1, dup)])
+
+
+def _metadata(shape, boxes):
+    shards = [db.ShardedTensor.from_box("w", torch.zeros(s), shape, o) for o, s in boxes]
+    return build_metadata([_plan(0, shards, True)])
+
+
+def test_read_plan_is_the_exact_overlap():
+    md = _metadata((8, 6), [((0, 0), (4, 6)), ((4, 0), (4, 6))])  # saved split on dim 0
+    req = db.ShardedTensor.from_box("w", torch.zeros(8, 3), (8, 6), (0, 3))  # want columns 3..5
+    reads = plan_local_reads(iter_leaves([req]), md)
+    got = sorted(
+        (
+            tuple(i.storage_index.offset),
+            tuple(i.storage_offsets),
+            tuple(i.dest_offsets),
+            tuple(i.lengths),
+        )
+        for i in reads.items
+    )
+    assert got == [
+        ((0, 0), (0, 3), (0, 0), (4, 3)),
+        ((4, 0), (0, 3), (4, 0), (4, 3)),
+    ]
+    assert reads.dests.keys() == {MetadataIndex("w", (0, 3))}
+
+
+def test_read_plan_uses_the_chunk_index_for_many_chunks():
+    boxes = [((i,), (1,)) for i in range(1000)]
+    md = _metadata((1000,), boxes)
+    req = db.ShardedTensor.from_box("w", torch.zeros(10), (1000,), (500,))
+    reads = plan_local_reads(iter_leaves([req]), md)
+    assert sorted(i.storage_index.offset[0] for i in reads.items) == list(range(500, 510))
+
+
+def test_read_plan_errors_name_the_key():
+    md = _metadata((8,), [((0,), (8,))])
+    with pytest.raises(db.ShapeMismatchError, match=r"'w'.*\(8,\), requested \(9,\)"):
+        plan_local_reads(
+            iter_leaves([db.ShardedTensor.from_box("w", torch.zeros(9), (9,), (0,))]), md
+        )
+    with pytest.raises(db.DTypeMismatchError, match="float64"):
+        plan_local_reads(
+            iter_leaves(
+                [db.ShardedTensor.from_box("w", torch.zeros(8, dtype=torch.float64), (8,), (0,))]
+            ),
+            md,
+        )
+    missing = plan_local_reads(
+        iter_leaves([db.ShardedTensor.from_box("x", torch.zeros(1), (1,), (0,))]), md
+    )
+    assert missing.missing == ["x"] and not missing.items
+
+
+def test_extents_dim0_slice_is_one_exact_range():
+    ext = plan_extents((8, 1024), (2, 0), (3, 1024), 4, min_piece_bytes=16 << 10)
+    assert [(e.start, e.stop) for e in ext] == [(2 * 1024, 5 * 1024)]
+
+
+def test_extents_dim1_slice_is_one_range_per_row_when_rows_are_big():
+    ext = plan_extents((4, 16384), (0, 8192), (4, 8192), 4, min_piece_bytes=16 << 10)
+    assert [(e.start, e.stop, e.box_offsets) for e in ext] == [
+        (r * 16384 + 8192, r * 16384 + 16384, (r, 0)) for r in range(4)
+    ]
+    assert all(e.contiguous for e in ext)
+
+
+def test_extents_small_rows_are_read_as_one_span():
+    ext = plan_extents((4, 64), (0, 32), (4, 32), 4, min_piece_bytes=16 << 10)
+    assert [(e.start, e.stop) for e in ext] == [(32, 4 * 64)]
+    assert not ext[0].contiguous
+
+
+def test_extents_zero_dim_and_empty():
+    assert [(e.start, e.stop) for e in plan_extents((), (), (), 4, min_piece_bytes=1)] == [(0, 1)]
+    assert plan_extents((4,), (2,), (0,), 4, min_piece_bytes=1) == []
+
+
+def test_expand_to_blocks():
+    assert expand_to_blocks(10, 20, 100, 16) == (0, 32)
+    assert expand_to_blocks(32, 100, 100, 16) == (32, 100)

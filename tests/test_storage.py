@@ -1,0 +1,122 @@
+"""Storage classes on their own and inside plain torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpbridge as db
+from planners import ShardedLoadPlanner, ShardedSavePlanner
+from storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from tests import layouts as L
+from tests.dist_pool import Rank
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _dcp_save_with_our_planner(r: Rank, path: str) -> None:
+    sd = {"model": {"w": L.shard("w", L.boxes("rows2", "w", r.rank)[0])}, "step": 3}
+    dcp.save(
+        sd,
+        storage_writer=dcp.FileSystemWriter(path),
+        planner=ShardedSavePlanner(),
+        process_group=r.group,
+    )
+
+
+def _dcp_load_with_our_planner(r: Rank, path: str) -> None:
+    box = L.boxes("cols4", "w", r.rank)[0]
+    sd = {"model": {"w": L.template("w", box)}, "step": 0}
+    dcp.load(
+        sd,
+        storage_reader=dcp.FileSystemReader(path),
+        planner=ShardedLoadPlanner(),
+        process_group=r.group,
+    )
+    assert torch.equal(sd["model"]["w"].data, L.expected("w", box))
+    assert sd["step"] == 3
+
+
+def test_planners_plug_into_plain_dcp(pool, tmp_path):
+    path = str(tmp_path / "dcp")
+    pool.run(_dcp_save_with_our_planner, 2, path)
+    assert os.path.exists(os.path.join(path, ".metadata"))  # DCP's own format
+    pool.run(_dcp_load_with_our_planner, 4, path)
+
+
+def test_storage_plugs_into_plain_dcp_with_default_planners(tmp_path):
+    sd = {"a": torch.randn(5, 7), "b": {"x": 1, "y": torch.ones(3, dtype=torch.bfloat16)}}
+    dcp.save(sd, storage_writer=FsspecCheckpointWriter(str(tmp_path)))
+    out = {"a": torch.zeros(5, 7), "b": {"x": 0, "y": torch.zeros(3, dtype=torch.bfloat16)}}
+    dcp.load(out, storage_reader=FsspecCheckpointReader(str(tmp_path)))
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"]["y"], sd["b"]["y"])
+    assert out["b"]["x"] == 1
+
+
+def _save_rows(path: str, rows: int = 64, cols: int = 8192) -> torch.Tensor:
+    full = torch.randn(rows, cols)
+    sd = {
+        f"p{i}": db.ShardedTensor.from_rank_offsets("w", full.chunk(2)[i].clone(), (0, i, 2))
+        for i in range(2)
+    }
+    dcp.save(sd, storage_writer=FsspecCheckpointWriter(path), planner=ShardedSavePlanner())
+    return full
+
+
+@pytest.mark.parametrize(("dim", "verify"), [(0, True), (0, False), (1, False), (1, True)])
+def test_reader_fetches_only_the_needed_bytes(tmp_path, dim, verify):
+    full = _save_rows(str(tmp_path))
+    piece = full.chunk(4, dim=dim)[1]
+    offset = (16, 0) if dim == 0 else (0, 2048)
+    req = {"w": db.ShardedTensor.from_box("w", torch.zeros_like(piece), tuple(full.shape), offset)}
+    reader = FsspecCheckpointReader(str(tmp_path), verify_checksums=verify)
+    dcp.load(req, storage_reader=reader, planner=ShardedLoadPlanner())
+    assert torch.equal(req["w"].data, piece)
+    needed = piece.numel() * 4
+    if not verify:
+        assert reader.bytes_read == needed
+    elif dim == 0:  # rows 16..31 lie in the first 1 MiB checksum block of chunk 0
+        assert reader.bytes_read == 1 << 20
+    else:  # every row of both chunks is touched: all 1 MiB blocks are read to verify them
+        assert reader.bytes_read == 2 << 20
+
+
+def test_flipped_byte_is_caught_and_names_file_and_key(tmp_path):
+    _save_rows(str(tmp_path))
+    doc = json.loads((tmp_path / "dcpbridge.json").read_text())
+    chunk = doc["tensors"]["w"]["chunks"][1]
+    with open(tmp_path / chunk["file"], "r+b") as f:
+        f.seek(chunk["offset"] + 12345)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(64, 8192), (64, 8192), (0, 0))}
+    with pytest.raises(db.ChecksumMismatchError) as info:
+        db.load(tmpl, str(tmp_path))
+    assert (
+        chunk["file"] in str(info.value)
+        and "'w'" in str(info.value)
+        and "block 0" in str(info.value)
+    )
+    db.load(tmpl, str(tmp_path), verify_checksums=False)  # explicitly unchecked: loads
+
+
+def test_metadata_is_json_and_cannot_point_outside_the_checkpoint(tmp_path):
+    db.save({"w": db.ShardedTensor.from_box("w", torch.ones(4), (4,), (0,))}, str(tmp_path))
+    meta = tmp_path / "dcpbridge.json"
+    doc = json.loads(meta.read_text())
+    assert doc["format"] == "dcpbridge" and doc["version"] == 1
+    doc["tensors"]["w"]["chunks"][0]["file"] = "../../etc/passwd"
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(db.UnsafePathError, match=r"\.\./\.\./etc/passwd"):
+        db.load({"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}, str(tmp_path))
+
+
+def test_plain_dcp_checkpoint_is_named_as_such(tmp_path):
+    dcp.save({"a": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    with pytest.raises(db.NotACheckpointError, match=r"plain torch\.distributed\.checkpoint"):
+        db.load_tensors_metadata(str(tmp_path))
