@@ -25,6 +25,7 @@ from storage.format import (
     StoredItem,
     data_file_name,
     encode_metadata,
+    item_key,
     temp_metadata_name,
 )
 from storage.paths import Location, resolve
@@ -196,7 +197,9 @@ class FsspecCheckpointWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        items = {
+            item_key(r.index): r.storage_data for rank_results in results for r in rank_results
+        }
         metadata.storage_data = StorageIndex(
             items=items,
             save_id=self._save_id,
@@ -266,7 +269,15 @@ class FsspecCheckpointWriter(StorageWriter):
                     WriteResult(
                         index=item.index,
                         size_in_bytes=len(mv),
-                        storage_data=StoredItem(name, pos, len(mv), rank, digests),
+                        storage_data=StoredItem(
+                            name,
+                            pos,
+                            len(mv),
+                            rank,
+                            digests,
+                            tuple(item.tensor_data.chunk.sizes) if item.tensor_data else None,
+                            item.tensor_data.properties.dtype if item.tensor_data else None,
+                        ),
                     )
                 )
                 pos += len(mv)
