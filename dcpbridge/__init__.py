@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dcpbridge.api import load, load_common_state_dict, load_tensors_metadata, save
+from dcpbridge.api import async_save, load, load_common_state_dict, load_tensors_metadata, save
+from dcpbridge.async_save import AsyncSaveHandle
 from dcpbridge.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -34,6 +35,7 @@ from storage import FsspecCheckpointReader, FsspecCheckpointWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSaveHandle",
     "CheckpointError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
@@ -60,6 +62,7 @@ __all__ = [
     "StrictMode",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "async_save",
     "load",
     "load_common_state_dict",
     "load_tensors_metadata",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from dcpbridge.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.collectives import Group
-from dcpbridge.engine import run_load, run_save
+from dcpbridge.engine import SaveCache, run_load, run_save
 from dcpbridge.mapping import (
     COMMON_KEY,
     ReplicaId,
@@ -60,6 +62,14 @@ class _CommonState:
         return COMMON_KEY
 
 
+# Save-plan caches per (process group, validation flag): reused while the structure holds.
+_SAVE_CACHES: dict[tuple[int, bool], SaveCache] = {}
+
+
+def save_cache(group: Group, validate: bool) -> SaveCache:
+    return _SAVE_CACHES.setdefault((id(group.pg), validate), SaveCache())
+
+
 class _BridgeLoadPlanner(ShardedLoadPlanner):
     """Treats the common state as optional (plain-DCP checkpoints written with our planner lack it)."""
 
@@ -90,21 +100,79 @@ def save(
     published) only after every rank's data is durable and the sharding validated.
     """
     group = Group.resolve(process_group)
+
+    def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
+        common, shards = split_for_save(sharded_state_dict)
+        writer = FsspecCheckpointWriter(
+            checkpoint_dir,
+            storage_options=storage_options,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            checksums=checksums,
+        )
+        state = save_state(common, shards, group.rank)
+        return state, ShardedSavePlanner(validate=validate_access_integrity), writer
+
+    run_save(prepare, group, save_cache(group, validate_access_integrity))
+
+
+def async_save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: dict[str, Any] | None = None,
+    validate_access_integrity: bool = True,
+    thread_count: int = 1,
+    sync_files: bool = True,
+    checksums: bool = True,
+    max_in_flight: int = 1,
+) -> AsyncSaveHandle:
+    """``save`` that returns once the data is staged in host memory; the rest runs behind.
+
+    The caller may modify its tensors as soon as this returns. Failures surface on every rank
+    at ``handle.result()`` (or ``wait()``), or else at the async_save that has to wait for that
+    save because ``max_in_flight`` saves are outstanding (that call raises and starts nothing).
+    A failed save never commits.
+    """
+    group = Group.resolve(process_group)
+    saver = AsyncSaver.for_group(group, max_in_flight)
+    background = saver.group
+
+    def make_job(common: Any, staged: list[Any]) -> Callable[[], Any]:
+        def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
+            writer = FsspecCheckpointWriter(
+                checkpoint_dir,
+                storage_options=storage_options,
+                thread_count=thread_count,
+                sync_files=sync_files,
+                checksums=checksums,
+            )
+            state = save_state(common, staged, background.rank)
+            return state, ShardedSavePlanner(validate=validate_access_integrity), writer
+
+        cache = save_cache(background, validate_access_integrity)
+        return lambda: run_save(prepare, background, cache)
+
+    return saver.submit(
+        os.fspath(checkpoint_dir), lambda: split_for_save(sharded_state_dict), make_job
+    )
+
+
+def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:
+    """(common state, shards): factories built, non-persistent objects dropped."""
     tree = apply_factories(sharded_state_dict)
     _, tree = extract(tree, is_nonpersistent)
     sharded, common = extract(tree, is_sharded)
-    state = {
-        "common": _CommonState(fill_holes(common) if common is not HOLE else {}, group.rank),
-        "shards": leaves(sharded) if sharded is not HOLE else [],
-    }
-    writer = FsspecCheckpointWriter(
-        checkpoint_dir,
-        storage_options=storage_options,
-        thread_count=thread_count,
-        sync_files=sync_files,
-        checksums=checksums,
+    return (
+        fill_holes(common) if common is not HOLE else {},
+        leaves(sharded) if sharded is not HOLE else [],
     )
-    run_save(state, ShardedSavePlanner(validate=validate_access_integrity), writer, group)
+
+
+def save_state(common: Any, shards: list[Any], rank: int) -> dict[str, Any]:
+    """The state dict the save planner sees: the shards plus the common state as one object."""
+    return {"common": _CommonState(common, rank), "shards": shards}
 
 
 def load(
@@ -129,23 +197,28 @@ def load(
     strict = StrictMode(strict)
     group = Group.resolve(process_group)
     nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
-    built = apply_factories(tree)
-    sharded, _ = extract(built, is_sharded)
-    shards = leaves(sharded) if sharded is not HOLE else []
-    for sh in shards:
-        if isinstance(sh, ShardedTensor):
-            sh.init_data()
-    state = {"common": _CommonState(None, 0), "shards": shards}
-    planner = _BridgeLoadPlanner(
-        strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
-    )
-    reader = FsspecCheckpointReader(
-        checkpoint_dir,
-        storage_options=storage_options,
-        thread_count=thread_count,
-        verify_checksums=verify_checksums,
-    )
-    run_load(state, planner, reader, group)
+    sharded: Any = HOLE
+
+    def prepare() -> tuple[Any, _BridgeLoadPlanner, FsspecCheckpointReader]:
+        nonlocal sharded
+        sharded, _ = extract(apply_factories(tree), is_sharded)
+        shards = leaves(sharded) if sharded is not HOLE else []
+        for sh in shards:
+            if isinstance(sh, ShardedTensor):
+                sh.init_data()
+        planner = _BridgeLoadPlanner(
+            strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
+        )
+        reader = FsspecCheckpointReader(
+            checkpoint_dir,
+            storage_options=storage_options,
+            thread_count=thread_count,
+            verify_checksums=verify_checksums,
+        )
+        return {"common": _CommonState(None, 0), "shards": shards}, planner, reader
+
+    _, planner, _ = run_load(prepare, group)
+    assert isinstance(planner, _BridgeLoadPlanner)
 
     objects = planner.loaded_objects
     missing = set(planner.missing_keys)

@@ -7,6 +7,7 @@ import io
 import math
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,14 +72,44 @@ def diagnose_missing_metadata(byteio: ByteIO, url: str) -> Exception:
     return NotACheckpointError(f"{url} is not a dcpbridge checkpoint: {METADATA_FILE} is missing")
 
 
-def read_checkpoint_metadata(location: Location) -> Metadata:
-    """Read and decode the commit file at ``location`` (single process, no collectives)."""
+_METADATA_CACHE: OrderedDict[tuple[str, tuple[Any, ...]], Metadata] = OrderedDict()
+_METADATA_CACHE_SIZE = 8
+_METADATA_LOCK = threading.Lock()
+
+
+def _file_identity(info: dict[str, Any]) -> tuple[Any, ...]:
+    """What changes whenever the commit file is replaced (size, mtime, inode, ETag...)."""
+    keys = ("size", "mtime", "ino", "ETag", "etag", "LastModified", "created")
+    return tuple(str(info.get(k)) for k in keys)
+
+
+def read_checkpoint_metadata(location: Location, *, use_cache: bool = True) -> Metadata:
+    """Read and decode the commit file at ``location`` (single process, no collectives).
+
+    Decoded metadata is cached per process and reused while the commit file's identity
+    (size, mtime and inode, or ETag) is unchanged, so repeated loads skip the JSON decode.
+    """
     byteio = ByteIO.for_location(location)
+    path = location.path(METADATA_FILE)
     try:
-        raw = byteio.read_file(location.path(METADATA_FILE))
+        key = (f"{location.fs.protocol}:{path}", _file_identity(location.fs.info(path)))
     except FileNotFoundError:
         raise diagnose_missing_metadata(byteio, location.url) from None
-    return decode_metadata(raw, where=location.path(METADATA_FILE))
+    with _METADATA_LOCK:
+        cached = _METADATA_CACHE.get(key) if use_cache else None
+        if cached is not None:
+            _METADATA_CACHE.move_to_end(key)
+            return cached
+    try:
+        raw = byteio.read_file(path)
+    except FileNotFoundError:
+        raise diagnose_missing_metadata(byteio, location.url) from None
+    metadata = decode_metadata(raw, where=path)
+    with _METADATA_LOCK:
+        _METADATA_CACHE[key] = metadata
+        while len(_METADATA_CACHE) > _METADATA_CACHE_SIZE:
+            _METADATA_CACHE.popitem(last=False)
+    return metadata
 
 
 def read_object_bytes(

@@ -47,6 +47,11 @@ class _RankTarget:
     rank: int
 
 
+def new_save_id() -> str:
+    """A fresh id that names this save's data files (so re-saves never overwrite them)."""
+    return uuid.uuid4().hex[:16]
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's elements in C order as bytes (copies only if not contiguous on the CPU)."""
     t = tensor.detach()
@@ -170,11 +175,17 @@ class FsspecCheckpointWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._save_id = uuid.uuid4().hex[:16]
+        save_id = new_save_id()
         return [
-            dataclasses.replace(p, storage_data=_RankTarget(self._save_id, rank))
+            dataclasses.replace(p, storage_data=self.storage_data_for(rank, save_id))
             for rank, p in enumerate(plans)
         ]
+
+    def storage_data_for(self, rank: int, save_id: str) -> Any:
+        """What ``prepare_global_plan`` gives ``rank`` for save ``save_id``; lets a caller that
+        cached the global plan start a new save without another exchange."""
+        self._save_id = save_id
+        return _RankTarget(save_id, rank)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target = plan.storage_data
