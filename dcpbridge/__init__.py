@@ -28,6 +28,13 @@ from dcpbridge.mapping import (
     ShardedTensorFactory,
     StateDict,
 )
+from dcpbridge.sharding import (
+    DistModule,
+    DistributedKeys,
+    broadcast_and_shard_state_dict,
+    load_state_dict,
+    shard_broadcasted_state_dict,
+)
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
 
@@ -38,7 +45,9 @@ __all__ = [
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
+    "DistModule",
     "DistributedCheckpointError",
+    "DistributedKeys",
     "FsspecCheckpointReader",
     "FsspecCheckpointWriter",
     "IncompleteCheckpointError",
@@ -60,8 +69,11 @@ __all__ = [
     "StrictMode",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "broadcast_and_shard_state_dict",
     "load",
     "load_common_state_dict",
+    "load_state_dict",
     "load_tensors_metadata",
     "save",
+    "shard_broadcasted_state_dict",
 ]
