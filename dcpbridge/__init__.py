@@ -39,6 +39,7 @@ from dcpbridge.optimizer import (
     optimizer_sharded_state_dict,
     restore_optim_state,
 )
+from dcpbridge.param_groups import OptimizerConfig, ParamKey, get_optimizer, get_param_groups
 from dcpbridge.sharding import (
     DistModule,
     DistributedKeys,
@@ -66,7 +67,9 @@ __all__ = [
     "LocalNonpersistentObject",
     "MissingKeysError",
     "NotACheckpointError",
+    "OptimizerConfig",
     "OptimizerStateError",
+    "ParamKey",
     "PickleRefusedError",
     "SerializationError",
     "ShapeMismatchError",
@@ -83,6 +86,8 @@ __all__ = [
     "UnsafePathError",
     "broadcast_and_shard_state_dict",
     "get_optim_param_to_id_map",
+    "get_optimizer",
+    "get_param_groups",
     "get_param_id_to_sharded_param_map",
     "init_optimizer_state",
     "load",
