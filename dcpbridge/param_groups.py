@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -32,7 +32,7 @@ def _as_tuple(value: str | Sequence[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParamKey:
     """Selects parameters: any name glob, any truthy attribute, or the predicate matches."""
 
@@ -40,7 +40,7 @@ class ParamKey:
     """Glob patterns (``fnmatch``, case-sensitive) on the parameter's name in its module."""
     attr: str | tuple[str, ...] = ()
     """Attribute names; a parameter with any of them set truthy matches."""
-    predicate: Callable[[str, nn.Parameter], bool] | None = field(default=None, compare=False)
+    predicate: Callable[[str, nn.Parameter], bool] | None = None
     """``predicate(name, param)``; needs a ``label`` since a function has no stable name."""
     label: str | None = None
     """The group's identity in checkpoints; derived from ``name``/``attr`` when omitted."""
@@ -71,7 +71,7 @@ class ParamKey:
         return ";".join(parts)
 
 
-@dataclass(kw_only=True, frozen=True)
+@dataclass(kw_only=True, frozen=True, slots=True)
 class OptimizerConfig:
     """What ``get_optimizer`` builds; every field but ``optimizer`` may be overridden per key."""
 

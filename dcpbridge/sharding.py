@@ -23,18 +23,20 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcpbridge.collectives import Group
 from dcpbridge.engine import Failure, attempt, raise_failures
 from dcpbridge.errors import ShapeMismatchError
-from dcpbridge.mapping import ShardedTensor
+from dcpbridge.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.state import HOLE, fill_holes, map_leaves
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 DeviceLike = int | str | torch.device
 DeviceMap = DeviceLike | dict[str, DeviceLike] | None
@@ -123,6 +125,11 @@ def _source(path: str, leaf: Any) -> tuple[str, tuple[int, ...] | None]:
     """The key of ``leaf`` in rank 0's state dict, and the global shape it needs."""
     if isinstance(leaf, ShardedTensor):
         return leaf.key, leaf.global_shape
+    if isinstance(leaf, (ShardedTensorFactory, ShardedObject)):
+        raise TypeError(
+            f"{path!r}: a {type(leaf).__name__} cannot be cut from a full tensor; apply "
+            "factories (dcpbridge.state.apply_factories) or leave objects out of the template"
+        )
     if isinstance(leaf, DTensor):
         bad = [p for p in leaf.placements if not isinstance(p, (Shard, Replicate))]
         if bad:

@@ -109,6 +109,12 @@ def test_override_validation():
         db.get_param_groups(
             Tower(), db.OptimizerConfig(), {key: {}, db.ParamKey(name="y", label="name=x"): {}}
         )
+    same_label = {
+        db.ParamKey(predicate=lambda n, p: True, label="a"): {},
+        db.ParamKey(predicate=lambda n, p: False, label="a"): {},
+    }
+    with pytest.raises(ValueError, match="distinct"):
+        db.get_param_groups(Tower(), db.OptimizerConfig(), same_label)
     sgd = db.OptimizerConfig(optimizer="sgd", lr=0.3, sgd_momentum=0.5)
     groups = db.get_param_groups(Tower(), db.OptimizerConfig(optimizer="sgd"), {key: sgd})
     assert groups[1]["momentum"] == 0.5 and groups[1]["lr"] == 0.3

@@ -339,3 +339,18 @@ def test_plain_process_reads_index_of_shards(tmp_path):
     model = db.DistModule(Toy())
     model.load_state_dict(got)
     assert torch.equal(model.emb.weight, sd["emb.weight"])
+
+
+def factory_on_rank1(r: Rank) -> str:
+    meta: dict = {"w": torch.empty(7, 5, device="meta")}
+    if r.rank == 1:
+        meta["f"] = db.ShardedTensorFactory("f", torch.zeros(2), lambda *a: {}, lambda x: x)
+    with pytest.raises(TypeError) as e:
+        _run_distribute(r, meta)
+    return str(e.value)
+
+
+def test_template_error_on_one_rank_raises_on_every_rank(pool):
+    messages = pool.run(factory_on_rank1, 2)
+    assert messages[0] == messages[1]
+    assert "rank 1" in messages[0] and "'f': a ShardedTensorFactory cannot be cut" in messages[0]
