@@ -150,8 +150,13 @@ class _ValueType:
 
 
 def _comparable(value: Any) -> Any:
+    """A hashable stand-in for ``value`` that is equal exactly when the values are."""
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else tuple(value.flatten().tolist())
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
     return value
 
 
