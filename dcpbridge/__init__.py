@@ -14,6 +14,7 @@ from dcpbridge.errors import (
     InvalidShardError,
     MissingKeysError,
     NotACheckpointError,
+    OptimizerStateError,
     PickleRefusedError,
     SerializationError,
     ShapeMismatchError,
@@ -29,6 +30,24 @@ from dcpbridge.mapping import (
     ShardedTensorFactory,
     StateDict,
 )
+from dcpbridge.optimizer import (
+    get_optim_param_to_id_map,
+    get_param_id_to_sharded_param_map,
+    init_optimizer_state,
+    load_optimizer_state,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+    optimizer_sharded_state_dict,
+    restore_optim_state,
+)
+from dcpbridge.param_groups import OptimizerConfig, ParamKey, get_optimizer, get_param_groups
+from dcpbridge.sharding import (
+    DistModule,
+    DistributedKeys,
+    broadcast_and_shard_state_dict,
+    load_state_dict,
+    shard_broadcasted_state_dict,
+)
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
 
@@ -40,7 +59,9 @@ __all__ = [
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
+    "DistModule",
     "DistributedCheckpointError",
+    "DistributedKeys",
     "FsspecCheckpointReader",
     "FsspecCheckpointWriter",
     "IncompleteCheckpointError",
@@ -48,6 +69,9 @@ __all__ = [
     "LocalNonpersistentObject",
     "MissingKeysError",
     "NotACheckpointError",
+    "OptimizerConfig",
+    "OptimizerStateError",
+    "ParamKey",
     "PickleRefusedError",
     "SerializationError",
     "ShapeMismatchError",
@@ -63,8 +87,21 @@ __all__ = [
     "UnexpectedKeysError",
     "UnsafePathError",
     "async_save",
+    "broadcast_and_shard_state_dict",
+    "get_optim_param_to_id_map",
+    "get_optimizer",
+    "get_param_groups",
+    "get_param_id_to_sharded_param_map",
+    "init_optimizer_state",
     "load",
     "load_common_state_dict",
+    "load_optimizer_state",
+    "load_state_dict",
     "load_tensors_metadata",
+    "make_sharded_optimizer_tensor",
+    "optim_state_to_sharding_state",
+    "optimizer_sharded_state_dict",
+    "restore_optim_state",
     "save",
+    "shard_broadcasted_state_dict",
 ]

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Collectives actually issued, by name (tests use it to prove caching skips exchanges).
@@ -80,6 +81,28 @@ class Group:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Overwrite ``tensor`` (contiguous, same shape and dtype everywhere) with the coordinator's.
+
+        Sent as raw bytes, so any dtype travels (gloo lacks bool, float8, ... reductions).
+        """
+        if not self.distributed or tensor.numel() == 0:
+            return
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast_tensor needs a contiguous tensor")
+        CALLS["broadcast_tensor"] += 1
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=self.coordinator, group=self.pg)
+
+    @property
+    def tensor_device(self) -> torch.device:
+        """Where tensors must live to travel through this group's backend."""
+        if not self.distributed:
+            return torch.device("cpu")
+        backend = str(dist.get_backend(self.pg)).lower()
+        if "nccl" in backend and "gloo" not in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 class StoreGroup(Group):
@@ -157,6 +180,9 @@ class StoreGroup(Group):
             obj = pickle.loads(self._store.get(f"{key}/value"))
         self._done(key, [f"{key}/value"])
         return obj
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        raise TypeError("a StoreGroup carries objects only; broadcast tensors on a process group")
 
     def all_gather(self, obj: Any) -> list[Any]:
         CALLS["all_gather"] += 1
