@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from dcpbridge import fully_parallel as fp
 from dcpbridge.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.collectives import Group
-from dcpbridge.engine import SaveCache, run_load, run_save
+from dcpbridge.engine import Reuse, SaveCache, agree_to_reuse, run_load, run_save
 from dcpbridge.mapping import (
     COMMON_KEY,
     ReplicaId,
@@ -23,6 +25,7 @@ from dcpbridge.mapping import (
     ShardedTensor,
     StateDict,
 )
+from dcpbridge.staging import stage
 from dcpbridge.state import (
     HOLE,
     apply_factories,
@@ -62,12 +65,105 @@ class _CommonState:
         return COMMON_KEY
 
 
-# Save-plan caches per (process group, validation flag): reused while the structure holds.
+# Save caches per (process group, validation flag): reused while the structure holds.
 _SAVE_CACHES: dict[tuple[int, bool], SaveCache] = {}
 
 
 def save_cache(group: Group, validate: bool) -> SaveCache:
     return _SAVE_CACHES.setdefault((id(group.pg), validate), SaveCache())
+
+
+def structure_of(shards: list[Any], parallel: Group | None) -> int:
+    """Fingerprint of what the shards declare (keys, boxes, dtypes, replicas), not their data."""
+    parts = [
+        (
+            s.key,
+            s.global_shape,
+            s.global_offset,
+            s.local_shape,
+            str(s.dtype),
+            s.replica_id,
+            s.prepend_axis_num,
+        )
+        if isinstance(s, ShardedTensor)
+        else (s.unique_key, s.replica_id)
+        for s in shards
+    ]
+    return hash((tuple(parts), None if parallel is None else (id(parallel.pg), parallel.rank)))
+
+
+@dataclass
+class _PlannedSave:
+    """A save after the collective decisions taken before planning (or the error it hit)."""
+
+    common: Any = None
+    shards: list[Any] = field(default_factory=list)
+    structure: int | None = None
+    reuse: Reuse | None = None
+    writers: Any = None
+    error: BaseException | None = None
+
+
+def _plan_save(
+    group: Group,
+    cache: SaveCache,
+    collect: Callable[[], tuple[Any, list[Any]]],
+    parallel: Group | None,
+) -> _PlannedSave:
+    """Collect the shards, vote on reusing the cache and (fully parallel) assign writers.
+
+    Never raises for a local failure: it is kept in ``error`` and raised inside the engine's
+    first step, so every rank sees it instead of some ranks waiting in a collective.
+    """
+    planned = _PlannedSave()
+    try:
+        planned.common, planned.shards = collect()
+        planned.structure = structure_of(planned.shards, parallel)
+    except Exception as e:
+        planned.error = e
+    planned.reuse = agree_to_reuse(group, cache, planned.structure)
+    if parallel is not None:
+        if planned.reuse is not None:
+            planned.writers = planned.reuse.entry.extra
+        else:
+            try:
+                planned.writers = fp.writers(parallel, planned.error or planned.shards)
+            except Exception as e:
+                planned.error = planned.error or e
+        if planned.error is None:
+            planned.shards = fp.assign_writers(planned.shards, planned.writers, parallel.rank)
+    return planned
+
+
+def _run_planned(
+    group: Group,
+    cache: SaveCache,
+    planned: _PlannedSave,
+    make_writer: Callable[[], FsspecCheckpointWriter],
+    validate: bool,
+) -> None:
+    def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
+        if planned.error is not None:
+            raise planned.error
+        state = save_state(planned.common, planned.shards, group.rank)
+        return state, ShardedSavePlanner(validate=validate), make_writer()
+
+    run_save(
+        prepare,
+        group,
+        cache,
+        structure=planned.structure,
+        reuse=planned.reuse,
+        extra=planned.writers,
+    )
+
+
+def _parallel_group(
+    fully_parallel: bool, parallelization_group: dist.ProcessGroup | None, group: Group
+) -> Group | None:
+    if not fully_parallel:
+        return None
+    return Group.resolve(parallelization_group) if parallelization_group is not None else group
 
 
 class _BridgeLoadPlanner(ShardedLoadPlanner):
@@ -88,6 +184,8 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     storage_options: dict[str, Any] | None = None,
     validate_access_integrity: bool = True,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
     thread_count: int = 1,
     sync_files: bool = True,
     checksums: bool = True,
@@ -96,24 +194,28 @@ def save(
 
     ShardedTensors and ShardedObjects are written by their main replica only, factories are
     built first, LocalNonpersistentObjects are skipped, and everything else is common state
-    written once by the group's rank 0. The checkpoint is committed (``dcpbridge.json``
-    published) only after every rank's data is durable and the sharding validated.
+    written once by the group's rank 0. With ``fully_parallel``, each shard held by several
+    ranks of ``parallelization_group`` (default: ``process_group``) is written by one of them,
+    balancing bytes. The checkpoint is committed (``dcpbridge.json`` published) only after
+    every rank's data is durable and the sharding validated.
     """
     group = Group.resolve(process_group)
-
-    def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
-        common, shards = split_for_save(sharded_state_dict)
-        writer = FsspecCheckpointWriter(
-            checkpoint_dir,
-            storage_options=storage_options,
-            thread_count=thread_count,
-            sync_files=sync_files,
-            checksums=checksums,
-        )
-        state = save_state(common, shards, group.rank)
-        return state, ShardedSavePlanner(validate=validate_access_integrity), writer
-
-    run_save(prepare, group, save_cache(group, validate_access_integrity))
+    cache = save_cache(group, validate_access_integrity)
+    parallel = _parallel_group(fully_parallel, parallelization_group, group)
+    planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
+    writer_options = {
+        "storage_options": storage_options,
+        "thread_count": thread_count,
+        "sync_files": sync_files,
+        "checksums": checksums,
+    }
+    _run_planned(
+        group,
+        cache,
+        planned,
+        lambda: FsspecCheckpointWriter(checkpoint_dir, **writer_options),
+        validate_access_integrity,
+    )
 
 
 def async_save(
@@ -123,6 +225,8 @@ def async_save(
     process_group: dist.ProcessGroup | None = None,
     storage_options: dict[str, Any] | None = None,
     validate_access_integrity: bool = True,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
     thread_count: int = 1,
     sync_files: bool = True,
     checksums: bool = True,
@@ -130,33 +234,43 @@ def async_save(
 ) -> AsyncSaveHandle:
     """``save`` that returns once the data is staged in host memory; the rest runs behind.
 
-    The caller may modify its tensors as soon as this returns. Failures surface on every rank
-    at ``handle.result()`` (or ``wait()``), or else at the async_save that has to wait for that
-    save because ``max_in_flight`` saves are outstanding (that call raises and starts nothing).
-    A failed save never commits.
+    The caller may modify its tensors as soon as this returns. The small decisions taken
+    before planning (cache vote, fully-parallel writers) are collective and run here; writing
+    and the commit run on a background thread whose exchanges never touch the caller's
+    process groups. Failures surface on every rank at ``handle.result()`` (or ``wait()``),
+    or else at the async_save that has to wait for that save because ``max_in_flight`` saves
+    are outstanding (that call raises and starts nothing). A failed save never commits.
     """
     group = Group.resolve(process_group)
     saver = AsyncSaver.for_group(group, max_in_flight)
-    background = saver.group
+    saver.wait_for_capacity()
+    cache = save_cache(group, validate_access_integrity)
+    parallel = _parallel_group(fully_parallel, parallelization_group, group)
+    planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
+    buffers = None
+    if planned.error is None:
+        try:
+            planned.shards, buffers = stage(planned.shards, saver.area)
+            planned.common = copy.deepcopy(planned.common)
+        except Exception as e:
+            planned.error = e
+    writer_options = {
+        "storage_options": storage_options,
+        "thread_count": thread_count,
+        "sync_files": sync_files,
+        "checksums": checksums,
+    }
 
-    def make_job(common: Any, staged: list[Any]) -> Callable[[], Any]:
-        def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
-            writer = FsspecCheckpointWriter(
-                checkpoint_dir,
-                storage_options=storage_options,
-                thread_count=thread_count,
-                sync_files=sync_files,
-                checksums=checksums,
-            )
-            state = save_state(common, staged, background.rank)
-            return state, ShardedSavePlanner(validate=validate_access_integrity), writer
+    def job() -> None:
+        _run_planned(
+            saver.group,
+            cache,
+            planned,
+            lambda: FsspecCheckpointWriter(checkpoint_dir, **writer_options),
+            validate_access_integrity,
+        )
 
-        cache = save_cache(background, validate_access_integrity)
-        return lambda: run_save(prepare, background, cache)
-
-    return saver.submit(
-        os.fspath(checkpoint_dir), lambda: split_for_save(sharded_state_dict), make_job
-    )
+    return saver.submit(os.fspath(checkpoint_dir), job, buffers)
 
 
 def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:
@@ -186,26 +300,43 @@ def load(
     allow_dtype_cast: bool = False,
     verify_checksums: bool = True,
     thread_count: int = 4,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
 ) -> StateDict | tuple[StateDict, list[str], list[str]]:
     """Load into a template sharded state dict, in any parallel layout.
 
     Returns the template's structure with ShardedTensors replaced by their (in-place filled)
     tensors, ShardedObjects by their objects, factories merged, merged with the checkpoint's
     common state and the template's LocalNonpersistentObjects. With
-    ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``.
+    ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``. With
+    ``fully_parallel``, a box several ranks of ``parallelization_group`` need is read from
+    storage by one of them and sent to the others.
     """
     strict = StrictMode(strict)
     group = Group.resolve(process_group)
     nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
+    parallel = _parallel_group(fully_parallel, parallelization_group, group)
     sharded: Any = HOLE
-
-    def prepare() -> tuple[Any, _BridgeLoadPlanner, FsspecCheckpointReader]:
-        nonlocal sharded
+    shards: list[Any] = []
+    error: BaseException | None = None
+    try:
         sharded, _ = extract(apply_factories(tree), is_sharded)
         shards = leaves(sharded) if sharded is not HOLE else []
         for sh in shards:
             if isinstance(sh, ShardedTensor):
                 sh.init_data()
+    except Exception as e:  # raised inside the engine's first step, on every rank
+        error = e
+    share = None
+    if parallel is not None:
+        try:
+            share = fp.share_load(parallel, error or shards)
+        except Exception as e:
+            error = error or e
+
+    def prepare() -> tuple[Any, _BridgeLoadPlanner, FsspecCheckpointReader]:
+        if error is not None:
+            raise error
         planner = _BridgeLoadPlanner(
             strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
         )
@@ -215,10 +346,13 @@ def load(
             thread_count=thread_count,
             verify_checksums=verify_checksums,
         )
-        return {"common": _CommonState(None, 0), "shards": shards}, planner, reader
+        state = {"common": _CommonState(None, 0), "shards": share.read if share else shards}
+        return state, planner, reader
 
     _, planner, _ = run_load(prepare, group)
     assert isinstance(planner, _BridgeLoadPlanner)
+    if share is not None and parallel is not None:
+        fp.hand_off(parallel, share)
 
     objects = planner.loaded_objects
     missing = set(planner.missing_keys)
