@@ -29,7 +29,9 @@ def _state(total: int, count: int) -> dict[str, torch.Tensor]:
 def stall_case(root: str, repeats: int, total: int) -> list[str]:
     tensors = _state(total, 32)
     sharded = {k: db.ShardedTensor.from_box(k, t, tuple(t.shape), (0,)) for k, t in tensors.items()}
-    targets = {k: torch.zeros_like(t) for k, t in tensors.items()}  # pre-faulted, like a reused buffer
+    targets = {
+        k: torch.zeros_like(t) for k, t in tensors.items()
+    }  # pre-faulted, like a reused buffer
     pending: list = []
 
     def memcpy() -> float:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import functools
+import gc
 import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,28 @@ from storage import (
 from storage.reader import read_object_bytes
 
 PathLike = str | os.PathLike[str]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _gc_paused(fn: F) -> F:
+    """Run ``fn`` with the cyclic GC paused.
+
+    Planning allocates a few objects per shard; with a training process's many live objects
+    each triggered full collection is costly (2-3x the CPU time of a 20,000-tensor save or
+    load). Those objects are acyclic, so nothing accumulates; the GC resumes afterwards.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass
@@ -177,6 +201,7 @@ class _BridgeLoadPlanner(ShardedLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
+@_gc_paused
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
@@ -218,6 +243,7 @@ def save(
     )
 
 
+@_gc_paused
 def async_save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
@@ -289,6 +315,7 @@ def save_state(common: Any, shards: list[Any], rank: int) -> dict[str, Any]:
     return {"common": _CommonState(common, rank), "shards": shards}
 
 
+@_gc_paused
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from dcpbridge.mapping import (
@@ -37,7 +37,7 @@ def extract(tree: Any, pred: Callable[[Any], bool]) -> tuple[Any, Any]:
     Dict entries without content are dropped; list positions without content become ``HOLE``
     so positions survive; an originally empty container counts as content of the rest.
     """
-    if isinstance(tree, Mapping):
+    if isinstance(tree, dict):
         if not tree:
             return HOLE, {}
         match, rest = {}, {}
@@ -63,7 +63,7 @@ def extract(tree: Any, pred: Callable[[Any], bool]) -> tuple[Any, Any]:
 
 def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
     """A copy of ``tree``'s containers with ``fn`` applied to every leaf (holes stay holes)."""
-    if isinstance(tree, Mapping):
+    if isinstance(tree, dict):
         return {k: map_leaves(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(map_leaves(v, fn) for v in tree)
@@ -83,7 +83,7 @@ def merge(base: Any, overlay: Any) -> Any:
         return base
     if base is HOLE:
         return overlay
-    if isinstance(base, Mapping) and isinstance(overlay, Mapping):
+    if isinstance(base, dict) and isinstance(overlay, dict):
         out = dict(base)
         for k, v in overlay.items():
             out[k] = merge(out.get(k, HOLE), v)
@@ -100,7 +100,7 @@ def merge(base: Any, overlay: Any) -> Any:
 
 def fill_holes(tree: Any, value: Any = None) -> Any:
     """Drop dict entries that are holes; put ``value`` in list positions that are."""
-    if isinstance(tree, Mapping):
+    if isinstance(tree, dict):
         return {k: fill_holes(v, value) for k, v in tree.items() if v is not HOLE}
     if isinstance(tree, (list, tuple)):
         return type(tree)(fill_holes(v, value) for v in tree)
@@ -127,7 +127,7 @@ def apply_factory_merges(loaded: Any, template: Any) -> Any:
         if loaded is HOLE or _has_hole(loaded):
             return HOLE  # parts were missing from the checkpoint (strict="return_all")
         return template.merge_fn(loaded)
-    if isinstance(template, Mapping) and isinstance(loaded, Mapping):
+    if isinstance(template, dict) and isinstance(loaded, dict):
         return {
             k: apply_factory_merges(v, template[k]) if k in template else v
             for k, v in loaded.items()
@@ -138,7 +138,7 @@ def apply_factory_merges(loaded: Any, template: Any) -> Any:
 
 
 def _has_hole(tree: Any) -> bool:
-    if isinstance(tree, Mapping):
+    if isinstance(tree, dict):
         return any(_has_hole(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
         return any(_has_hole(v) for v in tree)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
+from collections.abc import Iterator, MutableMapping, MutableSequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ def iter_leaves(tree: Any, prefix: str = "") -> Iterator[Leaf]:
     stack: list[tuple[str, Any, Any, Any]] = [(prefix, tree, None, None)]
     while stack:
         path, node, parent, slot = stack.pop()
-        if isinstance(node, Mapping):
+        if isinstance(node, dict):
             children = [(f"{path}.{k}" if path else str(k), v, node, k) for k, v in node.items()]
         elif isinstance(node, (list, tuple)):
             children = [(f"{path}.{i}" if path else str(i), v, node, i) for i, v in enumerate(node)]

@@ -85,15 +85,14 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _item_json(item: StoredItem) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "file": item.file,
-        "offset": item.offset,
-        "nbytes": item.nbytes,
-        "rank": item.rank,
-    }
+def _item_json(item: StoredItem, out: dict[str, Any] | None = None) -> dict[str, Any]:
+    out = {} if out is None else out
+    out["file"] = item.file
+    out["offset"] = item.offset
+    out["nbytes"] = item.nbytes
+    out["rank"] = item.rank
     if item.checksums is not None:
-        out["checksums"] = list(item.checksums)
+        out["checksums"] = item.checksums  # tuples encode as JSON arrays
     return out
 
 
@@ -108,13 +107,11 @@ def encode_metadata(metadata: Metadata) -> bytes:
         if isinstance(md, TensorStorageMetadata):
             chunks = []
             for chunk in md.chunks:
-                offsets = list(chunk.offsets)
-                item = index.items.get((fqn, tuple(offsets)))
+                offsets = tuple(chunk.offsets)
+                item = index.items.get((fqn, offsets))
                 if item is None:
-                    raise ValueError(f"no stored bytes for tensor {fqn!r} chunk {offsets}")
-                entry = {"offsets": offsets, "sizes": list(chunk.sizes)}
-                entry.update(_item_json(item))
-                chunks.append(entry)
+                    raise ValueError(f"no stored bytes for tensor {fqn!r} chunk {list(offsets)}")
+                chunks.append(_item_json(item, {"offsets": offsets, "sizes": tuple(chunk.sizes)}))
             tensors[fqn] = {
                 "dtype": dtype_name(md.properties.dtype),
                 "shape": list(md.size),
