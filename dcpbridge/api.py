@@ -10,9 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from dcpbridge.collectives import Group
+from dcpbridge.config import resolve_storage_options
 from dcpbridge.engine import run_load, run_save
+from dcpbridge.formats import open_for_load
 from dcpbridge.mapping import (
     COMMON_KEY,
     ReplicaId,
@@ -33,13 +36,9 @@ from dcpbridge.state import (
     map_leaves,
     merge,
 )
+from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
-from storage import (
-    FsspecCheckpointReader,
-    FsspecCheckpointWriter,
-    read_checkpoint_metadata,
-    resolve,
-)
+from storage import FsspecCheckpointWriter, read_checkpoint_metadata, resolve
 from storage.reader import read_object_bytes
 
 PathLike = str | os.PathLike[str]
@@ -81,6 +80,8 @@ def save(
     thread_count: int = 1,
     sync_files: bool = True,
     checksums: bool = True,
+    profile: str | None = None,
+    format: str = "dcpbridge",
 ) -> None:
     """Save a sharded state dict; every rank of ``process_group`` calls it.
 
@@ -88,6 +89,8 @@ def save(
     built first, LocalNonpersistentObjects are skipped, and everything else is common state
     written once by the group's rank 0. The checkpoint is committed (``dcpbridge.json``
     published) only after every rank's data is durable and the sharding validated.
+    ``format="torch_dist"`` writes a Megatron-Core torch_dist checkpoint instead (no
+    checksums); ``profile`` names a storage profile of the configuration file.
     """
     group = Group.resolve(process_group)
     tree = apply_factories(sharded_state_dict)
@@ -97,14 +100,29 @@ def save(
         "common": _CommonState(fill_holes(common) if common is not HOLE else {}, group.rank),
         "shards": leaves(sharded) if sharded is not HOLE else [],
     }
-    writer = FsspecCheckpointWriter(
-        checkpoint_dir,
-        storage_options=storage_options,
-        thread_count=thread_count,
-        sync_files=sync_files,
-        checksums=checksums,
-    )
-    run_save(state, ShardedSavePlanner(validate=validate_access_integrity), writer, group)
+    options = resolve_storage_options(storage_options, profile)
+    if format == "torch_dist":
+        common_state = state.pop("common").data
+        writer: StorageWriter = TorchDistWriter(
+            checkpoint_dir,
+            common_state,
+            storage_options=options,
+            thread_count=thread_count,
+            sync_files=sync_files,
+        )
+        planner: ShardedSavePlanner = TorchDistSavePlanner(validate=validate_access_integrity)
+    elif format == "dcpbridge":
+        writer = FsspecCheckpointWriter(
+            checkpoint_dir,
+            storage_options=options,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            checksums=checksums,
+        )
+        planner = ShardedSavePlanner(validate=validate_access_integrity)
+    else:
+        raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
+    run_save(state, planner, writer, group)
 
 
 def load(
@@ -118,6 +136,7 @@ def load(
     allow_dtype_cast: bool = False,
     verify_checksums: bool = True,
     thread_count: int = 4,
+    profile: str | None = None,
 ) -> StateDict | tuple[StateDict, list[str], list[str]]:
     """Load into a template sharded state dict, in any parallel layout.
 
@@ -125,6 +144,8 @@ def load(
     tensors, ShardedObjects by their objects, factories merged, merged with the checkpoint's
     common state and the template's LocalNonpersistentObjects. With
     ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``.
+    Plain DCP and Megatron-Core torch_dist directories load too, with ``allow_pickle=True``
+    (their metadata is a pickle).
     """
     strict = StrictMode(strict)
     group = Group.resolve(process_group)
@@ -139,15 +160,16 @@ def load(
     planner = _BridgeLoadPlanner(
         strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
     )
-    reader = FsspecCheckpointReader(
+    source = open_for_load(
         checkpoint_dir,
-        storage_options=storage_options,
+        storage_options=resolve_storage_options(storage_options, profile),
+        allow_pickle=allow_pickle,
         thread_count=thread_count,
         verify_checksums=verify_checksums,
     )
-    run_load(state, planner, reader, group)
+    run_load(state, planner, source.reader, group)
 
-    objects = planner.loaded_objects
+    objects = source.objects(planner.loaded_objects)
     missing = set(planner.missing_keys)
 
     def loaded_value(x: Any) -> Any:
@@ -157,7 +179,7 @@ def load(
 
     loaded = map_leaves(sharded, loaded_value) if sharded is not HOLE else HOLE
     loaded = apply_factory_merges(loaded, tree)
-    result = merge(objects.get(COMMON_KEY, {}), loaded)
+    result = merge(source.common_state(objects), loaded)
     if nonpersistent is not HOLE:
         result = merge(result, map_leaves(nonpersistent, lambda x: x.unwrap()))
     result = fill_holes(result, None)
@@ -167,10 +189,14 @@ def load(
 
 
 def load_tensors_metadata(
-    checkpoint_dir: PathLike, *, storage_options: dict[str, Any] | None = None
+    checkpoint_dir: PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    profile: str | None = None,
 ) -> dict[str, ShardedTensor]:
     """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
-    metadata = read_checkpoint_metadata(resolve(checkpoint_dir, storage_options))
+    options = resolve_storage_options(storage_options, profile)
+    metadata = read_checkpoint_metadata(resolve(checkpoint_dir, options))
     out = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -184,9 +210,10 @@ def load_common_state_dict(
     *,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
+    profile: str | None = None,
 ) -> StateDict:
     """The checkpoint's common (non-sharded) state, read in this process alone."""
-    location = resolve(checkpoint_dir, storage_options)
+    location = resolve(checkpoint_dir, resolve_storage_options(storage_options, profile))
     metadata = read_checkpoint_metadata(location)
     if COMMON_KEY not in metadata.state_dict_metadata:
         return {}
