@@ -6,13 +6,14 @@ Exit status: 0 success, 1 a bad or unreadable checkpoint, 2 a usage or configura
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from dcpbridge import config as config_mod
 from dcpbridge import layout as layout_mod
@@ -218,7 +219,24 @@ def _group() -> Any:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+        _STARTED_GROUP.append(True)
     return Group.resolve()
+
+
+_STARTED_GROUP: list[bool] = []
+
+
+def _leave_group(code: int) -> NoReturn:
+    """End a torchrun worker: tear down gloo, run exit hooks, and exit without the interpreter
+    teardown in which gloo's threads occasionally abort."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -403,16 +421,21 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    code = 0
     try:
         cfg = load_config(args.config)
-        return COMMANDS[args.command](args, cfg)
+        code = COMMANDS[args.command](args, cfg)
     except (UsageError, ConfigError, LayoutError) as e:
-        parser.exit(2, f"dcpbridge {args.command}: error: {e}\n")
+        code = 2
+        print(f"dcpbridge {args.command}: error: {e}", file=sys.stderr)
     except (CheckpointError, FileNotFoundError, OSError, ValueError) as e:
+        code = 1
         if args.verbose:
             log.exception("failed")
-        parser.exit(1, f"dcpbridge {args.command}: error: {e}\n")
-    return 0
+        print(f"dcpbridge {args.command}: error: {e}", file=sys.stderr)
+    if _STARTED_GROUP:
+        _leave_group(code)
+    return code
 
 
 if __name__ == "__main__":

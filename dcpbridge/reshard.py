@@ -73,7 +73,7 @@ def slabs(
 ) -> Iterator[tuple[Shape, Shape]]:
     """Sub-boxes of a box, each at most ``budget`` bytes where possible, whose bytes in order
     are the box's bytes in C order (cuts along the first axis longer than 1)."""
-    if math.prod(sizes) * itemsize <= budget or not sizes:
+    if math.prod(sizes) * itemsize <= budget or all(n <= 1 for n in sizes):
         yield offsets, sizes
         return
     d = next(i for i, n in enumerate(sizes) if n > 1)

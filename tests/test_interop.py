@@ -118,3 +118,58 @@ def bridge_load_common(r: Rank, path: str) -> int:
     out = db.load(_bridge_template(r), path, process_group=r.group, allow_pickle=True)
     assert out["note"] == "bridge"
     return out["iteration"]
+
+
+def test_cli_on_a_megatron_checkpoint(megatron_ckpt, tmp_path, capsys):
+    from tests.test_cli import in_process, run_cli
+
+    doc = json.loads(run_cli("inspect", megatron_ckpt, "--json", "--allow-pickle").stdout)
+    assert doc["format"] == "torch_dist" and doc["complete"]
+    assert doc["megatron_config"]["sharded_backend"] == "torch_dist"
+    fc1 = doc["tensors"]["decoder.fc1.weight"]
+    assert [(c["offsets"], c["rank"]) for c in fc1["chunks"]] == [([4 * r, 0], r) for r in range(4)]
+    assert [c["sizes"] for c in doc["tensors"]["decoder.layers.qkv"]["chunks"]] == [[1, 8, 6]] * 4
+    assert {f"rng_state/shard_{r}_4" for r in range(4)} | {"__common__"} == set(doc["objects"])
+
+    code, _, err = in_process(capsys, "inspect", megatron_ckpt)
+    assert code == 1 and "--allow-pickle" in err and "pickle" in err
+    code, out, err = in_process(capsys, "validate", megatron_ckpt, "--checksums", "--allow-pickle")
+    assert code == 0, out + err
+    assert "records no checksums; every item was read" in out
+
+    # Megatron -> dcpbridge (whole tensors) -> loads without touching Megatron's pickles,
+    # except the common state, which holds an argparse.Namespace.
+    dst = str(tmp_path / "converted")
+    code, out, err = in_process(
+        capsys,
+        "convert",
+        megatron_ckpt,
+        dst,
+        "--to",
+        "dcpbridge",
+        "--allow-pickle",
+        "--no-progress",
+    )
+    assert code == 0, err
+    whole = {
+        k: db.ShardedTensor.from_box(k, torch.zeros(s, dtype=d), s, (0,) * len(s))
+        for k, (s, d) in M.SHAPES.items()
+    }
+    whole["rng"] = [db.ShardedObject("rng_state", None, (4,), (i,)) for i in range(4)]
+    out = db.load(whole, dst, allow_pickle=True)
+    for k in M.SHAPES:
+        assert torch.equal(out[k], M.full(k)), k
+    assert out["rng"] == [{"seed": 1000 + i} for i in range(4)]
+    assert out["iteration"] == 42 and vars(out["args"]) == {"lr": 0.5, "tp": 4}
+    with pytest.raises(db.PickleRefusedError, match=r"object '__common__' .*argparse\.Namespace"):
+        db.load(whole, dst)
+
+    hf = str(tmp_path / "hf")
+    code, out, err = in_process(
+        capsys, "convert", megatron_ckpt, hf, "--to", "safetensors", "--allow-pickle"
+    )
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    loaded = load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))
+    assert all(torch.equal(loaded[k], M.full(k)) for k in M.SHAPES)
