@@ -294,6 +294,11 @@ def _run_reshard(
 ) -> int:
     from dcpbridge.reshard import assign, plan_work, reshard
 
+    def norm(u: str) -> str:
+        return u.rstrip("/") if _is_url(u) else os.path.abspath(u)
+
+    if norm(src) == norm(dst):
+        raise UsageError(f"the destination {dst} is the source itself")
     slab = _size(args.slab_size, "--slab-size") or 0
     group = _group()
     source = _open(args, cfg, src, src_profile)

@@ -378,7 +378,9 @@ def _open_safetensors(location: Location, options: dict[str, Any] | None) -> Sou
                 [ChunkStorageMetadata(zero, torch.Size(shape))],
             )
             items[MetadataIndex(key, zero)] = StoredItem(name, data_start + begin, end - begin, 0)
-            chunk = ChunkInfo((0,) * len(shape), shape, end - begin, None, name, data_start + begin)
+            chunk = ChunkInfo(
+                (0,) * len(shape), shape, end - begin, None, name, data_start + begin, end - begin
+            )
             tensors[key] = TensorInfo(key, shape, dtype, (chunk,))
     metadata = Metadata(
         state_dict_metadata=dict(state),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 
 from dcpbridge.layout import LayoutError, TargetBox, load_layout, parse_layout
@@ -118,3 +120,25 @@ def test_layout_file_and_errors(tmp_path):
         strict.boxes("w", (1,))
     with pytest.raises(LayoutError, match="cannot read layout file"):
         load_layout(tmp_path / "missing.yaml")
+
+
+def test_the_documented_examples_parse(tmp_path):
+    """The YAML examples in the module docs (shown by ``--help``) are valid as written."""
+    import yaml
+
+    from dcpbridge import config as config_mod
+    from dcpbridge import layout as layout_mod
+    from dcpbridge.config import parse_config
+
+    def example(module) -> str:
+        doc = module.__doc__
+        return textwrap.dedent(doc[doc.index("\n\n    ") :])
+
+    layout = parse_layout(yaml.safe_load(example(layout_mod)))
+    assert layout.world_size == 8 and dict(layout.mesh) == {"pp": 2, "tp": 4}
+    assert [b.rank for b in layout.boxes("decoder.layers.fc1", (4, 8))] == [0, 1, 2, 3, 4, 5, 6, 7]
+    (tmp_path / "layouts").mkdir()
+    (tmp_path / "layouts" / "tp4.yaml").write_text("world_size: 4\n")
+    cfg = parse_config(yaml.safe_load(example(config_mod)), "doc", str(tmp_path))
+    assert cfg.profiles["minio"].multipart_part_size == 64 << 20
+    assert cfg.jobs["to-tp4"].layout.world_size == 4
