@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dcpbridge.api import load, load_common_state_dict, load_tensors_metadata, save
+from dcpbridge.api import async_save, load, load_common_state_dict, load_tensors_metadata, save
+from dcpbridge.async_save import AsyncSaveHandle
 from dcpbridge.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -13,6 +14,7 @@ from dcpbridge.errors import (
     InvalidShardError,
     MissingKeysError,
     NotACheckpointError,
+    OptimizerStateError,
     PickleRefusedError,
     SerializationError,
     ShapeMismatchError,
@@ -28,17 +30,38 @@ from dcpbridge.mapping import (
     ShardedTensorFactory,
     StateDict,
 )
+from dcpbridge.optimizer import (
+    get_optim_param_to_id_map,
+    get_param_id_to_sharded_param_map,
+    init_optimizer_state,
+    load_optimizer_state,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+    optimizer_sharded_state_dict,
+    restore_optim_state,
+)
+from dcpbridge.param_groups import OptimizerConfig, ParamKey, get_optimizer, get_param_groups
+from dcpbridge.sharding import (
+    DistModule,
+    DistributedKeys,
+    broadcast_and_shard_state_dict,
+    load_state_dict,
+    shard_broadcasted_state_dict,
+)
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSaveHandle",
     "CheckpointError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
+    "DistModule",
     "DistributedCheckpointError",
+    "DistributedKeys",
     "FsspecCheckpointReader",
     "FsspecCheckpointWriter",
     "IncompleteCheckpointError",
@@ -46,6 +69,9 @@ __all__ = [
     "LocalNonpersistentObject",
     "MissingKeysError",
     "NotACheckpointError",
+    "OptimizerConfig",
+    "OptimizerStateError",
+    "ParamKey",
     "PickleRefusedError",
     "SerializationError",
     "ShapeMismatchError",
@@ -60,8 +86,22 @@ __all__ = [
     "StrictMode",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "async_save",
+    "broadcast_and_shard_state_dict",
+    "get_optim_param_to_id_map",
+    "get_optimizer",
+    "get_param_groups",
+    "get_param_id_to_sharded_param_map",
+    "init_optimizer_state",
     "load",
     "load_common_state_dict",
+    "load_optimizer_state",
+    "load_state_dict",
     "load_tensors_metadata",
+    "make_sharded_optimizer_tensor",
+    "optim_state_to_sharding_state",
+    "optimizer_sharded_state_dict",
+    "restore_optim_state",
     "save",
+    "shard_broadcasted_state_dict",
 ]

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.storage import StorageWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from dcpbridge.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.collectives import Group
 from dcpbridge.config import resolve_storage_options
-from dcpbridge.engine import run_load, run_save
-from dcpbridge.formats import open_for_load
+from dcpbridge.engine import SaveCache, run_load, run_save
+from dcpbridge.formats import LoadSource, open_for_load
 from dcpbridge.mapping import (
     COMMON_KEY,
     ReplicaId,
@@ -59,6 +61,14 @@ class _CommonState:
         return COMMON_KEY
 
 
+# Save-plan caches per (process group, validation flag): reused while the structure holds.
+_SAVE_CACHES: dict[tuple[int, bool], SaveCache] = {}
+
+
+def save_cache(group: Group, validate: bool) -> SaveCache:
+    return _SAVE_CACHES.setdefault((id(group.pg), validate), SaveCache())
+
+
 class _BridgeLoadPlanner(ShardedLoadPlanner):
     """Treats the common state as optional (plain-DCP checkpoints written with our planner lack it)."""
 
@@ -93,25 +103,22 @@ def save(
     checksums); ``profile`` names a storage profile of the configuration file.
     """
     group = Group.resolve(process_group)
-    tree = apply_factories(sharded_state_dict)
-    _, tree = extract(tree, is_nonpersistent)
-    sharded, common = extract(tree, is_sharded)
-    state = {
-        "common": _CommonState(fill_holes(common) if common is not HOLE else {}, group.rank),
-        "shards": leaves(sharded) if sharded is not HOLE else [],
-    }
-    options = resolve_storage_options(storage_options, profile)
-    if format == "torch_dist":
-        common_state = state.pop("common").data
-        writer: StorageWriter = TorchDistWriter(
-            checkpoint_dir,
-            common_state,
-            storage_options=options,
-            thread_count=thread_count,
-            sync_files=sync_files,
-        )
-        planner: ShardedSavePlanner = TorchDistSavePlanner(validate=validate_access_integrity)
-    elif format == "dcpbridge":
+    if format not in ("dcpbridge", "torch_dist"):
+        raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
+
+    def prepare() -> tuple[Any, ShardedSavePlanner, StorageWriter]:
+        common, shards = split_for_save(sharded_state_dict)
+        options = resolve_storage_options(storage_options, profile)
+        if format == "torch_dist":
+            writer = TorchDistWriter(
+                checkpoint_dir,
+                common,
+                storage_options=options,
+                thread_count=thread_count,
+                sync_files=sync_files,
+            )
+            planner = TorchDistSavePlanner(validate=validate_access_integrity)
+            return {"shards": shards}, planner, writer
         writer = FsspecCheckpointWriter(
             checkpoint_dir,
             storage_options=options,
@@ -119,10 +126,71 @@ def save(
             sync_files=sync_files,
             checksums=checksums,
         )
-        planner = ShardedSavePlanner(validate=validate_access_integrity)
-    else:
-        raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
-    run_save(state, planner, writer, group)
+        state = save_state(common, shards, group.rank)
+        return state, ShardedSavePlanner(validate=validate_access_integrity), writer
+
+    cache = save_cache(group, validate_access_integrity) if format == "dcpbridge" else None
+    run_save(prepare, group, cache)
+
+
+def async_save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: dict[str, Any] | None = None,
+    validate_access_integrity: bool = True,
+    thread_count: int = 1,
+    sync_files: bool = True,
+    checksums: bool = True,
+    max_in_flight: int = 1,
+    profile: str | None = None,
+) -> AsyncSaveHandle:
+    """``save`` that returns once the data is staged in host memory; the rest runs behind.
+
+    The caller may modify its tensors as soon as this returns. Failures surface on every rank
+    at ``handle.result()`` (or ``wait()``), or else at the async_save that has to wait for that
+    save because ``max_in_flight`` saves are outstanding (that call raises and starts nothing).
+    A failed save never commits.
+    """
+    group = Group.resolve(process_group)
+    saver = AsyncSaver.for_group(group, max_in_flight)
+    background = saver.group
+
+    def make_job(common: Any, staged: list[Any]) -> Callable[[], Any]:
+        def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
+            writer = FsspecCheckpointWriter(
+                checkpoint_dir,
+                storage_options=resolve_storage_options(storage_options, profile),
+                thread_count=thread_count,
+                sync_files=sync_files,
+                checksums=checksums,
+            )
+            state = save_state(common, staged, background.rank)
+            return state, ShardedSavePlanner(validate=validate_access_integrity), writer
+
+        cache = save_cache(background, validate_access_integrity)
+        return lambda: run_save(prepare, background, cache)
+
+    return saver.submit(
+        os.fspath(checkpoint_dir), lambda: split_for_save(sharded_state_dict), make_job
+    )
+
+
+def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:
+    """(common state, shards): factories built, non-persistent objects dropped."""
+    tree = apply_factories(sharded_state_dict)
+    _, tree = extract(tree, is_nonpersistent)
+    sharded, common = extract(tree, is_sharded)
+    return (
+        fill_holes(common) if common is not HOLE else {},
+        leaves(sharded) if sharded is not HOLE else [],
+    )
+
+
+def save_state(common: Any, shards: list[Any], rank: int) -> dict[str, Any]:
+    """The state dict the save planner sees: the shards plus the common state as one object."""
+    return {"common": _CommonState(common, rank), "shards": shards}
 
 
 def load(
@@ -145,29 +213,35 @@ def load(
     common state and the template's LocalNonpersistentObjects. With
     ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``.
     Plain DCP and Megatron-Core torch_dist directories load too, with ``allow_pickle=True``
-    (their metadata is a pickle).
+    (their metadata is a pickle); ``profile`` names a storage profile of the configuration.
     """
     strict = StrictMode(strict)
     group = Group.resolve(process_group)
     nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
-    built = apply_factories(tree)
-    sharded, _ = extract(built, is_sharded)
-    shards = leaves(sharded) if sharded is not HOLE else []
-    for sh in shards:
-        if isinstance(sh, ShardedTensor):
-            sh.init_data()
-    state = {"common": _CommonState(None, 0), "shards": shards}
-    planner = _BridgeLoadPlanner(
-        strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
-    )
-    source = open_for_load(
-        checkpoint_dir,
-        storage_options=resolve_storage_options(storage_options, profile),
-        allow_pickle=allow_pickle,
-        thread_count=thread_count,
-        verify_checksums=verify_checksums,
-    )
-    run_load(state, planner, source.reader, group)
+    sharded: Any = HOLE
+    source: LoadSource | None = None
+
+    def prepare() -> tuple[Any, _BridgeLoadPlanner, StorageReader]:
+        nonlocal sharded, source
+        sharded, _ = extract(apply_factories(tree), is_sharded)
+        shards = leaves(sharded) if sharded is not HOLE else []
+        for sh in shards:
+            if isinstance(sh, ShardedTensor):
+                sh.init_data()
+        planner = _BridgeLoadPlanner(
+            strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
+        )
+        source = open_for_load(
+            checkpoint_dir,
+            storage_options=resolve_storage_options(storage_options, profile),
+            allow_pickle=allow_pickle,
+            thread_count=thread_count,
+            verify_checksums=verify_checksums,
+        )
+        return {"common": _CommonState(None, 0), "shards": shards}, planner, source.reader
+
+    _, planner, _ = run_load(prepare, group)
+    assert isinstance(planner, _BridgeLoadPlanner) and source is not None
 
     objects = source.objects(planner.loaded_objects)
     missing = set(planner.missing_keys)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Collectives actually issued, by name (tests use it to prove caching skips exchanges).
@@ -78,4 +80,114 @@ class Group:
         CALLS["all_gather"] += 1
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Overwrite ``tensor`` (contiguous, same shape and dtype everywhere) with the coordinator's.
+
+        Sent as raw bytes, so any dtype travels (gloo lacks bool, float8, ... reductions).
+        """
+        if not self.distributed or tensor.numel() == 0:
+            return
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast_tensor needs a contiguous tensor")
+        CALLS["broadcast_tensor"] += 1
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=self.coordinator, group=self.pg)
+
+    @property
+    def tensor_device(self) -> torch.device:
+        """Where tensors must live to travel through this group's backend."""
+        if not self.distributed:
+            return torch.device("cpu")
+        backend = str(dist.get_backend(self.pg)).lower()
+        if "nccl" in backend and "gloo" not in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+class StoreGroup(Group):
+    """The same object collectives over the job's key-value store instead of a process group.
+
+    Background saves use it: store requests are independent RPCs, so they never interleave
+    with the training loop's collectives, and no process group has to be created (which
+    torch cannot do reliably from inside a sub-group of an already running job).
+    """
+
+    def __init__(self, group: Group, store: Any, name: str) -> None:
+        super().__init__(None, group.rank, group.size, 0)
+        object.__setattr__(self, "_store", dist.PrefixStore(f"dcpbridge/{name}/", store))
+        object.__setattr__(self, "_seq", iter(range(1 << 62)))
+
+    _created: Counter[tuple[str, tuple[int, ...]]] = Counter()
+
+    @staticmethod
+    def for_group(group: Group, purpose: str) -> Group:
+        """A store-backed twin of ``group`` (``group`` itself when there is nothing to sync).
+
+        Its key prefix depends only on ``purpose``, the member ranks and how many twins for
+        them this process made before, so every member derives the same one unaided.
+        """
+        if not group.distributed:
+            return group
+        store = dist.distributed_c10d._get_default_store()
+        ranks = tuple(dist.get_process_group_ranks(group.pg))
+        serial = StoreGroup._created[(purpose, ranks)]
+        StoreGroup._created[(purpose, ranks)] += 1
+        return StoreGroup(group, store, f"{purpose}/{'-'.join(map(str, ranks))}/{serial}")
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def _next(self, op: str) -> str:
+        return f"{next(self._seq)}/{op}"
+
+    def _done(self, key: str, names: list[str]) -> None:
+        """Count this rank out of ``key``; the last one deletes the op's keys."""
+        if self._store.add(f"{key}/readers", 1) == self.size:
+            for n in [*names, f"{key}/readers"]:
+                self._store.delete_key(n)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        CALLS["gather"] += 1
+        key = self._next("gather")
+        if not self.is_coordinator:
+            self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
+            return None
+        out = [obj] + [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(1, self.size)]
+        for r in range(1, self.size):
+            self._store.delete_key(f"{key}/{r}")
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        CALLS["scatter"] += 1
+        key = self._next("scatter")
+        if self.is_coordinator:
+            assert objs is not None
+            for r in range(1, self.size):
+                self._store.set(f"{key}/{r}", pickle.dumps(objs[r]))
+            return objs[0]
+        value = pickle.loads(self._store.get(f"{key}/{self.rank}"))
+        self._store.delete_key(f"{key}/{self.rank}")
+        return value
+
+    def broadcast(self, obj: Any) -> Any:
+        CALLS["broadcast"] += 1
+        key = self._next("broadcast")
+        if self.is_coordinator:
+            self._store.set(f"{key}/value", pickle.dumps(obj))
+        else:
+            obj = pickle.loads(self._store.get(f"{key}/value"))
+        self._done(key, [f"{key}/value"])
+        return obj
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        raise TypeError("a StoreGroup carries objects only; broadcast tensors on a process group")
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        CALLS["all_gather"] += 1
+        key = self._next("all_gather")
+        self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
+        out = [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.size)]
+        self._done(key, [f"{key}/{r}" for r in range(self.size)])
         return out

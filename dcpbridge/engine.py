@@ -9,6 +9,7 @@ not change (load plans, and save plans on the way back).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import pickle
 import traceback
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcpbridge.collectives import Group
 from dcpbridge.errors import CheckpointError, DistributedCheckpointError
+from storage.writer import new_save_id
 
 T = TypeVar("T")
 
@@ -108,12 +110,78 @@ def _coordinate(
     return reply
 
 
-def run_save(
-    state_dict: Any, planner: SavePlanner, writer: StorageWriter, group: Group
-) -> Metadata | None:
-    """Plan, validate, write and commit; returns the metadata on the coordinator."""
+@dataclass
+class SaveCache:
+    """The outcome of a save's plan exchange, reused while every rank's plan keeps its shape.
+
+    ``fingerprint`` is this rank's local-plan structure, ``reply`` what the coordinator sent
+    it, ``metadata`` the validated global metadata (coordinator only).
+    """
+
+    fingerprint: int | None = None
+    reply: tuple[Any, Any] | None = None
+    metadata: Metadata | None = None
+    hits: int = 0
+
+
+def plan_fingerprint(plan: SavePlan) -> int:
+    """Hash of what a local plan writes and declares (not of the data)."""
+    items = tuple(
+        (
+            i.index.fqn,
+            tuple(i.index.offset or ()),
+            i.type.value,
+            tuple(i.tensor_data.chunk.sizes) if i.tensor_data else (),
+            str(i.tensor_data.properties.dtype) if i.tensor_data else "",
+        )
+        for i in plan.items
+    )
+    summary = plan.planner_data
+    declared = (
+        tuple(sorted(summary.tensors.items())) + tuple(sorted(summary.objects.items()))
+        if hasattr(summary, "tensors")
+        else repr(summary)
+    )
+    return hash((items, declared))
+
+
+def _cached_plan(
+    fingerprint: int | None, group: Group, cache: SaveCache | None
+) -> tuple[Any, str] | None:
+    """(planner data, fresh save id) from ``cache`` if no rank's plan changed, else None.
+
+    One small all_gather decides it (every rank's vote plus rank 0's new save id); the plan
+    gather, validation and scatter are skipped. Every rank holding a filled cache takes
+    part, including one whose planning failed (it votes no).
+    """
+    if cache is None or cache.reply is None:
+        return None
+    same = fingerprint is not None and fingerprint == cache.fingerprint
+    votes = group.all_gather((same, new_save_id()))
+    if not all(v for v, _ in votes):
+        return None
+    cache.hits += 1
+    return cache.reply[1], votes[0][1]
+
+
+SavePrepare = Callable[[], tuple[Any, SavePlanner, StorageWriter]]
+LoadPrepare = Callable[[], tuple[Any, LoadPlanner, StorageReader]]
+
+
+def run_save(prepare: SavePrepare, group: Group, cache: SaveCache | None = None) -> Metadata | None:
+    """Plan, validate, write and commit; returns the metadata on the coordinator.
+
+    ``prepare`` builds (state dict, planner, writer) inside the first protected step, so a
+    rank that fails there fails every rank instead of leaving them in a collective. With a
+    ``cache`` from an earlier save of the same structure, the plan exchange and the
+    whole-checkpoint validation are skipped (they would give the same answer).
+    """
+    planner: SavePlanner
+    writer: StorageWriter
 
     def local_step() -> SavePlan:
+        nonlocal planner, writer
+        state_dict, planner, writer = prepare()
         planner.set_up_planner(
             state_dict=state_dict,
             storage_meta=writer.storage_meta(),
@@ -123,16 +191,27 @@ def run_save(
         return writer.prepare_local_plan(planner.create_local_plan())
 
     local = attempt(group.rank, "plan", local_step)
+    fingerprint = (
+        plan_fingerprint(local) if cache is not None and isinstance(local, SavePlan) else None
+    )
     metadata: Metadata | None = None
+    cached = _cached_plan(fingerprint, group, cache)
+    if cached is not None:
+        assert cache is not None and hasattr(writer, "storage_data_for")
+        planner_data, save_id = cached
+        reply = (writer.storage_data_for(group.rank, save_id), planner_data)
+        metadata = copy.copy(cache.metadata) if cache.metadata is not None else None
+    else:
 
-    def global_step(plans: list[SavePlan]) -> list[Any]:
-        nonlocal metadata
-        plans, metadata = planner.create_global_plan(plans)
-        plans = writer.prepare_global_plan(plans)
-        return [(p.storage_data, p.planner_data) for p in plans]
+        def global_step(plans: list[SavePlan]) -> list[Any]:
+            nonlocal metadata
+            plans, metadata = planner.create_global_plan(plans)
+            plans = writer.prepare_global_plan(plans)
+            return [(p.storage_data, p.planner_data) for p in plans]
 
-    storage_data, planner_data = _coordinate(group, local, global_step, "plan")
+        reply = _coordinate(group, local, global_step, "plan")
     assert isinstance(local, SavePlan)
+    storage_data, planner_data = reply
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
     def write_step() -> list[Any]:
@@ -152,13 +231,28 @@ def run_save(
     outcome = group.broadcast(outcome)
     if outcome:
         raise_failures(outcome, results, world_size=group.size)
+    if (
+        cache is not None
+        and hasattr(writer, "storage_data_for")
+        and cache.fingerprint != fingerprint
+    ):
+        cache.fingerprint = fingerprint
+        cache.reply = reply
+        cache.metadata = copy.copy(metadata) if metadata is not None else None
     return metadata
 
 
-def run_load(state_dict: Any, planner: LoadPlanner, reader: StorageReader, group: Group) -> None:
-    """Read metadata, plan reads (with the coordinator's global step), read, confirm on all."""
+def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, StorageReader]:
+    """Read metadata, plan reads (with the coordinator's global step), read, confirm on all.
+
+    Returns what ``prepare`` built (state dict, planner, reader), now filled.
+    """
+    prepared: tuple[Any, LoadPlanner, StorageReader]
 
     def local_step() -> LoadPlan:
+        nonlocal prepared
+        prepared = prepare()
+        state_dict, planner, reader = prepared
         metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, group.is_coordinator)
         reader.set_up_storage_reader(metadata, group.is_coordinator)
@@ -168,6 +262,7 @@ def run_load(state_dict: Any, planner: LoadPlanner, reader: StorageReader, group
     sent = dataclasses.replace(local, items=[]) if isinstance(local, LoadPlan) else local
 
     def global_step(plans: list[LoadPlan]) -> list[Any]:
+        _, planner, reader = prepared
         plans = reader.prepare_global_plan(planner.create_global_plan(plans))
         return [(p.storage_data, p.planner_data) for p in plans]
 
@@ -176,8 +271,10 @@ def run_load(state_dict: Any, planner: LoadPlanner, reader: StorageReader, group
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
     def read_step() -> None:
+        _, planner, reader = prepared
         reader.read_data(planner.finish_plan(plan), planner).wait()
 
     done = attempt(group.rank, "read", read_step)
     statuses = group.all_gather(done)
     raise_failures([s for s in statuses if isinstance(s, Failure)], done, world_size=group.size)
+    return prepared

@@ -25,6 +25,10 @@ class InvalidShardError(CheckpointError, ValueError):
     """A ShardedTensor/ShardedObject was built with inconsistent metadata."""
 
 
+class OptimizerStateError(CheckpointError, ValueError):
+    """Optimizer state that cannot be mapped onto, or restored from, the model's sharding."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -39,6 +43,7 @@ __all__ = [
     "InvalidShardError",
     "MissingKeysError",
     "NotACheckpointError",
+    "OptimizerStateError",
     "PickleRefusedError",
     "SerializationError",
     "ShapeMismatchError",

@@ -17,7 +17,6 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcpbridge.errors import (
@@ -143,42 +142,12 @@ def dcp_reader(location: Location, storage_options: dict[str, Any] | None) -> St
     return FsspecReader(location.url, **(storage_options or {}))
 
 
-class _Unreadable(StorageReader):
-    """Stands in for a reader that could not be opened, so that every rank fails inside the
-    protocol (where failures are exchanged) instead of some ranks leaving early."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        raise self.error
-
-    def set_up_storage_reader(self, *args: Any, **kwargs: Any) -> None:
-        raise self.error
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        raise self.error
-
-    def prepare_global_plan(self, plans: Any) -> Any:
-        raise self.error
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        raise self.error
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return True
-
-
 @dataclass
 class LoadSource:
     """A checkpoint opened for a DCP-protocol load: its reader and its format's conventions."""
 
-    location: Location | None
-    format: Format | None
+    location: Location
+    format: Format
     reader: StorageReader
     allow_pickle: bool = False
 
@@ -190,7 +159,7 @@ class LoadSource:
 
     def common_state(self, objects: dict[str, Any]) -> Any:
         """The checkpoint's common state: our common object, or Megatron's ``common.pt``."""
-        if self.format != Format.TORCH_DIST or self.location is None:
+        if self.format != Format.TORCH_DIST:
             return objects.get(COMMON_KEY, {})
         return read_megatron_common(self.location, allow_pickle=self.allow_pickle)
 
@@ -222,26 +191,24 @@ def open_for_load(
     thread_count: int = 4,
     verify_checksums: bool = True,
 ) -> LoadSource:
-    """The reader for ``checkpoint_dir`` in whatever format it is; errors surface on read."""
-    try:
-        location = resolve(checkpoint_dir, storage_options)
-        fmt = detect(location)
-        if fmt == Format.DCPBRIDGE:
-            reader: StorageReader = FsspecCheckpointReader(
-                checkpoint_dir,
-                storage_options=storage_options,
-                thread_count=thread_count,
-                verify_checksums=verify_checksums,
-            )
-        elif fmt.pickled_metadata:
-            if not allow_pickle:
-                raise refuse_pickled_metadata(location, fmt)
-            reader = dcp_reader(location, storage_options)
-        else:
-            raise NotACheckpointError(
-                f"{location.url} is a single {fmt.description}, not a sharded checkpoint; "
-                "turn it into one with `dcpbridge convert SRC DST --to dcpbridge`"
-            )
-    except Exception as e:
-        return LoadSource(None, None, _Unreadable(e))
+    """The reader for ``checkpoint_dir`` in whatever format it holds (call it inside the
+    protocol's first step, where a failure reaches every rank)."""
+    location = resolve(checkpoint_dir, storage_options)
+    fmt = detect(location)
+    if fmt == Format.DCPBRIDGE:
+        reader: StorageReader = FsspecCheckpointReader(
+            checkpoint_dir,
+            storage_options=storage_options,
+            thread_count=thread_count,
+            verify_checksums=verify_checksums,
+        )
+    elif fmt.pickled_metadata:
+        if not allow_pickle:
+            raise refuse_pickled_metadata(location, fmt)
+        reader = dcp_reader(location, storage_options)
+    else:
+        raise NotACheckpointError(
+            f"{location.url} is a single {fmt.description}, not a sharded checkpoint; "
+            "turn it into one with `dcpbridge convert SRC DST --to dcpbridge`"
+        )
     return LoadSource(location, fmt, reader, allow_pickle)

@@ -132,9 +132,11 @@ def _verify_checksums(
         return
     byteio = ByteIO.for_location(source.location)
     piece = max(block, _VERIFY_PIECE // block * block)
-    for mi, item in sorted(index.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
-        where = f"[{', '.join(map(str, mi.offset))}]" if mi.offset is not None else ""
-        what = f"{mi.fqn!r}{where} in {item.file}"
+    for (fqn, offsets), item in sorted(
+        index.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)
+    ):
+        where = f"[{', '.join(map(str, offsets))}]" if offsets is not None else ""
+        what = f"{fqn!r}{where} in {item.file}"
         if not item.checksums:
             found.problems.append(f"{what}: no checksums recorded for this item")
             continue

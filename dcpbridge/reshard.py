@@ -30,6 +30,7 @@ from dcpbridge.engine import Failure, attempt, raise_failures
 from dcpbridge.layout import Layout
 from dcpbridge.sources import Source
 from storage import Location, StoredItem, resolve
+from storage.format import ItemKey
 from storage.stream import StreamWriter, commit, new_save_id
 from storage.writer import tensor_bytes
 
@@ -155,7 +156,7 @@ def write_items(
     *,
     slab_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
-) -> dict[MetadataIndex, StoredItem]:
+) -> dict[ItemKey, StoredItem]:
     """Copy ``items`` from ``source`` into ``writer``'s files; returns where each landed."""
     for item in items:
         if item.offsets is None:
@@ -172,7 +173,15 @@ def write_items(
                     on_bytes(len(part))
 
         parts = box_bytes(source, item.key, item.offsets, item.sizes, slab_bytes)
-        writer.write_item(item.index, counted(parts), nbytes=item.nbytes, rank=item.rank)
+        dtype = source.tensors[item.key].dtype
+        writer.write_item(
+            item.index,
+            counted(parts),
+            nbytes=item.nbytes,
+            rank=item.rank,
+            sizes=item.sizes,
+            dtype=dtype,
+        )
     writer.close()
     return writer.items
 
@@ -215,7 +224,7 @@ def reshard(
     save_id = group.broadcast(new_save_id() if group.is_coordinator else None)
     mine = assign(work, group.size)[group.rank]
 
-    def run() -> dict[MetadataIndex, StoredItem]:
+    def run() -> dict[ItemKey, StoredItem]:
         writer = StreamWriter(
             location,
             save_id=save_id,

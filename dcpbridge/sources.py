@@ -247,13 +247,13 @@ def _open_dcpbridge(location: Location, options: dict[str, Any] | None, verify: 
     assert isinstance(index, StorageIndex)
 
     def where(mi: MetadataIndex) -> ChunkInfo | None:
-        it = index.items.get(mi)
+        it = index.get(mi)
         return ChunkInfo((), (), it.nbytes, it.rank, it.file, it.offset) if it else None
 
     objects = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
-            it = index.items.get(MetadataIndex(fqn))
+            it = index.get(MetadataIndex(fqn))
             objects[fqn] = ObjectInfo(
                 fqn, *((it.nbytes, it.rank, it.file, it.offset) if it else ())
             )
@@ -377,7 +377,9 @@ def _open_safetensors(location: Location, options: dict[str, Any] | None) -> Sou
                 torch.Size(shape),
                 [ChunkStorageMetadata(zero, torch.Size(shape))],
             )
-            items[MetadataIndex(key, zero)] = StoredItem(name, data_start + begin, end - begin, 0)
+            items[(key, tuple(zero))] = StoredItem(
+                name, data_start + begin, end - begin, 0, None, shape, dtype
+            )
             chunk = ChunkInfo(
                 (0,) * len(shape), shape, end - begin, None, name, data_start + begin, end - begin
             )

@@ -95,6 +95,10 @@ def plan_tensor_reads(
     items = []
     covered = 0
     for chunk in index.candidates(offsets, sizes):
+        if chunk.offsets == offsets and chunk.sizes == sizes:  # same layout: the whole chunk
+            items.append(_read_item(fqn, offsets, chunk, (offsets, sizes)))
+            covered += math.prod(sizes)
+            continue
         overlap = intersect(offsets, sizes, chunk.offsets, chunk.sizes)
         if overlap is not None:
             items.append(_read_item(fqn, offsets, chunk, overlap))
@@ -309,6 +313,8 @@ class ShardedLoadPlanner(LoadPlanner):
 
 
 def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    if lengths == t.shape:
+        return t
     for d, (o, n) in enumerate(zip(offsets, lengths)):
         if o != 0 or n != t.shape[d]:
             t = t.narrow(d, o, n)

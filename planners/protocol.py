@@ -75,7 +75,7 @@ def chunk_view(shard: TensorShard) -> torch.Tensor:
     """The shard's data with its prepended axes as leading unit dimensions."""
     if shard.data is None:
         raise ValueError(f"ShardedTensor {shard.key!r} has no data")
-    data = shard.data
+    data = shard.data.detach()  # Parameters are filled in place, also from reader threads
     for _ in range(shard.prepend_axis_num):
         data = data.unsqueeze(0)
     return data

@@ -146,6 +146,7 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
             object_shapes.setdefault(key, {}).setdefault(shape, []).append(rank)
 
     chunks: dict[str, list[Placed]] = {}
+    stored_chunks: dict[str, list[ChunkStorageMetadata]] = {}
     byte_writers: dict[str, list[int]] = {}
     for rank, plan in enumerate(plans):
         for item in plan.items:
@@ -154,6 +155,7 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
                 chunks.setdefault(item.index.fqn, []).append(
                     Placed(tuple(c.offsets), tuple(c.sizes), rank)
                 )
+                stored_chunks.setdefault(item.index.fqn, []).append(c)
             else:
                 byte_writers.setdefault(item.index.fqn, []).append(rank)
 
@@ -198,13 +200,10 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     state: dict[str, STORAGE_TYPES] = {}
     for key, variants in decls.items():
         shape, dtype = next(iter(variants))
-        placed = sorted(chunks.get(key, []), key=lambda c: c.offsets)
         state[key] = TensorStorageMetadata(
             properties=TensorProperties(dtype=parse_dtype(dtype)),
             size=torch.Size(shape),
-            chunks=[
-                ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in placed
-            ],
+            chunks=sorted(stored_chunks.get(key, []), key=lambda c: tuple(c.offsets)),
         )
     for fqn in byte_writers:
         state[fqn] = BytesStorageMetadata()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -29,7 +29,7 @@ def verify_blocks(
     expected: Sequence[str],
     block_size: int,
     *,
-    what: str,
+    what: str | Callable[[], str],
 ) -> None:
     """Check blocks ``first_block..`` of an item against ``expected``; ``data`` starts at a block edge."""
     n = len(data)
@@ -38,8 +38,9 @@ def verify_blocks(
         index = first_block + i
         got = xxhash.xxh3_64_hexdigest(data[start : start + block_size])
         if got != expected[index]:
+            where = what() if callable(what) else what
             raise ChecksumMismatchError(
-                f"checksum mismatch in {what}, block {index} "
+                f"checksum mismatch in {where}, block {index} "
                 f"(bytes {index * block_size}..{index * block_size + len(data[start : start + block_size])}"
                 f" of the item): expected {ALGORITHM} {expected[index]}, got {got}. "
                 "The file was modified or corrupted after the save."

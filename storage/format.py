@@ -37,28 +37,41 @@ def temp_metadata_name(save_id: str) -> str:
     return f"{METADATA_FILE}.tmp-{save_id}"
 
 
+ItemKey = tuple[str, "tuple[int, ...] | None"]
+
+
+def item_key(index: MetadataIndex) -> ItemKey:
+    """Plain-tuple key of a DCP ``MetadataIndex`` (fqn, chunk offsets or None for objects)."""
+    return index.fqn, None if index.offset is None else tuple(index.offset)
+
+
 @dataclass(frozen=True, slots=True)
 class StoredItem:
-    """Where one written item's bytes live, and their block checksums."""
+    """Where one written item's bytes live, their block checksums and (tensors) chunk layout."""
 
     file: str
     offset: int
     nbytes: int
     rank: int
     checksums: tuple[str, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
 
 
 @dataclass(slots=True)
 class StorageIndex:
     """``Metadata.storage_data`` of a dcpbridge checkpoint: item locations plus format facts."""
 
-    items: dict[MetadataIndex, StoredItem]
+    items: dict[ItemKey, StoredItem]
     save_id: str
     files: tuple[str, ...]
     checksum_algorithm: str | None = None
     checksum_block_size: int = 0
     world_size: int = 1
     created_unix: float = field(default_factory=time.time)
+
+    def get(self, index: MetadataIndex) -> StoredItem | None:
+        return self.items.get(item_key(index))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,32 +102,26 @@ def encode_metadata(metadata: Metadata) -> bytes:
     index = metadata.storage_data
     if not isinstance(index, StorageIndex):
         raise TypeError("metadata.storage_data must be a StorageIndex")
-    by_fqn: dict[str, dict[tuple[int, ...] | None, StoredItem]] = {}
-    for mi, item in index.items.items():
-        by_fqn.setdefault(mi.fqn, {})[tuple(mi.offset) if mi.offset is not None else None] = item
-
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        located = by_fqn.get(fqn, {})
         if isinstance(md, TensorStorageMetadata):
             chunks = []
             for chunk in md.chunks:
-                item = located.get(tuple(chunk.offsets))
+                offsets = list(chunk.offsets)
+                item = index.items.get((fqn, tuple(offsets)))
                 if item is None:
-                    raise ValueError(
-                        f"no stored bytes for tensor {fqn!r} chunk {list(chunk.offsets)}"
-                    )
-                chunks.append(
-                    {"offsets": list(chunk.offsets), "sizes": list(chunk.sizes)} | _item_json(item)
-                )
+                    raise ValueError(f"no stored bytes for tensor {fqn!r} chunk {offsets}")
+                entry = {"offsets": offsets, "sizes": list(chunk.sizes)}
+                entry.update(_item_json(item))
+                chunks.append(entry)
             tensors[fqn] = {
                 "dtype": dtype_name(md.properties.dtype),
                 "shape": list(md.size),
                 "chunks": chunks,
             }
         else:
-            item = located.get(None)
+            item = index.items.get((fqn, None))
             if item is None:
                 raise ValueError(f"no stored bytes for object {fqn!r}")
             objects[fqn] = _item_json(item)
@@ -177,14 +184,19 @@ def decode_metadata(raw: bytes, *, where: str) -> Metadata:
 
 
 def _nonneg_ints(values: Any, what: str) -> list[int]:
-    if not isinstance(values, list) or not all(isinstance(v, int) and v >= 0 for v in values):
+    if type(values) is not list or not all(type(v) is int and v >= 0 for v in values):
         raise CorruptCheckpointError(f"{what} must be a list of non-negative integers")
     return values
 
 
-def _decode_item(entry: dict[str, Any], what: str) -> StoredItem:
+def _decode_item(
+    entry: dict[str, Any],
+    what: str,
+    sizes: tuple[int, ...] | None = None,
+    dtype: torch.dtype | None = None,
+) -> StoredItem:
     checksums = entry.get("checksums")
-    if checksums is not None and not all(isinstance(c, str) for c in checksums):
+    if checksums is not None and not all(type(c) is str for c in checksums):
         raise CorruptCheckpointError(f"{what}: checksums must be strings")
     offset, nbytes, rank = _nonneg_ints([entry["offset"], entry["nbytes"], entry["rank"]], what)
     return StoredItem(
@@ -193,12 +205,16 @@ def _decode_item(entry: dict[str, Any], what: str) -> StoredItem:
         nbytes=nbytes,
         rank=rank,
         checksums=tuple(checksums) if checksums is not None else None,
+        sizes=sizes,
+        dtype=dtype,
     )
 
 
 def _decode(doc: dict[str, Any]) -> Metadata:
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    items: dict[MetadataIndex, StoredItem] = {}
+    items: dict[ItemKey, StoredItem] = {}
+    checksum = doc.get("checksum") or {}
+    block = int(checksum.get("block_size", 0))
     for fqn, entry in doc["tensors"].items():
         dtype = parse_dtype(entry["dtype"])
         shape = _nonneg_ints(entry["shape"], f"tensor {fqn!r} shape")
@@ -208,32 +224,35 @@ def _decode(doc: dict[str, Any]) -> Metadata:
             sizes = _nonneg_ints(c["sizes"], f"tensor {fqn!r} chunk sizes")
             if len(offsets) != len(shape) or len(sizes) != len(shape):
                 raise CorruptCheckpointError(f"tensor {fqn!r}: chunk rank differs from shape")
-            if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            if any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
                 raise CorruptCheckpointError(
                     f"tensor {fqn!r}: chunk {offsets}+{sizes} exceeds shape {shape}"
                 )
-            item = _decode_item(c, f"tensor {fqn!r} chunk {offsets}")
+            what = f"tensor {fqn!r} chunk {offsets}"
+            item = _decode_item(c, what, tuple(sizes), dtype)
             expected = math.prod(sizes) * dtype.itemsize
             if item.nbytes != expected:
                 raise CorruptCheckpointError(
-                    f"tensor {fqn!r} chunk {offsets}: {item.nbytes} bytes recorded, "
-                    f"{expected} expected for sizes {sizes} of {dtype}"
+                    f"{what}: {item.nbytes} bytes recorded, {expected} expected for sizes "
+                    f"{sizes} of {dtype}"
                 )
+            _check_checksum_count(item, block, what)
             chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            items[MetadataIndex(fqn, offsets)] = item
+            items[(fqn, tuple(offsets))] = item
         state[fqn] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=chunks
         )
     for fqn, entry in doc["objects"].items():
         state[fqn] = BytesStorageMetadata()
-        items[MetadataIndex(fqn)] = _decode_item(entry, f"object {fqn!r}")
-    checksum = doc.get("checksum") or {}
+        item = _decode_item(entry, f"object {fqn!r}")
+        _check_checksum_count(item, block, f"object {fqn!r}")
+        items[(fqn, None)] = item
     index = StorageIndex(
         items=items,
         save_id=str(doc["save_id"]),
         files=tuple(check_file_name(f) for f in doc["files"]),
         checksum_algorithm=checksum.get("algorithm"),
-        checksum_block_size=int(checksum.get("block_size", 0)),
+        checksum_block_size=block,
         world_size=int(doc.get("world_size", 1)),
         created_unix=float(doc.get("created_unix", 0.0)),
     )
@@ -243,3 +262,13 @@ def _decode(doc: dict[str, Any]) -> Metadata:
         storage_data=index,
         version=f"{FORMAT_NAME}-{doc['version']}",
     )
+
+
+def _check_checksum_count(item: StoredItem, block: int, what: str) -> None:
+    if item.checksums is None or not block:
+        return
+    expected = max(1, -(-item.nbytes // block))
+    if len(item.checksums) != expected:
+        raise CorruptCheckpointError(
+            f"{what}: {len(item.checksums)} checksums recorded, {expected} expected"
+        )

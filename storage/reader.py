@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
+import math
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -69,14 +72,44 @@ def diagnose_missing_metadata(byteio: ByteIO, url: str) -> Exception:
     return NotACheckpointError(f"{url} is not a dcpbridge checkpoint: {METADATA_FILE} is missing")
 
 
-def read_checkpoint_metadata(location: Location) -> Metadata:
-    """Read and decode the commit file at ``location`` (single process, no collectives)."""
+_METADATA_CACHE: OrderedDict[tuple[str, tuple[Any, ...]], Metadata] = OrderedDict()
+_METADATA_CACHE_SIZE = 8
+_METADATA_LOCK = threading.Lock()
+
+
+def _file_identity(info: dict[str, Any]) -> tuple[Any, ...]:
+    """What changes whenever the commit file is replaced (size, mtime, inode, ETag...)."""
+    keys = ("size", "mtime", "ino", "ETag", "etag", "LastModified", "created")
+    return tuple(str(info.get(k)) for k in keys)
+
+
+def read_checkpoint_metadata(location: Location, *, use_cache: bool = True) -> Metadata:
+    """Read and decode the commit file at ``location`` (single process, no collectives).
+
+    Decoded metadata is cached per process and reused while the commit file's identity
+    (size, mtime and inode, or ETag) is unchanged, so repeated loads skip the JSON decode.
+    """
     byteio = ByteIO.for_location(location)
+    path = location.path(METADATA_FILE)
     try:
-        raw = byteio.read_file(location.path(METADATA_FILE))
+        key = (f"{location.fs.protocol}:{path}", _file_identity(location.fs.info(path)))
     except FileNotFoundError:
         raise diagnose_missing_metadata(byteio, location.url) from None
-    return decode_metadata(raw, where=location.path(METADATA_FILE))
+    with _METADATA_LOCK:
+        cached = _METADATA_CACHE.get(key) if use_cache else None
+        if cached is not None:
+            _METADATA_CACHE.move_to_end(key)
+            return cached
+    try:
+        raw = byteio.read_file(path)
+    except FileNotFoundError:
+        raise diagnose_missing_metadata(byteio, location.url) from None
+    metadata = decode_metadata(raw, where=path)
+    with _METADATA_LOCK:
+        _METADATA_CACHE[key] = metadata
+        while len(_METADATA_CACHE) > _METADATA_CACHE_SIZE:
+            _METADATA_CACHE.popitem(last=False)
+    return metadata
 
 
 def read_object_bytes(
@@ -86,7 +119,7 @@ def read_object_bytes(
     index = metadata.storage_data
     if not isinstance(index, StorageIndex):
         raise CorruptCheckpointError(f"{location.url}: metadata has no dcpbridge storage index")
-    stored = index.items.get(MetadataIndex(fqn))
+    stored = index.items.get((fqn, None))
     if stored is None:
         raise KeyError(f"{location.url}: the checkpoint has no object {fqn!r}")
     buf = memoryview(bytearray(stored.nbytes))
@@ -121,10 +154,16 @@ class _TensorSink:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview | None:
-    """Writable bytes of ``t`` if it is a contiguous CPU tensor, else None."""
+    """Writable bytes of ``t`` if it is a contiguous CPU tensor, else None.
+
+    The view aliases ``t``'s memory; callers keep ``t`` alive while using it.
+    """
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 class FsspecCheckpointReader(StorageReader):
@@ -151,7 +190,6 @@ class FsspecCheckpointReader(StorageReader):
         self.location: Location | None = None
         self._io: ByteIO | None = None
         self._metadata: Metadata | None = None
-        self._chunks: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}
         self.bytes_read = 0
         if path is not None:
             self.reset(path)
@@ -183,12 +221,6 @@ class FsspecCheckpointReader(StorageReader):
                 f"{self._loc.url}: metadata has no dcpbridge storage index"
             )
         self._metadata = metadata
-        self._chunks = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    key = MetadataIndex(fqn, chunk.offsets)
-                    self._chunks[key] = (tuple(chunk.sizes), md.properties.dtype)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -197,13 +229,18 @@ class FsspecCheckpointReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        tuning = ReadTuning.for_location(self._loc)
         reads: list[_Op] = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 reads.append(self._bytes_op(item, planner))
             else:
-                reads.extend(self._tensor_ops(item, planner))
-        self._execute(reads)
+                reads.extend(self._tensor_ops(item, planner, tuning))
+        paths = {name: self._loc.path(name) for name in self._index.files}
+        for batch in _merge_and_batch(reads, tuning.merge_gap):
+            fetches = [m.to_range_read(paths.get(m.file) or self._loc.path(m.file)) for m in batch]
+            self._byteio.fetch(fetches, self.thread_count)
+            self.bytes_read += sum(len(r.out) for r in fetches)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -226,7 +263,7 @@ class FsspecCheckpointReader(StorageReader):
         return self._metadata.storage_data
 
     def _stored(self, index: MetadataIndex) -> StoredItem:
-        item = self._index.items.get(index)
+        item = self._index.get(index)
         if item is None:
             raise CorruptCheckpointError(
                 f"{self._loc.url}: metadata has no stored bytes for {index.fqn!r} "
@@ -234,24 +271,21 @@ class FsspecCheckpointReader(StorageReader):
             )
         return item
 
-    def _verifier(
-        self, stored: StoredItem, lo: int, what: str
+    def _checker(
+        self, stored: StoredItem, lo: int, describe: Callable[[], str]
     ) -> Callable[[memoryview], None] | None:
         """Checksum check for item bytes ``[lo, ...)`` (``lo`` on a block edge), if enabled."""
         bs = self._index.checksum_block_size
         if not (self.verify_checksums and stored.checksums and bs):
             return None
         sums = stored.checksums
-
-        def verify(data: memoryview) -> None:
-            checksum.verify_blocks(data, lo // bs, sums, bs, what=what)
-
-        return verify
+        return lambda data: checksum.verify_blocks(data, lo // bs, sums, bs, what=describe)
 
     def _bytes_op(self, item: ReadItem, planner: LoadPlanner) -> _Op:
         stored = self._stored(item.storage_index)
-        what = f"object {item.storage_index.fqn!r} in {stored.file}"
-        verify = self._verifier(stored, 0, what)
+        verify = self._checker(
+            stored, 0, lambda: f"object {item.storage_index.fqn!r} in {stored.file}"
+        )
 
         def deliver(buf: memoryview) -> None:
             if verify is not None:
@@ -260,36 +294,35 @@ class FsspecCheckpointReader(StorageReader):
 
         return _Op(stored.file, stored.offset, stored.offset + stored.nbytes, None, deliver)
 
-    def _tensor_ops(self, item: ReadItem, planner: LoadPlanner) -> list[_Op]:
+    def _tensor_ops(self, item: ReadItem, planner: LoadPlanner, tuning: ReadTuning) -> list[_Op]:
         stored = self._stored(item.storage_index)
-        sizes, dtype = self._chunks[item.storage_index]
-        itemsize = dtype.itemsize
-        tuning = ReadTuning.for_location(self._loc)
-        extents = plan_extents(
-            sizes,
-            item.storage_offsets,
-            item.lengths,
-            itemsize,
-            min_piece_bytes=tuning.min_piece_bytes,
-        )
+        sizes, dtype = stored.sizes, stored.dtype
+        if sizes is None or dtype is None:
+            raise CorruptCheckpointError(f"{item.storage_index.fqn!r} is stored as an object")
         dest = planner.resolve_tensor(item)
-        if tuple(dest.shape) != tuple(item.lengths):
+        if dest.shape != item.lengths or dest.dtype != dtype:
             raise RuntimeError(
-                f"{item.dest_index.fqn!r}: planner resolved a tensor of shape {tuple(dest.shape)} "
-                f"for a read of {tuple(item.lengths)}"
+                f"{item.dest_index.fqn!r}: planner resolved a {dest.dtype} tensor of shape "
+                f"{tuple(dest.shape)} for a read of {tuple(item.lengths)} {dtype}"
             )
-        if dest.dtype != dtype:
-            raise TypeError(
-                f"{item.dest_index.fqn!r}: stored dtype {dtype}, destination dtype {dest.dtype}"
+
+        def describe() -> str:
+            offsets = list(item.storage_index.offset or ())
+            return f"tensor {item.storage_index.fqn!r} chunk {offsets} in {stored.file}"
+
+        itemsize = dtype.itemsize
+        block = self._index.checksum_block_size
+        checking = self._checker(stored, 0, describe) is not None
+        if item.lengths == sizes and not any(item.storage_offsets):  # the whole chunk
+            extents = [Extent(0, math.prod(sizes), (0,) * len(sizes), sizes)]
+        else:
+            min_piece = max(tuning.min_piece_bytes, block) if checking else tuning.min_piece_bytes
+            extents = plan_extents(
+                sizes, item.storage_offsets, item.lengths, itemsize, min_piece_bytes=min_piece
             )
-        if not extents:
+        if not extents or extents[0].stop == extents[0].start:
             planner.commit_tensor(item, dest)
             return []
-        what = (
-            f"tensor {item.storage_index.fqn!r} chunk {list(item.storage_offsets)} in {stored.file}"
-        )
-        block = self._index.checksum_block_size
-        checking = self._verifier(stored, 0, what) is not None
         groups = _group_extents(extents, itemsize, stored.nbytes, block if checking else 0)
         sink = _TensorSink(planner, item, dest, len(groups))
         ops = []
@@ -305,21 +338,11 @@ class FsspecCheckpointReader(StorageReader):
                 dtype,
                 lo,
                 direct is not None,
-                self._verifier(stored, lo, what),
+                self._checker(stored, lo, describe),
                 sink,
             )
             ops.append(_Op(stored.file, stored.offset + lo, stored.offset + hi, direct, delivery))
         return ops
-
-    # -- executing ------------------------------------------------------------------------
-
-    def _execute(self, ops: list[_Op]) -> None:
-        tuning = ReadTuning.for_location(self._loc)
-        batches = _merge_and_batch(ops, tuning.merge_gap)
-        for batch in batches:
-            reads = [r.to_range_read(self._loc) for r in batch]
-            self._byteio.fetch(reads, self.thread_count)
-            self.bytes_read += sum(len(r.out) for r in reads)
 
     @property
     def _byteio(self) -> ByteIO:
@@ -409,18 +432,18 @@ class _Merged:
     def staged_bytes(self) -> int:
         return 0 if self.ops[0].direct is not None else self.stop - self.start
 
-    def to_range_read(self, loc: Location) -> RangeRead:
+    def to_range_read(self, path: str) -> RangeRead:
         if self.ops[0].direct is not None:
             op = self.ops[0]
             direct = op.direct
-            return RangeRead(loc.path(self.file), self.start, direct, lambda: op.deliver(direct))
+            return RangeRead(path, self.start, direct, lambda: op.deliver(direct))
         buf = memoryview(np.empty(self.stop - self.start, dtype=np.uint8)).cast("B")
 
         def done() -> None:
             for op in self.ops:
                 op.deliver(buf[op.start - self.start : op.stop - self.start])
 
-        return RangeRead(loc.path(self.file), self.start, buf, done)
+        return RangeRead(path, self.start, buf, done)
 
 
 def _merge_and_batch(ops: list[_Op], merge_gap: int) -> list[list[_Merged]]:

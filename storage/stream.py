@@ -7,10 +7,10 @@ the gathered items with ``commit``. The result is indistinguishable from a ``sav
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping
 from typing import BinaryIO
 
+import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex
 
@@ -18,18 +18,18 @@ from storage import checksum
 from storage.backends import ByteIO
 from storage.format import (
     METADATA_FILE,
+    ItemKey,
     StorageIndex,
     StoredItem,
     data_file_name,
     encode_metadata,
+    item_key,
     temp_metadata_name,
 )
 from storage.paths import Location
-from storage.writer import ALIGN, CoalescingFile, remove_stale_files
+from storage.writer import ALIGN, CoalescingFile, new_save_id, remove_stale_files
 
-
-def new_save_id() -> str:
-    return uuid.uuid4().hex[:16]
+__all__ = ["StreamWriter", "commit", "new_save_id"]
 
 
 class _BlockHasher:
@@ -85,7 +85,7 @@ class StreamWriter:
         self.checksum_block_size = checksum_block_size
         self.sync_files = sync_files
         self.max_file_bytes = max_file_bytes
-        self.items: dict[MetadataIndex, StoredItem] = {}
+        self.items: dict[ItemKey, StoredItem] = {}
         self.bytes_written = 0
         self._io = ByteIO.for_location(location)
         self._io.makedirs()
@@ -96,10 +96,20 @@ class StreamWriter:
         self._files = 0
 
     def write_item(
-        self, index: MetadataIndex, parts: Iterable[memoryview], *, nbytes: int, rank: int
+        self,
+        index: MetadataIndex,
+        parts: Iterable[memoryview],
+        *,
+        nbytes: int,
+        rank: int,
+        sizes: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> StoredItem:
-        """Append one item from its byte ``parts`` (in order); they must total ``nbytes``."""
-        if index in self.items:
+        """Append one item from its byte ``parts`` (in order); they must total ``nbytes``.
+
+        A tensor chunk also gives its ``sizes`` and ``dtype``."""
+        key = item_key(index)
+        if key in self.items:
             raise ValueError(f"{index.fqn!r} at {list(index.offset or ())} was written twice")
         out = self._file_for_next_item()
         pad = -self._pos % ALIGN
@@ -121,10 +131,9 @@ class StreamWriter:
                 f"{nbytes} expected"
             )
         self.bytes_written += written
-        item = StoredItem(
-            self._name, start, written, rank, hasher.finish() if hasher is not None else None
-        )
-        self.items[index] = item
+        digests = hasher.finish() if hasher is not None else None
+        item = StoredItem(self._name, start, written, rank, digests, sizes, dtype)
+        self.items[key] = item
         return item
 
     def close(self) -> None:
@@ -163,7 +172,7 @@ class StreamWriter:
 def commit(
     location: Location,
     state: Mapping[str, STORAGE_TYPES],
-    items: Mapping[MetadataIndex, StoredItem],
+    items: Mapping[ItemKey, StoredItem],
     *,
     save_id: str,
     world_size: int,

@@ -25,6 +25,7 @@ from storage.format import (
     StoredItem,
     data_file_name,
     encode_metadata,
+    item_key,
     temp_metadata_name,
 )
 from storage.paths import Location, resolve
@@ -44,6 +45,11 @@ class _RankTarget:
 
     save_id: str
     rank: int
+
+
+def new_save_id() -> str:
+    """A fresh id that names this save's data files (so re-saves never overwrite them)."""
+    return uuid.uuid4().hex[:16]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -169,11 +175,17 @@ class FsspecCheckpointWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._save_id = uuid.uuid4().hex[:16]
+        save_id = new_save_id()
         return [
-            dataclasses.replace(p, storage_data=_RankTarget(self._save_id, rank))
+            dataclasses.replace(p, storage_data=self.storage_data_for(rank, save_id))
             for rank, p in enumerate(plans)
         ]
+
+    def storage_data_for(self, rank: int, save_id: str) -> Any:
+        """What ``prepare_global_plan`` gives ``rank`` for save ``save_id``; lets a caller that
+        cached the global plan start a new save without another exchange."""
+        self._save_id = save_id
+        return _RankTarget(save_id, rank)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target = plan.storage_data
@@ -196,7 +208,9 @@ class FsspecCheckpointWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        items = {
+            item_key(r.index): r.storage_data for rank_results in results for r in rank_results
+        }
         metadata.storage_data = StorageIndex(
             items=items,
             save_id=self._save_id,
@@ -266,7 +280,15 @@ class FsspecCheckpointWriter(StorageWriter):
                     WriteResult(
                         index=item.index,
                         size_in_bytes=len(mv),
-                        storage_data=StoredItem(name, pos, len(mv), rank, digests),
+                        storage_data=StoredItem(
+                            name,
+                            pos,
+                            len(mv),
+                            rank,
+                            digests,
+                            tuple(item.tensor_data.chunk.sizes) if item.tensor_data else None,
+                            item.tensor_data.properties.dtype if item.tensor_data else None,
+                        ),
                     )
                 )
                 pos += len(mv)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import importlib
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -57,6 +59,7 @@ def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) ->
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung rank, on demand
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401  (must precede init_process_group)
 
@@ -157,13 +160,19 @@ class WorkerPool:
                 ):  # the others get a grace period, not the full timeout
                     deadline = min(deadline, time.monotonic() + 20)
         hung = sorted(pending.values())
+        stacks = ""
         if hung:
+            for rank in hung:
+                with contextlib.suppress(OSError):
+                    os.kill(self._procs[rank].pid, signal.SIGUSR1)
+            time.sleep(1)
+            stacks = "\n".join(f"--- rank {r} stacks ---\n{self._log_tail(r, 60)}" for r in hung)
             self.kill()  # a rank is stuck (e.g. in a collective): start afresh next time
         errors = {r: v for r, (status, v) in results.items() if status == "error"}
         if errors or hung:
             parts = [f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())]
             if hung:
-                parts.append(f"--- ranks {hung} did not finish within {timeout:.0f}s ---")
+                parts.append(f"--- ranks {hung} did not finish within {timeout:.0f}s ---\n{stacks}")
             raise RankFailure("\n".join(parts))
         return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(nprocs)]
 

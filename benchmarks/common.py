@@ -1,0 +1,67 @@
+"""Timing helpers shared by the benchmarks: alternated repeats, medians, page-cache control."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+
+def drop_page_cache() -> bool:
+    """Flush dirty pages and drop the page cache (root only); True if the cache was dropped."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def rchar() -> int:
+    """Bytes this process has read through read/pread syscalls (page cache hits included)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+@contextmanager
+def timer(out: list[float]):
+    t0 = time.perf_counter()
+    yield
+    out.append(time.perf_counter() - t0)
+
+
+def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Run each contender ``repeats`` times, interleaved (A B C A B C ...); median seconds each.
+
+    Interleaving spreads machine noise over all contenders instead of biasing one.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            samples[name].append(fn())
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def fresh_dir(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:6.2f} GB/s"
+
+
+def table(title: str, rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> None:
+    print(f"\n## {title}")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths)))

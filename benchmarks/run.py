@@ -1,0 +1,45 @@
+"""One command for every benchmark: ``python benchmarks/run.py [--quick] [--only core ...]``.
+
+Each section prints its table and a few same-run ratios; the summary repeats the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench_core
+
+SECTIONS = {"core": bench_core.main}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated runs per contender")
+    parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    args = parser.parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="dcpb-bench-")
+    summary: list[str] = []
+    try:
+        for name in args.only or SECTIONS:
+            summary += SECTIONS[name](root, args.repeats, args.quick)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(
+        "\n## summary (same-run ratios, medians of alternated runs; >1 means dcpbridge is faster)"
+    )
+    for line in summary:
+        print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

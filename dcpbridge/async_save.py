@@ -1,0 +1,148 @@
+"""``async_save``: the caller waits only for staging; writing and the commit run in the background.
+
+Per process group there is one background thread, one dedicated gloo group for its collectives
+(so they never interleave with the training loop's) and one staging area whose buffers are reused
+by later saves. Saves complete in submission order; at most ``max_in_flight`` are outstanding.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from dcpbridge.collectives import Group, StoreGroup
+from dcpbridge.staging import BufferSet, StagingArea, stage
+
+log = logging.getLogger(__name__)
+
+
+class AsyncSaveHandle:
+    """A save running in the background; ``result()`` waits and re-raises its failure."""
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the checkpoint is committed (or failed: then raise, on every rank)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(
+                f"async save to {self.checkpoint_dir} still running after {timeout}s"
+            )
+        self._reported = True
+        if self._error is not None:
+            raise self._error
+
+    wait = result
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+
+class AsyncSaver:
+    """The background machinery of one process group."""
+
+    _by_group: dict[int, AsyncSaver] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, group: Group, max_in_flight: int) -> None:
+        self.group = StoreGroup.for_group(group, "async-save")
+        self.max_in_flight = max_in_flight
+        self.area = StagingArea(max_in_flight)
+        self._inflight: deque[AsyncSaveHandle] = deque()
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="dcpb-async-save", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_group(cls, group: Group, max_in_flight: int) -> AsyncSaver:
+        """The saver of ``group`` (created collectively on first use by every member)."""
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        with cls._lock:
+            saver = cls._by_group.get(id(group.pg))
+            if saver is None:
+                saver = cls._by_group[id(group.pg)] = AsyncSaver(group, max_in_flight)
+            saver.area.max_sets = max(saver.area.max_sets, max_in_flight)
+            saver.max_in_flight = max_in_flight
+        return saver
+
+    def submit(
+        self,
+        checkpoint_dir: str,
+        collect: Callable[[], tuple[Any, list[Any]]],
+        make_job: Callable[[Any, list[Any]], Callable[[], Any]],
+    ) -> AsyncSaveHandle:
+        """Stage what ``collect()`` returns (common state, shards) now; queue
+        ``make_job(common copy, staged shards)`` to run in the background.
+
+        Saves beyond ``max_in_flight`` are waited for first, which raises their failures (if
+        ``result()`` did not already) at the same call on every rank. If staging fails here, a job that fails is queued all
+        the same, so the other ranks' background saves fail too instead of waiting forever.
+        """
+        while len(self._inflight) >= self.max_in_flight:
+            oldest = self._inflight.popleft()
+            oldest._done.wait()
+            if oldest._error is not None and not oldest._reported:
+                oldest._reported = True
+                raise oldest._error
+        handle = AsyncSaveHandle(checkpoint_dir)
+        buffers: BufferSet | None = None
+        try:
+            common, shards = collect()
+            staged, buffers = stage(shards, self.area)
+            job = make_job(copy.deepcopy(common), staged)
+        except BaseException as e:
+            error = e
+
+            def job() -> None:
+                raise error
+
+            self._inflight.append(handle)
+            self._jobs.put((handle, buffers, job))
+            raise
+        self._inflight.append(handle)
+        self._jobs.put((handle, buffers, job))
+        return handle
+
+    def drain(self) -> None:
+        while self._inflight:
+            handle = self._inflight.popleft()
+            try:
+                handle.result()
+            except Exception as e:  # reported where the caller waits; here only logged
+                log.warning("async save to %s failed: %s", handle.checkpoint_dir, e)
+
+    def _loop(self) -> None:
+        while True:
+            handle, buffers, job = self._jobs.get()
+            error = None
+            try:
+                if buffers is not None:
+                    buffers.wait_ready()
+                job()
+            except BaseException as e:
+                error = e
+            finally:
+                if buffers is not None:
+                    self.area.release(buffers)
+                handle._finish(error)
+
+
+@atexit.register
+def _wait_for_saves_at_exit() -> None:
+    """Finish outstanding saves before the interpreter exits, so the last checkpoint lands."""
+    for saver in list(AsyncSaver._by_group.values()):
+        saver.drain()

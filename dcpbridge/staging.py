@@ -1,0 +1,130 @@
+"""Copy the shards a save writes into reusable host buffers, so training may mutate its tensors.
+
+One flat buffer per in-flight save, reused across saves (host memory stays flat), pinned when
+CUDA is available. CPU sources are copied at once; CUDA sources are copied with non-blocking
+copies on a side stream, and the training stream waits for them on the GPU, not on the host.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dcpbridge.mapping import ShardedObject, ShardedTensor
+from planners import is_main_replica
+
+_ALIGN = 64
+
+
+@dataclass
+class BufferSet:
+    """One save's staging memory; ``ready`` is set once its CUDA copies have landed."""
+
+    flat: torch.Tensor
+    events: list[Any] = field(default_factory=list)
+
+    def wait_ready(self) -> None:
+        """Block until the staged bytes are in host memory (CUDA copies finished)."""
+        for event in self.events:
+            event.synchronize()
+
+
+class StagingArea:
+    """At most ``max_sets`` buffer sets; a set is reused by the next save once released."""
+
+    def __init__(self, max_sets: int) -> None:
+        self.max_sets = max_sets
+        self._free: list[BufferSet] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self._streams: dict[torch.device, Any] = {}
+
+    def acquire(self, nbytes: int) -> BufferSet:
+        """A free set of at least ``nbytes`` (allocating or growing one if needed)."""
+        with self._cond:
+            while not self._free and self._count >= self.max_sets:
+                self._cond.wait()
+            fit = [s for s in self._free if s.flat.numel() >= nbytes]
+            if fit:
+                chosen = min(fit, key=lambda s: s.flat.numel())
+                self._free.remove(chosen)
+                chosen.events = []
+                return chosen
+            if self._free:  # grow: drop a free set that is too small instead of adding one
+                self._free.pop()
+                self._count -= 1
+            self._count += 1
+        pin = torch.cuda.is_available()
+        return BufferSet(torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin))
+
+    def release(self, buffers: BufferSet) -> None:
+        with self._cond:
+            self._free.append(buffers)
+            self._cond.notify()
+
+    def side_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for t in tensors:
+        pos += -pos % _ALIGN
+        offsets.append(pos)
+        pos += t.numel() * t.element_size()
+    return offsets, pos
+
+
+def stage(shards: list[Any], area: StagingArea) -> tuple[list[Any], BufferSet]:
+    """Staged copies of ``shards``: main-replica tensors in host buffers, objects deep-copied.
+
+    Shards other saves would not write keep their metadata only (``data=None``).
+    """
+    writes = [
+        s
+        for s in shards
+        if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id) and s.numel > 0
+    ]
+    offsets, total = _layout([s.data for s in writes])
+    buffers = area.acquire(total)
+    views: dict[int, torch.Tensor] = {}
+    cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for s, off in zip(writes, offsets):
+        src = s.data
+        nbytes = src.numel() * src.element_size()
+        view = buffers.flat[off : off + nbytes].view(src.dtype).view(src.shape)
+        if src.is_cuda:
+            cuda.setdefault(src.device, []).append((view, src))
+        else:
+            view.copy_(src)
+        views[id(s)] = view
+    for device, pairs in cuda.items():
+        stream = area.side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for view, src in pairs:
+                view.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        torch.cuda.current_stream(device).wait_event(event)  # later kernels wait for the copies
+        buffers.events.append(event)
+
+    staged = []
+    for s in shards:
+        if isinstance(s, ShardedTensor):
+            staged.append(dataclasses.replace(s, data=views.get(id(s))))
+        elif isinstance(s, ShardedObject):
+            data = copy.deepcopy(s.data) if is_main_replica(s.replica_id) else None
+            staged.append(dataclasses.replace(s, data=data))
+        else:
+            staged.append(s)
+    return staged, buffers

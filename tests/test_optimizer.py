@@ -1,0 +1,203 @@
+"""Optimizer state sharded like the model: mapping, metadata inheritance, shared step, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dcpbridge as db
+from dcpbridge.mapping import LocalNonpersistentObject
+from dcpbridge.state import apply_factories, extract, is_nonpersistent, is_sharded
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.scale = nn.Parameter(torch.arange(1.0, 5.0))
+
+
+def _halves(key, data, replica_id):
+    return {
+        i: db.ShardedTensor.from_rank_offsets(f"{key}.{i}", h, replica_id=replica_id)
+        for i, h in enumerate(data.chunk(2))
+    }
+
+
+def _join(parts):
+    return torch.cat([parts[0], parts[1]])
+
+
+def net_sharded(net: Net, params: dict | None = None, *, whole: bool = False) -> dict:
+    """fc.weight is a box (rank 1 of 3 along dim 0, layer 2 of 5 prepended), the rest
+    replicas; ``whole``: one process holding everything (main replicas)."""
+    p = params if params is not None else dict(net.named_parameters())
+    box = ((0, 0, 1), (1, 0, 1)) if whole else ((0, 2, 5), (1, 1, 3))
+    return {
+        "fc": {
+            "weight": db.ShardedTensor.from_rank_offsets(
+                "dec.fc.weight",
+                p["fc.weight"],
+                *box,
+                replica_id=(0, 0, 0) if whole else (0, 1, 2),
+                prepend_axis_num=1,
+            ),
+            "bias": db.ShardedTensor.from_rank_offsets(
+                "dec.fc.bias", p["fc.bias"], replica_id=0 if whole else 3
+            ),
+        },
+        "scale": db.ShardedTensorFactory(
+            "dec.scale", p["scale"], _halves, _join, replica_id=0 if whole else 1
+        ),
+    }
+
+
+def stepped_adam(net: Net, steps: int = 2, **kwargs) -> torch.optim.Adam:
+    opt = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1, **kwargs)
+    for _ in range(steps):
+        opt.zero_grad()
+        net.fc(net.scale).square().sum().backward()
+        opt.step()
+    return opt
+
+
+def test_param_maps_follow_optimizer_order():
+    net = Net()
+    order = [net.scale, net.fc.weight, net.fc.bias]
+    assert db.get_optim_param_to_id_map(order) == {id(p): i for i, p in enumerate(order)}
+    sd = net_sharded(net)
+    mapping = db.get_param_id_to_sharded_param_map(sd, iter(order))
+    assert mapping == {0: sd["scale"], 1: sd["fc"]["weight"], 2: sd["fc"]["bias"]}
+
+
+def test_sharded_state_inherits_the_parameter_sharding():
+    net = Net()
+    sd = net_sharded(net)
+    exp_avg = torch.ones(6, 4, dtype=torch.bfloat16)
+    st = db.make_sharded_optimizer_tensor(sd["fc"]["weight"], exp_avg, "optimizer.state.exp_avg")
+    model = sd["fc"]["weight"]
+    assert st.key == "optimizer.state.exp_avg.dec.fc.weight" and st.data is exp_avg
+    assert st.dtype == torch.bfloat16
+    for attr in (
+        "local_shape",
+        "global_shape",
+        "global_offset",
+        "axis_fragmentations",
+        "replica_id",
+        "prepend_axis_num",
+        "allow_shape_mismatch",
+    ):
+        assert getattr(st, attr) == getattr(model, attr), attr
+    assert st.global_shape == (5, 18, 4) and st.global_offset == (2, 6, 0)
+    fac = db.make_sharded_optimizer_tensor(sd["scale"], torch.zeros(4), "optimizer.state.m")
+    assert isinstance(fac, db.ShardedTensorFactory) and fac.key == "optimizer.state.m.dec.scale"
+    assert fac.build_fn is _halves and fac.merge_fn is _join and fac.replica_id == 1
+    assert [sh.key for sh in fac.build().values()] == [
+        "optimizer.state.m.dec.scale.0",
+        "optimizer.state.m.dec.scale.1",
+    ]
+    with pytest.raises(db.OptimizerStateError, match=r"\(4, 6\) does not match .* \(6, 4\)"):
+        db.make_sharded_optimizer_tensor(model, torch.zeros(4, 6), "optimizer.state.x")
+
+
+def test_state_dict_layout_step_once_groups_common_params_local():
+    net = Net()
+    opt = stepped_adam(net)
+    sd = db.optimizer_sharded_state_dict(opt, net_sharded(net))
+    assert set(sd) == {"state", "param_groups", "shared_state", "local"}
+    assert sd["state"][1]["exp_avg_sq"].key == "optimizer.state.exp_avg_sq.dec.fc.weight"
+    assert sd["state"][1]["exp_avg"].data is opt.state[net.fc.weight]["exp_avg"]
+    assert set(sd["state"][0]) == {"exp_avg", "exp_avg_sq"}, "step is not per parameter"
+    step = sd["shared_state"]["step"]
+    assert step.dtype == torch.float32 and step.item() == 2.0
+    assert isinstance(sd["local"], LocalNonpersistentObject)
+    assert sd["local"].obj["groups"] == [("#0", {"params": [0, 1, 2]})]
+    # what save writes as common state: hyper-parameters, keyed by group identity
+    _, rest = extract(apply_factories(sd), is_nonpersistent)
+    _, common = extract(rest, is_sharded)
+    assert common["param_groups"]["#0"]["lr"] == 0.1
+    assert "params" not in common["param_groups"]["#0"]
+    assert "state" not in common and "local" not in common
+
+
+def test_disagreeing_step_is_an_error_naming_the_values():
+    net = Net()
+    opt = stepped_adam(net)
+    opt.state[net.fc.bias]["step"] = torch.tensor(7.0)
+    with pytest.raises(db.OptimizerStateError) as e:
+        db.optimizer_sharded_state_dict(opt, net_sharded(net))
+    message = str(e.value)
+    assert "'step' differs" in message
+    assert "2.0 for params [0, 1]" in message and "7.0 for params [2]" in message
+    sd = db.optimizer_sharded_state_dict(opt, net_sharded(net), exclude_keys=("step",))
+    assert "shared_state" not in sd and "step" not in sd["state"][2]
+
+
+def test_plain_tensors_get_the_keep_vars_hint():
+    net = Net()
+    opt = stepped_adam(net)
+    detached = net_sharded(net, net.state_dict())  # state_dict() without keep_vars=True
+    with pytest.raises(db.OptimizerStateError, match=r"3 optimizer parameter.*keep_vars=True"):
+        db.optimizer_sharded_state_dict(opt, detached)
+    partial = net_sharded(net)
+    del partial["scale"]
+    with pytest.raises(db.OptimizerStateError) as e:
+        db.optimizer_sharded_state_dict(opt, partial)
+    assert "#0 (4,)" in str(e.value) and "keep_vars" not in str(e.value)
+
+
+def test_round_trip_in_one_process(tmp_path):
+    """Saved by an Adam under float64 default dtype (float64 step), restored into a float32 one."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        src = Net()
+        opt = stepped_adam(src, steps=3)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert opt.state[src.scale]["step"].dtype == torch.float64
+    db.save(
+        {"optimizer": db.optimizer_sharded_state_dict(opt, net_sharded(src, whole=True))}, tmp_path
+    )
+
+    dst = Net().double()
+    new = torch.optim.Adam([dst.scale, dst.fc.weight, dst.fc.bias], lr=0.5)
+    template = {"optimizer": db.optimizer_sharded_state_dict(new, net_sharded(dst, whole=True))}
+    with pytest.raises(db.OptimizerStateError, match="init_optimizer_state"):
+        db.load_optimizer_state(new, db.load(template, tmp_path)["optimizer"])
+    before = {n: p.detach().clone() for n, p in dst.named_parameters()}
+    db.init_optimizer_state(new)
+    assert all(torch.equal(p, before[n]) for n, p in dst.named_parameters())
+    assert all(p.grad is None for p in dst.parameters())
+    template = {"optimizer": db.optimizer_sharded_state_dict(new, net_sharded(dst, whole=True))}
+    db.load_optimizer_state(new, db.load(template, tmp_path)["optimizer"])
+
+    assert new.param_groups[0]["lr"] == 0.1, "hyper-parameters come from the checkpoint"
+    steps = [new.state[p]["step"] for p in (dst.scale, dst.fc.weight, dst.fc.bias)]
+    assert all(s.dtype == torch.float32 and s.item() == 3.0 for s in steps)
+    assert len({s.data_ptr() for s in steps}) == 3, "each parameter owns its step"
+    for p_src, p_dst in zip(
+        (src.scale, src.fc.weight, src.fc.bias), (dst.scale, dst.fc.weight, dst.fc.bias)
+    ):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(new.state[p_dst][key], opt.state[p_src][key]), key
+
+
+def test_sgd_has_no_shared_state_and_excluded_keys_keep_current_values(tmp_path):
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net.fc(net.scale).sum().backward()
+    opt.step()
+    sd = db.optimizer_sharded_state_dict(
+        opt, net_sharded(net, whole=True), exclude_keys=("momentum_buffer",)
+    )
+    assert "shared_state" not in sd and sd["state"] == {0: {}, 1: {}, 2: {}}
+    db.save({"o": sd}, tmp_path)
+    before = {k: v["momentum_buffer"].clone() for k, v in opt.state_dict()["state"].items()}
+    template = {
+        "o": db.optimizer_sharded_state_dict(
+            opt, net_sharded(net, whole=True), exclude_keys=("momentum_buffer",)
+        )
+    }
+    restored = db.restore_optim_state(db.load(template, tmp_path)["o"])
+    assert all(torch.equal(restored["state"][k]["momentum_buffer"], before[k]) for k in before)
