@@ -44,18 +44,22 @@ class UsageError(Exception):
 
 
 def _docs(module: Any) -> str:
-    return (module.__doc__ or "").split("\n", 1)[1].strip("\n")
+    return (module.__doc__ or "").split("\n", 1)[1].strip("\n").replace("``", "")
 
 
-def _add_common(p: argparse.ArgumentParser, *, pickle: bool = True) -> None:
-    p.add_argument("--config", metavar="FILE", help="configuration file (see `dcpbridge --help`)")
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,  # keeps a --config given before the command
+        help="configuration file (see `dcpbridge --help`)",
+    )
     p.add_argument("--profile", metavar="NAME", help="storage profile for every URL")
-    if pickle:
-        p.add_argument(
-            "--allow-pickle",
-            action="store_true",
-            help="read pickled metadata/objects (DCP, torch_dist, torch files); trusted input only",
-        )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read pickled metadata/objects (DCP, torch_dist, torch files); trusted input only",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
 
 
@@ -79,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"{_FORMATS_HELP}\nconfiguration file:\n{_docs(config_mod)}",
         formatter_class=fmt,
     )
+    parser.add_argument("--config", metavar="FILE", help="configuration file (see below)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(

@@ -16,12 +16,12 @@ messages and logs never contain credential values.
         multipart_part_size: 64MiB      # s3fs block size of multipart uploads
         concurrency: 8                  # s3fs max_concurrency per file
         options: {}                     # extra, non-secret fsspec options
-    checkpoint:                         # defaults for the CLI (and callers that read them)
-      async: false
-      fully_parallel: true
-      threads: 2
-      checksums: true
-      profile: null                     # profile used when none is named
+    checkpoint:                         # defaults, read by load_config().checkpoint
+      async: false                      # training code: save in the background
+      fully_parallel: true              # training code: spread replicated shards' writes
+      threads: 2                        # writer threads (data files) per rank
+      checksums: true                   # record checksums (the CLI's default too)
+      profile: null                     # profile for URLs when none is named (CLI too)
     jobs:
       to-tp4:                           # dcpbridge reshard --config FILE --job to-tp4
         source: s3://bucket/ckpt/iter_1000

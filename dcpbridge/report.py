@@ -236,13 +236,16 @@ def format_text(doc: dict[str, Any], *, max_chunks: int = 8) -> str:
         f"{len(doc['objects'])} objects"
     )
     width = max([len(k) for k in doc["tensors"]] + [3])
+    rw = max([len(_ranks(t["chunks"])) for t in doc["tensors"].values()] + [5])
     lines.append("")
-    lines.append(f"  {'key':<{width}}  {'dtype':<9} {'shape':<18} {'chunks':>6}  ranks  size")
+    lines.append(
+        f"  {'key':<{width}}  {'dtype':<9} {'shape':<18} {'chunks':>6}  {'ranks':<{rw}}  size"
+    )
     for key, t in doc["tensors"].items():
         shape = "x".join(map(str, t["shape"])) or "()"
         lines.append(
             f"  {key:<{width}}  {t['dtype']:<9} {shape:<18} {len(t['chunks']):>6}  "
-            f"{_ranks(t['chunks']):<5}  {human_bytes(t['bytes'])}"
+            f"{_ranks(t['chunks']):<{rw}}  {human_bytes(t['bytes'])}"
         )
         for c in t["chunks"][:max_chunks]:
             where = f"{c['file']}@{c['offset']}" if c["file"] else "-"

@@ -308,7 +308,8 @@ def _open_dcp(
     files = sorted({str(i.relative_path) for i in storage.values()})
     facts: dict[str, Any] = {"files": files, "format_version": getattr(metadata, "version", None)}
     if fmt == Format.TORCH_DIST:
-        objects[COMMON_KEY] = ObjectInfo(COMMON_KEY, file=MEGATRON_COMMON)
+        common = int(location.fs.size(location.path(MEGATRON_COMMON)))
+        objects[COMMON_KEY] = ObjectInfo(COMMON_KEY, common, file=MEGATRON_COMMON)
         facts["megatron_config"] = json.loads(
             ByteIO.for_location(location).read_file(location.path("metadata.json"))
         )

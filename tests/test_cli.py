@@ -214,8 +214,12 @@ def test_usage_errors_exit_2_and_bad_checkpoints_exit_1(rows2, tmp_path, capsys)
     assert code == 2 and "invalid choice: 'zip'" in err
     bad_config = tmp_path / "c.yaml"
     bad_config.write_text("checkpoint: {threads: many}\n")
-    code, _, err = in_process(capsys, "inspect", rows2, "--config", str(bad_config))
-    assert code == 2 and f"{bad_config}: checkpoint.threads: expected int, got str" in err
+    for args in (
+        ["inspect", rows2, "--config", str(bad_config)],
+        ["--config", str(bad_config), "inspect", rows2],
+    ):
+        code, _, err = in_process(capsys, *args)
+        assert code == 2 and f"{bad_config}: checkpoint.threads: expected int, got str" in err
 
     os.makedirs(tmp_path / "half")
     shutil.copy(os.path.join(rows2, sorted(os.listdir(rows2))[0]), tmp_path / "half")
