@@ -377,6 +377,8 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
         )
     if args.layout:
         raise UsageError("--layout applies to --to dcpbridge only")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(f"convert --to {args.to} runs in one process, not under torchrun")
     from dcpbridge.export import export_safetensors, export_torch
 
     slab = _size(args.slab_size, "--slab-size") or 0

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -223,3 +224,30 @@ def test_sources_read_dcp_safetensors_and_torch_files(pool, tmp_path):
     dcp_source = open_source(dcp_dir, allow_pickle=True)
     assert dcp_source.box_reads and dcp_source.object("step") == 4
     assert open_source(pt).common_state() == {"meta": {"epoch": 1}}
+
+
+def test_torch_dist_save_and_load_through_an_fsspec_url():
+    """format="torch_dist" on a URL goes through torch's FsspecWriter/FsspecReader."""
+    fs = fsspec.filesystem("memory")
+    url = "memory://torch-dist-url/ck"
+    try:
+        w = L.full("w")
+        state = {
+            "w": db.ShardedTensor.from_box("w", w, (12, 8), (0, 0)),
+            "rng": db.ShardedObject("rng", {"seed": 5}, (1,), (0,)),
+            "iteration": 3,
+        }
+        db.save(state, url, format="torch_dist")
+        names = {n.rsplit("/", 1)[-1] for n in fs.ls("/torch-dist-url/ck", detail=False)}
+        assert {"metadata.json", ".metadata", "common.pt"} <= names
+        tmpl = {
+            "w": db.ShardedTensor.from_box("w", torch.zeros(4, 8), (12, 8), (8, 0)),
+            "rng": db.ShardedObject("rng", None, (1,), (0,)),
+        }
+        out = db.load(tmpl, url, allow_pickle=True)
+        assert torch.equal(out["w"], w[8:]) and out["rng"] == {"seed": 5}
+        assert out["iteration"] == 3
+        with pytest.raises(ValueError, match="format must be 'dcpbridge' or 'torch_dist'"):
+            db.save(state, url, format="zarr")
+    finally:
+        fs.rm("/torch-dist-url", recursive=True)
