@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,10 +14,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from dcpbridge import fully_parallel as fp
 from dcpbridge.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.collectives import Group
 from dcpbridge.config import resolve_storage_options
-from dcpbridge.engine import SaveCache, run_load, run_save
+from dcpbridge.engine import Reuse, SaveCache, agree_to_reuse, run_load, run_save
 from dcpbridge.formats import LoadSource, open_for_load
 from dcpbridge.mapping import (
     COMMON_KEY,
@@ -26,6 +28,7 @@ from dcpbridge.mapping import (
     ShardedTensor,
     StateDict,
 )
+from dcpbridge.staging import stage
 from dcpbridge.state import (
     HOLE,
     apply_factories,
@@ -40,7 +43,11 @@ from dcpbridge.state import (
 )
 from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
-from storage import FsspecCheckpointWriter, read_checkpoint_metadata, resolve
+from storage import (
+    FsspecCheckpointWriter,
+    read_checkpoint_metadata,
+    resolve,
+)
 from storage.reader import read_object_bytes
 
 PathLike = str | os.PathLike[str]
@@ -61,12 +68,108 @@ class _CommonState:
         return COMMON_KEY
 
 
-# Save-plan caches per (process group, validation flag): reused while the structure holds.
+# Save caches per (process group, validation flag): reused while the structure holds.
 _SAVE_CACHES: dict[tuple[int, bool], SaveCache] = {}
 
 
 def save_cache(group: Group, validate: bool) -> SaveCache:
     return _SAVE_CACHES.setdefault((id(group.pg), validate), SaveCache())
+
+
+def structure_of(shards: list[Any], parallel: Group | None) -> int:
+    """Fingerprint of what the shards declare (keys, boxes, dtypes, replicas), not their data."""
+    parts = [
+        (
+            s.key,
+            s.global_shape,
+            s.global_offset,
+            s.local_shape,
+            str(s.dtype),
+            s.replica_id,
+            s.prepend_axis_num,
+        )
+        if isinstance(s, ShardedTensor)
+        else (s.unique_key, s.replica_id)
+        for s in shards
+    ]
+    return hash((tuple(parts), None if parallel is None else (id(parallel.pg), parallel.rank)))
+
+
+@dataclass
+class _PlannedSave:
+    """A save after the collective decisions taken before planning (or the error it hit)."""
+
+    common: Any = None
+    shards: list[Any] = field(default_factory=list)
+    structure: int | None = None
+    reuse: Reuse | None = None
+    writers: Any = None
+    error: BaseException | None = None
+
+
+def _plan_save(
+    group: Group,
+    cache: SaveCache,
+    collect: Callable[[], tuple[Any, list[Any]]],
+    parallel: Group | None,
+) -> _PlannedSave:
+    """Collect the shards, vote on reusing the cache and (fully parallel) assign writers.
+
+    Never raises for a local failure: it is kept in ``error`` and raised inside the engine's
+    first step, so every rank sees it instead of some ranks waiting in a collective.
+    """
+    planned = _PlannedSave()
+    try:
+        planned.common, planned.shards = collect()
+        planned.structure = structure_of(planned.shards, parallel)
+    except Exception as e:
+        planned.error = e
+    planned.reuse = agree_to_reuse(group, cache, planned.structure)
+    if parallel is not None:
+        if planned.reuse is not None:
+            planned.writers = planned.reuse.entry.extra
+        else:
+            try:
+                planned.writers = fp.writers(parallel, planned.error or planned.shards)
+            except Exception as e:
+                planned.error = planned.error or e
+        if planned.error is None:
+            planned.shards = fp.assign_writers(planned.shards, planned.writers, parallel.rank)
+    return planned
+
+
+def _run_planned(
+    group: Group,
+    cache: SaveCache,
+    planned: _PlannedSave,
+    make_writer: Callable[[], StorageWriter],
+    validate: bool,
+) -> None:
+    def prepare() -> tuple[Any, ShardedSavePlanner, StorageWriter]:
+        if planned.error is not None:
+            raise planned.error
+        writer = make_writer()
+        if isinstance(writer, TorchDistWriter):  # the common state goes to common.pt
+            return {"shards": planned.shards}, TorchDistSavePlanner(validate=validate), writer
+        state = save_state(planned.common, planned.shards, group.rank)
+        return state, ShardedSavePlanner(validate=validate), writer
+
+    run_save(
+        prepare,
+        group,
+        cache,
+        structure=planned.structure,
+        reuse=planned.reuse,
+        extra=planned.writers,
+    )
+
+
+def _parallel_group(
+    fully_parallel: bool, parallelization_group: dist.ProcessGroup | None, group: Group
+) -> Group | None:
+    if not fully_parallel:
+        return None
+    return Group.resolve(parallelization_group) if parallelization_group is not None else group
 
 
 class _BridgeLoadPlanner(ShardedLoadPlanner):
@@ -87,6 +190,8 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     storage_options: dict[str, Any] | None = None,
     validate_access_integrity: bool = True,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
     thread_count: int = 1,
     sync_files: bool = True,
     checksums: bool = True,
@@ -97,40 +202,40 @@ def save(
 
     ShardedTensors and ShardedObjects are written by their main replica only, factories are
     built first, LocalNonpersistentObjects are skipped, and everything else is common state
-    written once by the group's rank 0. The checkpoint is committed (``dcpbridge.json``
-    published) only after every rank's data is durable and the sharding validated.
-    ``format="torch_dist"`` writes a Megatron-Core torch_dist checkpoint instead (no
-    checksums); ``profile`` names a storage profile of the configuration file.
+    written once by the group's rank 0. With ``fully_parallel``, each shard held by several
+    ranks of ``parallelization_group`` (default: ``process_group``) is written by one of them,
+    balancing bytes. The checkpoint is committed (``dcpbridge.json`` published) only after
+    every rank's data is durable and the sharding validated. ``format="torch_dist"`` writes a
+    Megatron-Core torch_dist checkpoint instead (no checksums); ``profile`` names a storage
+    profile of the configuration file.
     """
-    group = Group.resolve(process_group)
     if format not in ("dcpbridge", "torch_dist"):
         raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
+    group = Group.resolve(process_group)
+    # torch's own writer cannot replay a cached plan: torch_dist saves never reuse one
+    cache = save_cache(group, validate_access_integrity) if format == "dcpbridge" else SaveCache()
+    parallel = _parallel_group(fully_parallel, parallelization_group, group)
+    planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
 
-    def prepare() -> tuple[Any, ShardedSavePlanner, StorageWriter]:
-        common, shards = split_for_save(sharded_state_dict)
+    def make_writer() -> StorageWriter:
         options = resolve_storage_options(storage_options, profile)
         if format == "torch_dist":
-            writer = TorchDistWriter(
+            return TorchDistWriter(
                 checkpoint_dir,
-                common,
+                planned.common,
                 storage_options=options,
                 thread_count=thread_count,
                 sync_files=sync_files,
             )
-            planner = TorchDistSavePlanner(validate=validate_access_integrity)
-            return {"shards": shards}, planner, writer
-        writer = FsspecCheckpointWriter(
+        return FsspecCheckpointWriter(
             checkpoint_dir,
             storage_options=options,
             thread_count=thread_count,
             sync_files=sync_files,
             checksums=checksums,
         )
-        state = save_state(common, shards, group.rank)
-        return state, ShardedSavePlanner(validate=validate_access_integrity), writer
 
-    cache = save_cache(group, validate_access_integrity) if format == "dcpbridge" else None
-    run_save(prepare, group, cache)
+    _run_planned(group, cache, planned, make_writer, validate_access_integrity)
 
 
 def async_save(
@@ -140,6 +245,8 @@ def async_save(
     process_group: dist.ProcessGroup | None = None,
     storage_options: dict[str, Any] | None = None,
     validate_access_integrity: bool = True,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
     thread_count: int = 1,
     sync_files: bool = True,
     checksums: bool = True,
@@ -148,33 +255,40 @@ def async_save(
 ) -> AsyncSaveHandle:
     """``save`` that returns once the data is staged in host memory; the rest runs behind.
 
-    The caller may modify its tensors as soon as this returns. Failures surface on every rank
-    at ``handle.result()`` (or ``wait()``), or else at the async_save that has to wait for that
-    save because ``max_in_flight`` saves are outstanding (that call raises and starts nothing).
-    A failed save never commits.
+    The caller may modify its tensors as soon as this returns. The small decisions taken
+    before planning (cache vote, fully-parallel writers) are collective and run here; writing
+    and the commit run on a background thread whose exchanges never touch the caller's
+    process groups. Failures surface on every rank at ``handle.result()`` (or ``wait()``),
+    or else at the async_save that has to wait for that save because ``max_in_flight`` saves
+    are outstanding (that call raises and starts nothing). A failed save never commits.
     """
     group = Group.resolve(process_group)
     saver = AsyncSaver.for_group(group, max_in_flight)
-    background = saver.group
+    saver.wait_for_capacity()
+    cache = save_cache(group, validate_access_integrity)
+    parallel = _parallel_group(fully_parallel, parallelization_group, group)
+    planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
+    buffers = None
+    if planned.error is None:
+        try:
+            planned.shards, buffers = stage(planned.shards, saver.area)
+            planned.common = copy.deepcopy(planned.common)
+        except Exception as e:
+            planned.error = e
+    writer_options = {
+        "thread_count": thread_count,
+        "sync_files": sync_files,
+        "checksums": checksums,
+    }
 
-    def make_job(common: Any, staged: list[Any]) -> Callable[[], Any]:
-        def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
-            writer = FsspecCheckpointWriter(
-                checkpoint_dir,
-                storage_options=resolve_storage_options(storage_options, profile),
-                thread_count=thread_count,
-                sync_files=sync_files,
-                checksums=checksums,
-            )
-            state = save_state(common, staged, background.rank)
-            return state, ShardedSavePlanner(validate=validate_access_integrity), writer
+    def make_writer() -> FsspecCheckpointWriter:
+        options = resolve_storage_options(storage_options, profile)
+        return FsspecCheckpointWriter(checkpoint_dir, storage_options=options, **writer_options)
 
-        cache = save_cache(background, validate_access_integrity)
-        return lambda: run_save(prepare, background, cache)
+    def job() -> None:
+        _run_planned(saver.group, cache, planned, make_writer, validate_access_integrity)
 
-    return saver.submit(
-        os.fspath(checkpoint_dir), lambda: split_for_save(sharded_state_dict), make_job
-    )
+    return saver.submit(os.fspath(checkpoint_dir), job, buffers)
 
 
 def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:
@@ -204,6 +318,8 @@ def load(
     allow_dtype_cast: bool = False,
     verify_checksums: bool = True,
     thread_count: int = 4,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
     profile: str | None = None,
 ) -> StateDict | tuple[StateDict, list[str], list[str]]:
     """Load into a template sharded state dict, in any parallel layout.
@@ -211,23 +327,40 @@ def load(
     Returns the template's structure with ShardedTensors replaced by their (in-place filled)
     tensors, ShardedObjects by their objects, factories merged, merged with the checkpoint's
     common state and the template's LocalNonpersistentObjects. With
-    ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``.
-    Plain DCP and Megatron-Core torch_dist directories load too, with ``allow_pickle=True``
-    (their metadata is a pickle); ``profile`` names a storage profile of the configuration.
+    ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``. With
+    ``fully_parallel``, a box several ranks of ``parallelization_group`` need is read from
+    storage by one of them and sent to the others. Plain DCP and Megatron-Core torch_dist
+    directories load too, with ``allow_pickle=True`` (their metadata is a pickle);
+    ``profile`` names a storage profile of the configuration file.
     """
     strict = StrictMode(strict)
     group = Group.resolve(process_group)
     nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
+    parallel = _parallel_group(fully_parallel, parallelization_group, group)
     sharded: Any = HOLE
-    source: LoadSource | None = None
-
-    def prepare() -> tuple[Any, _BridgeLoadPlanner, StorageReader]:
-        nonlocal sharded, source
+    shards: list[Any] = []
+    error: BaseException | None = None
+    try:
         sharded, _ = extract(apply_factories(tree), is_sharded)
         shards = leaves(sharded) if sharded is not HOLE else []
         for sh in shards:
             if isinstance(sh, ShardedTensor):
                 sh.init_data()
+    except Exception as e:  # raised inside the engine's first step, on every rank
+        error = e
+    share = None
+    if parallel is not None:
+        try:
+            share = fp.share_load(parallel, error or shards)
+        except Exception as e:
+            error = error or e
+
+    source: LoadSource | None = None
+
+    def prepare() -> tuple[Any, _BridgeLoadPlanner, StorageReader]:
+        nonlocal source
+        if error is not None:
+            raise error
         planner = _BridgeLoadPlanner(
             strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
         )
@@ -238,10 +371,13 @@ def load(
             thread_count=thread_count,
             verify_checksums=verify_checksums,
         )
-        return {"common": _CommonState(None, 0), "shards": shards}, planner, source.reader
+        state = {"common": _CommonState(None, 0), "shards": share.read if share else shards}
+        return state, planner, source.reader
 
     _, planner, _ = run_load(prepare, group)
     assert isinstance(planner, _BridgeLoadPlanner) and source is not None
+    if share is not None and parallel is not None:
+        fp.hand_off(parallel, share)
 
     objects = source.objects(planner.loaded_objects)
     missing = set(planner.missing_keys)

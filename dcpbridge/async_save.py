@@ -8,7 +8,6 @@ by later saves. Saves complete in submission order; at most ``max_in_flight`` ar
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import queue
 import threading
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dcpbridge.collectives import Group, StoreGroup
-from dcpbridge.staging import BufferSet, StagingArea, stage
+from dcpbridge.staging import BufferSet, StagingArea
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +78,11 @@ class AsyncSaver:
             saver.max_in_flight = max_in_flight
         return saver
 
-    def submit(
-        self,
-        checkpoint_dir: str,
-        collect: Callable[[], tuple[Any, list[Any]]],
-        make_job: Callable[[Any, list[Any]], Callable[[], Any]],
-    ) -> AsyncSaveHandle:
-        """Stage what ``collect()`` returns (common state, shards) now; queue
-        ``make_job(common copy, staged shards)`` to run in the background.
+    def wait_for_capacity(self) -> None:
+        """Wait for the oldest saves until fewer than ``max_in_flight`` are outstanding.
 
-        Saves beyond ``max_in_flight`` are waited for first, which raises their failures (if
-        ``result()`` did not already) at the same call on every rank. If staging fails here, a job that fails is queued all
-        the same, so the other ranks' background saves fail too instead of waiting forever.
+        Raises a waited-for save's failure (unless ``result()`` already did): this happens at
+        the same call on every rank, since every rank submits the same sequence of saves.
         """
         while len(self._inflight) >= self.max_in_flight:
             oldest = self._inflight.popleft()
@@ -98,21 +90,12 @@ class AsyncSaver:
             if oldest._error is not None and not oldest._reported:
                 oldest._reported = True
                 raise oldest._error
+
+    def submit(
+        self, checkpoint_dir: str, job: Callable[[], Any], buffers: BufferSet | None
+    ) -> AsyncSaveHandle:
+        """Queue ``job`` (which owns ``buffers`` until it ends) behind earlier saves."""
         handle = AsyncSaveHandle(checkpoint_dir)
-        buffers: BufferSet | None = None
-        try:
-            common, shards = collect()
-            staged, buffers = stage(shards, self.area)
-            job = make_job(copy.deepcopy(common), staged)
-        except BaseException as e:
-            error = e
-
-            def job() -> None:
-                raise error
-
-            self._inflight.append(handle)
-            self._jobs.put((handle, buffers, job))
-            raise
         self._inflight.append(handle)
         self._jobs.put((handle, buffers, job))
         return handle

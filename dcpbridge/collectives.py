@@ -94,6 +94,28 @@ class Group:
         CALLS["broadcast_tensor"] += 1
         dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=self.coordinator, group=self.pg)
 
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int, int]],
+        recvs: list[tuple[torch.Tensor, int, int]],
+    ) -> None:
+        """Point-to-point: send each ``(tensor, dst, tag)``, receive each ``(tensor, src, tag)``.
+
+        Ranks are group ranks; tensors must be contiguous; any dtype travels as bytes.
+        """
+        if not (sends or recvs):
+            return
+        CALLS["p2p"] += 1
+        ops = [
+            dist.P2POp(dist.isend, _as_bytes(t), dist.get_global_rank(self.pg, dst), self.pg, tag)
+            for t, dst, tag in sends
+        ] + [
+            dist.P2POp(dist.irecv, _as_bytes(t), dist.get_global_rank(self.pg, src), self.pg, tag)
+            for t, src, tag in recvs
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
     @property
     def tensor_device(self) -> torch.device:
         """Where tensors must live to travel through this group's backend."""
@@ -103,6 +125,12 @@ class Group:
         if "nccl" in backend and "gloo" not in backend:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("point-to-point transfers need contiguous tensors")
+    return t.reshape(-1).view(torch.uint8)
 
 
 class StoreGroup(Group):

@@ -46,7 +46,7 @@ class Failure:
             portable: BaseException | None = exc
         except Exception:
             portable = None
-        trace = "" if isinstance(exc, CheckpointError) else traceback.format_exc()
+        trace = "" if isinstance(exc, CheckpointError) else "".join(traceback.format_exception(exc))
         return Failure(rank, step, portable, type(exc).__name__, str(exc), trace)
 
 
@@ -110,71 +110,75 @@ def _coordinate(
     return reply
 
 
-@dataclass
-class SaveCache:
-    """The outcome of a save's plan exchange, reused while every rank's plan keeps its shape.
+@dataclass(frozen=True)
+class CacheEntry:
+    """What a full save of one sharded structure decided (replaced whole, never mutated).
 
-    ``fingerprint`` is this rank's local-plan structure, ``reply`` what the coordinator sent
-    it, ``metadata`` the validated global metadata (coordinator only).
+    ``structure`` fingerprints the shards, ``reply`` is what the coordinator sent this rank,
+    ``metadata`` the validated global metadata (coordinator only), ``extra`` a caller's own
+    decision for the same structure (e.g. the fully-parallel writer assignment).
     """
 
-    fingerprint: int | None = None
-    reply: tuple[Any, Any] | None = None
-    metadata: Metadata | None = None
+    structure: int
+    reply: tuple[Any, Any]
+    metadata: Metadata | None
+    extra: Any = None
+
+
+@dataclass
+class SaveCache:
+    """The last full save's decisions, reused while every rank's structure is unchanged."""
+
+    entry: CacheEntry | None = None
     hits: int = 0
 
 
-def plan_fingerprint(plan: SavePlan) -> int:
-    """Hash of what a local plan writes and declares (not of the data)."""
-    items = tuple(
-        (
-            i.index.fqn,
-            tuple(i.index.offset or ()),
-            i.type.value,
-            tuple(i.tensor_data.chunk.sizes) if i.tensor_data else (),
-            str(i.tensor_data.properties.dtype) if i.tensor_data else "",
-        )
-        for i in plan.items
-    )
-    summary = plan.planner_data
-    declared = (
-        tuple(sorted(summary.tensors.items())) + tuple(sorted(summary.objects.items()))
-        if hasattr(summary, "tensors")
-        else repr(summary)
-    )
-    return hash((items, declared))
+@dataclass(frozen=True)
+class Reuse:
+    """Agreement of all ranks to reuse ``entry`` for a new save named ``save_id``."""
+
+    save_id: str
+    entry: CacheEntry
 
 
-def _cached_plan(
-    fingerprint: int | None, group: Group, cache: SaveCache | None
-) -> tuple[Any, str] | None:
-    """(planner data, fresh save id) from ``cache`` if no rank's plan changed, else None.
+def agree_to_reuse(group: Group, cache: SaveCache, structure: int | None) -> Reuse | None:
+    """Whether every rank's structure still matches its cached entry (one tiny all_gather).
 
-    One small all_gather decides it (every rank's vote plus rank 0's new save id); the plan
-    gather, validation and scatter are skipped. Every rank holding a filled cache takes
-    part, including one whose planning failed (it votes no).
+    Every rank votes on every save, even with an empty cache, so the decision is collective
+    even when background saves fill the caches of different ranks at different times. The
+    vote replaces the plan gather, validation and scatter, and any exchange whose result is
+    cached in ``entry.extra``.
     """
-    if cache is None or cache.reply is None:
-        return None
-    same = fingerprint is not None and fingerprint == cache.fingerprint
+    entry = cache.entry
+    same = entry is not None and structure is not None and structure == entry.structure
     votes = group.all_gather((same, new_save_id()))
     if not all(v for v, _ in votes):
         return None
+    assert entry is not None
     cache.hits += 1
-    return cache.reply[1], votes[0][1]
+    return Reuse(votes[0][1], entry)
 
 
 SavePrepare = Callable[[], tuple[Any, SavePlanner, StorageWriter]]
 LoadPrepare = Callable[[], tuple[Any, LoadPlanner, StorageReader]]
 
 
-def run_save(prepare: SavePrepare, group: Group, cache: SaveCache | None = None) -> Metadata | None:
+def run_save(
+    prepare: SavePrepare,
+    group: Group,
+    cache: SaveCache | None = None,
+    *,
+    structure: int | None = None,
+    reuse: Reuse | None = None,
+    extra: Any = None,
+) -> Metadata | None:
     """Plan, validate, write and commit; returns the metadata on the coordinator.
 
     ``prepare`` builds (state dict, planner, writer) inside the first protected step, so a
-    rank that fails there fails every rank instead of leaving them in a collective. With a
-    ``cache`` from an earlier save of the same structure, the plan exchange and the
-    whole-checkpoint validation are skipped (they would give the same answer).
+    rank that fails there fails every rank instead of leaving them in a collective. With
+    ``reuse`` (from ``agree_to_reuse``) the plan exchange and the whole-checkpoint validation
+    are skipped: the cached answer is reused under the new save id. A successful full save
+    of ``structure`` replaces ``cache``'s entry (with ``extra`` attached).
     """
     planner: SavePlanner
     writer: StorageWriter
@@ -191,16 +195,15 @@ def run_save(prepare: SavePrepare, group: Group, cache: SaveCache | None = None)
         return writer.prepare_local_plan(planner.create_local_plan())
 
     local = attempt(group.rank, "plan", local_step)
-    fingerprint = (
-        plan_fingerprint(local) if cache is not None and isinstance(local, SavePlan) else None
-    )
     metadata: Metadata | None = None
-    cached = _cached_plan(fingerprint, group, cache)
-    if cached is not None:
-        assert cache is not None and hasattr(writer, "storage_data_for")
-        planner_data, save_id = cached
-        reply = (writer.storage_data_for(group.rank, save_id), planner_data)
-        metadata = copy.copy(cache.metadata) if cache.metadata is not None else None
+    reply: tuple[Any, Any] | None = None
+    if reuse is not None:
+        # Every rank voted its structure unchanged: no plan exchange. A rank whose local
+        # planning failed reports it through the results gather below.
+        if not isinstance(local, Failure):
+            storage_data = writer.storage_data_for(group.rank, reuse.save_id)  # type: ignore[attr-defined]
+            reply = (storage_data, reuse.entry.reply[1])
+        metadata = copy.copy(reuse.entry.metadata)
     else:
 
         def global_step(plans: list[SavePlan]) -> list[Any]:
@@ -210,14 +213,14 @@ def run_save(prepare: SavePrepare, group: Group, cache: SaveCache | None = None)
             return [(p.storage_data, p.planner_data) for p in plans]
 
         reply = _coordinate(group, local, global_step, "plan")
-    assert isinstance(local, SavePlan)
-    storage_data, planner_data = reply
-    plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
     def write_step() -> list[Any]:
+        assert isinstance(local, SavePlan) and reply is not None
+        storage_data, planner_data = reply
+        plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
         return writer.write_data(planner.finish_plan(plan), planner).wait()
 
-    results = attempt(group.rank, "write", write_step)
+    results = local if isinstance(local, Failure) else attempt(group.rank, "write", write_step)
     gathered = group.gather(results)
     outcome: list[Failure] | None = None
     if gathered is not None:
@@ -231,14 +234,9 @@ def run_save(prepare: SavePrepare, group: Group, cache: SaveCache | None = None)
     outcome = group.broadcast(outcome)
     if outcome:
         raise_failures(outcome, results, world_size=group.size)
-    if (
-        cache is not None
-        and hasattr(writer, "storage_data_for")
-        and cache.fingerprint != fingerprint
-    ):
-        cache.fingerprint = fingerprint
-        cache.reply = reply
-        cache.metadata = copy.copy(metadata) if metadata is not None else None
+    reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
+    if cache is not None and reuse is None and structure is not None and reusable:
+        cache.entry = CacheEntry(structure, reply, copy.copy(metadata), extra)
     return metadata
 
 

@@ -120,3 +120,37 @@ def test_plain_dcp_checkpoint_is_named_as_such(tmp_path):
     dcp.save({"a": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
     with pytest.raises(db.NotACheckpointError, match=r"plain torch\.distributed\.checkpoint"):
         db.load_tensors_metadata(str(tmp_path))
+
+
+class _Exploit:
+    """Unpickling this runs code: a checkpoint load must never do that unasked."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_loading_never_executes_pickles_unless_allowed(tmp_path):
+    marker = tmp_path / "pwned"
+    path = str(tmp_path / "ck")
+    db.save({"evil": db.ShardedObject("evil", _Exploit(str(marker)), (1,), (0,))}, path)
+    with pytest.raises(db.PickleRefusedError, match="allow_pickle=True"):
+        db.load({"evil": db.ShardedObject("evil", None, (1,), (0,))}, path)
+    assert not marker.exists()
+
+
+def test_keys_cannot_place_files_outside_the_checkpoint(tmp_path):
+    path = tmp_path / "ck"
+    sd = {
+        "a": db.ShardedTensor.from_box("../../escape", torch.ones(4), (4,), (0,)),
+        "b": db.ShardedObject("/etc/passwd", 1, (1,), (0,)),
+    }
+    db.save(sd, str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert all(p.parent == path for p in path.rglob("*"))
+    out = db.load(
+        {"a": db.ShardedTensor.from_box("../../escape", torch.zeros(4), (4,), (0,))}, str(path)
+    )
+    assert torch.equal(out["a"], torch.ones(4))

@@ -1,0 +1,52 @@
+"""Which rank of a parallelization group saves (or reads) each shard several ranks hold."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+ShardId = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """A shard one rank holds: its identity, its size, and whether it is a main replica."""
+
+    shard: ShardId
+    nbytes: int
+    main: bool = True
+
+
+def distribute(
+    holdings: Sequence[Sequence[Holding]], *, only_main: bool = True
+) -> dict[ShardId, int]:
+    """Assign each shard to one of the ranks holding it, balancing bytes per rank.
+
+    Deterministic greedy: shards held by the fewest ranks go first (they have the least
+    choice), larger before smaller, ties by shard id; each goes to its least-loaded holder
+    (lowest rank on ties). With ``only_main``, only shards some rank of the group holds as a
+    main replica are assigned — the ones this group would save at all.
+    """
+    holders: dict[ShardId, list[int]] = {}
+    size: dict[ShardId, int] = {}
+    wanted: set[ShardId] = set()
+    for rank, held in enumerate(holdings):
+        for h in held:
+            ranks = holders.setdefault(h.shard, [])
+            if not ranks or ranks[-1] != rank:
+                ranks.append(rank)
+            size[h.shard] = max(size.get(h.shard, 0), h.nbytes)
+            if h.main or not only_main:
+                wanted.add(h.shard)
+    load = [0] * len(holdings)
+    owner: dict[ShardId, int] = {}
+    for shard in sorted(wanted, key=lambda s: (len(holders[s]), -size[s], _order(s))):
+        rank = min(holders[shard], key=lambda r: (load[r], r))
+        owner[shard] = rank
+        load[rank] += size[shard]
+    return owner
+
+
+def _order(shard: ShardId) -> tuple[str, str]:
+    """A total order on shard ids of mixed types (``repr`` is stable for tuples of str/int)."""
+    return type(shard).__name__, repr(shard)
