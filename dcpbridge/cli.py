@@ -437,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         code = COMMANDS[args.command](args, cfg)
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     except (UsageError, ConfigError, LayoutError) as e:
         code = 2
         print(f"dcpbridge {args.command}: error: {e}", file=sys.stderr)
