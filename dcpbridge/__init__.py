@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dcpbridge.api import async_save, load, load_common_state_dict, load_tensors_metadata, save
 from dcpbridge.async_save import AsyncSaveHandle
+from dcpbridge.config import ConfigError, load_config
 from dcpbridge.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -22,6 +23,8 @@ from dcpbridge.errors import (
     UnexpectedKeysError,
     UnsafePathError,
 )
+from dcpbridge.export import export_safetensors, export_torch
+from dcpbridge.layout import Layout, LayoutError, load_layout, parse_layout
 from dcpbridge.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -41,6 +44,7 @@ from dcpbridge.optimizer import (
     restore_optim_state,
 )
 from dcpbridge.param_groups import OptimizerConfig, ParamKey, get_optimizer, get_param_groups
+from dcpbridge.reshard import reshard
 from dcpbridge.sharding import (
     DistModule,
     DistributedKeys,
@@ -48,6 +52,7 @@ from dcpbridge.sharding import (
     load_state_dict,
     shard_broadcasted_state_dict,
 )
+from dcpbridge.sources import open_source
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
 
@@ -57,6 +62,7 @@ __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
     "ChecksumMismatchError",
+    "ConfigError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
     "DistModule",
@@ -66,6 +72,8 @@ __all__ = [
     "FsspecCheckpointWriter",
     "IncompleteCheckpointError",
     "InvalidShardError",
+    "Layout",
+    "LayoutError",
     "LocalNonpersistentObject",
     "MissingKeysError",
     "NotACheckpointError",
@@ -88,6 +96,8 @@ __all__ = [
     "UnsafePathError",
     "async_save",
     "broadcast_and_shard_state_dict",
+    "export_safetensors",
+    "export_torch",
     "get_optim_param_to_id_map",
     "get_optimizer",
     "get_param_groups",
@@ -95,12 +105,17 @@ __all__ = [
     "init_optimizer_state",
     "load",
     "load_common_state_dict",
+    "load_config",
+    "load_layout",
     "load_optimizer_state",
     "load_state_dict",
     "load_tensors_metadata",
     "make_sharded_optimizer_tensor",
+    "open_source",
     "optim_state_to_sharding_state",
     "optimizer_sharded_state_dict",
+    "parse_layout",
+    "reshard",
     "restore_optim_state",
     "save",
     "shard_broadcasted_state_dict",

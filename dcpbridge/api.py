@@ -14,11 +14,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcpbridge import fully_parallel as fp
 from dcpbridge.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.collectives import Group
+from dcpbridge.config import resolve_storage_options
 from dcpbridge.engine import Reuse, SaveCache, agree_to_reuse, run_load, run_save
+from dcpbridge.formats import LoadSource, open_for_load
 from dcpbridge.mapping import (
     COMMON_KEY,
     ReplicaId,
@@ -40,9 +43,9 @@ from dcpbridge.state import (
     map_leaves,
     merge,
 )
+from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
 from storage import (
-    FsspecCheckpointReader,
     FsspecCheckpointWriter,
     read_checkpoint_metadata,
     resolve,
@@ -163,14 +166,17 @@ def _run_planned(
     group: Group,
     cache: SaveCache,
     planned: _PlannedSave,
-    make_writer: Callable[[], FsspecCheckpointWriter],
+    make_writer: Callable[[], StorageWriter],
     validate: bool,
 ) -> None:
-    def prepare() -> tuple[Any, ShardedSavePlanner, FsspecCheckpointWriter]:
+    def prepare() -> tuple[Any, ShardedSavePlanner, StorageWriter]:
         if planned.error is not None:
             raise planned.error
+        writer = make_writer()
+        if isinstance(writer, TorchDistWriter):  # the common state goes to common.pt
+            return {"shards": planned.shards}, TorchDistSavePlanner(validate=validate), writer
         state = save_state(planned.common, planned.shards, group.rank)
-        return state, ShardedSavePlanner(validate=validate), make_writer()
+        return state, ShardedSavePlanner(validate=validate), writer
 
     run_save(
         prepare,
@@ -214,6 +220,8 @@ def save(
     thread_count: int = 1,
     sync_files: bool = True,
     checksums: bool = True,
+    profile: str | None = None,
+    format: str = "dcpbridge",
 ) -> None:
     """Save a sharded state dict; every rank of ``process_group`` calls it.
 
@@ -222,25 +230,37 @@ def save(
     written once by the group's rank 0. With ``fully_parallel``, each shard held by several
     ranks of ``parallelization_group`` (default: ``process_group``) is written by one of them,
     balancing bytes. The checkpoint is committed (``dcpbridge.json`` published) only after
-    every rank's data is durable and the sharding validated.
+    every rank's data is durable and the sharding validated. ``format="torch_dist"`` writes a
+    Megatron-Core torch_dist checkpoint instead (no checksums); ``profile`` names a storage
+    profile of the configuration file.
     """
+    if format not in ("dcpbridge", "torch_dist"):
+        raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
     group = Group.resolve(process_group)
-    cache = save_cache(group, validate_access_integrity)
+    # torch's own writer cannot replay a cached plan: torch_dist saves never reuse one
+    cache = save_cache(group, validate_access_integrity) if format == "dcpbridge" else SaveCache()
     parallel = _parallel_group(fully_parallel, parallelization_group, group)
     planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
-    writer_options = {
-        "storage_options": storage_options,
-        "thread_count": thread_count,
-        "sync_files": sync_files,
-        "checksums": checksums,
-    }
-    _run_planned(
-        group,
-        cache,
-        planned,
-        lambda: FsspecCheckpointWriter(checkpoint_dir, **writer_options),
-        validate_access_integrity,
-    )
+
+    def make_writer() -> StorageWriter:
+        options = resolve_storage_options(storage_options, profile)
+        if format == "torch_dist":
+            return TorchDistWriter(
+                checkpoint_dir,
+                planned.common,
+                storage_options=options,
+                thread_count=thread_count,
+                sync_files=sync_files,
+            )
+        return FsspecCheckpointWriter(
+            checkpoint_dir,
+            storage_options=options,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            checksums=checksums,
+        )
+
+    _run_planned(group, cache, planned, make_writer, validate_access_integrity)
 
 
 @_gc_paused
@@ -257,6 +277,7 @@ def async_save(
     sync_files: bool = True,
     checksums: bool = True,
     max_in_flight: int = 1,
+    profile: str | None = None,
 ) -> AsyncSaveHandle:
     """``save`` that returns once the data is staged in host memory; the rest runs behind.
 
@@ -281,20 +302,17 @@ def async_save(
         except Exception as e:
             planned.error = e
     writer_options = {
-        "storage_options": storage_options,
         "thread_count": thread_count,
         "sync_files": sync_files,
         "checksums": checksums,
     }
 
+    def make_writer() -> FsspecCheckpointWriter:
+        options = resolve_storage_options(storage_options, profile)
+        return FsspecCheckpointWriter(checkpoint_dir, storage_options=options, **writer_options)
+
     def job() -> None:
-        _run_planned(
-            saver.group,
-            cache,
-            planned,
-            lambda: FsspecCheckpointWriter(checkpoint_dir, **writer_options),
-            validate_access_integrity,
-        )
+        _run_planned(saver.group, cache, planned, make_writer, validate_access_integrity)
 
     return saver.submit(os.fspath(checkpoint_dir), job, buffers)
 
@@ -329,6 +347,7 @@ def load(
     thread_count: int = 4,
     fully_parallel: bool = False,
     parallelization_group: dist.ProcessGroup | None = None,
+    profile: str | None = None,
 ) -> StateDict | tuple[StateDict, list[str], list[str]]:
     """Load into a template sharded state dict, in any parallel layout.
 
@@ -337,7 +356,9 @@ def load(
     common state and the template's LocalNonpersistentObjects. With
     ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``. With
     ``fully_parallel``, a box several ranks of ``parallelization_group`` need is read from
-    storage by one of them and sent to the others.
+    storage by one of them and sent to the others. Plain DCP and Megatron-Core torch_dist
+    directories load too, with ``allow_pickle=True`` (their metadata is a pickle);
+    ``profile`` names a storage profile of the configuration file.
     """
     strict = StrictMode(strict)
     group = Group.resolve(process_group)
@@ -361,27 +382,31 @@ def load(
         except Exception as e:
             error = error or e
 
-    def prepare() -> tuple[Any, _BridgeLoadPlanner, FsspecCheckpointReader]:
+    source: LoadSource | None = None
+
+    def prepare() -> tuple[Any, _BridgeLoadPlanner, StorageReader]:
+        nonlocal source
         if error is not None:
             raise error
         planner = _BridgeLoadPlanner(
             strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
         )
-        reader = FsspecCheckpointReader(
+        source = open_for_load(
             checkpoint_dir,
-            storage_options=storage_options,
+            storage_options=resolve_storage_options(storage_options, profile),
+            allow_pickle=allow_pickle,
             thread_count=thread_count,
             verify_checksums=verify_checksums,
         )
         state = {"common": _CommonState(None, 0), "shards": share.read if share else shards}
-        return state, planner, reader
+        return state, planner, source.reader
 
     _, planner, _ = run_load(prepare, group)
-    assert isinstance(planner, _BridgeLoadPlanner)
+    assert isinstance(planner, _BridgeLoadPlanner) and source is not None
     if share is not None and parallel is not None:
         fp.hand_off(parallel, share)
 
-    objects = planner.loaded_objects
+    objects = source.objects(planner.loaded_objects)
     missing = set(planner.missing_keys)
 
     def loaded_value(x: Any) -> Any:
@@ -391,7 +416,7 @@ def load(
 
     loaded = map_leaves(sharded, loaded_value) if sharded is not HOLE else HOLE
     loaded = apply_factory_merges(loaded, tree)
-    result = merge(objects.get(COMMON_KEY, {}), loaded)
+    result = merge(source.common_state(objects), loaded)
     if nonpersistent is not HOLE:
         result = merge(result, map_leaves(nonpersistent, lambda x: x.unwrap()))
     result = fill_holes(result, None)
@@ -401,10 +426,14 @@ def load(
 
 
 def load_tensors_metadata(
-    checkpoint_dir: PathLike, *, storage_options: dict[str, Any] | None = None
+    checkpoint_dir: PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    profile: str | None = None,
 ) -> dict[str, ShardedTensor]:
     """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
-    metadata = read_checkpoint_metadata(resolve(checkpoint_dir, storage_options))
+    options = resolve_storage_options(storage_options, profile)
+    metadata = read_checkpoint_metadata(resolve(checkpoint_dir, options))
     out = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -418,9 +447,10 @@ def load_common_state_dict(
     *,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
+    profile: str | None = None,
 ) -> StateDict:
     """The checkpoint's common (non-sharded) state, read in this process alone."""
-    location = resolve(checkpoint_dir, storage_options)
+    location = resolve(checkpoint_dir, resolve_storage_options(storage_options, profile))
     metadata = read_checkpoint_metadata(location)
     if COMMON_KEY not in metadata.state_dict_metadata:
         return {}

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 _SMALL_ITEM = 256 << 10
 _COALESCE_BYTES = 8 << 20
 # Items start on 64-byte boundaries so staged reads can be viewed as any dtype.
-_ALIGN = 64
-_PADDING = memoryview(bytes(_ALIGN))
+ALIGN = 64
+_PADDING = memoryview(bytes(ALIGN))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
     return [b for b in buckets if b]
 
 
-class _CoalescingFile:
+class CoalescingFile:
     """Writes many small items as few large writes; large items go straight through."""
 
     def __init__(self, f: BinaryIO) -> None:
@@ -223,7 +223,7 @@ class FsspecCheckpointWriter(StorageWriter):
         self._byteio.commit_file(
             METADATA_FILE, raw, temp_metadata_name(self._save_id), sync=self.sync_files
         )
-        self._remove_stale_files()
+        remove_stale_files(self._byteio, self._save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -249,7 +249,7 @@ class FsspecCheckpointWriter(StorageWriter):
         results: list[WriteResult] = []
         pos = 0
         with self._byteio.open_write(self._loc.path(name)) as raw:
-            out = _CoalescingFile(raw)
+            out = CoalescingFile(raw)
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -271,7 +271,7 @@ class FsspecCheckpointWriter(StorageWriter):
                     if self.checksums
                     else None
                 )
-                pad = -pos % _ALIGN
+                pad = -pos % ALIGN
                 if pad:
                     out.write(_PADDING[:pad])
                     pos += pad
@@ -297,15 +297,16 @@ class FsspecCheckpointWriter(StorageWriter):
                 self._byteio.sync(raw)
         return results
 
-    def _remove_stale_files(self) -> None:
-        """Delete data files of earlier saves to this location, now that ours is committed."""
-        try:
-            stale = [
-                n
-                for n in self._byteio.list_names()
-                if ((m := DATA_FILE_RE.match(n)) and m.group(3) != self._save_id)
-                or n.startswith(f"{METADATA_FILE}.tmp-")
-            ]
-            self._byteio.remove(stale)
-        except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
-            log.warning("could not remove stale files in %s: %s", self._loc.url, e)
+
+def remove_stale_files(byteio: ByteIO, save_id: str) -> None:
+    """Delete data files of earlier saves to this location, now that ``save_id`` is committed."""
+    try:
+        stale = [
+            n
+            for n in byteio.list_names()
+            if ((m := DATA_FILE_RE.match(n)) and m.group(3) != save_id)
+            or n.startswith(f"{METADATA_FILE}.tmp-")
+        ]
+        byteio.remove(stale)
+    except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
+        log.warning("could not remove stale files in %s: %s", byteio.location.url, e)

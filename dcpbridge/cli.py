@@ -1,0 +1,457 @@
+"""The ``dcpbridge`` command: inspect, validate, reshard and convert checkpoints.
+
+Exit status: 0 success, 1 a bad or unreadable checkpoint, 2 a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+from dcpbridge import config as config_mod
+from dcpbridge import layout as layout_mod
+from dcpbridge.config import Config, ConfigError, load_config, parse_size, storage_options
+from dcpbridge.errors import CheckpointError
+from dcpbridge.layout import Layout, LayoutError, load_layout, whole_tensors
+from dcpbridge.report import human_bytes
+
+log = logging.getLogger("dcpbridge")
+
+_FORMATS_HELP = """\
+checkpoint formats read (detected automatically):
+  dcpbridge     a directory with dcpbridge.json (written by dcpbridge.save or this tool)
+  torch_dist    a Megatron-Core torch_dist directory (metadata.json, .metadata, *.distcp,
+                common.pt); its .metadata is a pickle: pass --allow-pickle
+  dcp           a plain torch.distributed.checkpoint directory (.metadata): --allow-pickle
+  torch         a single torch.save file
+  safetensors   a .safetensors file, or a directory of them (model.safetensors.index.json)
+
+URLs: local paths or any fsspec URL (s3://bucket/prefix, memory://...). Storage options come
+from a profile of the configuration file: --profile (both sides), --src-profile, --dst-profile,
+else checkpoint.profile of the file; profiles apply to URLs only, not local paths.
+"""
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given (exit status 2)."""
+
+
+def _docs(module: Any) -> str:
+    return (module.__doc__ or "").split("\n", 1)[1].strip("\n").replace("``", "")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,  # keeps a --config given before the command
+        help="configuration file (see `dcpbridge --help`)",
+    )
+    p.add_argument("--profile", metavar="NAME", help="storage profile for every URL")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read pickled metadata/objects (DCP, torch_dist, torch files); trusted input only",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+
+
+def _add_transfer(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--src-profile", metavar="NAME", help="storage profile for SRC")
+    p.add_argument("--dst-profile", metavar="NAME", help="storage profile for DST")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--slab-size",
+        default="64MiB",
+        metavar="SIZE",
+        help="largest piece read and written at once (bounds memory; default 64MiB)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="dcpbridge",
+        description="Inspect, validate, reshard and convert sharded PyTorch checkpoints.",
+        epilog=f"{_FORMATS_HELP}\nconfiguration file:\n{_docs(config_mod)}",
+        formatter_class=fmt,
+    )
+    parser.add_argument("--config", metavar="FILE", help="configuration file (see below)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "inspect",
+        help="show keys, shapes, dtypes, chunks, ranks, files (metadata only)",
+        description="Describe a checkpoint from its metadata: every tensor's global shape, "
+        "dtype and stored chunks (box, writing rank, file, offset), objects, files and sizes, "
+        "format version, and whether it is complete (files present, tensors fully covered).",
+        epilog=_FORMATS_HELP,
+        formatter_class=fmt,
+    )
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "validate",
+        help="check completeness, coverage and (optionally) checksums",
+        description="Check that every data file exists and is long enough, that the stored "
+        "chunks cover every tensor exactly once, and with --checksums that every stored byte "
+        "matches its recorded checksum. Exit 0 if valid, 1 with a list of problems if not.",
+        epilog=_FORMATS_HELP,
+        formatter_class=fmt,
+    )
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--checksums", action="store_true", help="read all data and verify checksums")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "reshard",
+        help="rewrite a checkpoint for a target parallel layout",
+        description="Rewrite SRC (any format) as a dcpbridge checkpoint at DST in which each "
+        "target rank's box of every tensor is one stored chunk, so that a load in that layout "
+        "reads one contiguous range per shard. Streams box by box with bounded memory. Run "
+        "under torchrun to share the work among N workers. The layout comes from --layout, "
+        "or from a job of a configuration file (--config FILE [--job NAME]).",
+        epilog=f"layout file:\n{_docs(layout_mod)}\n\n{_FORMATS_HELP}",
+        formatter_class=fmt,
+    )
+    p.add_argument("source", metavar="SRC", nargs="?")
+    p.add_argument("destination", metavar="DST", nargs="?")
+    p.add_argument("--layout", metavar="LAYOUT.yaml", help="target layout file")
+    p.add_argument("--job", metavar="NAME", help="job of the configuration file to run")
+    p.add_argument("--no-checksums", action="store_true", help="do not record checksums")
+    p.add_argument("--max-file-size", metavar="SIZE", help="start a new data file after SIZE")
+    _add_common(p)
+    _add_transfer(p)
+
+    p = sub.add_parser(
+        "convert",
+        help="convert between dcpbridge, DCP/torch_dist, torch and safetensors",
+        description="Convert SRC (any format) to a dcpbridge checkpoint (whole tensors, or "
+        "--layout), to one torch.save file, or to Hugging Face style sharded safetensors "
+        "(model-0000i-of-0000n.safetensors + model.safetensors.index.json; tensors only). "
+        "Streams with bounded memory.",
+        epilog=_FORMATS_HELP,
+        formatter_class=fmt,
+    )
+    p.add_argument("source", metavar="SRC")
+    p.add_argument("destination", metavar="DST")
+    p.add_argument("--to", required=True, choices=["dcpbridge", "torch", "safetensors"])
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="safetensors: largest shard file (default 5GB)",
+    )
+    p.add_argument("--layout", metavar="LAYOUT.yaml", help="dcpbridge: target layout")
+    p.add_argument("--no-checksums", action="store_true", help="dcpbridge: no checksums")
+    _add_common(p)
+    _add_transfer(p)
+    return parser
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _options(cfg: Config, url: str, *names: str | None) -> dict[str, Any] | None:
+    """Storage options for ``url``: the first profile named (or the file's default)."""
+    if not _is_url(url):
+        return None
+    name = next((n for n in names if n), None) or cfg.checkpoint.profile
+    return storage_options(cfg.profile(name)) if name else None
+
+
+@contextlib.contextmanager
+def _progress(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not enabled,
+        file=sys.stderr,
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def _size(text: str | None, what: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_size(text, what)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def _open(args: argparse.Namespace, cfg: Config, url: str, profile: str | None = None) -> Any:
+    from dcpbridge.sources import open_source
+
+    return open_source(
+        url,
+        storage_options=_options(cfg, url, profile, args.profile),
+        allow_pickle=args.allow_pickle,
+    )
+
+
+def _group() -> Any:
+    """The torchrun process group (gloo) when launched with WORLD_SIZE > 1, else one process."""
+    from dcpbridge.collectives import Group
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Group.resolve()
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401  (before init_process_group)
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+        _STARTED_GROUP.append(True)
+    return Group.resolve()
+
+
+_STARTED_GROUP: list[bool] = []
+
+
+def _leave_group(code: int) -> NoReturn:
+    """End a torchrun worker: tear down gloo, run exit hooks, and exit without the interpreter
+    teardown in which gloo's threads occasionally abort."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace, cfg: Config) -> int:
+    from dcpbridge import report
+
+    source = _open(args, cfg, args.checkpoint)
+    try:
+        sizes = report.file_sizes(source)
+        found = report.structure(source, sizes)
+        doc = report.describe(source, sizes, found)
+    finally:
+        source.close()
+    print(json.dumps(doc, indent=2) if args.json else report.format_text(doc))
+    return 0 if doc["complete"] else 1
+
+
+def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
+    from dcpbridge import report
+
+    source = _open(args, cfg, args.checkpoint)
+    try:
+        found = report.structure(source, report.file_sizes(source))
+        if args.checksums and not found.problems:
+            with _progress(report.count_bytes(source), "verify", sys.stderr.isatty()) as bar:
+                report.verify_data(source, found, bar)
+        line = report.summary_line(source, found)
+    finally:
+        source.close()
+    for note in found.notes:
+        print(f"note: {note}")
+    if found.problems:
+        print(f"INVALID: {source.location.url} ({line}): {len(found.problems)} problem(s)")
+        for p in found.problems:
+            print(f"  - {p}")
+        return 1
+    print(f"OK: {source.location.url} ({line})")
+    return 0
+
+
+def _layout_or_default(path: str | None) -> Layout:
+    return load_layout(path) if path else whole_tensors()
+
+
+def _run_reshard(
+    args: argparse.Namespace,
+    cfg: Config,
+    src: str,
+    dst: str,
+    layout: Layout,
+    src_profile: str | None,
+    dst_profile: str | None,
+) -> int:
+    from dcpbridge.reshard import assign, plan_work, reshard
+
+    def norm(u: str) -> str:
+        return u.rstrip("/") if _is_url(u) else os.path.abspath(u)
+
+    if norm(src) == norm(dst):
+        raise UsageError(f"the destination {dst} is the source itself")
+    slab = _size(args.slab_size, "--slab-size") or 0
+    group = _group()
+    source = _open(args, cfg, src, src_profile)
+    try:
+        mine = assign(plan_work(source, layout), group.size)[group.rank]
+        total = sum(w.nbytes for w in mine)
+        desc = f"worker {group.rank}/{group.size}" if group.size > 1 else "reshard"
+        show = not args.no_progress and group.rank == 0
+        with _progress(total, desc, show) as bar:
+            result = reshard(
+                source,
+                dst,
+                layout,
+                storage_options=_options(cfg, dst, dst_profile, args.profile),
+                group=group,
+                checksums=cfg.checkpoint.checksums and not args.no_checksums,
+                slab_bytes=slab,
+                max_file_bytes=_size(getattr(args, "max_file_size", None), "--max-file-size"),
+                on_bytes=bar,
+            )
+    finally:
+        source.close()
+    if group.rank == 0:
+        print(
+            f"wrote {result.destination}: {result.tensors} tensors as {result.chunks} chunks for "
+            f"{result.world_size} target ranks, {result.objects} objects, "
+            f"{human_bytes(result.bytes_written)} in {result.seconds:.2f}s "
+            f"({result.workers} worker(s))"
+        )
+    return 0
+
+
+def cmd_reshard(args: argparse.Namespace, cfg: Config) -> int:
+    if args.source and args.destination:
+        if args.job:
+            raise UsageError("give either SRC DST --layout FILE, or --config FILE --job NAME")
+        if not args.layout:
+            raise UsageError("reshard SRC DST needs --layout LAYOUT.yaml")
+        return _run_reshard(
+            args,
+            cfg,
+            args.source,
+            args.destination,
+            load_layout(args.layout),
+            args.src_profile,
+            args.dst_profile,
+        )
+    if args.source or args.destination:
+        raise UsageError("reshard needs both SRC and DST (or neither, with --config FILE)")
+    if cfg.path is None:
+        raise UsageError("reshard needs SRC DST --layout FILE, or --config FILE with a job")
+    if args.layout:
+        raise UsageError("--layout is for SRC DST; a job names its own layout")
+    job = cfg.job(args.job)
+    return _run_reshard(
+        args,
+        cfg,
+        job.source,
+        job.destination,
+        job.layout,
+        args.src_profile or job.source_profile,
+        args.dst_profile or job.destination_profile,
+    )
+
+
+def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
+    if args.to == "dcpbridge":
+        layout = _layout_or_default(args.layout)
+        return _run_reshard(
+            args, cfg, args.source, args.destination, layout, args.src_profile, args.dst_profile
+        )
+    if args.layout:
+        raise UsageError("--layout applies to --to dcpbridge only")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(f"convert --to {args.to} runs in one process, not under torchrun")
+    from dcpbridge.export import export_safetensors, export_torch
+
+    slab = _size(args.slab_size, "--slab-size") or 0
+    source = _open(args, cfg, args.source, args.src_profile)
+    options = _options(cfg, args.destination, args.dst_profile, args.profile)
+    try:
+        total = sum(t.nbytes for t in source.tensors.values())
+        with _progress(total, f"to {args.to}", not args.no_progress) as bar:
+            if args.to == "safetensors":
+                result = export_safetensors(
+                    source,
+                    args.destination,
+                    storage_options=options,
+                    slab_bytes=slab,
+                    max_shard_bytes=_size(args.max_shard_size, "--max-shard-size") or 0,
+                    on_bytes=bar,
+                )
+            else:
+                result = export_torch(
+                    source,
+                    args.destination,
+                    storage_options=options,
+                    slab_bytes=slab,
+                    on_bytes=bar,
+                )
+    finally:
+        source.close()
+    print(
+        f"wrote {result.destination}: {result.tensors} tensors, "
+        f"{human_bytes(result.bytes_written)} in {len(result.files)} file(s)"
+    )
+    if result.skipped:
+        print(
+            f"note: safetensors holds tensors only; skipped {len(result.skipped)} object(s): "
+            f"{', '.join(result.skipped[:5])}{' ...' if len(result.skipped) > 5 else ''}"
+        )
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Config], int]] = {
+    "inspect": cmd_inspect,
+    "validate": cmd_validate,
+    "reshard": cmd_reshard,
+    "convert": cmd_convert,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    code = 0
+    try:
+        cfg = load_config(args.config)
+        code = COMMANDS[args.command](args, cfg)
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    except (UsageError, ConfigError, LayoutError) as e:
+        code = 2
+        print(f"dcpbridge {args.command}: error: {e}", file=sys.stderr)
+    except (CheckpointError, FileNotFoundError, OSError, ValueError) as e:
+        code = 1
+        if args.verbose:
+            log.exception("failed")
+        print(f"dcpbridge {args.command}: error: {e}", file=sys.stderr)
+    if _STARTED_GROUP:
+        _leave_group(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

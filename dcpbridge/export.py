@@ -1,0 +1,238 @@
+"""Export any checkpoint to single-file formats, streaming (one slab in memory at a time).
+
+- Hugging Face style safetensors: ``model-0000i-of-0000n.safetensors`` shards of at most
+  ``max_shard_bytes`` (a larger tensor gets a shard of its own) and
+  ``model.safetensors.index.json``, written last. Tensors only.
+- One ``torch.save`` file: ``{key: tensor}`` plus the objects by key and the common state's
+  top-level entries. The file is laid out by ``torch.save`` without data
+  (``torch.serialization.skip_data``), then each tensor's bytes are written in place, and the
+  zip records' CRC-32 values are set so that zip tools accept the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dcpbridge.errors import CheckpointError
+from dcpbridge.formats import SAFETENSORS_INDEX
+from dcpbridge.mapping import COMMON_KEY
+from dcpbridge.reshard import DEFAULT_SLAB_BYTES, box_bytes
+from dcpbridge.sources import SAFETENSORS_DTYPES, Source, TensorInfo
+from storage import resolve
+from storage.backends import ByteIO
+from storage.writer import CoalescingFile
+
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    destination: str
+    files: list[str]
+    tensors: int
+    bytes_written: int
+    skipped: list[str]
+
+
+def _whole(source: Source, key: str, slab_bytes: int):
+    info = source.tensors[key]
+    return box_bytes(source, key, (0,) * len(info.shape), info.shape, slab_bytes)
+
+
+def plan_shards(tensors: list[TensorInfo], max_shard_bytes: int) -> list[list[TensorInfo]]:
+    """Consecutive tensors grouped into shards of at most ``max_shard_bytes`` each."""
+    shards: list[list[TensorInfo]] = []
+    size = 0
+    for t in tensors:
+        if not shards or (size + t.nbytes > max_shard_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def safetensors_header(tensors: list[TensorInfo]) -> tuple[bytes, list[TensorInfo]]:
+    """The header (length prefix included, padded to 8 bytes) and the tensors in data order."""
+    ordered = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.key))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for t in ordered:
+        name = _SAFETENSORS_NAMES.get(t.dtype)
+        if name is None:
+            raise CheckpointError(f"tensor {t.key!r}: safetensors cannot store dtype {t.dtype}")
+        header[t.key] = {
+            "dtype": name,
+            "shape": list(t.shape),
+            "data_offsets": [pos, pos + t.nbytes],
+        }
+        pos += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, ordered
+
+
+def export_safetensors(
+    source: Source,
+    destination: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+    on_bytes: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """Write ``source``'s tensors as Hugging Face style sharded safetensors in ``destination``."""
+    location = resolve(destination, storage_options)
+    byteio = ByteIO.for_location(location)
+    byteio.makedirs()
+    shards = plan_shards([source.tensors[k] for k in sorted(source.tensors)], max_shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, shard in zip(names, shards):
+        head, ordered = safetensors_header(shard)
+        with byteio.open_write(location.path(name)) as raw:
+            out = CoalescingFile(raw)
+            out.write(memoryview(head))
+            for t in ordered:
+                for part in _whole(source, t.key, slab_bytes):
+                    out.write(part)
+                    if on_bytes is not None:
+                        on_bytes(len(part))
+                weight_map[t.key] = name
+                total += t.nbytes
+            out.flush()
+            byteio.sync(raw)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    raw_index = json.dumps(index, indent=2).encode()
+    byteio.commit_file(SAFETENSORS_INDEX, raw_index, f"{SAFETENSORS_INDEX}.tmp", sync=True)
+    skipped = sorted(source.objects)
+    return ExportResult(location.url, [*names, SAFETENSORS_INDEX], len(weight_map), total, skipped)
+
+
+def _torch_layout(source: Source) -> dict[str, Any]:
+    """The dict the torch file holds, tensors as unallocated placeholders."""
+    out: dict[str, Any] = {}
+    common = source.common_state() if COMMON_KEY in source.objects else {}
+    if not isinstance(common, dict):
+        common = {COMMON_KEY: common}
+    for key in sorted(source.objects):
+        if key != COMMON_KEY:
+            out[key] = source.object(key)
+    for key, value in common.items():
+        if key in out:
+            raise CheckpointError(f"{key!r} is both an object and a common-state entry")
+        out[key] = value
+    for key in sorted(source.tensors):
+        if key in out:
+            raise CheckpointError(f"{key!r} is both a tensor and a common-state entry or object")
+        info = source.tensors[key]
+        out[key] = torch.empty(info.shape, dtype=info.dtype)  # untouched: no memory committed
+    return out
+
+
+def _data_records(path: str) -> dict[int, tuple[zipfile.ZipInfo, int]]:
+    """Data start offset -> (zip entry, offset of its central directory entry)."""
+    out = {}
+    with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+        cd = z.start_dir  # type: ignore[attr-defined]
+        for info in z.infolist():
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            out[info.header_offset + 30 + name_len + extra_len] = (info, cd)
+            f.seek(cd + 28)
+            n, m, k = struct.unpack("<HHH", f.read(6))
+            cd += 46 + n + m + k
+    return out
+
+
+def _set_crc(fd: int, info: zipfile.ZipInfo, data_start: int, cd_entry: int, crc: int) -> None:
+    packed = struct.pack("<I", crc)
+    os.pwrite(fd, packed, cd_entry + 16)
+    if info.flag_bits & 0x08:  # a data descriptor follows the data
+        end = data_start + info.compress_size
+        sig = os.pread(fd, 4, end)
+        os.pwrite(fd, packed, end + 4 if sig == b"PK\x07\x08" else end)
+    else:
+        os.pwrite(fd, packed, info.header_offset + 14)
+
+
+def export_torch(
+    source: Source,
+    destination: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+    on_bytes: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """Write ``source`` as one ``torch.save`` file at ``destination`` (any fsspec URL)."""
+    location = resolve(destination, storage_options)
+    scratch = None
+    path = location.root
+    if not location.is_local:
+        scratch = tempfile.mkdtemp(prefix="dcpbridge-export-")
+        path = os.path.join(scratch, os.path.basename(location.root) or "model.pt")
+    else:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        tmp = f"{path}.tmp-export"
+        total = _write_torch_file(source, tmp, slab_bytes, on_bytes)
+        os.replace(tmp, path)
+        if scratch is not None:
+            location.fs.put_file(path, location.root)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return ExportResult(location.url, [location.url], len(source.tensors), total, [])
+
+
+def _write_torch_file(
+    source: Source, path: str, slab_bytes: int, on_bytes: Callable[[int], None] | None
+) -> int:
+    layout = _torch_layout(source)
+    with torch.serialization.skip_data():
+        torch.save(layout, path)
+    del layout
+    placed = torch.load(path, map_location="meta", mmap=True, weights_only=False)
+    records = _data_records(path)
+    total = 0
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for key in sorted(source.tensors):
+            if source.tensors[key].nbytes == 0:
+                continue
+            storage = placed[key].untyped_storage()
+            start = getattr(storage, "_checkpoint_offset", None)
+            if start is None or start not in records:
+                raise CheckpointError(f"cannot locate the bytes of {key!r} in {path}")
+            pos, crc = start, 0
+            for part in _whole(source, key, slab_bytes):
+                view = part
+                while len(view):
+                    n = os.pwrite(fd, view, pos)
+                    view, pos = view[n:], pos + n
+                crc = zlib.crc32(part, crc)
+                if on_bytes is not None:
+                    on_bytes(len(part))
+            info, cd_entry = records[start]
+            if pos - start != info.file_size:
+                raise CheckpointError(
+                    f"{key!r}: wrote {pos - start} bytes, record holds {info.file_size}"
+                )
+            _set_crc(fd, info, start, cd_entry, crc)
+            total += pos - start
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return total

@@ -1,0 +1,214 @@
+"""Which checkpoint format a location holds, and how DCP-protocol loads read each one.
+
+Formats: dcpbridge (``dcpbridge.json``), plain DCP (pickled ``.metadata`` + ``.distcp``),
+Megatron-Core ``torch_dist`` (DCP plus ``metadata.json`` and ``common.pt``; each
+ShardedObject stored as a one-element list), and single files (``torch.save``, safetensors)
+that only the conversion tools read.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.storage import StorageReader
+
+from dcpbridge.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    PickleRefusedError,
+)
+from dcpbridge.mapping import COMMON_KEY
+from planners import load_object
+from storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
+from storage.backends import ByteIO
+from storage.reader import diagnose_missing_metadata
+
+DCP_METADATA = ".metadata"
+MEGATRON_CONFIG = "metadata.json"
+MEGATRON_COMMON = "common.pt"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class Format(str, enum.Enum):
+    """The checkpoint formats dcpbridge reads."""
+
+    DCPBRIDGE = "dcpbridge"
+    DCP = "dcp"
+    TORCH_DIST = "torch_dist"
+    TORCH = "torch"
+    SAFETENSORS = "safetensors"
+
+    @property
+    def pickled_metadata(self) -> bool:
+        return self in (Format.DCP, Format.TORCH_DIST)
+
+    @property
+    def description(self) -> str:
+        return {
+            Format.DCPBRIDGE: "dcpbridge checkpoint",
+            Format.DCP: "torch.distributed.checkpoint checkpoint",
+            Format.TORCH_DIST: "Megatron-Core torch_dist checkpoint",
+            Format.TORCH: "torch.save file",
+            Format.SAFETENSORS: "safetensors checkpoint",
+        }[self]
+
+
+def _is_file(location: Location) -> bool:
+    try:
+        return bool(location.fs.isfile(location.root))
+    except OSError:
+        return False
+
+
+def _file_format(location: Location) -> Format:
+    if location.root.endswith(".safetensors"):
+        return Format.SAFETENSORS
+    with location.fs.open(location.root, "rb") as f:
+        head = f.read(9)
+    # safetensors: an 8-byte little-endian header length, then the JSON header
+    if len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < 1 << 30:
+        return Format.SAFETENSORS
+    return Format.TORCH
+
+
+def _megatron_backend(location: Location) -> str:
+    raw = ByteIO.for_location(location).read_file(location.path(MEGATRON_CONFIG))
+    try:
+        backend = json.loads(raw).get("sharded_backend")
+    except (ValueError, AttributeError):
+        raise CorruptCheckpointError(
+            f"{location.url}: {MEGATRON_CONFIG} is not a Megatron-Core checkpoint config"
+        ) from None
+    return str(backend)
+
+
+def detect(location: Location) -> Format:
+    """The format stored at ``location``; raises if it holds none (naming what it found)."""
+    byteio = ByteIO.for_location(location)
+    if byteio.exists(METADATA_FILE):
+        return Format.DCPBRIDGE
+    if _is_file(location):
+        return _file_format(location)
+    names = set(byteio.list_names())
+    if MEGATRON_CONFIG in names:
+        backend = _megatron_backend(location)
+        if backend != "torch_dist":
+            raise NotACheckpointError(
+                f"{location.url} is a Megatron-Core checkpoint with the {backend!r} backend; "
+                "dcpbridge reads the 'torch_dist' backend only"
+            )
+        if DCP_METADATA not in names:
+            raise IncompleteCheckpointError(f"{location.url}: {DCP_METADATA} is missing")
+        return Format.TORCH_DIST
+    if DCP_METADATA in names:
+        if MEGATRON_COMMON in names:
+            raise IncompleteCheckpointError(
+                f"{location.url} looks like a Megatron-Core torch_dist checkpoint whose save did "
+                f"not finish: {MEGATRON_COMMON} and {DCP_METADATA} exist but {MEGATRON_CONFIG}, "
+                "written last, does not"
+            )
+        return Format.DCP
+    if SAFETENSORS_INDEX in names or any(n.endswith(".safetensors") for n in names):
+        return Format.SAFETENSORS
+    distcp = sorted(n for n in names if n.endswith(".distcp"))
+    if distcp:
+        raise IncompleteCheckpointError(
+            f"{location.url} is an incomplete torch.distributed.checkpoint checkpoint: "
+            f"{len(distcp)} data file(s) (e.g. {distcp[0]}) exist but {DCP_METADATA} does not"
+        )
+    raise diagnose_missing_metadata(byteio, location.url)
+
+
+def refuse_pickled_metadata(location: Location, fmt: Format) -> PickleRefusedError:
+    return PickleRefusedError(
+        f"{location.url} is a {fmt.description}; its metadata ({DCP_METADATA}) is a Python "
+        "pickle, and unpickling can run arbitrary code, so dcpbridge reads it only when "
+        "allowed: pass allow_pickle=True (CLI: --allow-pickle) if you trust this checkpoint"
+    )
+
+
+def dcp_reader(location: Location, storage_options: dict[str, Any] | None) -> StorageReader:
+    """torch's own reader for a plain DCP / torch_dist directory (local or any fsspec URL)."""
+    if location.is_local:
+        return FileSystemReader(location.root)
+    return FsspecReader(location.url, **(storage_options or {}))
+
+
+@dataclass
+class LoadSource:
+    """A checkpoint opened for a DCP-protocol load: its reader and its format's conventions."""
+
+    location: Location
+    format: Format
+    reader: StorageReader
+    allow_pickle: bool = False
+
+    def objects(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        """Loaded objects by storage key, unwrapped from torch_dist's one-element lists."""
+        if self.format != Format.TORCH_DIST:
+            return loaded
+        return {k: unwrap_megatron_object(k, v) for k, v in loaded.items()}
+
+    def common_state(self, objects: dict[str, Any]) -> Any:
+        """The checkpoint's common state: our common object, or Megatron's ``common.pt``."""
+        if self.format != Format.TORCH_DIST:
+            return objects.get(COMMON_KEY, {})
+        return read_megatron_common(self.location, allow_pickle=self.allow_pickle)
+
+
+def unwrap_megatron_object(key: str, value: Any) -> Any:
+    if not isinstance(value, list) or not value:
+        raise CorruptCheckpointError(
+            f"object {key!r}: a torch_dist checkpoint stores each object as a list, "
+            f"found {type(value).__name__}"
+        )
+    return value[0]
+
+
+def read_megatron_common(location: Location, *, allow_pickle: bool) -> Any:
+    """``common.pt`` of a torch_dist checkpoint (safe loading unless ``allow_pickle``)."""
+    path = location.path(MEGATRON_COMMON)
+    try:
+        raw = ByteIO.for_location(location).read_file(path)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{location.url}: {MEGATRON_COMMON} is missing") from None
+    return load_object(io.BytesIO(raw), allow_pickle=allow_pickle, what=path)
+
+
+def open_for_load(
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+    thread_count: int = 4,
+    verify_checksums: bool = True,
+) -> LoadSource:
+    """The reader for ``checkpoint_dir`` in whatever format it holds (call it inside the
+    protocol's first step, where a failure reaches every rank)."""
+    location = resolve(checkpoint_dir, storage_options)
+    fmt = detect(location)
+    if fmt == Format.DCPBRIDGE:
+        reader: StorageReader = FsspecCheckpointReader(
+            checkpoint_dir,
+            storage_options=storage_options,
+            thread_count=thread_count,
+            verify_checksums=verify_checksums,
+        )
+    elif fmt.pickled_metadata:
+        if not allow_pickle:
+            raise refuse_pickled_metadata(location, fmt)
+        reader = dcp_reader(location, storage_options)
+    else:
+        raise NotACheckpointError(
+            f"{location.url} is a single {fmt.description}, not a sharded checkpoint; "
+            "turn it into one with `dcpbridge convert SRC DST --to dcpbridge`"
+        )
+    return LoadSource(location, fmt, reader, allow_pickle)

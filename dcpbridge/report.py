@@ -1,0 +1,292 @@
+"""What a checkpoint holds and whether it is whole: ``dcpbridge inspect`` and ``validate``."""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcpbridge.errors import CheckpointError
+from dcpbridge.formats import MEGATRON_COMMON, Format
+from dcpbridge.sources import Source, _ProtocolSource
+from planners import Placed, coverage_problems
+from planners.boxes import fmt_box
+from storage import StorageIndex, checksum
+from storage.backends import ByteIO, RangeRead
+
+_VERIFY_PIECE = 64 << 20
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass
+class Findings:
+    """Problems make a checkpoint invalid; notes are worth knowing but harmless."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    verified_bytes: int = 0
+
+
+def file_sizes(source: Source) -> dict[str, int]:
+    """Size of every file directly in the checkpoint (or of the single file)."""
+    loc = source.location
+    if source.format == Format.TORCH or (
+        source.format == Format.SAFETENSORS and loc.root.endswith(".safetensors")
+    ):
+        return {loc.root.rsplit("/", 1)[-1]: int(loc.fs.size(loc.root))}
+    out = {}
+    for entry in loc.fs.ls(loc.root, detail=True):
+        if entry.get("type") == "file":
+            out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+    return out
+
+
+def _extents(source: Source) -> list[tuple[str, str, int, int]]:
+    """(what, file, offset, nbytes) of every stored item whose place is known."""
+    out = []
+    for key, t in source.tensors.items():
+        for c in t.chunks:
+            if c.file is not None and c.offset is not None:
+                what = f"tensor {key!r} chunk {fmt_box(c.offsets, c.sizes)}"
+                out.append((what, c.file, c.offset, c.stored_nbytes or 0))
+    for key, o in source.objects.items():
+        if o.file is not None and o.offset is not None:
+            out.append((f"object {key!r}", o.file, o.offset, o.nbytes or 0))
+    return out
+
+
+def structure(source: Source, sizes: dict[str, int]) -> Findings:
+    """Files present and long enough, and every tensor covered exactly once."""
+    found = Findings()
+    missing: dict[str, list[str]] = {}
+    for what, file, offset, nbytes in _extents(source):
+        if file not in sizes:
+            missing.setdefault(file, []).append(what)
+        elif offset + nbytes > sizes[file]:
+            found.problems.append(
+                f"{what}: bytes {offset}..{offset + nbytes} lie beyond the end of {file} "
+                f"({sizes[file]} bytes; truncated?)"
+            )
+    for file, whats in sorted(missing.items()):
+        more = f" and {len(whats) - 3} more" if len(whats) > 3 else ""
+        found.problems.append(f"data file {file} is missing; it holds {', '.join(whats[:3])}{more}")
+    for key, t in sorted(source.tensors.items()):
+        placed = [Placed(c.offsets, c.sizes, -1 if c.rank is None else c.rank) for c in t.chunks]
+        found.problems.extend(coverage_problems(key, t.shape, placed))
+    if source.format == Format.TORCH_DIST and MEGATRON_COMMON not in sizes:
+        found.problems.append(f"{MEGATRON_COMMON} (the common state) is missing")
+    if source.format == Format.DCPBRIDGE:
+        listed = set(source.facts.get("files", []))
+        stray = sorted(n for n in sizes if n.endswith(".bin") and n not in listed)
+        if stray:
+            found.notes.append(
+                f"{len(stray)} data file(s) not referenced by the metadata (e.g. {stray[0]}): "
+                "left over from an earlier or interrupted save"
+            )
+    return found
+
+
+def verify_data(
+    source: Source, found: Findings, on_bytes: Callable[[int], None] | None = None
+) -> None:
+    """Read every stored byte: check block checksums, or (formats without checksums) that
+    each item is readable."""
+    if source.format == Format.DCPBRIDGE:
+        _verify_checksums(source, found, on_bytes)
+        return
+    found.notes.append(f"a {source.format.description} records no checksums; every item was read")
+    for key, t in sorted(source.tensors.items()):
+        for c in t.chunks:
+            try:
+                source.read(key, c.offsets, c.sizes)
+                found.verified_bytes += c.nbytes
+                if on_bytes is not None:
+                    on_bytes(c.nbytes)
+            except Exception as e:
+                found.problems.append(f"tensor {key!r} chunk {fmt_box(c.offsets, c.sizes)}: {e}")
+    for key in sorted(source.objects):
+        try:
+            source.object_bytes(key)
+        except Exception as e:
+            found.problems.append(f"object {key!r}: {e}")
+
+
+def _verify_checksums(
+    source: Source, found: Findings, on_bytes: Callable[[int], None] | None
+) -> None:
+    assert isinstance(source, _ProtocolSource)
+    index = source.metadata.storage_data
+    assert isinstance(index, StorageIndex)
+    block = index.checksum_block_size
+    if not index.checksum_algorithm or not block:
+        found.notes.append("this checkpoint was saved without checksums; nothing to verify")
+        return
+    byteio = ByteIO.for_location(source.location)
+    piece = max(block, _VERIFY_PIECE // block * block)
+    for (fqn, offsets), item in sorted(
+        index.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)
+    ):
+        where = f"[{', '.join(map(str, offsets))}]" if offsets is not None else ""
+        what = f"{fqn!r}{where} in {item.file}"
+        if not item.checksums:
+            found.problems.append(f"{what}: no checksums recorded for this item")
+            continue
+        try:
+            for pos in range(0, max(item.nbytes, 1), piece):
+                n = min(piece, item.nbytes - pos)
+                buf = memoryview(bytearray(n))
+                byteio.fetch(
+                    [RangeRead(source.location.path(item.file), item.offset + pos, buf)], 1
+                )
+                checksum.verify_blocks(buf, pos // block, item.checksums, block, what=what)
+                found.verified_bytes += n
+                if on_bytes is not None:
+                    on_bytes(n)
+        except (CheckpointError, OSError) as e:
+            found.problems.append(str(e))
+
+
+def describe(source: Source, sizes: dict[str, int], found: Findings) -> dict[str, Any]:
+    """A JSON-able description: format facts, files, tensors with their chunks, objects."""
+    facts = dict(source.facts)
+    created = facts.get("created_unix")
+    tensors = {}
+    for key in sorted(source.tensors):
+        t = source.tensors[key]
+        tensors[key] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "bytes": t.nbytes,
+            "chunks": [
+                {
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "rank": c.rank,
+                    "file": c.file,
+                    "offset": c.offset,
+                    "bytes": c.nbytes,
+                }
+                for c in t.chunks
+            ],
+        }
+    objects = {
+        k: {"rank": o.rank, "file": o.file, "offset": o.offset, "bytes": o.nbytes}
+        for k, o in sorted(source.objects.items())
+    }
+    return {
+        "url": source.location.url,
+        "format": source.format.value,
+        "format_version": facts.get("format_version"),
+        "complete": not found.problems,
+        "problems": found.problems,
+        "notes": found.notes,
+        "save_id": facts.get("save_id"),
+        "world_size": facts.get("world_size"),
+        "created": (
+            datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat()
+            if created
+            else None
+        ),
+        "checksum": (
+            {"algorithm": facts["checksum"], "block_size": facts["checksum_block_size"]}
+            if facts.get("checksum")
+            else None
+        ),
+        "megatron_config": facts.get("megatron_config"),
+        "files": [{"name": n, "bytes": b} for n, b in sorted(sizes.items())],
+        "total_bytes": sum(sizes.values()),
+        "tensor_bytes": sum(t.nbytes for t in source.tensors.values()),
+        "tensors": tensors,
+        "objects": objects,
+    }
+
+
+def _ranks(chunks: list[dict[str, Any]]) -> str:
+    ranks = sorted({c["rank"] for c in chunks if c["rank"] is not None})
+    return ",".join(map(str, ranks)) if ranks else "-"
+
+
+def format_text(doc: dict[str, Any], *, max_chunks: int = 8) -> str:
+    """The description as aligned, human-readable text."""
+    status = "complete" if doc["complete"] else "INCOMPLETE"
+    version = f" version {doc['format_version']}" if doc["format_version"] is not None else ""
+    lines = [
+        f"{doc['url']}",
+        f"  format      {doc['format']}{version}, {status}",
+    ]
+    if doc["save_id"]:
+        lines.append(
+            f"  save id     {doc['save_id']}, written by {doc['world_size']} rank(s), {doc['created']}"
+        )
+    if doc["checksum"]:
+        c = doc["checksum"]
+        lines.append(f"  checksums   {c['algorithm']} per {human_bytes(c['block_size'])} block")
+    lines.append(
+        f"  size        {human_bytes(doc['total_bytes'])} in {len(doc['files'])} file(s); "
+        f"{len(doc['tensors'])} tensors ({human_bytes(doc['tensor_bytes'])}), "
+        f"{len(doc['objects'])} objects"
+    )
+    width = max([len(k) for k in doc["tensors"]] + [3])
+    rw = max([len(_ranks(t["chunks"])) for t in doc["tensors"].values()] + [5])
+    lines.append("")
+    lines.append(
+        f"  {'key':<{width}}  {'dtype':<9} {'shape':<18} {'chunks':>6}  {'ranks':<{rw}}  size"
+    )
+    for key, t in doc["tensors"].items():
+        shape = "x".join(map(str, t["shape"])) or "()"
+        lines.append(
+            f"  {key:<{width}}  {t['dtype']:<9} {shape:<18} {len(t['chunks']):>6}  "
+            f"{_ranks(t['chunks']):<{rw}}  {human_bytes(t['bytes'])}"
+        )
+        for c in t["chunks"][:max_chunks]:
+            where = f"{c['file']}@{c['offset']}" if c["file"] else "-"
+            rank = "?" if c["rank"] is None else c["rank"]
+            lines.append(
+                f"  {'':<{width}}    rank {rank}: {fmt_box(c['offsets'], c['sizes'])} {where}"
+            )
+        if len(t["chunks"]) > max_chunks:
+            lines.append(f"  {'':<{width}}    ... {len(t['chunks']) - max_chunks} more chunks")
+    if doc["objects"]:
+        lines.append("")
+        lines.append("  objects")
+        for key, o in doc["objects"].items():
+            size = human_bytes(o["bytes"]) if o["bytes"] is not None else "?"
+            rank = f"rank {o['rank']}, " if o["rank"] is not None else ""
+            lines.append(f"    {key}  ({rank}{size}, {o['file'] or '-'})")
+    lines.append("")
+    lines.append("  files")
+    for f in doc["files"]:
+        lines.append(f"    {f['name']:<40} {human_bytes(f['bytes']):>10}")
+    for title, items in (("problems", doc["problems"]), ("notes", doc["notes"])):
+        if items:
+            lines.append("")
+            lines.append(f"  {title}")
+            lines.extend(f"    - {p}" for p in items)
+    return "\n".join(lines)
+
+
+def summary_line(source: Source, found: Findings) -> str:
+    chunks = sum(len(t.chunks) for t in source.tensors.values())
+    nbytes = sum(t.nbytes for t in source.tensors.values())
+    what = (
+        f"{source.format.value}, {len(source.tensors)} tensors in {chunks} chunks "
+        f"({human_bytes(nbytes)}), {len(source.objects)} objects"
+    )
+    if found.verified_bytes:
+        what += f"; {human_bytes(found.verified_bytes)} read and verified"
+    return what
+
+
+def count_bytes(source: Source) -> int:
+    return sum(
+        math.prod(c.sizes) * t.dtype.itemsize for t in source.tensors.values() for c in t.chunks
+    )

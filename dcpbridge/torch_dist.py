@@ -1,0 +1,129 @@
+"""Save in Megatron-Core's ``torch_dist`` format, which ``dist_checkpointing.load`` reads.
+
+On disk: torch's own DCP data files (``__{rank}_{i}.distcp``) and pickled ``.metadata``,
+tensors under their ShardedTensor keys, each ShardedObject under its unique key stored as a
+one-element list, the common state in ``common.pt``, and ``metadata.json`` naming the
+backend, written last (Megatron treats a directory without it as unfinished).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcpbridge.errors import SerializationError
+from dcpbridge.formats import MEGATRON_COMMON, MEGATRON_CONFIG
+from planners import ShardedSavePlanner
+from planners.protocol import leaf_kind
+from storage import METADATA_FILE, Location, resolve
+from storage.backends import ByteIO
+from storage.writer import remove_stale_files
+
+MEGATRON_CHECKPOINT_CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+def _torch_bytes(value: Any, what: str) -> bytes:
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as e:
+        raise SerializationError(f"cannot serialize {what} ({type(value).__name__}): {e}") from e
+    return buf.getvalue()
+
+
+class TorchDistSavePlanner(ShardedSavePlanner):
+    """Our save planning, with each ShardedObject stored as ``[data]`` as Megatron stores it."""
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        source = self._sources[write_item.index]
+        if leaf_kind(source) == "object_shard":
+            return io.BytesIO(_torch_bytes([source.data], f"object {write_item.index.fqn!r}"))
+        return super().resolve_data(write_item)
+
+
+class TorchDistWriter(StorageWriter):
+    """torch's DCP writer for the data, plus Megatron's ``common.pt`` and ``metadata.json``.
+
+    The coordinator removes the commit files of an earlier save to the directory before any
+    data is written, then writes ``common.pt`` before the DCP metadata and ``metadata.json``
+    after it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        common_state: Any,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+    ) -> None:
+        super().__init__()
+        self.location: Location = resolve(path, storage_options)
+        self.common_state = common_state
+        self.sync_files = sync_files
+        if self.location.is_local:
+            self.inner: StorageWriter = FileSystemWriter(
+                self.location.root, thread_count=thread_count, sync_files=sync_files
+            )
+        else:  # os.sync() per file is pointless on object stores
+            self.inner = FsspecWriter(
+                self.location.url,
+                thread_count=thread_count,
+                sync_files=False,
+                **(storage_options or {}),
+            )
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.location.url:
+            raise ValueError("TorchDistWriter is bound to one checkpoint location")
+        self.inner.reset(None)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return self.inner.storage_meta()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return self.inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Before any data is overwritten, unpublish what this directory held, so that an
+        # interrupted save leaves an incomplete checkpoint rather than a corrupt one.
+        byteio = ByteIO.for_location(self.location)
+        stale = [n for n in (MEGATRON_CONFIG, METADATA_FILE) if byteio.exists(n)]
+        byteio.remove(stale)
+        if METADATA_FILE in stale:
+            remove_stale_files(byteio, save_id="")
+        return self.inner.prepare_global_plan(plans)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        return self.inner.write_data(plan, planner)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        byteio = ByteIO.for_location(self.location)
+        common = _torch_bytes(self.common_state, "the common state")
+        byteio.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
+        self.inner.finish(metadata, results)
+        config = json.dumps(MEGATRON_CHECKPOINT_CONFIG).encode()
+        byteio.commit_file(MEGATRON_CONFIG, config, f"{MEGATRON_CONFIG}.tmp", sync=self.sync_files)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return bool(os.fspath(checkpoint_id))

@@ -1,0 +1,202 @@
+"""Write a dcpbridge checkpoint item by item, outside DCP's protocol (offline jobs, conversion).
+
+Each worker appends items (tensor chunks or object bytes) to its own data files, with the same
+alignment, naming and block checksums as ``FsspecCheckpointWriter``; one process then commits
+the gathered items with ``commit``. The result is indistinguishable from a ``save``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import BinaryIO
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex
+
+from storage import checksum
+from storage.backends import ByteIO
+from storage.format import (
+    METADATA_FILE,
+    ItemKey,
+    StorageIndex,
+    StoredItem,
+    data_file_name,
+    encode_metadata,
+    item_key,
+    temp_metadata_name,
+)
+from storage.paths import Location
+from storage.writer import ALIGN, CoalescingFile, new_save_id, remove_stale_files
+
+__all__ = ["StreamWriter", "commit", "new_save_id"]
+
+
+class _BlockHasher:
+    """Block digests of a byte stream fed in pieces of any size (same as ``block_digests``)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.digests: list[str] = []
+        self._h = xxhash.xxh3_64()
+        self._filled = 0
+        self._total = 0
+
+    def update(self, data: memoryview) -> None:
+        self._total += len(data)
+        while len(data):
+            take = min(len(data), self.block_size - self._filled)
+            self._h.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.block_size:
+                self.digests.append(self._h.hexdigest())
+                self._h.reset()
+                self._filled = 0
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled or not self._total:
+            self.digests.append(self._h.hexdigest())
+        return tuple(self.digests)
+
+
+class StreamWriter:
+    """Appends items to data files ``__{worker}_{i}.{save_id}.bin`` of one checkpoint location.
+
+    Items are written in order, each starting on an aligned offset; a new file is started once
+    the current one holds ``max_file_bytes``. ``items`` maps each written item to where it lives.
+    """
+
+    def __init__(
+        self,
+        location: Location,
+        *,
+        save_id: str,
+        worker: int = 0,
+        checksums: bool = True,
+        checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+        sync_files: bool = True,
+        max_file_bytes: int | None = None,
+    ) -> None:
+        self.location = location
+        self.save_id = save_id
+        self.worker = worker
+        self.checksums = checksums
+        self.checksum_block_size = checksum_block_size
+        self.sync_files = sync_files
+        self.max_file_bytes = max_file_bytes
+        self.items: dict[ItemKey, StoredItem] = {}
+        self.bytes_written = 0
+        self._io = ByteIO.for_location(location)
+        self._io.makedirs()
+        self._raw: BinaryIO | None = None
+        self._out: CoalescingFile | None = None
+        self._name = ""
+        self._pos = 0
+        self._files = 0
+
+    def write_item(
+        self,
+        index: MetadataIndex,
+        parts: Iterable[memoryview],
+        *,
+        nbytes: int,
+        rank: int,
+        sizes: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> StoredItem:
+        """Append one item from its byte ``parts`` (in order); they must total ``nbytes``.
+
+        A tensor chunk also gives its ``sizes`` and ``dtype``."""
+        key = item_key(index)
+        if key in self.items:
+            raise ValueError(f"{index.fqn!r} at {list(index.offset or ())} was written twice")
+        out = self._file_for_next_item()
+        pad = -self._pos % ALIGN
+        if pad:
+            out.write(memoryview(bytes(pad)))
+            self._pos += pad
+        start = self._pos
+        hasher = _BlockHasher(self.checksum_block_size) if self.checksums else None
+        for part in parts:
+            part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
+            if hasher is not None:
+                hasher.update(part)
+            out.write(part)
+            self._pos += len(part)
+        written = self._pos - start
+        if written != nbytes:
+            raise ValueError(
+                f"{index.fqn!r} at {list(index.offset or ())}: {written} bytes written, "
+                f"{nbytes} expected"
+            )
+        self.bytes_written += written
+        digests = hasher.finish() if hasher is not None else None
+        item = StoredItem(self._name, start, written, rank, digests, sizes, dtype)
+        self.items[key] = item
+        return item
+
+    def close(self) -> None:
+        """Flush and (if ``sync_files``) sync the open data file."""
+        if self._raw is None:
+            return
+        assert self._out is not None
+        try:
+            self._out.flush()
+            if self.sync_files:
+                self._io.sync(self._raw)
+        finally:
+            self._raw.close()
+            self._raw = self._out = None
+
+    def __enter__(self) -> StreamWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _file_for_next_item(self) -> CoalescingFile:
+        if self._out is not None and (
+            self.max_file_bytes is None or self._pos < self.max_file_bytes
+        ):
+            return self._out
+        self.close()
+        self._name = data_file_name(self.worker, self._files, self.save_id)
+        self._files += 1
+        self._raw = self._io.open_write(self.location.path(self._name))
+        self._out = CoalescingFile(self._raw)
+        self._pos = 0
+        return self._out
+
+
+def commit(
+    location: Location,
+    state: Mapping[str, STORAGE_TYPES],
+    items: Mapping[ItemKey, StoredItem],
+    *,
+    save_id: str,
+    world_size: int,
+    checksums: bool = True,
+    checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+    planner_data: object = None,
+    sync: bool = True,
+) -> Metadata:
+    """Publish ``dcpbridge.json`` for items written by ``StreamWriter``s, then drop stale files."""
+    metadata = Metadata(
+        state_dict_metadata=dict(state),
+        planner_data=planner_data,
+        storage_data=StorageIndex(
+            items=dict(items),
+            save_id=save_id,
+            files=tuple(sorted({it.file for it in items.values()})),
+            checksum_algorithm=checksum.ALGORITHM if checksums else None,
+            checksum_block_size=checksum_block_size if checksums else 0,
+            world_size=world_size,
+        ),
+    )
+    raw = encode_metadata(metadata)
+    byteio = ByteIO.for_location(location)
+    byteio.makedirs()
+    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync)
+    remove_stale_files(byteio, save_id)
+    return metadata

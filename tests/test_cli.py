@@ -1,0 +1,283 @@
+"""The ``dcpbridge`` command, run as a real subprocess (and in-process where URLs are memory://)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import fsspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dcpbridge as db
+from dcpbridge import cli
+from storage.backends import LocalByteIO
+from tests import layouts as L
+from tests.dist_pool import Rank
+from tests.test_reshard import COMMON, save_layout
+
+_SCRIPT = shutil.which("dcpbridge", path=os.path.dirname(sys.executable))
+COMMAND = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "dcpbridge.cli"]
+
+# rank = pp * 2 + tp
+LAYOUT = """\
+mesh: {pp: 2, tp: 2}
+rules:
+  - match: w
+    split: [{axis: 0, over: pp}, {axis: 1, over: tp}]
+  - match: w_bf16
+    split: {axis: 1, over: tp}
+  - match: vec
+    split: {axis: 0, parts: 4}
+  - match: "*"
+    replicate: true
+    rank: 3
+"""
+# key -> {target rank: (offsets, sizes)} of the layout above, for the tensors of tests.layouts
+OWNED = {
+    "w": {0: ((0, 0), (6, 4)), 1: ((0, 4), (6, 4)), 2: ((6, 0), (6, 4)), 3: ((6, 4), (6, 4))},
+    "w_bf16": {0: ((0, 0), (12, 4)), 1: ((0, 4), (12, 4))},
+    "vec": {0: ((0,), (3,)), 1: ((3,), (3,)), 2: ((6,), (2,)), 3: ((8,), (2,))},
+    "idx": {3: ((0, 0), (12, 6))},
+}
+
+
+def run_cli(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, (args, proc.returncode, proc.stdout, proc.stderr)
+    return proc
+
+
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """``dcpbridge ARGS`` in this process (needed for memory:// URLs)."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def rows2(pool, tmp_path_factory) -> str:
+    """A checkpoint saved by 2 ranks, each tensor split by rows (rank 0 top, rank 1 bottom)."""
+    path = str(tmp_path_factory.mktemp("cli") / "rows2")
+    pool.run(save_layout, 2, "rows2", path)
+    return path
+
+
+def test_inspect_json_lists_chunks_ranks_files(rows2):
+    doc = json.loads(run_cli("inspect", rows2, "--json").stdout)
+    assert doc["format"] == "dcpbridge" and doc["format_version"] == 1
+    assert doc["complete"] and doc["problems"] == [] and doc["world_size"] == 2
+    assert doc["checksum"] == {"algorithm": "xxh3_64", "block_size": 1 << 20}
+    w = doc["tensors"]["w"]
+    assert (w["shape"], w["dtype"], w["bytes"]) == ([12, 8], "float32", 384)
+    assert [(c["offsets"], c["sizes"], c["rank"]) for c in w["chunks"]] == [
+        ([0, 0], [6, 8], 0),
+        ([6, 0], [6, 8], 1),
+    ]
+    assert w["chunks"][1]["file"].startswith("__1_0.")
+    assert doc["tensors"]["w_bf16"]["dtype"] == "bfloat16"
+    assert set(doc["objects"]) == {"__common__"}
+    names = {f["name"]: f["bytes"] for f in doc["files"]}
+    assert set(names) == {"dcpbridge.json", w["chunks"][0]["file"], w["chunks"][1]["file"]}
+    assert all(n > 0 for n in names.values())
+
+
+def test_reshard_to_a_mesh_layout_one_chunk_per_target_box(pool, rows2, tmp_path, monkeypatch):
+    layout = tmp_path / "layout.yaml"
+    layout.write_text(LAYOUT)
+    dst = str(tmp_path / "mesh4")
+    proc = run_cli("reshard", rows2, dst, "--layout", str(layout), "--slab-size", "100")
+    assert "4 tensors as 11 chunks for 4 target ranks" in proc.stdout
+    assert "reshard" in proc.stderr and "B/s" in proc.stderr  # the progress bar
+
+    with open(os.path.join(dst, "dcpbridge.json")) as f:
+        doc = json.load(f)
+    assert doc["world_size"] == 4
+    for key, owned in OWNED.items():
+        chunks = doc["tensors"][key]["chunks"]
+        got = {c["rank"]: (tuple(c["offsets"]), tuple(c["sizes"])) for c in chunks}
+        assert got == owned, key
+    pool.run(load_mesh_layout, 4, dst, default_group=True)
+
+    # Loading a target rank's shard is one contiguous read of exactly its bytes.
+    reads: list[int] = []
+    real_fetch = LocalByteIO.fetch
+
+    def recording(self, batch, threads):
+        reads.extend(len(r.out) for r in batch)
+        return real_fetch(self, batch, threads)
+
+    monkeypatch.setattr(LocalByteIO, "fetch", recording)
+    offsets, sizes = OWNED["w"][2]
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(sizes), (12, 8), offsets)}
+    out = db.load(tmpl, dst)
+    assert torch.equal(out["w"], L.expected("w", (offsets, sizes)))
+    common = doc["objects"]["__common__"]["nbytes"]
+    assert sorted(reads) == sorted([6 * 4 * 4, common])  # the shard, and the common state
+
+
+def load_mesh_layout(r: Rank, path: str) -> None:
+    """Rank r loads the boxes it owns plus the replicas it holds (w_bf16 on pp=1)."""
+    tmpl: dict = {}
+    for key, owned in OWNED.items():
+        box = owned.get(r.rank) or (owned.get(r.rank % 2) if key == "w_bf16" else None)
+        if box is not None:
+            tmpl[key] = L.template(key, box)
+    out = db.load(tmpl, path)
+    for key, sh in tmpl.items():
+        assert torch.equal(out[key], L.expected(key, (sh.global_offset, sh.local_shape))), key
+    assert out["common"]["iteration"] == COMMON["iteration"]
+
+
+def test_validate_reports_corruption_and_missing_files(rows2, tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(rows2, ck)
+    with open(os.path.join(ck, "dcpbridge.json")) as f:
+        doc = json.load(f)
+    chunk = doc["tensors"]["idx"]["chunks"][1]
+    with open(os.path.join(ck, chunk["file"]), "r+b") as f:  # flip one byte of idx rows 6..12
+        f.seek(chunk["offset"] + 5)
+        byte = f.read(1)
+        f.seek(chunk["offset"] + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    code, out, _ = in_process(capsys, "validate", ck)
+    assert code == 0 and out.startswith("OK: ")  # structure only: still fine
+    proc = run_cli("validate", ck, "--checksums", code=1)
+    assert proc.stdout.startswith(f"INVALID: {ck}")
+    assert "checksum mismatch in 'idx'[6, 0] in __1_0." in proc.stdout and "block 0" in proc.stdout
+
+    os.remove(os.path.join(ck, doc["tensors"]["w"]["chunks"][0]["file"]))
+    code, out, _ = in_process(capsys, "validate", ck)
+    assert code == 1 and f"data file {doc['tensors']['w']['chunks'][0]['file']} is missing" in out
+    assert "it holds tensor 'vec' chunk [0:5], tensor 'w' chunk [0:6, 0:8]" in out
+
+
+def test_convert_to_safetensors_torch_and_back(rows2, tmp_path, capsys):
+    hf, pt, back = str(tmp_path / "hf"), str(tmp_path / "model.pt"), str(tmp_path / "back")
+    proc = run_cli("convert", rows2, hf, "--to", "safetensors", "--max-shard-size", "500")
+    assert "skipped 1 object(s): __common__" in proc.stdout
+    with open(os.path.join(hf, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(
+        L.full(k).numel() * L.full(k).element_size() for k in L.TENSORS
+    )
+    loaded = {k: v for f in files for k, v in load_file(os.path.join(hf, f)).items()}
+    assert set(loaded) == set(L.TENSORS)
+    for key in L.TENSORS:
+        assert torch.equal(loaded[key], L.full(key)), key
+
+    run_cli("convert", hf, pt, "--to", "torch", "--no-progress")
+    sd = torch.load(pt, weights_only=True)
+    assert set(sd) == set(L.TENSORS)
+    assert all(torch.equal(sd[k], L.full(k)) for k in L.TENSORS)
+    assert zipfile.ZipFile(pt).testzip() is None  # CRCs of the in-place written records
+
+    torch.save({"model": sd, "iteration": 9}, pt)
+    code, _, err = in_process(capsys, "convert", pt, back, "--to", "dcpbridge", "--no-progress")
+    assert code == 0, err
+    tmpl = {k: L.template(k, ((0,) * len(s), s)) for k, (s, _) in L.TENSORS.items()}
+    tmpl = {
+        k: db.ShardedTensor.from_box(f"model.{k}", v.data, v.global_shape, v.global_offset)
+        for k, v in tmpl.items()
+    }
+    out = db.load(tmpl, back)
+    assert all(torch.equal(out[k], L.full(k)) for k in L.TENSORS) and out["iteration"] == 9
+
+
+def test_usage_errors_exit_2_and_bad_checkpoints_exit_1(rows2, tmp_path, capsys):
+    bad_layout = tmp_path / "bad.yaml"
+    bad_layout.write_text("world_size: 4\nrules:\n  - match: w\n    split: {axis: 0, part: 2}\n")
+    proc = run_cli("reshard", rows2, str(tmp_path / "x"), "--layout", str(bad_layout), code=2)
+    assert f"{bad_layout}: rules[0].split[0]: unknown key(s) ['part']" in proc.stderr
+    assert not os.path.exists(tmp_path / "x")
+
+    code, _, err = in_process(capsys, "inspect", str(tmp_path / "nowhere"))
+    assert code == 1 and "no such checkpoint directory" in err
+    code, _, err = in_process(capsys)
+    assert code == 2 and "required: COMMAND" in err
+    code, _, err = in_process(capsys, "reshard", rows2, str(tmp_path / "y"))
+    assert code == 2 and "needs --layout" in err
+    code, _, err = in_process(capsys, "convert", rows2, rows2 + "/", "--to", "dcpbridge")
+    assert code == 2 and "is the source itself" in err
+    code, _, err = in_process(capsys, "convert", rows2, str(tmp_path / "y"), "--to", "zip")
+    assert code == 2 and "invalid choice: 'zip'" in err
+    bad_config = tmp_path / "c.yaml"
+    bad_config.write_text("checkpoint: {threads: many}\n")
+    for args in (
+        ["inspect", rows2, "--config", str(bad_config)],
+        ["--config", str(bad_config), "inspect", rows2],
+    ):
+        code, _, err = in_process(capsys, *args)
+        assert code == 2 and f"{bad_config}: checkpoint.threads: expected int, got str" in err
+
+    os.makedirs(tmp_path / "half")
+    shutil.copy(os.path.join(rows2, sorted(os.listdir(rows2))[0]), tmp_path / "half")
+    code, _, err = in_process(capsys, "validate", str(tmp_path / "half"))
+    assert code == 1 and "incomplete checkpoint" in err
+
+
+def test_help_documents_layout_and_config(capsys):
+    proc = run_cli("--help")
+    assert "profiles:" in proc.stdout and "access_key_env" in proc.stdout
+    code, out, _ = in_process(capsys, "reshard", "--help")
+    assert code == 0
+    for needle in (
+        "layout file:",
+        "world_size",
+        "mesh:",
+        "over: tp",
+        "replicate: true",
+        "torchrun",
+    ):
+        assert needle in out, needle
+
+
+def test_memory_urls_and_a_config_job(rows2, tmp_path, capsys):
+    """local -> memory:// by a job of a config file, then memory:// -> local safetensors."""
+    mem = fsspec.filesystem("memory")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(
+        textwrap.dedent(
+            f"""
+            profiles:
+              mem: {{type: fsspec, options: {{skip_instance_cache: true}}}}
+            jobs:
+              to-mem:
+                source: {rows2}
+                destination: memory://cli-job/ck
+                destination_profile: mem
+                layout: {{world_size: 2, rules: [{{match: "*", split: {{axis: 0}}}}]}}
+            """
+        )
+    )
+    try:
+        code, out, err = in_process(capsys, "reshard", "--config", str(cfg), "--no-progress")
+        assert code == 0, err
+        assert "wrote memory://cli-job/ck" in out
+        code, out, _ = in_process(capsys, "inspect", "memory://cli-job/ck", "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["world_size"] == 2
+        assert [c["rank"] for c in doc["tensors"]["idx"]["chunks"]] == [0, 1]
+        hf = str(tmp_path / "hf")
+        code, _, err = in_process(
+            capsys, "convert", "memory://cli-job/ck", hf, "--to", "safetensors"
+        )
+        assert code == 0, err
+        assert torch.equal(
+            load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))["w"], L.full("w")
+        )
+        code, _, err = in_process(capsys, "reshard", "--config", str(cfg), "--job", "nope")
+        assert code == 2 and "no job 'nope' (jobs: to-mem)" in err
+    finally:
+        mem.rm("/cli-job", recursive=True)
