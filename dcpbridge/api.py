@@ -29,14 +29,13 @@ from dcpbridge.staging import stage
 from dcpbridge.state import (
     HOLE,
     apply_factories,
-    apply_factory_merges,
+    assemble,
     extract,
     fill_holes,
     is_nonpersistent,
     is_sharded,
     leaves,
     map_leaves,
-    merge,
 )
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
 from storage import (
@@ -363,11 +362,7 @@ def load(
         return HOLE if x.key in missing else x.data
 
     loaded = map_leaves(sharded, loaded_value) if sharded is not HOLE else HOLE
-    loaded = apply_factory_merges(loaded, tree)
-    result = merge(objects.get(COMMON_KEY, {}), loaded)
-    if nonpersistent is not HOLE:
-        result = merge(result, map_leaves(nonpersistent, lambda x: x.unwrap()))
-    result = fill_holes(result, None)
+    result = assemble(objects.get(COMMON_KEY, {}), loaded, tree, nonpersistent)
     if strict == StrictMode.RETURN_ALL:
         return result, sorted(missing), sorted(planner.unexpected_keys)
     return result
