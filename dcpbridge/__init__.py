@@ -10,6 +10,7 @@ from dcpbridge.errors import (
     CorruptCheckpointError,
     DistributedCheckpointError,
     DTypeMismatchError,
+    HollowStateError,
     IncompleteCheckpointError,
     InvalidShardError,
     MissingKeysError,
@@ -48,6 +49,7 @@ from dcpbridge.sharding import (
     load_state_dict,
     shard_broadcasted_state_dict,
 )
+from dcpbridge.tensor_aware_state_dict import ShardDistribution, TensorAwareStateDict
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
 
@@ -64,6 +66,7 @@ __all__ = [
     "DistributedKeys",
     "FsspecCheckpointReader",
     "FsspecCheckpointWriter",
+    "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidShardError",
     "LocalNonpersistentObject",
@@ -75,6 +78,7 @@ __all__ = [
     "PickleRefusedError",
     "SerializationError",
     "ShapeMismatchError",
+    "ShardDistribution",
     "ShardedLoadPlanner",
     "ShardedObject",
     "ShardedSavePlanner",
@@ -84,6 +88,7 @@ __all__ = [
     "ShardingValidationError",
     "StateDict",
     "StrictMode",
+    "TensorAwareStateDict",
     "UnexpectedKeysError",
     "UnsafePathError",
     "async_save",
