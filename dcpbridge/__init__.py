@@ -11,6 +11,7 @@ from dcpbridge.errors import (
     CorruptCheckpointError,
     DistributedCheckpointError,
     DTypeMismatchError,
+    HollowStateError,
     IncompleteCheckpointError,
     InvalidShardError,
     MissingKeysError,
@@ -53,6 +54,7 @@ from dcpbridge.sharding import (
     shard_broadcasted_state_dict,
 )
 from dcpbridge.sources import open_source
+from dcpbridge.tensor_aware_state_dict import ShardDistribution, TensorAwareStateDict
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
 
@@ -70,6 +72,7 @@ __all__ = [
     "DistributedKeys",
     "FsspecCheckpointReader",
     "FsspecCheckpointWriter",
+    "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidShardError",
     "Layout",
@@ -83,6 +86,7 @@ __all__ = [
     "PickleRefusedError",
     "SerializationError",
     "ShapeMismatchError",
+    "ShardDistribution",
     "ShardedLoadPlanner",
     "ShardedObject",
     "ShardedSavePlanner",
@@ -92,6 +96,7 @@ __all__ = [
     "ShardingValidationError",
     "StateDict",
     "StrictMode",
+    "TensorAwareStateDict",
     "UnexpectedKeysError",
     "UnsafePathError",
     "async_save",

@@ -34,14 +34,13 @@ from dcpbridge.staging import stage
 from dcpbridge.state import (
     HOLE,
     apply_factories,
-    apply_factory_merges,
+    assemble,
     extract,
     fill_holes,
     is_nonpersistent,
     is_sharded,
     leaves,
     map_leaves,
-    merge,
 )
 from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
@@ -415,11 +414,7 @@ def load(
         return HOLE if x.key in missing else x.data
 
     loaded = map_leaves(sharded, loaded_value) if sharded is not HOLE else HOLE
-    loaded = apply_factory_merges(loaded, tree)
-    result = merge(source.common_state(objects), loaded)
-    if nonpersistent is not HOLE:
-        result = merge(result, map_leaves(nonpersistent, lambda x: x.unwrap()))
-    result = fill_holes(result, None)
+    result = assemble(source.common_state(objects), loaded, tree, nonpersistent)
     if strict == StrictMode.RETURN_ALL:
         return result, sorted(missing), sorted(planner.unexpected_keys)
     return result

@@ -82,8 +82,8 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
-        """Overwrite ``tensor`` (contiguous, same shape and dtype everywhere) with the coordinator's.
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite ``tensor`` (contiguous, same byte size everywhere) with group rank ``src``'s.
 
         Sent as raw bytes, so any dtype travels (gloo lacks bool, float8, ... reductions).
         """
@@ -92,7 +92,8 @@ class Group:
         if not tensor.is_contiguous():
             raise ValueError("broadcast_tensor needs a contiguous tensor")
         CALLS["broadcast_tensor"] += 1
-        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=self.coordinator, group=self.pg)
+        root = dist.get_global_rank(self.pg, src) if src else self.coordinator
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=root, group=self.pg)
 
     def exchange(
         self,
@@ -209,7 +210,7 @@ class StoreGroup(Group):
         self._done(key, [f"{key}/value"])
         return obj
 
-    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
         raise TypeError("a StoreGroup carries objects only; broadcast tensors on a process group")
 
     def all_gather(self, obj: Any) -> list[Any]:

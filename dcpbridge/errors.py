@@ -29,6 +29,10 @@ class OptimizerStateError(CheckpointError, ValueError):
     """Optimizer state that cannot be mapped onto, or restored from, the model's sharding."""
 
 
+class HollowStateError(CheckpointError, RuntimeError):
+    """A TensorAwareStateDict call needs the tensors that were popped (or finds them present)."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -39,6 +43,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DTypeMismatchError",
     "DistributedCheckpointError",
+    "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidShardError",
     "MissingKeysError",

@@ -53,10 +53,16 @@ def save_holdings(shards: list[Any]) -> list[Holding]:
     ]
 
 
-def writers(group: Group, shards: list[Any] | BaseException) -> dict[ShardId, int]:
-    """Which group rank writes each shard some member holds as a main replica (collective)."""
+def writers(
+    group: Group, shards: list[Any] | BaseException, *, only_main: bool = True
+) -> dict[ShardId, int]:
+    """Which group rank writes each shard some member holds as a main replica (collective).
+
+    With ``only_main=False``, every shard some member holds gets a writer, so the group alone
+    holds a full copy of its members' state (node-local checkpoints need that).
+    """
     mine = shards if isinstance(shards, BaseException) else save_holdings(shards)
-    return distribute(_exchange(group, mine))
+    return distribute(_exchange(group, mine), only_main=only_main)
 
 
 def assign_writers(shards: list[Any], owner: dict[ShardId, int], rank: int) -> list[Any]:

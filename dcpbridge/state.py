@@ -143,3 +143,13 @@ def _has_hole(tree: Any) -> bool:
     if isinstance(tree, (list, tuple)):
         return any(_has_hole(v) for v in tree)
     return tree is HOLE
+
+
+def assemble(common: Any, loaded: Any, template: Any, nonpersistent: Any) -> Any:
+    """The result of a load: ``loaded`` (factories merged back) over ``common``, plus the
+    template's non-persistent objects, in new containers; missing entries dropped."""
+    loaded = apply_factory_merges(loaded, template)
+    result = merge(common, loaded)
+    if nonpersistent is not HOLE:
+        result = merge(result, map_leaves(nonpersistent, lambda x: x.unwrap()))
+    return fill_holes(result, None)

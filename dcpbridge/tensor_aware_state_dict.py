@@ -1,0 +1,378 @@
+"""What one rank keeps of a sharded state dict, with its tensors separable: for node-local saves.
+
+A node-local checkpoint manager builds a ``TensorAwareStateDict``, pops its tensors to store
+them its own way (``torch.save`` per rank, a replica on a peer node, ...), stores the hollow
+rest, and to restore inserts the tensors back and calls ``to_state_dict``. With
+``algo="fully_parallel"`` each shard the parallelization group holds (e.g. data-parallel
+replicas) is kept by exactly one member, balancing bytes, and ``to_state_dict`` sends each
+member the shards it needs from the member that kept them. With ``algo="atomic"`` every rank
+keeps all it holds and restores alone. Collectives carry failures: a rank that fails makes
+every member raise, never wait.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcpbridge import fully_parallel as fp
+from dcpbridge.api import split_for_save, structure_of
+from dcpbridge.collectives import Group
+from dcpbridge.errors import HollowStateError, InvalidShardError
+from dcpbridge.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
+from dcpbridge.state import (
+    HOLE,
+    apply_factories,
+    assemble,
+    extract,
+    is_nonpersistent,
+    is_sharded,
+    leaves,
+    map_leaves,
+)
+from planners import StrictMode
+
+ALGOS = ("fully_parallel", "atomic")
+EXCHANGE_ALGOS = ("broadcast", "p2p")
+
+
+@dataclass(frozen=True)
+class ShardDistribution:
+    """Which member of the parallelization group keeps each shard (``from_state_dict``'s cache).
+
+    ``keepers`` maps a shard id ``(key, global_offset)`` to a group rank; ``structure``
+    fingerprints the shards and group of the rank that computed it, so reusing it for another
+    structure is refused instead of silently keeping the wrong shards. Per rank, in memory.
+    """
+
+    keepers: dict[ShardId, int]
+    structure: int
+
+
+class TensorAwareStateDict:
+    """One rank's common state, kept shards and (unless hollow) their tensors; picklable."""
+
+    def __init__(self, common: Any, shards: list[Any], algo: str) -> None:
+        self.common = common
+        self.shards = shards  # kept ShardedTensors and ShardedObjects, in state-dict order
+        self.algo = algo
+        self._popped_devices: list[torch.device] | None = None  # set while hollow
+        self._orig_devices: list[torch.device] | None = None  # set by copy_tensors_to_cpu
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        sharded_state_dict: ShardedStateDict,
+        algo: str = "fully_parallel",
+        parallelization_group: dist.ProcessGroup | None = None,
+        cached_metadata: ShardDistribution | None = None,
+    ) -> tuple[TensorAwareStateDict, ShardDistribution | None]:
+        """This rank's part of ``sharded_state_dict`` and the distribution to cache.
+
+        Factories are built and LocalNonpersistentObjects dropped (as for ``save``); the
+        shards share their tensors with ``sharded_state_dict``. ``fully_parallel`` (a
+        collective over ``parallelization_group``, default: the world) keeps each non-empty
+        tensor shard some member holds on one member, main replica or not, so the group can
+        restore without the others; ``cached_metadata`` (the distribution a previous call
+        for the same structure returned) skips that exchange. ShardedObjects and the common
+        state stay on every rank. ``atomic`` keeps everything and returns no distribution.
+        """
+        algo = _check_algo(algo)
+        error: BaseException | None = None
+        common: Any = {}
+        shards: list[Any] = []
+        try:
+            common, shards = split_for_save(sharded_state_dict)
+            for s in shards:
+                if isinstance(s, ShardedTensor) and s.data is None:
+                    raise InvalidShardError(f"ShardedTensor {s.key!r} has no data to keep")
+        except Exception as e:  # raised on every member by the exchange below
+            error = e
+        if algo == "atomic":
+            if error is not None:
+                raise error
+            return cls(common, [copy.copy(s) for s in shards], algo), None
+        group = Group.resolve(parallelization_group)
+        if cached_metadata is not None:
+            if error is not None:
+                raise error
+            if cached_metadata.structure != structure_of(shards, group):
+                raise ValueError(
+                    "cached_metadata was computed for other shards or another "
+                    "parallelization group; call from_state_dict without it"
+                )
+            distribution = cached_metadata
+        else:
+            keepers = fp.writers(group, error or shards, only_main=False)
+            distribution = ShardDistribution(keepers, structure_of(shards, group))
+        kept = [copy.copy(s) for s in shards if _keeps(s, distribution.keepers, group.rank)]
+        return cls(common, kept, algo), distribution
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorAwareStateDict(algo={self.algo!r}, shards={len(self.shards)}, "
+            f"tensors={len(self._tensor_shards())}, hollow={self.is_hollow})"
+        )
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def _tensor_shards(self) -> list[ShardedTensor]:
+        return [s for s in self.shards if isinstance(s, ShardedTensor)]
+
+    def _need_tensors(self, op: str) -> list[ShardedTensor]:
+        if self.is_hollow:
+            raise HollowStateError(
+                f"{op}: the tensors were popped; insert_tensors or init_tensors first"
+            )
+        return self._tensor_shards()
+
+    @property
+    def is_hollow(self) -> bool:
+        """True from ``pop_tensors`` until ``insert_tensors`` or ``init_tensors``."""
+        return self._popped_devices is not None
+
+    @property
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The kept tensors, in the order ``pop_tensors`` returns them."""
+        return iter([s.data for s in self._need_tensors("tensors")])  # type: ignore[misc]
+
+    @property
+    def common_state_dict(self) -> StateDict:
+        return self.common
+
+    def pop_tensors(self) -> list[torch.Tensor]:
+        """Take the tensors out, leaving shapes, dtypes and devices (the state becomes hollow)."""
+        shards = self._need_tensors("pop_tensors")
+        out = [s.data for s in shards]
+        self._popped_devices = [t.device for t in out]  # type: ignore[union-attr]
+        for s in shards:
+            s.data = None
+        return out  # type: ignore[return-value]
+
+    def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
+        """Put back what ``pop_tensors`` returned (or tensors of the same shapes and dtypes)."""
+        if not self.is_hollow:
+            raise HollowStateError("insert_tensors: the state dict still holds its tensors")
+        data = list(tensor_data)
+        shards = self._tensor_shards()
+        if len(data) != len(shards):
+            raise InvalidShardError(
+                f"insert_tensors got {len(data)} tensors for {len(shards)} kept shards"
+            )
+        for s, t in zip(shards, data):
+            if not isinstance(t, torch.Tensor) or (tuple(t.shape), t.dtype) != (
+                s.local_shape,
+                s.dtype,
+            ):
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
+                raise InvalidShardError(
+                    f"insert_tensors: ShardedTensor {s.key!r} at offset {s.global_offset} "
+                    f"needs shape {s.local_shape} and {s.dtype}, got {got}"
+                )
+        for s, t in zip(shards, data):
+            s.data = t
+        self._popped_devices = None
+
+    def init_tensors(self) -> None:
+        """Fill a hollow state with uninitialised tensors like the popped ones (e.g. to receive)."""
+        if self._popped_devices is None:
+            raise HollowStateError("init_tensors: the state dict still holds its tensors")
+        for s, device in zip(self._tensor_shards(), self._popped_devices):
+            s.data = torch.empty(s.local_shape, dtype=s.dtype, device=device)
+        self._popped_devices = None
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        """Replace the tensors by compact CPU copies; ``restore_tensor_device`` moves them back.
+
+        The originals are left untouched (later updates of them do not reach the copies).
+        With ``non_blocking``, copies from an accelerator go to pinned memory asynchronously:
+        synchronize the device before reading them.
+        """
+        shards = self._need_tensors("copy_tensors_to_cpu")
+        if self._orig_devices is None:
+            self._orig_devices = [s.data.device for s in shards]  # type: ignore[union-attr]
+        for s in shards:
+            assert s.data is not None
+            s.data = _cpu_copy(s.data, non_blocking)
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        """Move the tensors back to where ``copy_tensors_to_cpu`` found them."""
+        shards = self._need_tensors("restore_tensor_device")
+        if self._orig_devices is None:
+            return
+        for s, device in zip(shards, self._orig_devices):
+            assert s.data is not None
+            if s.data.device != device:
+                s.data = s.data.to(device, non_blocking=non_blocking)
+        self._orig_devices = None
+
+    # -- restore ---------------------------------------------------------------------------
+
+    def to_state_dict(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        algo: str | None = None,
+        exchange_algo: str = "broadcast",
+        validate_access_integrity: bool = True,
+        parallelization_group: dist.ProcessGroup | None = None,
+        strict: StrictMode | str = StrictMode.RAISE_MISSING,
+    ) -> StateDict | tuple[StateDict, list[str], list[str]]:
+        """The state dict ``sharded_state_dict`` asks for, like ``load`` does from storage.
+
+        Each requested ShardedTensor gets the kept tensor of the same key and global offset:
+        this rank's own, or (``fully_parallel``, the default for a state built with it) the
+        one another member of ``parallelization_group`` kept, sent by ``exchange_algo``:
+        ``"broadcast"`` (one broadcast per shard to the group) or ``"p2p"`` (point-to-point,
+        only to the members that need it). Template tensors are filled in place; where a
+        template has no data the result holds the kept or received tensor. ShardedObjects
+        come from this rank's kept ones, factories are merged, the common state and the
+        template's non-persistent objects are added. ``validate_access_integrity`` checks
+        first, on every member, that no shard was kept twice in the group; shape or dtype
+        disagreements always raise. ``strict`` treats missing (requested, kept by no member)
+        and unexpected (kept, requested by none) shards as in ``load``; with ``"return_all"``
+        returns ``(state_dict, missing_keys, unexpected_keys)``. ``atomic`` without validation
+        runs no collective.
+        """
+        algo = _check_algo(self.algo if algo is None else algo)
+        if exchange_algo not in EXCHANGE_ALGOS:
+            raise ValueError(
+                f"exchange_algo must be one of {EXCHANGE_ALGOS}, got {exchange_algo!r}"
+            )
+        strict = StrictMode(strict)
+        local_only = algo == "atomic"
+        group = Group.resolve(parallelization_group)
+        nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
+        sharded: Any = HOLE
+        requests: list[Any] = []
+        mine: Manifest | BaseException
+        try:
+            shards = self._need_tensors("to_state_dict")
+            sharded, _ = extract(apply_factories(tree), is_sharded)
+            requests = leaves(sharded) if sharded is not HOLE else []
+            mine = Manifest(
+                kept=tuple(ShardMeta.of(s) for s in shards if s.numel > 0),
+                wanted=tuple(
+                    ShardMeta.of(s) for s in requests if isinstance(s, ShardedTensor) and s.numel
+                ),
+                kept_objects=tuple(s.unique_key for s in self.shards if _is_object(s)),
+                wanted_objects=tuple(s.unique_key for s in requests if _is_object(s)),
+            )
+        except Exception as e:  # raised on every member by the exchange below
+            mine = e
+        if local_only and not validate_access_integrity:
+            if isinstance(mine, BaseException):
+                raise mine
+            manifests = {group.rank: mine}
+        else:
+            manifests = dict(enumerate(fp._exchange(group, mine)))
+        plan = plan_restore(manifests, local_only=local_only)
+        plan.check(validate=validate_access_integrity and not local_only, strict=strict)
+        sources = self._sources(group, plan, requests, exchange_algo)
+        objects = {s.unique_key: s.data for s in self.shards if _is_object(s)}
+
+        def value(x: Any) -> Any:
+            if isinstance(x, ShardedObject):
+                return objects.get(x.unique_key, HOLE)
+            if x.numel == 0:
+                x.init_data()
+                return x.data
+            src = sources.get(fp.shard_id(x))
+            if src is None:
+                return HOLE  # missing, with strict="return_all"
+            if x.data is None:
+                x.data = src
+            elif x.data is not src:
+                x.data.copy_(src)
+            return x.data
+
+        loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
+        result = assemble(self.common, loaded, tree, nonpersistent)
+        if strict == StrictMode.RETURN_ALL:
+            return result, plan.missing_keys(group.rank), plan.unexpected_keys(group.rank)
+        return result
+
+    def _sources(
+        self, group: Group, plan: RestorePlan, requests: list[Any], exchange_algo: str
+    ) -> dict[ShardId, torch.Tensor]:
+        """Every shard this rank needs: its own kept tensors, and the ones sent to it."""
+        sources: dict[ShardId, torch.Tensor] = {}
+        for s in self._tensor_shards():
+            assert s.data is not None
+            sources.setdefault(fp.shard_id(s), s.data)
+        if not plan.transfers:
+            return sources
+        device = group.tensor_device
+        into = {
+            fp.shard_id(s): s.data
+            for s in requests
+            if isinstance(s, ShardedTensor) and _receivable(s.data, device)
+        }
+        sends: list[tuple[torch.Tensor, int, int]] = []
+        recvs: list[tuple[torch.Tensor, int, int]] = []
+        for tag, t in enumerate(plan.transfers):
+            shard = t.meta.shard
+            if t.src == group.rank:
+                data = sources[shard].detach().to(device).contiguous()
+                sends += [(data, dst, tag) for dst in t.dsts]
+            elif group.rank in t.dsts:
+                buf = into.get(shard)
+                if buf is None:
+                    buf = torch.empty(t.meta.local_shape, dtype=t.meta.dtype, device=device)
+                sources[shard] = buf
+                recvs.append((buf, t.src, tag))
+        if exchange_algo == "p2p":
+            group.exchange(sends, recvs)
+        else:
+            _broadcast_all(group, plan, sends, recvs, device)
+        return sources
+
+
+def _broadcast_all(
+    group: Group,
+    plan: RestorePlan,
+    sends: list[tuple[torch.Tensor, int, int]],
+    recvs: list[tuple[torch.Tensor, int, int]],
+    device: torch.device,
+) -> None:
+    """One broadcast per transfer, from its keeper to the whole group (bystanders use scratch)."""
+    mine = {tag: t for t, _, tag in sends} | {tag: t for t, _, tag in recvs}
+    spare = [t.meta.nbytes for i, t in enumerate(plan.transfers) if i not in mine]
+    scratch = torch.empty(max(spare, default=0), dtype=torch.uint8, device=device)
+    for tag, t in enumerate(plan.transfers):
+        buf = mine.get(tag)
+        group.broadcast_tensor(buf if buf is not None else scratch[: t.meta.nbytes], src=t.src)
+
+
+def _check_algo(algo: str) -> str:
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    return algo
+
+
+def _is_object(x: Any) -> bool:
+    return isinstance(x, ShardedObject)
+
+
+def _keeps(s: Any, keepers: dict[ShardId, int], rank: int) -> bool:
+    """Whether this rank keeps ``s`` (objects always; empty tensors never: nothing to keep)."""
+    if not isinstance(s, ShardedTensor):
+        return True
+    return s.numel > 0 and keepers.get(fp.shard_id(s)) == rank
+
+
+def _receivable(t: torch.Tensor | None, device: torch.device) -> bool:
+    return t is not None and t.is_contiguous() and t.device == device
+
+
+def _cpu_copy(t: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=non_blocking)
+    return out.copy_(t, non_blocking=non_blocking)
