@@ -1,4 +1,4 @@
-"""``make demo``: train a tensor-parallel toy model on 2 ranks, checkpoint it, reload on 1 and 4.
+"""``make demo``: train a TP=2 toy model, checkpoint it, reload on 1 and 4 ranks, then use the CLI.
 
 Run with ``python -m dcpbridge.demo [CHECKPOINT_ROOT]`` (default ``./checkpoints``).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -118,6 +119,25 @@ def _assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
     return full
 
 
+LAYOUT_TP4 = """\
+# The demo MLP and its Adam state for tensor parallelism 4 (rank r owns part r).
+world_size: 4
+rules:
+  - match: ["mlp.fc1.*", "optimizer.state.*.mlp.fc1.*"]   # column-parallel: rows split
+    split: {axis: 0}
+  - match: ["mlp.fc2.weight", "optimizer.state.*.mlp.fc2.weight"]   # row-parallel: columns
+    split: {axis: 1}
+  - match: "*"                    # mlp.fc2.bias (+ its state): replicated, rank 0 stores it
+    replicate: true
+"""
+
+
+def cli(*args: str) -> None:
+    """Run the ``dcpbridge`` command as a user would, echoing it and its output."""
+    print(f"\n$ dcpbridge {' '.join(args)}", flush=True)
+    subprocess.run([sys.executable, "-m", "dcpbridge.cli", *args], check=True)
+
+
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "./checkpoints"
     ckpt = os.path.join(root, f"iter_{STEPS:07d}")
@@ -148,6 +168,16 @@ def main(argv: list[str]) -> int:
     for label, procs, keys, nbytes, seconds in rows:
         print(f"  {label:<12} {procs:>5} {keys:>5} {nbytes:>10,} {seconds:>8.3f}")
     print("\n  reloaded with 1 and 4 processes: every tensor bit-exact with what TP=2 saved")
+
+    layout = os.path.join(root, "layout_tp4.yaml")
+    with open(layout, "w") as f:
+        f.write(LAYOUT_TP4)
+    tp4, hf = os.path.join(root, "tp4"), os.path.join(root, "hf")
+    cli("inspect", ckpt)
+    cli("reshard", ckpt, tp4, "--layout", layout, "--no-progress")
+    cli("validate", "--checksums", tp4)
+    cli("convert", tp4, hf, "--to", "safetensors", "--max-shard-size", "256KB", "--no-progress")
+    print(f"\n  {hf}: {sorted(os.listdir(hf))}")
     return 0
 
 
