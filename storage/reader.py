@@ -27,7 +27,8 @@ from storage.errors import (
     NotACheckpointError,
 )
 from storage.format import DATA_FILE_RE, METADATA_FILE, StorageIndex, StoredItem, decode_metadata
-from storage.paths import Location, resolve
+from storage.located import Located
+from storage.paths import Location
 from storage.regions import Extent, c_strides, expand_to_blocks, plan_extents
 
 # Reads smaller than this are merged with their neighbours into one request.
@@ -166,7 +167,7 @@ def _byte_view(t: torch.Tensor) -> memoryview | None:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-class FsspecCheckpointReader(StorageReader):
+class FsspecCheckpointReader(Located, StorageReader):
     """Reads a dcpbridge checkpoint; usable with ``torch.distributed.checkpoint.load``.
 
     For every ``ReadItem`` it fetches only the byte ranges of the stored chunk that hold the
@@ -183,12 +184,9 @@ class FsspecCheckpointReader(StorageReader):
         thread_count: int = 4,
         verify_checksums: bool = True,
     ) -> None:
-        super().__init__()
-        self.storage_options = dict(storage_options or {})
+        Located.__init__(self, storage_options)
         self.thread_count = max(1, thread_count)
         self.verify_checksums = verify_checksums
-        self.location: Location | None = None
-        self._io: ByteIO | None = None
         self._metadata: Metadata | None = None
         self.bytes_read = 0
         if path is not None:
@@ -197,16 +195,8 @@ class FsspecCheckpointReader(StorageReader):
     # -- DCP StorageReader protocol -------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            location = resolve(checkpoint_id, self.storage_options)
-            if location != self.location:
-                self.location = location
-                self._io = ByteIO.for_location(location)
-                self._metadata = None
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self._loc.url
+        if checkpoint_id is not None and self._relocate(checkpoint_id):
+            self._metadata = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -245,17 +235,7 @@ class FsspecCheckpointReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return bool(os.fspath(checkpoint_id))
-
     # -- planning byte ranges -------------------------------------------------------------
-
-    @property
-    def _loc(self) -> Location:
-        if self.location is None:
-            raise ValueError("no checkpoint path: pass one to the reader or to load()")
-        return self.location
 
     @property
     def _index(self) -> StorageIndex:
@@ -343,11 +323,6 @@ class FsspecCheckpointReader(StorageReader):
             )
             ops.append(_Op(stored.file, stored.offset + lo, stored.offset + hi, direct, delivery))
         return ops
-
-    @property
-    def _byteio(self) -> ByteIO:
-        assert self._io is not None
-        return self._io
 
 
 def _box(dest: torch.Tensor, ext: Extent) -> torch.Tensor:

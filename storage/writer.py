@@ -28,7 +28,7 @@ from storage.format import (
     item_key,
     temp_metadata_name,
 )
-from storage.paths import Location, resolve
+from storage.located import Located
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
         data = data[n:]
 
 
-class FsspecCheckpointWriter(StorageWriter):
+class FsspecCheckpointWriter(Located, StorageWriter):
     """Writes a checkpoint to any fsspec location; usable with ``torch.distributed.checkpoint.save``.
 
     Each rank writes raw tensor bytes into ``thread_count`` files (one thread each), records
@@ -135,18 +135,15 @@ class FsspecCheckpointWriter(StorageWriter):
         checksums: bool = True,
         checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
     ) -> None:
-        super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         if checksum_block_size <= 0:
             raise ValueError(f"checksum_block_size must be > 0, got {checksum_block_size}")
-        self.storage_options = dict(storage_options or {})
+        Located.__init__(self, storage_options)
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.checksums = checksums
         self.checksum_block_size = checksum_block_size
-        self.location: Location | None = None
-        self._io: ByteIO | None = None
         self._save_id = ""
         self._is_coordinator = False
         if path is not None:
@@ -156,13 +153,8 @@ class FsspecCheckpointWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.location = resolve(checkpoint_id, self.storage_options)
-            self._io = ByteIO.for_location(self.location)
+            self._relocate(checkpoint_id)
         self._save_id = ""
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self._loc.url
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
@@ -225,23 +217,7 @@ class FsspecCheckpointWriter(StorageWriter):
         )
         remove_stale_files(self._byteio, self._save_id)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return bool(os.fspath(checkpoint_id))
-
     # -- helpers --------------------------------------------------------------------------
-
-    @property
-    def _loc(self) -> Location:
-        if self.location is None:
-            raise ValueError("no checkpoint path: pass one to the writer or to save()")
-        return self.location
-
-    @property
-    def _byteio(self) -> ByteIO:
-        if self._io is None:
-            raise ValueError("no checkpoint path: pass one to the writer or to save()")
-        return self._io
 
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
