@@ -32,7 +32,13 @@ class ByteIO:
 
     @staticmethod
     def for_location(location: Location) -> ByteIO:
-        return LocalByteIO(location) if location.is_local else FsspecByteIO(location)
+        if location.is_local:
+            return LocalByteIO(location)
+        if _is_s3(location.fs):
+            from storage.s3 import S3ByteIO
+
+            return S3ByteIO(location)
+        return FsspecByteIO(location)
 
     def makedirs(self) -> None:
         self.fs.makedirs(self.location.root, exist_ok=True)
@@ -82,6 +88,11 @@ class ByteIO:
             if isinstance(blob, BaseException):
                 raise blob
             _fill(r, blob)
+
+
+def _is_s3(fs: object) -> bool:
+    protocol = getattr(fs, "protocol", ())
+    return "s3" in ((protocol,) if isinstance(protocol, str) else protocol)
 
 
 def _fill(r: RangeRead, blob: bytes) -> None:

@@ -1,0 +1,331 @@
+"""S3 byte mover: concurrent multipart uploads and concurrent ranged GETs on s3fs's async client.
+
+Every request goes through ``S3FileSystem._call_s3``, so botocore's retry modes
+(``config_kwargs={"retries": ...}`` in the storage options) and s3fs's own retry wrapper
+handle transient failures (503 SlowDown, 500, connection resets); nothing here swallows an
+error or retries on its own. Part size and requests in flight come from s3fs's own options
+``default_block_size`` and ``max_concurrency`` when the storage options set them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec.asyn import sync
+
+from storage.backends import ByteIO, RangeRead
+
+log = logging.getLogger(__name__)
+
+MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
+MAX_PART_SIZE = 5 << 30
+MAX_PARTS = 10_000
+DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_CONCURRENCY = 8
+# Parts double in size every this many parts, so a file never needs more than MAX_PARTS.
+_PARTS_PER_SIZE_STEP = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class S3Transfer:
+    """How requests are sized and overlapped: one open file / one fetch keeps at most
+    ``concurrency`` requests of ``part_size`` bytes in flight."""
+
+    part_size: int = DEFAULT_PART_SIZE
+    concurrency: int = DEFAULT_CONCURRENCY
+    fixed_part_size: bool = False
+
+    def __post_init__(self) -> None:
+        if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
+            raise ValueError(
+                f"S3 part size (default_block_size) must be between 5 MiB and 5 GiB, "
+                f"got {self.part_size}"
+            )
+        if self.concurrency < 1:
+            raise ValueError(f"S3 max_concurrency must be >= 1, got {self.concurrency}")
+
+    @staticmethod
+    def from_fs(fs: Any) -> S3Transfer:
+        """Our defaults, overridden by ``default_block_size`` / ``max_concurrency`` if given."""
+        opts = getattr(fs, "storage_options", {}) or {}
+        return S3Transfer(
+            part_size=opts.get("default_block_size") or DEFAULT_PART_SIZE,
+            concurrency=opts.get("max_concurrency") or DEFAULT_CONCURRENCY,
+            fixed_part_size=bool(getattr(fs, "fixed_upload_size", False)),
+        )
+
+    def part_size_for(self, part_number: int) -> int:
+        """Size of 1-based part ``part_number``: grows so 10,000 parts cover any object."""
+        if self.fixed_part_size:
+            return self.part_size
+        step = (part_number - 1) // _PARTS_PER_SIZE_STEP
+        return min(self.part_size << step, MAX_PART_SIZE)
+
+
+class S3ByteIO(ByteIO):
+    """S3 (s3fs): parallel multipart uploads, parallel ranged reads, one PUT per commit."""
+
+    def __init__(self, location: Any) -> None:
+        super().__init__(location)
+        self.transfer = S3Transfer.from_fs(self.fs)
+
+    def makedirs(self) -> None:
+        """Object stores have no directories (and creating buckets is not ours to do)."""
+
+    def open_write(self, path: str) -> MultipartWriter:
+        return MultipartWriter(self.fs, path, self.transfer)
+
+    def read_file(self, path: str) -> bytes:
+        return sync(self.fs.loop, self.fs._cat_file, path, start=0, end=None)
+
+    def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
+        """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix."""
+        path = self.location.path(name)
+        _run(self.fs, _put_object(self.fs, path, data))
+        self.fs.invalidate_cache(path)
+
+    def exists(self, name: str) -> bool:
+        self.fs.invalidate_cache(self.location.root)
+        return super().exists(name)
+
+    def list_names(self) -> list[str]:
+        self.fs.invalidate_cache(self.location.root)  # other processes write here too
+        return super().list_names()
+
+    def remove(self, names: Sequence[str]) -> None:
+        super().remove(names)
+        self.fs.invalidate_cache(self.location.root)
+
+    def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
+        """Ranged GETs of at most ``part_size`` bytes, ``concurrency`` (or ``threads``) at a
+        time; each read's ``on_done`` runs in this thread as soon as all its bytes landed."""
+        if not reads:
+            return
+        landed: queue.SimpleQueue[RangeRead | None] = queue.SimpleQueue()
+        limit = max(self.transfer.concurrency, threads)
+        job = asyncio.run_coroutine_threadsafe(
+            _fetch_all(self.fs, reads, self.transfer.part_size, limit, landed), self.fs.loop
+        )
+        try:
+            for _ in range(len(reads)):
+                r = landed.get()
+                if r is None:  # a request failed: job.result() raises it
+                    break
+                if r.on_done is not None:
+                    r.on_done()
+            job.result()
+        finally:
+            if not job.done():
+                job.cancel()
+                with contextlib.suppress(BaseException):
+                    job.result()
+
+
+async def _fetch_all(
+    fs: Any,
+    reads: Sequence[RangeRead],
+    piece: int,
+    limit: int,
+    landed: queue.SimpleQueue[RangeRead | None],
+) -> None:
+    gate = asyncio.Semaphore(limit)
+
+    async def fetch_one(r: RangeRead) -> None:
+        async def get(lo: int, hi: int) -> None:
+            async with gate:
+                blob = await fs._cat_file(r.path, start=r.start + lo, end=r.start + hi)
+            if len(blob) != hi - lo:
+                raise OSError(
+                    f"short read from {r.path}: wanted {hi - lo} bytes at offset "
+                    f"{r.start + lo}, got {len(blob)} (object truncated?)"
+                )
+            r.out[lo:hi] = blob
+
+        await asyncio.gather(
+            *(get(lo, min(lo + piece, len(r.out))) for lo in range(0, len(r.out), piece))
+        )
+        landed.put(r)
+
+    tasks = [asyncio.ensure_future(fetch_one(r)) for r in reads]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        landed.put(None)
+        raise
+
+
+def _split(fs: Any, path: str) -> tuple[str, str]:
+    bucket, key, _ = fs.split_path(path)
+    return bucket, key
+
+
+async def _put_object(fs: Any, path: str, data: bytes) -> None:
+    bucket, key = _split(fs, path)
+    await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data)
+
+
+def _run(fs: Any, coro: Any) -> Any:
+    """Run ``coro`` on s3fs's event loop thread and wait for it."""
+    return asyncio.run_coroutine_threadsafe(coro, fs.loop).result()
+
+
+class MultipartWriter:
+    """Write-only file object: a single PUT if it stays under one part, else a multipart
+    upload with up to ``concurrency`` parts in flight. Leaving its ``with`` block with an
+    exception (or ``abort()``) cancels the upload, so no partial object ever appears."""
+
+    def __init__(self, fs: Any, path: str, transfer: S3Transfer) -> None:
+        self.fs, self.path, self.transfer = fs, path, transfer
+        self.bucket, self.key = _split(fs, path)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: dict[int, str] = {}
+        self._pending: dict[concurrent.futures.Future[Any], int] = {}
+        self._next_part = 1
+        self._closed = False
+        self.bytes_written = 0
+
+    # -- file protocol --------------------------------------------------------------------
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if self._closed:
+            raise ValueError(f"write to closed upload {self.path}")
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        while len(mv):
+            target = self.transfer.part_size_for(self._next_part)
+            if not self._buf and len(mv) >= target:
+                self._send(bytes(mv[:target]))
+                mv = mv[target:]
+                continue
+            take = min(target - len(self._buf), len(mv))
+            self._buf += mv[:take]
+            mv = mv[take:]
+            if len(self._buf) == target:
+                self._send(bytes(self._buf))
+                self._buf = bytearray()
+        self.bytes_written += n
+        return n
+
+    def flush(self) -> None:
+        """Parts go up as they fill; nothing else can be made durable before ``close``."""
+
+    def close(self) -> None:
+        """Finish the object (PUT or complete the multipart upload) or raise."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._upload_id is None:
+                _run(self.fs, _put_object(self.fs, self.path, bytes(self._buf)))
+            else:
+                if self._buf:
+                    self._send(bytes(self._buf))
+                self._wait(0)
+                self._complete()
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._buf = bytearray()
+        self.fs.invalidate_cache(self.path)
+
+    def abort(self) -> None:
+        """Drop everything written so far; the object is not created (or left unchanged)."""
+        if not self._closed:
+            self._closed = True
+            self._buf = bytearray()
+            self._abort()
+
+    def __enter__(self) -> MultipartWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- multipart ------------------------------------------------------------------------
+
+    def _send(self, body: bytes) -> None:
+        if self._next_part > MAX_PARTS:
+            raise OSError(
+                f"{self.path}: more than {MAX_PARTS} parts of {self.transfer.part_size} bytes; "
+                "raise default_block_size in storage_options"
+            )
+        try:
+            if self._upload_id is None:
+                self._upload_id = self._call("create_multipart_upload")["UploadId"]
+            self._wait(self.transfer.concurrency - 1)
+        except BaseException:
+            self.abort()
+            raise
+        number = self._next_part
+        self._next_part += 1
+        fut = asyncio.run_coroutine_threadsafe(
+            self.fs._call_s3(
+                "upload_part",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                PartNumber=number,
+                Body=body,
+            ),
+            self.fs.loop,
+        )
+        self._pending[fut] = number
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        """One S3 request about this object, waited for (s3fs and botocore retry it)."""
+        return sync(
+            self.fs.loop, self.fs._call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs
+        )
+
+    def _wait(self, allowed: int) -> None:
+        """Block until at most ``allowed`` parts are in flight; raise if any part failed."""
+        while len(self._pending) > allowed:
+            done, _ = concurrent.futures.wait(
+                self._pending, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for fut in done:
+                number = self._pending.pop(fut)
+                try:
+                    self._parts[number] = fut.result()["ETag"]
+                except Exception as e:
+                    raise OSError(f"uploading part {number} of {self.path} failed: {e}") from e
+
+    def _complete(self) -> None:
+        parts = [{"PartNumber": n, "ETag": self._parts[n]} for n in sorted(self._parts)]
+        self._call(
+            "complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+        )
+        self._upload_id = None
+
+    def _abort(self) -> None:
+        for fut in self._pending:
+            fut.cancel()
+        for fut in self._pending:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        self._pending.clear()
+        if self._upload_id is None:
+            return
+        upload_id, self._upload_id = self._upload_id, None
+        try:
+            self._call("abort_multipart_upload", UploadId=upload_id)
+        except Exception as e:  # the bucket's lifecycle rules reap what we could not abort
+            log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.path, e)
