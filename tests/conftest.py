@@ -1,15 +1,23 @@
-"""Shared fixtures: the gloo worker pool (one per session)."""
+"""Shared fixtures: the gloo worker pool, the S3 test server and the storage backends."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterator
 
 import pytest
 
+from tests.backends import Backend, clear_memory_store, local_backend, memory_backend, s3_backend
 from tests.dist_pool import WorkerPool
+from tests.s3_proxy import FaultProxy
+from tests.s3_server import S3Server, run_seaweedfs, scrub_aws_environment
 
 warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    scrub_aws_environment()  # before any pool worker starts: no test may reach real AWS
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +25,37 @@ def pool() -> Iterator[WorkerPool]:
     p = WorkerPool(size=4)
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """SeaweedFS ``weed mini`` on free 127.0.0.1 ports, for the whole session."""
+    with run_seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture
+def memory_store() -> Iterator[None]:
+    """An empty memory:// filesystem, emptied again after the test."""
+    clear_memory_store()
+    yield
+    clear_memory_store()
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
+    """The same test on local disk, memory:// and S3 (a fresh bucket per test)."""
+    if request.param == "local":
+        return local_backend(tmp_path)
+    if request.param == "memory":
+        request.getfixturevalue("memory_store")
+        return memory_backend(re.sub(r"\W", "_", request.node.name))
+    return s3_backend(request.getfixturevalue("s3_server"))
+
+
+@pytest.fixture
+def s3_proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    """A proxy in front of the S3 server that counts bytes and injects transient faults."""
+    proxy = FaultProxy(s3_server.endpoint_url)
+    yield proxy
+    proxy.close()
