@@ -10,16 +10,18 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-_SLOWDOWN_BODY = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-    b"<Message>Please reduce your request rate.</Message></Error>"
-)
+# kind -> (status line, S3 error code, message) of the answer that replaces the real one
+_ANSWERS = {
+    "slowdown": ("503 Slow Down", "SlowDown", "Please reduce your request rate."),
+    "internal": ("500 Internal Server Error", "InternalError", "We encountered an internal error."),
+}
 
 
 @dataclass
 class Fault:
     """Fail the next ``times`` requests whose method is ``method`` and whose target contains
-    ``contains``: ``"slowdown"`` answers 503 SlowDown, ``"reset"`` resets the connection."""
+    ``contains``: ``"slowdown"`` answers 503 SlowDown, ``"internal"`` 500 InternalError,
+    ``"reset"`` resets the connection."""
 
     method: str
     contains: str
@@ -48,7 +50,7 @@ class FaultProxy:
         threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
 
     def inject(self, method: str, contains: str, kind: str, times: int = 1) -> Fault:
-        if kind not in ("slowdown", "reset"):
+        if kind not in (*_ANSWERS, "reset"):
             raise ValueError(kind)
         fault = Fault(method, contains, kind, times)
         with self._lock:
@@ -119,11 +121,16 @@ class FaultProxy:
             return
         if headers.get("expect", "").lower() != "100-continue":
             _forward_body(reader, None, headers)
-        client.sendall(
-            b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-            + f"Content-Length: {len(_SLOWDOWN_BODY)}\r\nConnection: close\r\n\r\n".encode()
-            + _SLOWDOWN_BODY
+        status, code, message = _ANSWERS[fault.kind]
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>{message}</Message></Error>"
+        ).encode()
+        head = (
+            f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         )
+        client.sendall(head.encode() + body)
 
     def _pump_down(self, upstream: socket.socket, client: socket.socket) -> None:
         try:

@@ -59,6 +59,7 @@ class S3Server:
     """A running S3 endpoint with one identity; ``new_bucket`` gives each test its own bucket."""
 
     endpoint_url: str
+    pid: int = 0  # the server process (0: not started by us)
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     region: str = REGION
@@ -159,7 +160,7 @@ def run_seaweedfs(workdir: Path, startup_timeout: float = 60.0) -> Iterator[S3Se
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir
         )
-    server = S3Server(endpoint_url=f"http://127.0.0.1:{s3_port}")
+    server = S3Server(endpoint_url=f"http://127.0.0.1:{s3_port}", pid=proc.pid)
     try:
         _wait_until_ready(server, proc, log_path, startup_timeout)
         yield server

@@ -175,7 +175,7 @@ def _state(n: int, fill: bool = True) -> dict[str, db.ShardedTensor]:
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("kind", ["slowdown", "reset"])
+@pytest.mark.parametrize("kind", ["slowdown", "internal", "reset"])
 def test_transient_failures_are_retried_by_botocore(s3_server, s3_proxy, bucket, kind, caplog):
     options = s3_server.storage_options(
         endpoint_url=s3_proxy.endpoint_url, default_block_size=5 * MiB, config_kwargs=RETRIES
