@@ -12,17 +12,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import s3fs.core
 from fsspec.asyn import sync
 
 from storage.backends import ByteIO, RangeRead
 
 log = logging.getLogger(__name__)
+
+# s3fs's retry loop for errors that botocore's cannot see (a body stream that breaks off).
+_retrying = getattr(s3fs.core, "_error_wrapper", None)
 
 MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
 MAX_PART_SIZE = 5 << 30
@@ -138,19 +143,11 @@ async def _fetch_all(
     gate = asyncio.Semaphore(limit)
 
     async def fetch_one(r: RangeRead) -> None:
-        async def get(lo: int, hi: int) -> None:
+        async def get(lo: int) -> None:
             async with gate:
-                blob = await fs._cat_file(r.path, start=r.start + lo, end=r.start + hi)
-            if len(blob) != hi - lo:
-                raise OSError(
-                    f"short read from {r.path}: wanted {hi - lo} bytes at offset "
-                    f"{r.start + lo}, got {len(blob)} (object truncated?)"
-                )
-            r.out[lo:hi] = blob
+                await _read_into(fs, r.path, r.start + lo, r.out[lo : lo + piece])
 
-        await asyncio.gather(
-            *(get(lo, min(lo + piece, len(r.out))) for lo in range(0, len(r.out), piece))
-        )
+        await asyncio.gather(*(get(lo) for lo in range(0, len(r.out), piece)))
         landed.put(r)
 
     tasks = [asyncio.ensure_future(fetch_one(r)) for r in reads]
@@ -162,6 +159,40 @@ async def _fetch_all(
         await asyncio.gather(*tasks, return_exceptions=True)
         landed.put(None)
         raise
+
+
+async def _read_into(fs: Any, path: str, start: int, out: memoryview) -> None:
+    """One ranged GET streamed straight into ``out`` (no intermediate object-sized copy);
+    a failure while streaming the body is retried like s3fs's own ``cat_file``."""
+    bucket, key = _split(fs, path)
+    end = start + len(out)
+
+    async def attempt() -> None:
+        resp = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+        )
+        body = resp["Body"]
+        try:
+            view = out
+            while len(view):
+                n = await body.readinto(view)
+                if n == 0:
+                    raise OSError(
+                        f"short read from {path}: wanted bytes {start}..{end}, the object "
+                        f"ends at {end - len(view)} (truncated?)"
+                    )
+                view = view[n:]
+        finally:
+            body.close()
+
+    try:
+        await (_retrying(attempt, retries=fs.retries) if _retrying else attempt())
+    except OSError as e:
+        if "short read" in str(e) or getattr(e, "errno", None) != errno.EINVAL:
+            raise
+        raise OSError(
+            f"short read from {path}: bytes {start}..{end} lie beyond its end (truncated?)"
+        ) from e
 
 
 def _split(fs: Any, path: str) -> tuple[str, str]:

@@ -135,9 +135,9 @@ class FaultProxy:
     def _pump_down(self, upstream: socket.socket, client: socket.socket) -> None:
         try:
             while data := upstream.recv(1 << 20):
-                client.sendall(data)
-                with self._lock:
+                with self._lock:  # counted before the client can have seen it
                     self.bytes_to_clients += len(data)
+                client.sendall(data)
         except OSError:
             pass
         finally:
