@@ -142,12 +142,13 @@ class Variants:
         assert torch.equal(out["t0"], self.tensors[0])
 
 
-def one_round(v: Variants, order: list[str]) -> dict[str, float]:
+def one_round(v: Variants, order: list[str], loads: int) -> dict[str, float]:
+    """Save then load with each variant; a load's time is the best of ``loads`` tries."""
     seconds: dict[str, float] = {}
     for name in order:
         v.clear(name)
         seconds[f"{name} save"] = timed(getattr(v, f"{name}_save"))
-        seconds[f"{name} load"] = timed(getattr(v, f"{name}_load"))
+        seconds[f"{name} load"] = min(timed(getattr(v, f"{name}_load")) for _ in range(loads))
         v.clear(name)
     return seconds
 
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB")
     ap.add_argument("--tensors", type=int, default=16, help="number of equal tensors")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--loads", type=int, default=2, help="loads per save (best counts)")
     ap.add_argument("--threads", type=int, default=1, help="files per rank (ours and torch)")
     ap.add_argument("--part-mib", type=int, default=0, help="S3 part size (default: ours)")
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight per file")
@@ -222,7 +224,7 @@ def main() -> None:
             turn = order[i % 4 :] + order[: i % 4]
             turn = turn[::-1] if i % 2 else turn
             print(f"(round {i + 1} order: {turn})", flush=True)
-            rounds.append(one_round(v, turn))
+            rounds.append(one_round(v, turn, args.loads))
             report(rounds[-1:], nbytes, medians=False)
         print(f"--- medians over {len(rounds)} rounds ---")
         report(rounds, nbytes, medians=True)

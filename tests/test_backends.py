@@ -332,6 +332,7 @@ def test_corrupted_or_truncated_object_is_detected(backend):
     backend.write("ck", file, bytes(data))
     with pytest.raises(db.ChecksumMismatchError, match=file):
         load_one_process(backend, "ck")
-    backend.write("ck", file, bytes(data[: len(data) // 2]))
-    with pytest.raises(OSError, match="short read"):
-        load_one_process(backend, "ck", verify_checksums=False)
+    for keep in (len(data) - 7, len(data) // 2):  # a range cut short; ranges past the end
+        backend.write("ck", file, bytes(data[:keep]))
+        with pytest.raises(OSError, match="short read"):
+            load_one_process(backend, "ck", verify_checksums=False)
