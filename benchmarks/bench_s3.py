@@ -1,0 +1,210 @@
+"""S3 save/load on a local SeaweedFS: dcpbridge vs raw s3fs requests vs torch's FsspecWriter.
+
+The same tensors go up and come back four ways, interleaved, with the order rotated (and
+reversed on odd rounds) between rounds; each round's ratios compare runs of that round only.
+
+- raw objects: one object per tensor, ``fs.pipe`` / ``fs.cat`` with s3fs's defaults
+- raw parts:   part-sized objects with as many requests in flight as dcpbridge uses
+  (``fs.pipe`` / ``fs.cat_ranges`` with ``batch_size``); "raw" is the faster of the two
+- dcpbridge:   ``dcpbridge.save`` / ``dcpbridge.load`` through ``S3ByteIO``
+- torch:       DCP with ``FsspecWriter`` (``sync_files=False``, its best case on S3) /
+  ``FsspecReader``
+
+A load counts the best of ``--loads`` tries. Standalone:
+``python benchmarks/bench_s3.py [--gib 1] [--rounds 3] [--part-mib 16] [--concurrency 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+import dcpbridge as db
+from benchmarks.common import table
+from storage.s3 import S3Transfer
+from tests.s3_server import run_seaweedfs, scrub_aws_environment
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+MiB = 1 << 20
+CONTENDERS = ("raw", "rawparts", "dcpbridge", "torch")
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Contenders:
+    """The four ways to move the same tensors to and from prefixes of one bucket."""
+
+    def __init__(self, server: Any, tensors: list[torch.Tensor], threads: int, **opts: Any):
+        self.opts = server.storage_options(**opts)
+        self.fs = fsspec.filesystem("s3", **self.opts)
+        self.transfer = S3Transfer.from_fs(self.fs)
+        self.bucket = server.new_bucket()
+        self.tensors, self.threads = tensors, threads
+        self.blobs = [t.numpy().tobytes() for t in tensors]
+        part = self.transfer.part_size
+        self.pieces = [
+            memoryview(b)[lo : lo + part].tobytes()
+            for b in self.blobs
+            for lo in range(0, len(b), part)
+        ]
+
+    def _url(self, name: str) -> str:
+        return f"s3://{self.bucket}/{name}"
+
+    def clear(self, name: str) -> None:
+        if self.fs.exists(f"{self.bucket}/{name}"):
+            self.fs.rm(f"{self.bucket}/{name}", recursive=True)
+        self.fs.invalidate_cache()
+
+    def raw_save(self) -> None:
+        self.fs.pipe({f"{self.bucket}/raw/t{i}": b for i, b in enumerate(self.blobs)})
+
+    def raw_load(self) -> None:
+        out = self.fs.cat([f"{self.bucket}/raw/t{i}" for i in range(len(self.blobs))])
+        assert sum(map(len, out.values())) == sum(map(len, self.blobs))
+
+    def rawparts_save(self) -> None:
+        pieces = {f"{self.bucket}/rawparts/p{i}": b for i, b in enumerate(self.pieces)}
+        self.fs.pipe(pieces, batch_size=self.transfer.concurrency)
+
+    def rawparts_load(self) -> None:
+        paths = [f"{self.bucket}/rawparts/p{i}" for i in range(len(self.pieces))]
+        ends = [len(p) for p in self.pieces]
+        out = self.fs.cat_ranges(
+            paths, [0] * len(paths), ends, batch_size=self.transfer.concurrency
+        )
+        assert sum(map(len, out)) == sum(ends)
+
+    def _sharded(self, data: list[torch.Tensor]) -> dict[str, Any]:
+        return {
+            f"t{i}": db.ShardedTensor.from_box(f"t{i}", t, tuple(t.shape), (0,))
+            for i, t in enumerate(data)
+        }
+
+    def dcpbridge_save(self) -> None:
+        sd = self._sharded(self.tensors)
+        db.save(sd, self._url("dcpbridge"), storage_options=self.opts, thread_count=self.threads)
+
+    def dcpbridge_load(self) -> None:
+        sd = self._sharded([torch.empty_like(t) for t in self.tensors])
+        out = db.load(sd, self._url("dcpbridge"), storage_options=self.opts)
+        assert torch.equal(out["t0"], self.tensors[0])
+
+    def torch_save(self) -> None:
+        url = self._url("torch")
+        writer = FsspecWriter(url, sync_files=False, thread_count=self.threads, **self.opts)
+        dcp.save({f"t{i}": t for i, t in enumerate(self.tensors)}, storage_writer=writer)
+
+    def torch_load(self) -> None:
+        out = {f"t{i}": torch.empty_like(t) for i, t in enumerate(self.tensors)}
+        dcp.load(out, storage_reader=FsspecReader(self._url("torch"), **self.opts))
+        assert torch.equal(out["t0"], self.tensors[0])
+
+    def round(self, order: list[str], loads: int) -> dict[str, float]:
+        seconds: dict[str, float] = {}
+        for name in order:
+            self.clear(name)
+            seconds[f"{name} save"] = _timed(getattr(self, f"{name}_save"))
+            seconds[f"{name} load"] = min(
+                _timed(getattr(self, f"{name}_load")) for _ in range(loads)
+            )
+            self.clear(name)
+        return seconds
+
+
+def _ratios(sec: dict[str, float], op: str) -> tuple[float, float]:
+    """dcpbridge's speed-up over the faster raw shape and over torch, for ``op`` in a round."""
+    ours = sec[f"dcpbridge {op}"]
+    return min(sec[f"raw {op}"], sec[f"rawparts {op}"]) / ours, sec[f"torch {op}"] / ours
+
+
+def s3_case(
+    total: int, rounds: int, *, tensors: int = 16, threads: int = 1, loads: int = 2, **opts: Any
+) -> list[str]:
+    scrub_aws_environment()  # never real AWS, whatever this machine's environment says
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(total // tensors // 4, generator=g) for _ in range(tensors)]
+    nbytes = sum(t.numel() * 4 for t in data)
+    with (
+        tempfile.TemporaryDirectory(prefix="dcpb-s3-bench-") as tmp,
+        run_seaweedfs(Path(tmp)) as server,
+    ):
+        c = Contenders(server, data, threads, **opts)
+        c.raw_save()  # warm-up: the server grows its first volumes here, untimed
+        c.clear("raw")
+        results = []
+        for i in range(rounds):
+            order = list(CONTENDERS[i % 4 :] + CONTENDERS[: i % 4])
+            results.append(c.round(order[::-1] if i % 2 else order, loads))
+    rows = []
+    for i, sec in enumerate(results, 1):
+        for op in ("save", "load"):
+            vs_raw, vs_torch = _ratios(sec, op)
+            speeds = [f"{nbytes / sec[f'{n} {op}'] / 1e9:.3f}" for n in CONTENDERS]
+            rows.append((f"round {i}", op, *speeds, f"{vs_raw:.2f}x", f"{vs_torch:.2f}x"))
+    table(
+        f"S3 (local SeaweedFS) {nbytes / 2**30:.2f} GiB in {tensors} tensors, {c.transfer}, "
+        f"{threads} file(s) per rank; GB/s",
+        rows,
+        ("", "", "raw objects", "raw parts", "dcpbridge", "torch", "vs raw", "vs torch"),
+    )
+    summary = []
+    for op in ("save", "load"):
+        vs_raw = statistics.median(_ratios(sec, op)[0] for sec in results)
+        vs_torch = statistics.median(_ratios(sec, op)[1] for sec in results)
+        summary.append(
+            f"S3 {op}: dcpbridge {vs_raw:.2f}x raw s3fs (target >= 0.8x), "
+            f"{vs_torch:.2f}x torch FsspecWriter/Reader (target >= 1.5x)"
+        )
+    return summary
+
+
+def main(root: str, repeats: int, quick: bool) -> list[str]:
+    return s3_case((256 if quick else 1024) * MiB, repeats)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB")
+    ap.add_argument("--tensors", type=int, default=16, help="number of equal tensors")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--loads", type=int, default=2, help="loads per save (the best counts)")
+    ap.add_argument("--threads", type=int, default=1, help="files per rank (ours and torch's)")
+    ap.add_argument("--part-mib", type=int, default=0, help="S3 part size (default: ours)")
+    ap.add_argument("--concurrency", type=int, default=0, help="requests in flight per file")
+    args = ap.parse_args()
+    opts: dict[str, Any] = {}
+    if args.part_mib:
+        opts["default_block_size"] = args.part_mib * MiB
+    if args.concurrency:
+        opts["max_concurrency"] = args.concurrency
+    lines = s3_case(
+        int(args.gib * (1 << 30)),
+        args.rounds,
+        tensors=args.tensors,
+        threads=args.threads,
+        loads=args.loads,
+        **opts,
+    )
+    print("\n## summary (same-run ratios, medians over rounds; >1 means dcpbridge is faster)")
+    for line in lines:
+        print("  " + line)
