@@ -336,3 +336,19 @@ def test_corrupted_or_truncated_object_is_detected(backend):
         backend.write("ck", file, bytes(data[:keep]))
         with pytest.raises(OSError, match="short read"):
             load_one_process(backend, "ck", verify_checksums=False)
+
+
+def test_async_save_then_resave(backend):
+    """async_save commits from its background thread; a later save of the same structure
+    replaces it and removes the old files."""
+    sd = {"common": COMMON, **layout_state("rows2", [0, 1])}
+    handle = db.async_save(
+        sd, backend.url("ck"), storage_options=backend.storage_options, thread_count=2
+    )
+    handle.result()
+    first = backend.names("ck")
+    assert len(first) == 3 and load_one_process(backend, "ck") == len(L.TENSORS) * 4
+    save_one_process(backend, "ck")
+    after = backend.names("ck")
+    assert len(after) == 2 and set(after) & set(first) == {"dcpbridge.json"}
+    assert load_one_process(backend, "ck") == len(L.TENSORS) * 4
