@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import logging
 import queue
 from collections.abc import Sequence
@@ -88,12 +87,13 @@ class S3ByteIO(ByteIO):
         return MultipartWriter(self.fs, path, self.transfer)
 
     def read_file(self, path: str) -> bytes:
-        return sync(self.fs.loop, self.fs._cat_file, path, start=0, end=None)
+        """One GET (no size lookup first, and empty objects read as b"")."""
+        return sync(self.fs.loop, self.fs._cat_file, path, max_concurrency=1)
 
     def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
         """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix."""
         path = self.location.path(name)
-        _run(self.fs, _put_object(self.fs, path, data))
+        _request(self.fs, "put_object", path, Body=data)
         self.fs.invalidate_cache(path)
 
     def exists(self, name: str) -> bool:
@@ -161,6 +161,10 @@ async def _fetch_all(
         raise
 
 
+class ShortReadError(OSError):
+    """An object ended before the bytes its checkpoint metadata points at."""
+
+
 async def _read_into(fs: Any, path: str, start: int, out: memoryview) -> None:
     """One ranged GET streamed straight into ``out`` (no intermediate object-sized copy);
     a failure while streaming the body is retried like s3fs's own ``cat_file``."""
@@ -177,7 +181,7 @@ async def _read_into(fs: Any, path: str, start: int, out: memoryview) -> None:
             while len(view):
                 n = await body.readinto(view)
                 if n == 0:
-                    raise OSError(
+                    raise ShortReadError(
                         f"short read from {path}: wanted bytes {start}..{end}, the object "
                         f"ends at {end - len(view)} (truncated?)"
                     )
@@ -188,11 +192,17 @@ async def _read_into(fs: Any, path: str, start: int, out: memoryview) -> None:
     try:
         await (_retrying(attempt, retries=fs.retries) if _retrying else attempt())
     except OSError as e:
-        if "short read" in str(e) or getattr(e, "errno", None) != errno.EINVAL:
+        if _error_code(e) != "InvalidRange":
             raise
-        raise OSError(
+        raise ShortReadError(
             f"short read from {path}: bytes {start}..{end} lie beyond its end (truncated?)"
         ) from e
+
+
+def _error_code(e: BaseException) -> str | None:
+    """The S3 error code behind an exception s3fs translated (None if there is none)."""
+    response = getattr(e.__cause__, "response", None) or getattr(e, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
 
 def _split(fs: Any, path: str) -> tuple[str, str]:
@@ -200,14 +210,10 @@ def _split(fs: Any, path: str) -> tuple[str, str]:
     return bucket, key
 
 
-async def _put_object(fs: Any, path: str, data: bytes) -> None:
+def _request(fs: Any, method: str, path: str, **kwargs: Any) -> Any:
+    """One S3 request about object ``path``, waited for (s3fs and botocore retry it)."""
     bucket, key = _split(fs, path)
-    await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data)
-
-
-def _run(fs: Any, coro: Any) -> Any:
-    """Run ``coro`` on s3fs's event loop thread and wait for it."""
-    return asyncio.run_coroutine_threadsafe(coro, fs.loop).result()
+    return sync(fs.loop, fs._call_s3, method, Bucket=bucket, Key=key, **kwargs)
 
 
 class MultipartWriter:
@@ -261,7 +267,7 @@ class MultipartWriter:
         self._closed = True
         try:
             if self._upload_id is None:
-                _run(self.fs, _put_object(self.fs, self.path, bytes(self._buf)))
+                _request(self.fs, "put_object", self.path, Body=bytes(self._buf))
             else:
                 if self._buf:
                     self._send(bytes(self._buf))
@@ -300,7 +306,9 @@ class MultipartWriter:
             )
         try:
             if self._upload_id is None:
-                self._upload_id = self._call("create_multipart_upload")["UploadId"]
+                self._upload_id = _request(self.fs, "create_multipart_upload", self.path)[
+                    "UploadId"
+                ]
             self._wait(self.transfer.concurrency - 1)
         except BaseException:
             self.abort()
@@ -320,12 +328,6 @@ class MultipartWriter:
         )
         self._pending[fut] = number
 
-    def _call(self, method: str, **kwargs: Any) -> Any:
-        """One S3 request about this object, waited for (s3fs and botocore retry it)."""
-        return sync(
-            self.fs.loop, self.fs._call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs
-        )
-
     def _wait(self, allowed: int) -> None:
         """Block until at most ``allowed`` parts are in flight; raise if any part failed."""
         while len(self._pending) > allowed:
@@ -341,8 +343,12 @@ class MultipartWriter:
 
     def _complete(self) -> None:
         parts = [{"PartNumber": n, "ETag": self._parts[n]} for n in sorted(self._parts)]
-        self._call(
-            "complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+        _request(
+            self.fs,
+            "complete_multipart_upload",
+            self.path,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
         )
         self._upload_id = None
 
@@ -357,6 +363,6 @@ class MultipartWriter:
             return
         upload_id, self._upload_id = self._upload_id, None
         try:
-            self._call("abort_multipart_upload", UploadId=upload_id)
+            _request(self.fs, "abort_multipart_upload", self.path, UploadId=upload_id)
         except Exception as e:  # the bucket's lifecycle rules reap what we could not abort
             log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.path, e)

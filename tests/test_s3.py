@@ -248,3 +248,19 @@ def test_environment_points_nowhere_without_options():
     )
     with pytest.raises(EndpointConnectionError, match=re.escape(DEAD_ENDPOINT)):
         keyed.ls("some-bucket")
+
+
+@pytest.mark.s3
+def test_small_reads_and_listing_see_other_writers(s3_server, bucket):
+    """One GET per small file (empty ones too); listings are never served from a stale cache."""
+    options = s3_server.storage_options()
+    byteio = ByteIO.for_location(resolve(f"s3://{bucket}/ck", options))
+    assert byteio.list_names() == [] and not byteio.exists("a")
+    other = _fs(s3_server, private=True)  # another process, in effect
+    other.pipe({f"{bucket}/ck/a": b"", f"{bucket}/ck/b": b"xyz"})
+    assert byteio.exists("a") and byteio.list_names() == ["a", "b"]
+    assert (
+        byteio.read_file(f"{bucket}/ck/a") == b"" and byteio.read_file(f"{bucket}/ck/b") == b"xyz"
+    )
+    other.rm(f"{bucket}/ck/a")
+    assert not byteio.exists("a") and byteio.list_names() == ["b"]
