@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,36 +109,15 @@ class S3ByteIO(ByteIO):
 
     def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
         """Ranged GETs of at most ``part_size`` bytes, ``concurrency`` (or ``threads``) at a
-        time; each read's ``on_done`` runs in this thread as soon as all its bytes landed."""
-        if not reads:
-            return
-        landed: queue.SimpleQueue[RangeRead | None] = queue.SimpleQueue()
-        limit = max(self.transfer.concurrency, threads)
-        job = asyncio.run_coroutine_threadsafe(
-            _fetch_all(self.fs, reads, self.transfer.part_size, limit, landed), self.fs.loop
-        )
-        try:
-            for _ in range(len(reads)):
-                r = landed.get()
-                if r is None:  # a request failed: job.result() raises it
-                    break
-                if r.on_done is not None:
-                    r.on_done()
-            job.result()
-        finally:
-            if not job.done():
-                job.cancel()
-                with contextlib.suppress(BaseException):
-                    job.result()
+        time. Each read's ``on_done`` runs on s3fs's event-loop thread as soon as its bytes
+        landed: handing many small callbacks (per-block checksums) to another thread would
+        make each wait for the busy loop thread's GIL slice."""
+        if reads:
+            limit = max(self.transfer.concurrency, threads)
+            sync(self.fs.loop, _fetch_all, self.fs, reads, self.transfer.part_size, limit)
 
 
-async def _fetch_all(
-    fs: Any,
-    reads: Sequence[RangeRead],
-    piece: int,
-    limit: int,
-    landed: queue.SimpleQueue[RangeRead | None],
-) -> None:
+async def _fetch_all(fs: Any, reads: Sequence[RangeRead], piece: int, limit: int) -> None:
     gate = asyncio.Semaphore(limit)
 
     async def fetch_one(r: RangeRead) -> None:
@@ -148,7 +126,8 @@ async def _fetch_all(
                 await _read_into(fs, r.path, r.start + lo, r.out[lo : lo + piece])
 
         await asyncio.gather(*(get(lo) for lo in range(0, len(r.out), piece)))
-        landed.put(r)
+        if r.on_done is not None:
+            r.on_done()
 
     tasks = [asyncio.ensure_future(fetch_one(r)) for r in reads]
     try:
@@ -157,7 +136,6 @@ async def _fetch_all(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        landed.put(None)
         raise
 
 
