@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import io
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -202,7 +203,7 @@ class MultipartWriter:
     def __init__(self, fs: Any, path: str, transfer: S3Transfer) -> None:
         self.fs, self.path, self.transfer = fs, path, transfer
         self.bucket, self.key = _split(fs, path)
-        self._buf = bytearray()
+        self._buf = io.BytesIO()  # the part being filled (botocore sends BytesIO uncopied)
         self._upload_id: str | None = None
         self._parts: dict[int, str] = {}
         self._pending: dict[concurrent.futures.Future[Any], int] = {}
@@ -222,16 +223,11 @@ class MultipartWriter:
         n = len(mv)
         while len(mv):
             target = self.transfer.part_size_for(self._next_part)
-            if not self._buf and len(mv) >= target:
-                self._send(bytes(mv[:target]))
-                mv = mv[target:]
-                continue
-            take = min(target - len(self._buf), len(mv))
-            self._buf += mv[:take]
+            take = min(target - self._buf.tell(), len(mv))
+            self._buf.write(mv[:take])  # the only copy a part's bytes get on our side
             mv = mv[take:]
-            if len(self._buf) == target:
-                self._send(bytes(self._buf))
-                self._buf = bytearray()
+            if self._buf.tell() == target:
+                self._send(self._take_buffer())
         self.bytes_written += n
         return n
 
@@ -245,24 +241,24 @@ class MultipartWriter:
         self._closed = True
         try:
             if self._upload_id is None:
-                _request(self.fs, "put_object", self.path, Body=bytes(self._buf))
+                _request(self.fs, "put_object", self.path, Body=self._take_buffer())
             else:
-                if self._buf:
-                    self._send(bytes(self._buf))
+                if self._buf.tell():
+                    self._send(self._take_buffer())
                 self._wait(0)
                 self._complete()
         except BaseException:
             self._abort()
             raise
         finally:
-            self._buf = bytearray()
+            self._buf = io.BytesIO()
         self.fs.invalidate_cache(self.path)
 
     def abort(self) -> None:
         """Drop everything written so far; the object is not created (or left unchanged)."""
         if not self._closed:
             self._closed = True
-            self._buf = bytearray()
+            self._buf = io.BytesIO()
             self._abort()
 
     def __enter__(self) -> MultipartWriter:
@@ -276,7 +272,13 @@ class MultipartWriter:
 
     # -- multipart ------------------------------------------------------------------------
 
-    def _send(self, body: bytes) -> None:
+    def _take_buffer(self) -> io.BytesIO:
+        """The filled part, rewound for sending; a fresh buffer takes its place."""
+        body, self._buf = self._buf, io.BytesIO()
+        body.seek(0)
+        return body
+
+    def _send(self, body: io.BytesIO) -> None:
         if self._next_part > MAX_PARTS:
             raise OSError(
                 f"{self.path}: more than {MAX_PARTS} parts of {self.transfer.part_size} bytes; "
