@@ -150,15 +150,22 @@ def run_seaweedfs(workdir: Path, startup_timeout: float = 60.0) -> Iterator[S3Se
         f"-filer.localSocket={workdir / 'filer.sock'}",
         f"-s3.localSocket={workdir / 's3.sock'}",
     ]
+    grpc_ports = {}
     for service in ("master", "volume", "filer", "s3", "admin"):
         if service != "s3":
             args.append(f"-{service}.port={free_port()}")
-        args.append(f"-{service}.port.grpc={free_port()}")
+        grpc_ports[service] = free_port()
+        args.append(f"-{service}.port.grpc={grpc_ports[service]}")
     (workdir / "data").mkdir(exist_ok=True)
     log_path = workdir / "weed.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
+            env={**os.environ, "TMPDIR": str(workdir)},  # its log files, not /tmp
         )
     server = S3Server(endpoint_url=f"http://127.0.0.1:{s3_port}", pid=proc.pid)
     try:
@@ -166,6 +173,9 @@ def run_seaweedfs(workdir: Path, startup_timeout: float = 60.0) -> Iterator[S3Se
         yield server
     finally:
         _stop(proc)
+        for service, port in grpc_ports.items():  # weed sometimes leaves these behind
+            with contextlib.suppress(OSError):
+                os.unlink(f"/tmp/seaweedfs-{service}-grpc-{port}.sock")
 
 
 def _wait_until_ready(
