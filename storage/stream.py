@@ -152,8 +152,18 @@ class StreamWriter:
     def __enter__(self) -> StreamWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the open data file after a failure (object stores abort the upload)."""
+        raw, self._raw, self._out = self._raw, None, None
+        if raw is not None:
+            abort = getattr(raw, "abort", None)
+            abort() if abort is not None else raw.close()
 
     def _file_for_next_item(self) -> CoalescingFile:
         if self._out is not None and (
