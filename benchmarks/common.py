@@ -39,14 +39,16 @@ def timer(out: list[float]):
 
 
 def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
-    """Run each contender ``repeats`` times, interleaved (A B C A B C ...); median seconds each.
+    """Run each contender ``repeats`` times in rotated order (ABC, BCA, CAB, ...); medians.
 
-    Interleaving spreads machine noise over all contenders instead of biasing one.
+    Measured here: whatever runs right after a large fsync'd write is slowed by the disk
+    still settling, so a fixed order biases one contender; rotation spreads it over all.
     """
+    names = list(runs)
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            samples[name].append(fn())
+    for i in range(repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            samples[name].append(runs[name]())
     return {name: statistics.median(v) for name, v in samples.items()}
 
 

@@ -120,7 +120,7 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
 class FsspecCheckpointWriter(Located, StorageWriter):
     """Writes a checkpoint to any fsspec location; usable with ``torch.distributed.checkpoint.save``.
 
-    Each rank writes raw tensor bytes into ``thread_count`` files (one thread each), records
+    Each rank writes raw tensor bytes into up to ``thread_count`` files (one thread each), records
     block checksums, and syncs its files; the coordinator then publishes ``dcpbridge.json``
     atomically. Until that file exists the directory is not a loadable checkpoint.
     """
@@ -130,7 +130,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         path: str | os.PathLike[str] | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
-        thread_count: int = 1,
+        thread_count: int = 2,
         sync_files: bool = True,
         checksums: bool = True,
         checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,

@@ -44,7 +44,9 @@ def all_ranks(layout: str) -> list[int]:
 
 
 def save_one_process(b: Backend, name: str, layout: str = "rows2", **kw: Any) -> None:
+    """One process saves a whole layout (one data file unless ``thread_count`` says more)."""
     sd = {"common": COMMON, **layout_state(layout, all_ranks(layout))}
+    kw.setdefault("thread_count", 1)
     db.save(sd, b.url(name), storage_options=b.storage_options, **kw)
 
 
@@ -156,7 +158,7 @@ def save_with_failing_rank(r: Rank, url: str, options: dict[str, Any]) -> str:
     if r.rank == 1:
         sd["bad"] = db.ShardedObject("bad", lambda: 0, (1,), (0,))
     with pytest.raises(Exception, match="bad") as info:
-        db.save(sd, url, process_group=r.group, storage_options=options)
+        db.save(sd, url, process_group=r.group, storage_options=options, thread_count=1)
     return str(info.value)
 
 
@@ -307,7 +309,7 @@ def test_hostile_keys_never_leave_the_checkpoint(backend):
         for i, k in enumerate(HOSTILE)
     }
     sd.update({f"o{i}": db.ShardedObject(k, {"i": i}, (1,), (0,)) for i, k in enumerate(HOSTILE)})
-    db.save(sd, backend.url("ck"), storage_options=backend.storage_options)
+    db.save(sd, backend.url("ck"), storage_options=backend.storage_options, thread_count=1)
     prefix = backend.path("ck") + "/"
     everything = backend.everything()
     assert len(everything) == 2 and all(p.startswith(prefix) for p in everything), everything

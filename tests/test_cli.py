@@ -68,7 +68,7 @@ def in_process(capsys, *args: str) -> tuple[int, str, str]:
 def rows2(pool, tmp_path_factory) -> str:
     """A checkpoint saved by 2 ranks, each tensor split by rows (rank 0 top, rank 1 bottom)."""
     path = str(tmp_path_factory.mktemp("cli") / "rows2")
-    pool.run(save_layout, 2, "rows2", path)
+    pool.run(save_layout, 2, "rows2", path, 1)  # one data file per rank
     return path
 
 

@@ -16,12 +16,12 @@ COMMON = {
 }
 
 
-def save_layout(r: Rank, layout: str, path: str) -> None:
+def save_layout(r: Rank, layout: str, path: str, threads: int = 2) -> None:
     sd: dict = {"common": COMMON}
     for key in L.TENSORS:
         for i, box in enumerate(L.boxes(layout, key, r.rank)):
             sd[f"{key}.{i}"] = L.shard(key, box)
-    db.save(sd, path, process_group=r.group)
+    db.save(sd, path, process_group=r.group, thread_count=threads)
 
 
 def load_layout(r: Rank, layout: str, path: str) -> int:
