@@ -154,9 +154,9 @@ def _reshard_load(rank: int, world: int, root: str, repeats: int) -> dict:
     }
     for _ in range(repeats):
         for dim in (0, 1):
-            for impl in ("dcpbridge", "dcp"):
+            for impl in ("dcpbridge", "dcpbridge-noverify", "dcp"):
                 local = {k: torch.zeros_like(v) for k, v in expected[dim].items()}
-                if impl == "dcpbridge":
+                if impl.startswith("dcpbridge"):
                     state = {
                         k: db.ShardedTensor.from_rank_offsets(k, t, (dim, rank, world))
                         for k, t in local.items()
@@ -170,8 +170,9 @@ def _reshard_load(rank: int, world: int, root: str, repeats: int) -> dict:
                     drop_page_cache()
                 dist.barrier()
                 before, t0 = rchar(), time.perf_counter()
-                if impl == "dcpbridge":
-                    db.load(state, os.path.join(root, "dcpbridge"))
+                if impl.startswith("dcpbridge"):
+                    verify = impl == "dcpbridge"
+                    db.load(state, os.path.join(root, "dcpbridge"), verify_checksums=verify)
                 else:
                     dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(root, "dcp")))
                 dt, nread = time.perf_counter() - t0, rchar() - before
@@ -198,12 +199,13 @@ def reshard_case(root: str, repeats: int) -> list[str]:
         rows,
         ("impl", "target split", "seconds", "bytes read / needed"),
     )
-    for dim in (0, 1):
-        ratio = next(r for r in rows if r[0] == "dcpbridge" and r[1] == f"dim {dim}")[3]
-        summary.append(
-            f"(c) reshard to dim {dim}: dcpbridge {med[('dcp', dim)] / med[('dcpbridge', dim)]:.2f}x "
-            f"DCP load speed, bytes read/needed {ratio}"
-        )
+    for impl in ("dcpbridge", "dcpbridge-noverify"):
+        for dim in (0, 1):
+            ratio = next(r for r in rows if r[0] == impl and r[1] == f"dim {dim}")[3]
+            summary.append(
+                f"(c) {impl} reshard to dim {dim}: {med[('dcp', dim)] / med[(impl, dim)]:.2f}x "
+                f"DCP load speed, bytes read/needed {ratio}"
+            )
     return summary
 
 

@@ -138,7 +138,7 @@ def _ratios(sec: dict[str, float], op: str) -> tuple[float, float]:
 
 
 def s3_case(
-    total: int, rounds: int, *, tensors: int = 16, threads: int = 1, loads: int = 2, **opts: Any
+    total: int, rounds: int, *, tensors: int = 16, threads: int = 2, loads: int = 2, **opts: Any
 ) -> list[str]:
     scrub_aws_environment()  # never real AWS, whatever this machine's environment says
     g = torch.Generator().manual_seed(0)
@@ -188,7 +188,7 @@ if __name__ == "__main__":
     ap.add_argument("--tensors", type=int, default=16, help="number of equal tensors")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--loads", type=int, default=2, help="loads per save (the best counts)")
-    ap.add_argument("--threads", type=int, default=1, help="files per rank (ours and torch's)")
+    ap.add_argument("--threads", type=int, default=2, help="files per rank (ours and torch's)")
     ap.add_argument("--part-mib", type=int, default=0, help="S3 part size (default: ours)")
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight per file")
     args = ap.parse_args()
