@@ -281,3 +281,57 @@ def test_memory_urls_and_a_config_job(rows2, tmp_path, capsys):
         assert code == 2 and "no job 'nope' (jobs: to-mem)" in err
     finally:
         mem.rm("/cli-job", recursive=True)
+
+
+@pytest.mark.s3
+def test_commands_on_s3_urls_through_a_config_profile(
+    pool, rows2, tmp_path, s3_server, monkeypatch
+):
+    """inspect/validate an S3 checkpoint and reshard local -> S3 -> local, credentials by profile."""
+    bucket = s3_server.new_bucket()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "profiles:\n"
+        "  seaweed:\n"
+        "    type: s3\n"
+        f"    endpoint_url: {s3_server.endpoint_url}\n"
+        "    region: us-east-1\n"
+        "    access_key_env: TEST_S3_ACCESS\n"
+        "    secret_key_env: TEST_S3_SECRET\n"
+    )
+    monkeypatch.setenv("TEST_S3_ACCESS", s3_server.access_key)
+    monkeypatch.setenv("TEST_S3_SECRET", s3_server.secret_key)
+    layout = tmp_path / "layout.yaml"
+    layout.write_text(LAYOUT)
+    remote = f"s3://{bucket}/mesh4"
+    conf = ("--config", str(cfg))
+    run_cli("reshard", rows2, remote, "--layout", str(layout), "--dst-profile", "seaweed", *conf)
+    doc = json.loads(run_cli("inspect", remote, "--json", "--profile", "seaweed", *conf).stdout)
+    assert doc["complete"] and doc["problems"] == []
+    owners = {k: {c["rank"] for c in v["chunks"]} for k, v in doc["tensors"].items()}
+    assert owners == {k: set(v) for k, v in OWNED.items()}
+    run_cli("validate", "--checksums", remote, "--profile", "seaweed", *conf)
+    back = str(tmp_path / "back")
+    run_cli("reshard", remote, back, "--layout", str(layout), "--src-profile", "seaweed", *conf)
+    monkeypatch.setenv("DCPBRIDGE_CONFIG", str(cfg))
+    for key in L.TENSORS:
+        shape, dtype = L.TENSORS[key]
+        full = db.load(
+            {
+                key: db.ShardedTensor.from_box(
+                    key, torch.zeros(shape, dtype=dtype), shape, (0,) * len(shape)
+                )
+            },
+            remote,
+            profile="seaweed",
+        )
+        assert torch.equal(full[key], L.full(key))
+        local = db.load(
+            {
+                key: db.ShardedTensor.from_box(
+                    key, torch.zeros(shape, dtype=dtype), shape, (0,) * len(shape)
+                )
+            },
+            back,
+        )
+        assert torch.equal(local[key], L.full(key))
