@@ -16,6 +16,7 @@ import importlib
 import io
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -191,3 +192,4 @@ class WorkerPool:
         for p in self._procs:
             p.join(timeout=10)
         self.kill()
+        shutil.rmtree(self._logdir, ignore_errors=True)
