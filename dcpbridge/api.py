@@ -92,11 +92,12 @@ class _CommonState:
 
 
 # Save caches per (process group, validation flag): reused while the structure holds.
-_SAVE_CACHES: dict[tuple[int, bool], SaveCache] = {}
+_SAVE_CACHES: dict[tuple[int, bool, str], SaveCache] = {}
 
 
-def save_cache(group: Group, validate: bool) -> SaveCache:
-    return _SAVE_CACHES.setdefault((id(group.pg), validate), SaveCache())
+def save_cache(group: Group, validate: bool, format: str = "dcpbridge") -> SaveCache:
+    """The cache of saves on ``group``; a writer that cannot re-target a plan never fills it."""
+    return _SAVE_CACHES.setdefault((id(group.pg), validate, format), SaveCache())
 
 
 def structure_of(shards: list[Any], parallel: Group | None) -> int:
@@ -236,29 +237,20 @@ def save(
     if format not in ("dcpbridge", "torch_dist"):
         raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
     group = Group.resolve(process_group)
-    # torch's own writer cannot replay a cached plan: torch_dist saves never reuse one
-    cache = save_cache(group, validate_access_integrity) if format == "dcpbridge" else SaveCache()
+    cache = save_cache(group, validate_access_integrity, format)
     parallel = _parallel_group(fully_parallel, parallelization_group, group)
     planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
 
-    def make_writer() -> StorageWriter:
-        options = resolve_storage_options(storage_options, profile)
-        if format == "torch_dist":
-            return TorchDistWriter(
-                checkpoint_dir,
-                planned.common,
-                storage_options=options,
-                thread_count=thread_count,
-                sync_files=sync_files,
-            )
-        return FsspecCheckpointWriter(
-            checkpoint_dir,
-            storage_options=options,
-            thread_count=thread_count,
-            sync_files=sync_files,
-            checksums=checksums,
-        )
-
+    make_writer = _writer_factory(
+        checkpoint_dir,
+        storage_options,
+        profile,
+        thread_count,
+        sync_files,
+        checksums,
+        format,
+        planned,
+    )
     _run_planned(group, cache, planned, make_writer, validate_access_integrity)
 
 
@@ -300,20 +292,48 @@ def async_save(
             planned.common = copy.deepcopy(planned.common)
         except Exception as e:
             planned.error = e
-    writer_options = {
-        "thread_count": thread_count,
-        "sync_files": sync_files,
-        "checksums": checksums,
-    }
-
-    def make_writer() -> FsspecCheckpointWriter:
-        options = resolve_storage_options(storage_options, profile)
-        return FsspecCheckpointWriter(checkpoint_dir, storage_options=options, **writer_options)
+    make_writer = _writer_factory(
+        checkpoint_dir, storage_options, profile, thread_count, sync_files, checksums
+    )
 
     def job() -> None:
         _run_planned(saver.group, cache, planned, make_writer, validate_access_integrity)
 
     return saver.submit(os.fspath(checkpoint_dir), job, buffers)
+
+
+def _writer_factory(
+    checkpoint_dir: PathLike,
+    storage_options: dict[str, Any] | None,
+    profile: str | None,
+    thread_count: int,
+    sync_files: bool,
+    checksums: bool,
+    format: str = "dcpbridge",
+    planned: _PlannedSave | None = None,
+) -> Callable[[], StorageWriter]:
+    """Builds the save's writer inside the engine's protected first step (options may fail)."""
+
+    def make() -> StorageWriter:
+        options = resolve_storage_options(storage_options, profile)
+        if format == "torch_dist":
+            assert planned is not None
+            return TorchDistWriter(
+                checkpoint_dir,
+                planned.common,
+                storage_options=options,
+                thread_count=thread_count,
+                sync_files=sync_files,
+            )
+        return FsspecCheckpointWriter(
+            checkpoint_dir,
+            storage_options=options,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            checksums=checksums,
+        )
+
+    return make
 
 
 def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:

@@ -25,7 +25,7 @@ ShardId = tuple[str, tuple[int, ...]]
 BoxId = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
-def _exchange(group: Group, mine: list[Holding] | BaseException) -> list[list[Holding]]:
+def exchange_holdings(group: Group, mine: list[Holding] | BaseException) -> list[list[Holding]]:
     """Everyone's holdings; raises (on every member) if any member brought a failure."""
     sent = (
         Failure.capture(group.rank, "fully-parallel exchange", mine)
@@ -62,7 +62,7 @@ def writers(
     holds a full copy of its members' state (node-local checkpoints need that).
     """
     mine = shards if isinstance(shards, BaseException) else save_holdings(shards)
-    return distribute(_exchange(group, mine), only_main=only_main)
+    return distribute(exchange_holdings(group, mine), only_main=only_main)
 
 
 def assign_writers(shards: list[Any], owner: dict[ShardId, int], rank: int) -> list[Any]:
@@ -101,7 +101,7 @@ def share_load(group: Group, shards: list[Any] | BaseException) -> LoadShare:
             for s in shards
             if isinstance(s, ShardedTensor) and s.numel > 0
         ]
-    everyone = _exchange(group, mine)
+    everyone = exchange_holdings(group, mine)
     assert not isinstance(shards, BaseException)
     owner = distribute(everyone, only_main=False)
     wanted_by: dict[BoxId, list[int]] = {}

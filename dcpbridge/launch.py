@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -58,7 +59,7 @@ def run(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 600) -
     """``fn(rank, nprocs, *args)`` on ``nprocs`` spawned gloo ranks; their results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(fn, r, nprocs, port, args, queue), daemon=True)
         for r in range(nprocs)

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import InvalidShardError
+from planners.protocol import ReplicaId
 
-ReplicaId = int | tuple[int, ...]
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
 

@@ -270,7 +270,7 @@ class TensorAwareStateDict:
                 raise mine
             manifests = {group.rank: mine}
         else:
-            manifests = dict(enumerate(fp._exchange(group, mine)))
+            manifests = dict(enumerate(fp.exchange_holdings(group, mine)))
         plan = plan_restore(manifests, local_only=local_only)
         plan.check(validate=validate_access_integrity and not local_only, strict=strict)
         sources = self._sources(group, plan, requests, exchange_algo)

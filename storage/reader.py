@@ -251,14 +251,16 @@ class FsspecCheckpointReader(Located, StorageReader):
             )
         return item
 
+    def _verifies(self, stored: StoredItem) -> bool:
+        return bool(self.verify_checksums and stored.checksums and self._index.checksum_block_size)
+
     def _checker(
         self, stored: StoredItem, lo: int, describe: Callable[[], str]
     ) -> Callable[[memoryview], None] | None:
         """Checksum check for item bytes ``[lo, ...)`` (``lo`` on a block edge), if enabled."""
-        bs = self._index.checksum_block_size
-        if not (self.verify_checksums and stored.checksums and bs):
+        if not self._verifies(stored):
             return None
-        sums = stored.checksums
+        bs, sums = self._index.checksum_block_size, stored.checksums
         return lambda data: checksum.verify_blocks(data, lo // bs, sums, bs, what=describe)
 
     def _bytes_op(self, item: ReadItem, planner: LoadPlanner) -> _Op:
@@ -292,7 +294,7 @@ class FsspecCheckpointReader(Located, StorageReader):
 
         itemsize = dtype.itemsize
         block = self._index.checksum_block_size
-        checking = self._checker(stored, 0, describe) is not None
+        checking = self._verifies(stored)
         if item.lengths == sizes and not any(item.storage_offsets):  # the whole chunk
             extents = [Extent(0, math.prod(sizes), (0,) * len(sizes), sizes)]
         else:

@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -29,6 +28,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
+
+from dcpbridge.launch import free_port
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,6 @@ class Rank:
 
 class RankFailure(AssertionError):
     """One or more ranks of a pooled test raised or hung."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dumps(value: Any) -> bytes:
@@ -102,7 +97,7 @@ class WorkerPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             log = os.path.join(self._logdir, f"rank{rank}.log")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from dcpbridge import ShardedTensor
+from dcpbridge.layout import even_pieces
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -39,16 +40,6 @@ def split(n: int, bounds: list[int]) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in itertools.pairwise(edges)]
 
 
-def even(n: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append((start, size))
-        start += size
-    return out
-
-
 def along(shape: tuple[int, ...], dim: int, pieces: list[tuple[int, int]]) -> list[Box]:
     boxes = []
     for start, size in pieces:
@@ -60,18 +51,18 @@ def along(shape: tuple[int, ...], dim: int, pieces: list[tuple[int, int]]) -> li
 
 
 def _rows(parts: int) -> Callable[[tuple[int, ...], int, int], list[Box]]:
-    return lambda shape, rank, n: [along(shape, 0, even(shape[0], parts))[rank]]
+    return lambda shape, rank, n: [along(shape, 0, even_pieces(shape[0], parts))[rank]]
 
 
 def _cols(parts: int) -> Callable[[tuple[int, ...], int, int], list[Box]]:
     def f(shape: tuple[int, ...], rank: int, n: int) -> list[Box]:
         dim = 1 if len(shape) > 1 else 0
-        return [along(shape, dim, even(shape[dim], parts))[rank]]
+        return [along(shape, dim, even_pieces(shape[dim], parts))[rank]]
 
     return f
 
 
-def _uneven(bounds_1d: list[int]) -> Callable[[tuple[int, ...], int, int], list[Box]]:
+def _uneven_pieces(bounds_1d: list[int]) -> Callable[[tuple[int, ...], int, int], list[Box]]:
     """Dim-0 pieces cut at fixed fractions of the length, zero-size pieces included."""
 
     def f(shape: tuple[int, ...], rank: int, n: int) -> list[Box]:
@@ -83,15 +74,15 @@ def _uneven(bounds_1d: list[int]) -> Callable[[tuple[int, ...], int, int], list[
 
 def _grid(shape: tuple[int, ...], rank: int, n: int) -> list[Box]:
     if len(shape) == 1:
-        return [along(shape, 0, even(shape[0], 4))[rank]]
+        return [along(shape, 0, even_pieces(shape[0], 4))[rank]]
     r, c = divmod(rank, 2)
-    (ro, rs), (co, cs) = even(shape[0], 2)[r], even(shape[1], 2)[c]
+    (ro, rs), (co, cs) = even_pieces(shape[0], 2)[r], even_pieces(shape[1], 2)[c]
     return [((ro, co) + (0,) * (len(shape) - 2), (rs, cs, *shape[2:]))]
 
 
 def _interleaved(shape: tuple[int, ...], rank: int, n: int) -> list[Box]:
     """Each of 2 ranks holds two non-adjacent dim-0 pieces (several shards of one key)."""
-    pieces = along(shape, 0, even(shape[0], 4))
+    pieces = along(shape, 0, even_pieces(shape[0], 4))
     return [pieces[rank], pieces[rank + 2]]
 
 
@@ -101,10 +92,10 @@ def _whole(shape: tuple[int, ...], rank: int, n: int) -> list[Box]:
 
 # layout name -> (ranks, boxes of a global shape held by a rank)
 LAYOUTS: dict[str, tuple[int, Callable[[tuple[int, ...], int, int], list[Box]]]] = {
-    "uneven3": (3, _uneven([4, 4])),  # [0:4] [4:4] (empty) [4:10]
-    "uneven4": (4, _uneven([1, 7, 7])),  # [0:1] [1:7] [7:7] (empty) [7:10]
+    "uneven3": (3, _uneven_pieces([4, 4])),  # [0:4] [4:4] (empty) [4:10]
+    "uneven4": (4, _uneven_pieces([1, 7, 7])),  # [0:1] [1:7] [7:7] (empty) [7:10]
     "rows2": (2, _rows(2)),
-    "rows3": (3, _uneven([4, 7])),
+    "rows3": (3, _uneven_pieces([4, 7])),
     "rows4": (4, _rows(4)),
     "cols2": (2, _cols(2)),
     "cols4": (4, _cols(4)),

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import dcpbridge as db
 from dcpbridge import collectives
+from dcpbridge.layout import even_pieces
 from dcpbridge.sharding import TensorInfo, _device_for, plan_broadcasts
 from tests import layouts as L
 from tests.dist_pool import Rank
@@ -158,7 +159,7 @@ def dtensors_2d_and_sharded_tensors(r: Rank) -> None:
     }
     meta: dict = {k: meta_dtensor(k, mesh, p) for k, p in cases.items()}
     # ShardedTensors on meta, matched by their key: two boxes of "w" per rank, a prepended axis
-    rows = L.even(7, 8)[2 * r.rank : 2 * r.rank + 2]
+    rows = even_pieces(7, 8)[2 * r.rank : 2 * r.rank + 2]
     meta["st"] = [
         db.ShardedTensor.from_box("w", torch.empty(n, 5, device="meta"), (7, 5), (o, 0))
         for o, n in rows
