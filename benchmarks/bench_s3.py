@@ -10,7 +10,9 @@ reversed on odd rounds) between rounds; each round's ratios compare runs of that
 - torch:       DCP with ``FsspecWriter`` (``sync_files=False``, its best case on S3) /
   ``FsspecReader``
 
-A load counts the best of ``--loads`` tries. Standalone:
+A load counts the best of ``--loads`` tries. Each save also records the CPU seconds of this
+process and of the server: on one machine they share the cores, which bounds any client's
+save speed (printed as the ceiling next to torch's speed). Standalone:
 ``python benchmarks/bench_s3.py [--gib 1] [--rounds 3] [--part-mib 16] [--concurrency 8]``.
 """
 
@@ -50,10 +52,18 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Contenders:
     """The four ways to move the same tensors to and from prefixes of one bucket."""
 
     def __init__(self, server: Any, tensors: list[torch.Tensor], threads: int, **opts: Any):
+        self.server_pid = server.pid
         self.opts = server.storage_options(**opts)
         self.fs = fsspec.filesystem("s3", **self.opts)
         self.transfer = S3Transfer.from_fs(self.fs)
@@ -123,7 +133,10 @@ class Contenders:
         seconds: dict[str, float] = {}
         for name in order:
             self.clear(name)
+            client, server = time.process_time(), _cpu_seconds(self.server_pid)
             seconds[f"{name} save"] = _timed(getattr(self, f"{name}_save"))
+            seconds[f"{name} save client cpu"] = time.process_time() - client
+            seconds[f"{name} save server cpu"] = _cpu_seconds(self.server_pid) - server
             seconds[f"{name} load"] = min(
                 _timed(getattr(self, f"{name}_load")) for _ in range(loads)
             )
@@ -167,7 +180,7 @@ def s3_case(
         rows,
         ("", "", "raw objects", "raw parts", "dcpbridge", "torch", "vs raw", "vs torch"),
     )
-    summary = []
+    summary = [_save_ceiling(results, nbytes)]
     for op in ("save", "load"):
         vs_raw = statistics.median(_ratios(sec, op)[0] for sec in results)
         vs_torch = statistics.median(_ratios(sec, op)[1] for sec in results)
@@ -176,6 +189,36 @@ def s3_case(
             f"{vs_torch:.2f}x torch FsspecWriter/Reader (target >= 1.5x)"
         )
     return summary
+
+
+def _save_ceiling(results: list[dict[str, float]], nbytes: int) -> str:
+    """Why the save ratio over torch is bounded here: CPU per GB of client and server.
+
+    Client and server share this machine's cores, so no client can save faster than
+    ``cores / (client + server CPU-s per GB)``; set against torch's speed, that bounds any
+    client's ratio over torch in this setup.
+    """
+    gb = nbytes / 1e9
+    cores = os.cpu_count() or 1
+    rows, per_gb = [], {}
+    for n in CONTENDERS:
+        client = statistics.median(sec[f"{n} save client cpu"] for sec in results) / gb
+        server = statistics.median(sec[f"{n} save server cpu"] for sec in results) / gb
+        wall = statistics.median(sec[f"{n} save"] for sec in results)
+        busy = (client + server) * gb / (wall * cores)
+        per_gb[n] = client + server
+        rows.append((n, f"{client:.2f}", f"{server:.2f}", f"{busy:.0%}"))
+    table(
+        f"S3 save CPU cost (medians over rounds, {cores} cores shared by client and server)",
+        rows,
+        ("", "client CPU-s/GB", "server CPU-s/GB", "cores busy"),
+    )
+    ceiling = cores / per_gb["dcpbridge"]
+    torch_speed = gb / statistics.median(sec["torch save"] for sec in results)
+    return (
+        f"S3 save ceiling here: {ceiling:.3f} GB/s for dcpbridge's CPU cost "
+        f"(cores / client+server CPU-s per GB) = {ceiling / torch_speed:.2f}x torch's speed"
+    )
 
 
 def main(root: str, repeats: int, quick: bool) -> list[str]:
