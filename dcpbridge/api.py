@@ -91,13 +91,15 @@ class _CommonState:
         return COMMON_KEY
 
 
-# Save caches per (process group, validation flag): reused while the structure holds.
-_SAVE_CACHES: dict[tuple[int, bool, str], SaveCache] = {}
+# Save caches per (process group and this rank's place in it, validation flag, format): reused
+# while the structure holds. The place guards against a new group reusing a freed group's id.
+_SAVE_CACHES: dict[tuple[int, int, int, int, bool, str], SaveCache] = {}
 
 
 def save_cache(group: Group, validate: bool, format: str = "dcpbridge") -> SaveCache:
     """The cache of saves on ``group``; a writer that cannot re-target a plan never fills it."""
-    return _SAVE_CACHES.setdefault((id(group.pg), validate, format), SaveCache())
+    key = (id(group.pg), group.rank, group.size, group.coordinator, validate, format)
+    return _SAVE_CACHES.setdefault(key, SaveCache())
 
 
 def structure_of(shards: list[Any], parallel: Group | None) -> int:
