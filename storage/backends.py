@@ -38,7 +38,7 @@ class ByteIO:
             from storage.s3 import S3ByteIO
 
             return S3ByteIO(location)
-        return FsspecByteIO(location)
+        return ByteIO(location)
 
     def makedirs(self) -> None:
         self.fs.makedirs(self.location.root, exist_ok=True)
@@ -104,10 +104,6 @@ def _fill(r: RangeRead, blob: bytes) -> None:
     r.out[:] = blob
     if r.on_done is not None:
         r.on_done()
-
-
-class FsspecByteIO(ByteIO):
-    """Any fsspec filesystem (memory://, s3://, gcs://, ...)."""
 
 
 class LocalByteIO(ByteIO):

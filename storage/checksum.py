@@ -45,3 +45,31 @@ def verify_blocks(
                 f" of the item): expected {ALGORITHM} {expected[index]}, got {got}. "
                 "The file was modified or corrupted after the save."
             )
+
+
+class BlockHasher:
+    """Block digests of a byte stream fed in pieces of any size (same as ``block_digests``)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.digests: list[str] = []
+        self._h = xxhash.xxh3_64()
+        self._filled = 0
+        self._total = 0
+
+    def update(self, data: memoryview) -> None:
+        self._total += len(data)
+        while len(data):
+            take = min(len(data), self.block_size - self._filled)
+            self._h.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.block_size:
+                self.digests.append(self._h.hexdigest())
+                self._h.reset()
+                self._filled = 0
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled or not self._total:
+            self.digests.append(self._h.hexdigest())
+        return tuple(self.digests)

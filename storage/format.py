@@ -27,6 +27,7 @@ FORMAT_NAME = "dcpbridge"
 FORMAT_VERSION = 1
 METADATA_FILE = "dcpbridge.json"
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]+)\.bin$")
+TEMP_METADATA_PREFIX = f"{METADATA_FILE}.tmp-"
 
 
 def data_file_name(rank: int, index: int, save_id: str) -> str:
@@ -34,7 +35,7 @@ def data_file_name(rank: int, index: int, save_id: str) -> str:
 
 
 def temp_metadata_name(save_id: str) -> str:
-    return f"{METADATA_FILE}.tmp-{save_id}"
+    return f"{TEMP_METADATA_PREFIX}{save_id}"
 
 
 ItemKey = tuple[str, "tuple[int, ...] | None"]

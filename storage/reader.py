@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import math
 import os
@@ -29,7 +30,7 @@ from storage.errors import (
 from storage.format import DATA_FILE_RE, METADATA_FILE, StorageIndex, StoredItem, decode_metadata
 from storage.located import Located
 from storage.paths import Location
-from storage.regions import Extent, c_strides, expand_to_blocks, plan_extents
+from storage.regions import Extent, c_strides, expand_to_blocks, narrow_box, plan_extents
 
 # Reads smaller than this are merged with their neighbours into one request.
 _SMALL_READ = 1 << 20
@@ -84,23 +85,23 @@ def _file_identity(info: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(str(info.get(k)) for k in keys)
 
 
-def read_checkpoint_metadata(location: Location, *, use_cache: bool = True) -> Metadata:
+def read_checkpoint_metadata(location: Location) -> Metadata:
     """Read and decode the commit file at ``location`` (single process, no collectives).
 
     Decoded metadata is cached per process and reused while the commit file's identity
     (size, mtime and inode, or ETag) is unchanged, so repeated loads skip the JSON decode.
     """
-    byteio = ByteIO.for_location(location)
     path = location.path(METADATA_FILE)
     try:
         key = (f"{location.fs.protocol}:{path}", _file_identity(location.fs.info(path)))
     except FileNotFoundError:
-        raise diagnose_missing_metadata(byteio, location.url) from None
+        raise diagnose_missing_metadata(ByteIO.for_location(location), location.url) from None
     with _METADATA_LOCK:
-        cached = _METADATA_CACHE.get(key) if use_cache else None
+        cached = _METADATA_CACHE.get(key)
         if cached is not None:
             _METADATA_CACHE.move_to_end(key)
             return cached
+    byteio = ByteIO.for_location(location)
     try:
         raw = byteio.read_file(path)
     except FileNotFoundError:
@@ -111,6 +112,20 @@ def read_checkpoint_metadata(location: Location, *, use_cache: bool = True) -> M
         while len(_METADATA_CACHE) > _METADATA_CACHE_SIZE:
             _METADATA_CACHE.popitem(last=False)
     return metadata
+
+
+def _block_checker(
+    index: StorageIndex,
+    stored: StoredItem,
+    lo: int,
+    what: str | Callable[[], str],
+    enabled: bool = True,
+) -> Callable[[memoryview], None] | None:
+    """Checksum check of item bytes ``[lo, ...)`` (``lo`` on a block edge), or None if off."""
+    bs, sums = index.checksum_block_size, stored.checksums
+    if not (enabled and sums and bs):
+        return None
+    return lambda data: checksum.verify_blocks(data, lo // bs, sums, bs, what=what)
 
 
 def read_object_bytes(
@@ -127,14 +142,9 @@ def read_object_bytes(
     ByteIO.for_location(location).fetch(
         [RangeRead(location.path(stored.file), stored.offset, buf)], threads=1
     )
-    if verify and stored.checksums and index.checksum_block_size:
-        checksum.verify_blocks(
-            buf,
-            0,
-            stored.checksums,
-            index.checksum_block_size,
-            what=f"object {fqn!r} in {stored.file}",
-        )
+    check = _block_checker(index, stored, 0, f"object {fqn!r} in {stored.file}", verify)
+    if check is not None:
+        check(buf)
     return bytes(buf)
 
 
@@ -226,9 +236,9 @@ class FsspecCheckpointReader(Located, StorageReader):
                 reads.append(self._bytes_op(item, planner))
             else:
                 reads.extend(self._tensor_ops(item, planner, tuning))
-        paths = {name: self._loc.path(name) for name in self._index.files}
+        path = functools.cache(self._loc.path)
         for batch in _merge_and_batch(reads, tuning.merge_gap):
-            fetches = [m.to_range_read(paths.get(m.file) or self._loc.path(m.file)) for m in batch]
+            fetches = [m.to_range_read(path(m.file)) for m in batch]
             self._byteio.fetch(fetches, self.thread_count)
             self.bytes_read += sum(len(r.out) for r in fetches)
         fut: Future[None] = Future()
@@ -252,16 +262,13 @@ class FsspecCheckpointReader(Located, StorageReader):
         return item
 
     def _verifies(self, stored: StoredItem) -> bool:
-        return bool(self.verify_checksums and stored.checksums and self._index.checksum_block_size)
+        return _block_checker(self._index, stored, 0, "", self.verify_checksums) is not None
 
     def _checker(
         self, stored: StoredItem, lo: int, describe: Callable[[], str]
     ) -> Callable[[memoryview], None] | None:
         """Checksum check for item bytes ``[lo, ...)`` (``lo`` on a block edge), if enabled."""
-        if not self._verifies(stored):
-            return None
-        bs, sums = self._index.checksum_block_size, stored.checksums
-        return lambda data: checksum.verify_blocks(data, lo // bs, sums, bs, what=describe)
+        return _block_checker(self._index, stored, lo, describe, self.verify_checksums)
 
     def _bytes_op(self, item: ReadItem, planner: LoadPlanner) -> _Op:
         stored = self._stored(item.storage_index)
@@ -293,7 +300,8 @@ class FsspecCheckpointReader(Located, StorageReader):
             return f"tensor {item.storage_index.fqn!r} chunk {offsets} in {stored.file}"
 
         itemsize = dtype.itemsize
-        block = self._index.checksum_block_size
+        index = self._index
+        block = index.checksum_block_size
         checking = self._verifies(stored)
         if item.lengths == sizes and not any(item.storage_offsets):  # the whole chunk
             extents = [Extent(0, math.prod(sizes), (0,) * len(sizes), sizes)]
@@ -305,6 +313,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         if not extents or extents[0].stop == extents[0].start:
             planner.commit_tensor(item, dest)
             return []
+        strides = c_strides(sizes)
         groups = _group_extents(extents, itemsize, stored.nbytes, block if checking else 0)
         sink = _TensorSink(planner, item, dest, len(groups))
         ops = []
@@ -312,27 +321,19 @@ class FsspecCheckpointReader(Located, StorageReader):
             only = members[0]
             direct = None
             if len(members) == 1 and (lo, hi) == _byte_span(only, itemsize) and only.contiguous:
-                direct = _byte_view(_box(dest, only))
+                direct = _byte_view(narrow_box(dest, only.box_offsets, only.box_lengths))
             delivery = _GroupDelivery(
                 dest,
                 members,
-                sizes,
+                strides,
                 dtype,
                 lo,
                 direct is not None,
-                self._checker(stored, lo, describe),
+                _block_checker(index, stored, lo, describe, checking),
                 sink,
             )
             ops.append(_Op(stored.file, stored.offset + lo, stored.offset + hi, direct, delivery))
         return ops
-
-
-def _box(dest: torch.Tensor, ext: Extent) -> torch.Tensor:
-    view = dest
-    for d, (o, n) in enumerate(zip(ext.box_offsets, ext.box_lengths)):
-        if o != 0 or n != view.shape[d]:
-            view = view.narrow(d, o, n)
-    return view
 
 
 def _byte_span(ext: Extent, itemsize: int) -> tuple[int, int]:
@@ -363,7 +364,7 @@ class _GroupDelivery:
 
     dest: torch.Tensor
     extents: list[Extent]
-    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
     dtype: torch.dtype
     lo: int
     in_place: bool
@@ -374,13 +375,13 @@ class _GroupDelivery:
         if self.verify is not None:
             self.verify(buf)
         if not self.in_place:
-            strides = c_strides(self.sizes)
             isz = self.dtype.itemsize
             for ext in self.extents:
                 skip = ext.start * isz - self.lo
                 raw = buf[skip : skip + (ext.stop - ext.start) * isz]
                 src = torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype)
-                _box(self.dest, ext).copy_(src.as_strided(ext.box_lengths, strides))
+                box = narrow_box(self.dest, ext.box_offsets, ext.box_lengths)
+                box.copy_(src.as_strided(ext.box_lengths, self.strides))
         self.sink.part_done()
 
 

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True, slots=True)
 class Extent:
@@ -30,6 +32,16 @@ def c_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     for d in range(len(sizes) - 2, -1, -1):
         strides[d] = strides[d + 1] * max(sizes[d + 1], 1)
     return tuple(strides)
+
+
+def narrow_box(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The view of box ``offsets``+``lengths`` of ``t`` (``t`` itself for the whole tensor)."""
+    if lengths == t.shape:
+        return t
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.shape[d]:
+            t = t.narrow(d, o, n)
+    return t
 
 
 def plan_extents(

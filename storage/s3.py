@@ -209,7 +209,6 @@ class MultipartWriter:
         self._pending: dict[concurrent.futures.Future[Any], int] = {}
         self._next_part = 1
         self._closed = False
-        self.bytes_written = 0
 
     # -- file protocol --------------------------------------------------------------------
 
@@ -228,7 +227,6 @@ class MultipartWriter:
             mv = mv[take:]
             if self._buf.tell() == target:
                 self._send(self._take_buffer())
-        self.bytes_written += n
         return n
 
     def flush(self) -> None:

@@ -11,53 +11,16 @@ from collections.abc import Iterable, Mapping
 from typing import BinaryIO
 
 import torch
-import xxhash
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex
 
 from storage import checksum
 from storage.backends import ByteIO
-from storage.format import (
-    METADATA_FILE,
-    ItemKey,
-    StorageIndex,
-    StoredItem,
-    data_file_name,
-    encode_metadata,
-    item_key,
-    temp_metadata_name,
-)
+from storage.checksum import BlockHasher as _BlockHasher
+from storage.format import ItemKey, StoredItem, data_file_name, item_key
 from storage.paths import Location
-from storage.writer import ALIGN, CoalescingFile, new_save_id, remove_stale_files
+from storage.writer import CoalescingFile, new_save_id, publish
 
 __all__ = ["StreamWriter", "commit", "new_save_id"]
-
-
-class _BlockHasher:
-    """Block digests of a byte stream fed in pieces of any size (same as ``block_digests``)."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.digests: list[str] = []
-        self._h = xxhash.xxh3_64()
-        self._filled = 0
-        self._total = 0
-
-    def update(self, data: memoryview) -> None:
-        self._total += len(data)
-        while len(data):
-            take = min(len(data), self.block_size - self._filled)
-            self._h.update(data[:take])
-            self._filled += take
-            data = data[take:]
-            if self._filled == self.block_size:
-                self.digests.append(self._h.hexdigest())
-                self._h.reset()
-                self._filled = 0
-
-    def finish(self) -> tuple[str, ...]:
-        if self._filled or not self._total:
-            self.digests.append(self._h.hexdigest())
-        return tuple(self.digests)
 
 
 class StreamWriter:
@@ -86,13 +49,11 @@ class StreamWriter:
         self.sync_files = sync_files
         self.max_file_bytes = max_file_bytes
         self.items: dict[ItemKey, StoredItem] = {}
-        self.bytes_written = 0
         self._io = ByteIO.for_location(location)
         self._io.makedirs()
         self._raw: BinaryIO | None = None
         self._out: CoalescingFile | None = None
         self._name = ""
-        self._pos = 0
         self._files = 0
 
     def write_item(
@@ -112,25 +73,19 @@ class StreamWriter:
         if key in self.items:
             raise ValueError(f"{index.fqn!r} at {list(index.offset or ())} was written twice")
         out = self._file_for_next_item()
-        pad = -self._pos % ALIGN
-        if pad:
-            out.write(memoryview(bytes(pad)))
-            self._pos += pad
-        start = self._pos
+        start = out.align()
         hasher = _BlockHasher(self.checksum_block_size) if self.checksums else None
         for part in parts:
             part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
             if hasher is not None:
                 hasher.update(part)
             out.write(part)
-            self._pos += len(part)
-        written = self._pos - start
+        written = out.pos - start
         if written != nbytes:
             raise ValueError(
                 f"{index.fqn!r} at {list(index.offset or ())}: {written} bytes written, "
                 f"{nbytes} expected"
             )
-        self.bytes_written += written
         digests = hasher.finish() if hasher is not None else None
         item = StoredItem(self._name, start, written, rank, digests, sizes, dtype)
         self.items[key] = item
@@ -167,7 +122,7 @@ class StreamWriter:
 
     def _file_for_next_item(self) -> CoalescingFile:
         if self._out is not None and (
-            self.max_file_bytes is None or self._pos < self.max_file_bytes
+            self.max_file_bytes is None or self._out.pos < self.max_file_bytes
         ):
             return self._out
         self.close()
@@ -175,7 +130,6 @@ class StreamWriter:
         self._files += 1
         self._raw = self._io.open_write(self.location.path(self._name))
         self._out = CoalescingFile(self._raw)
-        self._pos = 0
         return self._out
 
 
@@ -192,21 +146,16 @@ def commit(
     sync: bool = True,
 ) -> Metadata:
     """Publish ``dcpbridge.json`` for items written by ``StreamWriter``s, then drop stale files."""
-    metadata = Metadata(
-        state_dict_metadata=dict(state),
-        planner_data=planner_data,
-        storage_data=StorageIndex(
-            items=dict(items),
-            save_id=save_id,
-            files=tuple(sorted({it.file for it in items.values()})),
-            checksum_algorithm=checksum.ALGORITHM if checksums else None,
-            checksum_block_size=checksum_block_size if checksums else 0,
-            world_size=world_size,
-        ),
+    metadata = Metadata(state_dict_metadata=dict(state), planner_data=planner_data)
+    publish(
+        ByteIO.for_location(location),
+        metadata,
+        dict(items),
+        save_id=save_id,
+        world_size=world_size,
+        checksums=checksums,
+        checksum_block_size=checksum_block_size,
+        sync=sync,
+        makedirs=True,
     )
-    raw = encode_metadata(metadata)
-    byteio = ByteIO.for_location(location)
-    byteio.makedirs()
-    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync)
-    remove_stale_files(byteio, save_id)
     return metadata

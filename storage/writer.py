@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,8 @@ from storage.backends import ByteIO
 from storage.format import (
     DATA_FILE_RE,
     METADATA_FILE,
+    TEMP_METADATA_PREFIX,
+    ItemKey,
     StorageIndex,
     StoredItem,
     data_file_name,
@@ -65,22 +68,20 @@ def item_nbytes(item: WriteItem) -> int:
     """Bytes this item writes: the chunk's size, not the global tensor's (unlike DCP's helper)."""
     if item.tensor_data is None:
         return 0
-    numel = 1
-    for s in item.tensor_data.chunk.sizes:
-        numel *= s
-    return numel * item.tensor_data.properties.dtype.itemsize
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
     """Spread items over ``files`` buckets by bytes (largest first), keeping plan order inside."""
     if files <= 1 or len(items) <= 1:
         return [items] if items else []
+    sizes = [item_nbytes(item) for item in items]
     loads = [0] * files
     owner: dict[int, int] = {}
-    for pos in sorted(range(len(items)), key=lambda i: -item_nbytes(items[i])):
+    for pos in sorted(range(len(items)), key=lambda i: -sizes[i]):
         b = min(range(files), key=loads.__getitem__)
         owner[pos] = b
-        loads[b] += item_nbytes(items[pos])
+        loads[b] += sizes[pos]
     buckets: list[list[WriteItem]] = [[] for _ in range(files)]
     for pos, item in enumerate(items):
         buckets[owner[pos]].append(item)
@@ -93,8 +94,17 @@ class CoalescingFile:
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
         self._buf = bytearray()
+        self.pos = 0
+
+    def align(self) -> int:
+        """Pad with zeros to the next ``ALIGN`` boundary and return that position."""
+        pad = -self.pos % ALIGN
+        if pad:
+            self.write(_PADDING[:pad])
+        return self.pos
 
     def write(self, data: memoryview) -> None:
+        self.pos += len(data)
         if len(data) < _SMALL_ITEM:
             self._buf += data
             if len(self._buf) >= _COALESCE_BYTES:
@@ -203,19 +213,16 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         items = {
             item_key(r.index): r.storage_data for rank_results in results for r in rank_results
         }
-        metadata.storage_data = StorageIndex(
-            items=items,
+        publish(
+            self._byteio,
+            metadata,
+            items,
             save_id=self._save_id,
-            files=tuple(sorted({it.file for it in items.values()})),
-            checksum_algorithm=checksum.ALGORITHM if self.checksums else None,
-            checksum_block_size=self.checksum_block_size if self.checksums else 0,
             world_size=len(results),
+            checksums=self.checksums,
+            checksum_block_size=self.checksum_block_size,
+            sync=self.sync_files,
         )
-        raw = encode_metadata(metadata)
-        self._byteio.commit_file(
-            METADATA_FILE, raw, temp_metadata_name(self._save_id), sync=self.sync_files
-        )
-        remove_stale_files(self._byteio, self._save_id)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -223,7 +230,6 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
-        pos = 0
         with self._byteio.open_write(self._loc.path(name)) as raw:
             out = CoalescingFile(raw)
             for item in items:
@@ -247,10 +253,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                     if self.checksums
                     else None
                 )
-                pad = -pos % ALIGN
-                if pad:
-                    out.write(_PADDING[:pad])
-                    pos += pad
+                start = out.align()
                 out.write(mv)
                 results.append(
                     WriteResult(
@@ -258,7 +261,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                         size_in_bytes=len(mv),
                         storage_data=StoredItem(
                             name,
-                            pos,
+                            start,
                             len(mv),
                             rank,
                             digests,
@@ -267,11 +270,38 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                         ),
                     )
                 )
-                pos += len(mv)
             out.flush()
             if self.sync_files:
                 self._byteio.sync(raw)
         return results
+
+
+def publish(
+    byteio: ByteIO,
+    metadata: Metadata,
+    items: dict[ItemKey, StoredItem],
+    *,
+    save_id: str,
+    world_size: int,
+    checksums: bool,
+    checksum_block_size: int,
+    sync: bool,
+    makedirs: bool = False,
+) -> None:
+    """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop stale files."""
+    metadata.storage_data = StorageIndex(
+        items=items,
+        save_id=save_id,
+        files=tuple(sorted({it.file for it in items.values()})),
+        checksum_algorithm=checksum.ALGORITHM if checksums else None,
+        checksum_block_size=checksum_block_size if checksums else 0,
+        world_size=world_size,
+    )
+    raw = encode_metadata(metadata)
+    if makedirs:
+        byteio.makedirs()
+    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync)
+    remove_stale_files(byteio, save_id)
 
 
 def remove_stale_files(byteio: ByteIO, save_id: str) -> None:
@@ -281,7 +311,7 @@ def remove_stale_files(byteio: ByteIO, save_id: str) -> None:
             n
             for n in byteio.list_names()
             if ((m := DATA_FILE_RE.match(n)) and m.group(3) != save_id)
-            or n.startswith(f"{METADATA_FILE}.tmp-")
+            or n.startswith(TEMP_METADATA_PREFIX)
         ]
         byteio.remove(stale)
     except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
