@@ -136,17 +136,19 @@ class _PlannedSave:
 def _plan_save(
     group: Group,
     cache: SaveCache,
-    collect: Callable[[], tuple[Any, list[Any]]],
-    parallel: Group | None,
+    sharded_state_dict: ShardedStateDict,
+    fully_parallel: bool,
+    parallelization_group: dist.ProcessGroup | None,
 ) -> _PlannedSave:
     """Collect the shards, vote on reusing the cache and (fully parallel) assign writers.
 
     Never raises for a local failure: it is kept in ``error`` and raised inside the engine's
     first step, so every rank sees it instead of some ranks waiting in a collective.
     """
+    parallel = _parallel_group(fully_parallel, parallelization_group, group)
     planned = _PlannedSave()
     try:
-        planned.common, planned.shards = collect()
+        planned.common, planned.shards = split_for_save(sharded_state_dict)
         planned.structure = structure_of(planned.shards, parallel)
     except Exception as e:
         planned.error = e
@@ -164,24 +166,51 @@ def _plan_save(
     return planned
 
 
-def _run_planned(
-    group: Group,
-    cache: SaveCache,
-    planned: _PlannedSave,
-    make_writer: Callable[[], StorageWriter],
-    validate: bool,
-) -> None:
-    def prepare() -> tuple[Any, ShardedSavePlanner, StorageWriter]:
+@dataclass(frozen=True)
+class _WriteOptions:
+    """Where and how a save writes; the writer itself is built in the engine's first step."""
+
+    checkpoint_dir: PathLike
+    storage_options: dict[str, Any] | None
+    profile: str | None
+    thread_count: int
+    sync_files: bool
+    checksums: bool
+    validate: bool
+    format: str = "dcpbridge"
+
+    def prepare(
+        self, planned: _PlannedSave, rank: int
+    ) -> tuple[Any, ShardedSavePlanner, StorageWriter]:
+        """(state dict, planner, writer) for ``planned``; re-raises its local failure."""
         if planned.error is not None:
             raise planned.error
-        writer = make_writer()
-        if isinstance(writer, TorchDistWriter):  # the common state goes to common.pt
-            return {"shards": planned.shards}, TorchDistSavePlanner(validate=validate), writer
-        state = save_state(planned.common, planned.shards, group.rank)
-        return state, ShardedSavePlanner(validate=validate), writer
+        options = resolve_storage_options(self.storage_options, self.profile)
+        if self.format == "torch_dist":  # the common state goes to common.pt
+            writer: StorageWriter = TorchDistWriter(
+                self.checkpoint_dir,
+                planned.common,
+                storage_options=options,
+                thread_count=self.thread_count,
+                sync_files=self.sync_files,
+            )
+            return {"shards": planned.shards}, TorchDistSavePlanner(validate=self.validate), writer
+        writer = FsspecCheckpointWriter(
+            self.checkpoint_dir,
+            storage_options=options,
+            thread_count=self.thread_count,
+            sync_files=self.sync_files,
+            checksums=self.checksums,
+        )
+        state = save_state(planned.common, planned.shards, rank)
+        return state, ShardedSavePlanner(validate=self.validate), writer
 
+
+def _run_planned(
+    group: Group, cache: SaveCache, planned: _PlannedSave, options: _WriteOptions
+) -> None:
     run_save(
-        prepare,
+        lambda: options.prepare(planned, group.rank),
         group,
         cache,
         structure=planned.structure,
@@ -240,20 +269,18 @@ def save(
         raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
     group = Group.resolve(process_group)
     cache = save_cache(group, validate_access_integrity, format)
-    parallel = _parallel_group(fully_parallel, parallelization_group, group)
-    planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
-
-    make_writer = _writer_factory(
+    planned = _plan_save(group, cache, sharded_state_dict, fully_parallel, parallelization_group)
+    options = _WriteOptions(
         checkpoint_dir,
         storage_options,
         profile,
         thread_count,
         sync_files,
         checksums,
+        validate_access_integrity,
         format,
-        planned,
     )
-    _run_planned(group, cache, planned, make_writer, validate_access_integrity)
+    _run_planned(group, cache, planned, options)
 
 
 @_gc_paused
@@ -285,8 +312,7 @@ def async_save(
     saver = AsyncSaver.for_group(group, max_in_flight)
     saver.wait_for_capacity()
     cache = save_cache(group, validate_access_integrity)
-    parallel = _parallel_group(fully_parallel, parallelization_group, group)
-    planned = _plan_save(group, cache, lambda: split_for_save(sharded_state_dict), parallel)
+    planned = _plan_save(group, cache, sharded_state_dict, fully_parallel, parallelization_group)
     buffers = None
     if planned.error is None:
         try:
@@ -294,48 +320,20 @@ def async_save(
             planned.common = copy.deepcopy(planned.common)
         except Exception as e:
             planned.error = e
-    make_writer = _writer_factory(
-        checkpoint_dir, storage_options, profile, thread_count, sync_files, checksums
+    options = _WriteOptions(
+        checkpoint_dir,
+        storage_options,
+        profile,
+        thread_count,
+        sync_files,
+        checksums,
+        validate_access_integrity,
     )
 
     def job() -> None:
-        _run_planned(saver.group, cache, planned, make_writer, validate_access_integrity)
+        _run_planned(saver.group, cache, planned, options)
 
     return saver.submit(os.fspath(checkpoint_dir), job, buffers)
-
-
-def _writer_factory(
-    checkpoint_dir: PathLike,
-    storage_options: dict[str, Any] | None,
-    profile: str | None,
-    thread_count: int,
-    sync_files: bool,
-    checksums: bool,
-    format: str = "dcpbridge",
-    planned: _PlannedSave | None = None,
-) -> Callable[[], StorageWriter]:
-    """Builds the save's writer inside the engine's protected first step (options may fail)."""
-
-    def make() -> StorageWriter:
-        options = resolve_storage_options(storage_options, profile)
-        if format == "torch_dist":
-            assert planned is not None
-            return TorchDistWriter(
-                checkpoint_dir,
-                planned.common,
-                storage_options=options,
-                thread_count=thread_count,
-                sync_files=sync_files,
-            )
-        return FsspecCheckpointWriter(
-            checkpoint_dir,
-            storage_options=options,
-            thread_count=thread_count,
-            sync_files=sync_files,
-            checksums=checksums,
-        )
-
-    return make
 
 
 def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:
@@ -345,7 +343,7 @@ def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]
     sharded, common = extract(tree, is_sharded)
     return (
         fill_holes(common) if common is not HOLE else {},
-        leaves(sharded) if sharded is not HOLE else [],
+        leaves(sharded),
     )
 
 
@@ -390,7 +388,7 @@ def load(
     error: BaseException | None = None
     try:
         sharded, _ = extract(apply_factories(tree), is_sharded)
-        shards = leaves(sharded) if sharded is not HOLE else []
+        shards = leaves(sharded)
         for sh in shards:
             if isinstance(sh, ShardedTensor):
                 sh.init_data()
@@ -435,7 +433,7 @@ def load(
             return objects.get(x.unique_key, HOLE)
         return HOLE if x.key in missing else x.data
 
-    loaded = map_leaves(sharded, loaded_value) if sharded is not HOLE else HOLE
+    loaded = map_leaves(sharded, loaded_value)
     result = assemble(source.common_state(objects), loaded, tree, nonpersistent)
     if strict == StrictMode.RETURN_ALL:
         return result, sorted(missing), sorted(planner.unexpected_keys)

@@ -89,11 +89,10 @@ class Group:
         """
         if not self.distributed or tensor.numel() == 0:
             return
-        if not tensor.is_contiguous():
-            raise ValueError("broadcast_tensor needs a contiguous tensor")
+        data = _as_bytes(tensor, "broadcast_tensor needs a contiguous tensor")
         CALLS["broadcast_tensor"] += 1
         root = dist.get_global_rank(self.pg, src) if src else self.coordinator
-        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=root, group=self.pg)
+        dist.broadcast(data, src=root, group=self.pg)
 
     def exchange(
         self,
@@ -128,9 +127,12 @@ class Group:
         return torch.device("cpu")
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def _as_bytes(
+    t: torch.Tensor, error: str = "point-to-point transfers need contiguous tensors"
+) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 view; raises ValueError(``error``) if ``t`` is not contiguous."""
     if not t.is_contiguous():
-        raise ValueError("point-to-point transfers need contiguous tensors")
+        raise ValueError(error)
     return t.reshape(-1).view(torch.uint8)
 
 

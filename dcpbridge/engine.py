@@ -57,7 +57,7 @@ def attempt(rank: int, step: str, fn: Callable[[], T]) -> T | Failure:
         return Failure.capture(rank, step, e)
 
 
-def raise_failures(failures: list[Failure], own: Any = None, *, world_size: int = 2) -> None:
+def raise_failures(failures: list[Failure], own: Any = None, *, world_size: int) -> None:
     """Raise one exception describing every failed rank (same type if all failed alike)."""
     if not failures:
         return
@@ -82,11 +82,6 @@ def raise_failures(failures: list[Failure], own: Any = None, *, world_size: int 
     raise error from (own.exc if isinstance(own, Failure) else None)
 
 
-def _check(reply: Any, own: Any, world_size: int) -> None:
-    if isinstance(reply, list) and reply and all(isinstance(f, Failure) for f in reply):
-        raise_failures(reply, own, world_size=world_size)
-
-
 def _coordinate(
     group: Group, local: Any, global_step: Callable[[list[Any]], list[Any]], step: str
 ) -> Any:
@@ -106,7 +101,8 @@ def _coordinate(
         if failures:
             replies = [failures] * group.size
     reply = group.scatter(replies)
-    _check(reply, local, group.size)
+    if isinstance(reply, list) and reply and all(isinstance(f, Failure) for f in reply):
+        raise_failures(reply, local, world_size=group.size)
     return reply
 
 
@@ -114,13 +110,13 @@ def _coordinate(
 class CacheEntry:
     """What a full save of one sharded structure decided (replaced whole, never mutated).
 
-    ``structure`` fingerprints the shards, ``reply`` is what the coordinator sent this rank,
-    ``metadata`` the validated global metadata (coordinator only), ``extra`` a caller's own
-    decision for the same structure (e.g. the fully-parallel writer assignment).
+    ``structure`` fingerprints the shards, ``planner_data`` is the coordinator's planner reply
+    to this rank, ``metadata`` the validated global metadata (coordinator only), ``extra`` a
+    caller's own decision for the same structure (e.g. the fully-parallel writer assignment).
     """
 
     structure: int
-    reply: tuple[Any, Any]
+    planner_data: Any
     metadata: Metadata | None
     extra: Any = None
 
@@ -130,7 +126,6 @@ class SaveCache:
     """The last full save's decisions, reused while every rank's structure is unchanged."""
 
     entry: CacheEntry | None = None
-    hits: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +150,6 @@ def agree_to_reuse(group: Group, cache: SaveCache, structure: int | None) -> Reu
     if not all(v for v, _ in votes):
         return None
     assert entry is not None
-    cache.hits += 1
     return Reuse(votes[0][1], entry)
 
 
@@ -202,7 +196,7 @@ def run_save(
         # planning failed reports it through the results gather below.
         if not isinstance(local, Failure):
             storage_data = writer.storage_data_for(group.rank, reuse.save_id)  # type: ignore[attr-defined]
-            reply = (storage_data, reuse.entry.reply[1])
+            reply = (storage_data, reuse.entry.planner_data)
         metadata = copy.copy(reuse.entry.metadata)
     else:
 
@@ -236,7 +230,8 @@ def run_save(
         raise_failures(outcome, results, world_size=group.size)
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
     if cache is not None and reuse is None and structure is not None and reusable:
-        cache.entry = CacheEntry(structure, reply, copy.copy(metadata), extra)
+        assert reply is not None
+        cache.entry = CacheEntry(structure, reply[1], metadata, extra)
     return metadata
 
 

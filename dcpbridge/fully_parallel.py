@@ -18,7 +18,7 @@ import torch
 from dcpbridge.collectives import Group
 from dcpbridge.engine import Failure, raise_failures
 from dcpbridge.mapping import ShardedTensor
-from planners.distribution import Holding, distribute
+from planners.distribution import Holding, distribute, holders
 from planners.protocol import chunk_sizes, is_main_replica
 
 ShardId = tuple[str, tuple[int, ...]]
@@ -69,8 +69,9 @@ def assign_writers(shards: list[Any], owner: dict[ShardId, int], rank: int) -> l
     """``shards`` with replica ids rewritten so that exactly the assigned rank writes each."""
     out = []
     for s in shards:
-        if isinstance(s, ShardedTensor) and shard_id(s) in owner:
-            s = dataclasses.replace(s, replica_id=0 if owner[shard_id(s)] == rank else 1)
+        writer = owner.get(shard_id(s)) if isinstance(s, ShardedTensor) else None
+        if writer is not None:
+            s = dataclasses.replace(s, replica_id=0 if writer == rank else 1)
         out.append(s)
     return out
 
@@ -87,7 +88,7 @@ class LoadShare:
     """This rank's part of a fully-parallel load: what it reads, sends and receives."""
 
     read: list[Any] = field(default_factory=list)
-    sends: list[tuple[ShardedTensor, int, int]] = field(default_factory=list)
+    sends: list[tuple[ShardedTensor, list[int], int]] = field(default_factory=list)
     recvs: list[tuple[ShardedTensor, int, int]] = field(default_factory=list)
     copies: list[tuple[ShardedTensor, ShardedTensor]] = field(default_factory=list)
 
@@ -104,12 +105,7 @@ def share_load(group: Group, shards: list[Any] | BaseException) -> LoadShare:
     everyone = exchange_holdings(group, mine)
     assert not isinstance(shards, BaseException)
     owner = distribute(everyone, only_main=False)
-    wanted_by: dict[BoxId, list[int]] = {}
-    for rank, held in enumerate(everyone):
-        for h in held:
-            ranks = wanted_by.setdefault(h.shard, [])
-            if rank not in ranks:
-                ranks.append(rank)
+    wanted_by = holders(everyone)
     tags = {box: i for i, box in enumerate(sorted(owner, key=repr))}
     share = LoadShare()
     first: dict[BoxId, ShardedTensor] = {}
@@ -123,7 +119,9 @@ def share_load(group: Group, shards: list[Any] | BaseException) -> LoadShare:
             share.read.append(s)
             if box not in first:
                 first[box] = s
-                share.sends += [(s, r, tags[box]) for r in wanted_by[box] if r != group.rank]
+                others = [r for r in wanted_by[box] if r != group.rank]
+                if others:
+                    share.sends.append((s, others, tags[box]))
         elif box in first:  # the same box twice on this rank: receive once, copy
             share.copies.append((s, first[box]))
         else:
@@ -134,7 +132,10 @@ def share_load(group: Group, shards: list[Any] | BaseException) -> LoadShare:
 
 def hand_off(group: Group, share: LoadShare) -> None:
     """Send every box this rank read to the others that need it; receive its own."""
-    sends = [(_contiguous(s.data), dst, tag) for s, dst, tag in share.sends]
+    sends = []
+    for s, dsts, tag in share.sends:
+        data = s.data.contiguous()
+        sends += [(data, dst, tag) for dst in dsts]
     recvs = []
     fixups = []
     for s, src, tag in share.recvs:
@@ -151,7 +152,3 @@ def hand_off(group: Group, share: LoadShare) -> None:
         dest.copy_(buf)
     for dup, src in share.copies:
         dup.data.copy_(src.data)
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()

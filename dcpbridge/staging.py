@@ -57,8 +57,8 @@ class StagingArea:
                 return chosen
             if self._free:  # grow: drop a free set that is too small instead of adding one
                 self._free.pop()
-                self._count -= 1
-            self._count += 1
+            else:
+                self._count += 1
         pin = torch.cuda.is_available()
         return BufferSet(torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin))
 
@@ -74,13 +74,14 @@ class StagingArea:
         return stream
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, pos = [], 0
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], int]:
+    """Each tensor's aligned (start, end) byte span in one flat buffer, and the buffer's size."""
+    spans, pos = [], 0
     for t in tensors:
-        pos += -pos % _ALIGN
-        offsets.append(pos)
-        pos += t.numel() * t.element_size()
-    return offsets, pos
+        start = pos + -pos % _ALIGN
+        pos = start + t.numel() * t.element_size()
+        spans.append((start, pos))
+    return spans, pos
 
 
 def stage(shards: list[Any], area: StagingArea) -> tuple[list[Any], BufferSet]:
@@ -93,14 +94,13 @@ def stage(shards: list[Any], area: StagingArea) -> tuple[list[Any], BufferSet]:
         for s in shards
         if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id) and s.numel > 0
     ]
-    offsets, total = _layout([s.data for s in writes])
+    spans, total = _layout([s.data for s in writes])
     buffers = area.acquire(total)
     views: dict[int, torch.Tensor] = {}
     cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for s, off in zip(writes, offsets):
+    for s, (start, end) in zip(writes, spans):
         src = s.data
-        nbytes = src.numel() * src.element_size()
-        view = buffers.flat[off : off + nbytes].view(src.dtype).view(src.shape)
+        view = buffers.flat[start:end].view(src.dtype).view(src.shape)
         if src.is_cuda:
             cuda.setdefault(src.device, []).append((view, src))
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -43,7 +44,14 @@ def intersect(
     return lo, tuple(h - s for s, h in zip(lo, hi))
 
 
-def sweep_dim(chunks: Sequence[Placed]) -> int:
+class HasOffsets(Protocol):
+    """Anything placed at ``offsets`` in a global tensor (``Placed``, DCP chunk metadata)."""
+
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
+
+def sweep_dim(chunks: Sequence[HasOffsets]) -> int:
     """The dimension with the most distinct chunk offsets: sweeping it keeps few boxes active."""
     ndim = len(chunks[0].offsets)
     return max(range(ndim), key=lambda d: len({c.offsets[d] for c in chunks}))

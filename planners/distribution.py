@@ -17,6 +17,17 @@ class Holding:
     main: bool = True
 
 
+def holders(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, list[int]]:
+    """The ranks holding each shard, ascending and without repeats."""
+    out: dict[ShardId, list[int]] = {}
+    for rank, held in enumerate(holdings):
+        for h in held:
+            ranks = out.setdefault(h.shard, [])
+            if not ranks or ranks[-1] != rank:
+                ranks.append(rank)
+    return out
+
+
 def distribute(
     holdings: Sequence[Sequence[Holding]], *, only_main: bool = True
 ) -> dict[ShardId, int]:
@@ -27,21 +38,18 @@ def distribute(
     (lowest rank on ties). With ``only_main``, only shards some rank of the group holds as a
     main replica are assigned — the ones this group would save at all.
     """
-    holders: dict[ShardId, list[int]] = {}
+    who = holders(holdings)
     size: dict[ShardId, int] = {}
     wanted: set[ShardId] = set()
-    for rank, held in enumerate(holdings):
+    for held in holdings:
         for h in held:
-            ranks = holders.setdefault(h.shard, [])
-            if not ranks or ranks[-1] != rank:
-                ranks.append(rank)
             size[h.shard] = max(size.get(h.shard, 0), h.nbytes)
             if h.main or not only_main:
                 wanted.add(h.shard)
     load = [0] * len(holdings)
     owner: dict[ShardId, int] = {}
-    for shard in sorted(wanted, key=lambda s: (len(holders[s]), -size[s], _order(s))):
-        rank = min(holders[shard], key=lambda r: (load[r], r))
+    for shard in sorted(wanted, key=lambda s: (len(who[s]), -size[s], _order(s))):
+        rank = min(who[shard], key=lambda r: (load[r], r))
         owner[shard] = rank
         load[rank] += size[shard]
     return owner

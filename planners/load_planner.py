@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from planners.boxes import Shape, fmt_box, intersect
+from planners.boxes import Shape, fmt_box, intersect, sweep_dim
 from planners.errors import (
     DTypeMismatchError,
     MissingKeysError,
@@ -32,6 +32,7 @@ from planners.errors import (
 from planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
 from planners.walk import Leaf, iter_leaves
 from storage.errors import CorruptCheckpointError
+from storage.regions import narrow_box
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
 _INDEX_THRESHOLD = 32
@@ -69,9 +70,7 @@ class ChunkIndex:
     def __init__(self, chunks: list[ChunkStorageMetadata]) -> None:
         self.chunks = chunks
         ndim = len(chunks[0].offsets) if chunks else 0
-        self.dim = (
-            max(range(ndim), key=lambda d: len({c.offsets[d] for c in chunks})) if ndim else -1
-        )
+        self.dim = sweep_dim(chunks) if ndim else -1
         if self.dim >= 0 and len(chunks) > _INDEX_THRESHOLD:
             self.chunks = sorted(chunks, key=lambda c: c.offsets[self.dim])
             self.starts = [c.offsets[self.dim] for c in self.chunks]
@@ -313,12 +312,8 @@ class ShardedLoadPlanner(LoadPlanner):
 
 
 def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
-    if lengths == t.shape:
-        return t
-    for d, (o, n) in enumerate(zip(offsets, lengths)):
-        if o != 0 or n != t.shape[d]:
-            t = t.narrow(d, o, n)
-    return t
+    """The view of box ``offsets``+``lengths`` of ``t``."""
+    return narrow_box(t, offsets, lengths)
 
 
 def _preview(keys: list[str], limit: int = 10) -> str:
