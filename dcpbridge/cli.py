@@ -308,8 +308,8 @@ def _run_reshard(
     group = _group()
     source = _open(args, cfg, src, src_profile)
     try:
-        mine = assign(plan_work(source, layout), group.size)[group.rank]
-        total = sum(w.nbytes for w in mine)
+        work = plan_work(source, layout)
+        total = sum(w.nbytes for w in assign(work, group.size)[group.rank])
         desc = f"worker {group.rank}/{group.size}" if group.size > 1 else "reshard"
         show = not args.no_progress and group.rank == 0
         with _progress(total, desc, show) as bar:
@@ -323,6 +323,7 @@ def _run_reshard(
                 slab_bytes=slab,
                 max_file_bytes=_size(getattr(args, "max_file_size", None), "--max-file-size"),
                 on_bytes=bar,
+                work=work,
             )
     finally:
         source.close()

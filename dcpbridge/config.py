@@ -131,15 +131,14 @@ class Config:
             raise ConfigError(f"{where}: no storage profile {name!r} (profiles: {known})") from None
 
     def job(self, name: str | None) -> ReshardJob:
-        if name is None:
-            if len(self.jobs) != 1:
-                known = ", ".join(sorted(self.jobs)) or "none"
-                raise ConfigError(f"{self.path}: name the job to run with --job (jobs: {known})")
+        if name is None and len(self.jobs) == 1:
             return next(iter(self.jobs.values()))
-        if name not in self.jobs:
-            known = ", ".join(sorted(self.jobs)) or "none"
-            raise ConfigError(f"{self.path}: no job {name!r} (jobs: {known})")
-        return self.jobs[name]
+        if name is not None and name in self.jobs:
+            return self.jobs[name]
+        known = ", ".join(sorted(self.jobs)) or "none"
+        if name is None:
+            raise ConfigError(f"{self.path}: name the job to run with --job (jobs: {known})")
+        raise ConfigError(f"{self.path}: no job {name!r} (jobs: {known})")
 
 
 class StorageOptions(dict):

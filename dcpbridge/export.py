@@ -27,7 +27,7 @@ import torch
 from dcpbridge.errors import CheckpointError
 from dcpbridge.formats import SAFETENSORS_INDEX
 from dcpbridge.mapping import COMMON_KEY
-from dcpbridge.reshard import DEFAULT_SLAB_BYTES, box_bytes
+from dcpbridge.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
 from dcpbridge.sources import SAFETENSORS_DTYPES, Source, TensorInfo
 from storage import resolve
 from storage.backends import ByteIO
@@ -106,10 +106,8 @@ def export_safetensors(
             out = CoalescingFile(raw)
             out.write(memoryview(head))
             for t in ordered:
-                for part in _whole(source, t.key, slab_bytes):
+                for part in counted(_whole(source, t.key, slab_bytes), on_bytes):
                     out.write(part)
-                    if on_bytes is not None:
-                        on_bytes(len(part))
                 weight_map[t.key] = name
                 total += t.nbytes
             out.flush()
@@ -217,14 +215,12 @@ def _write_torch_file(
             if start is None or start not in records:
                 raise CheckpointError(f"cannot locate the bytes of {key!r} in {path}")
             pos, crc = start, 0
-            for part in _whole(source, key, slab_bytes):
+            for part in counted(_whole(source, key, slab_bytes), on_bytes):
                 view = part
                 while len(view):
                     n = os.pwrite(fd, view, pos)
                     view, pos = view[n:], pos + n
                 crc = zlib.crc32(part, crc)
-                if on_bytes is not None:
-                    on_bytes(len(part))
             info, cd_entry = records[start]
             if pos - start != info.file_size:
                 raise CheckpointError(

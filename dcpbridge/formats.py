@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.storage import StorageReader
@@ -171,6 +172,16 @@ def unwrap_megatron_object(key: str, value: Any) -> Any:
             f"found {type(value).__name__}"
         )
     return value[0]
+
+
+def load_torch_file(path: str, *, weights_only: bool) -> Any:
+    """``torch.load`` of local file ``path`` onto the CPU, memory-mapped where the file allows."""
+    try:
+        return torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
 
 
 def read_megatron_common(location: Location, *, allow_pickle: bool) -> Any:

@@ -119,11 +119,12 @@ class Layout:
             axes.append(axis)
         if len(set(axes)) != len(axes):
             raise LayoutError(f"{self.source}: the rule for {key!r} splits an axis twice")
+        pieces = [even_pieces(shape[axis], s.parts) for axis, s in zip(axes, rule.splits)]
         out = []
         for part in itertools.product(*(range(s.parts) for s in rule.splits)):
             offsets, sizes = [0] * len(shape), list(shape)
-            for axis, s, i in zip(axes, rule.splits, part):
-                offsets[axis], sizes[axis] = even_pieces(shape[axis], s.parts)[i]
+            for axis, axis_pieces, i in zip(axes, pieces, part):
+                offsets[axis], sizes[axis] = axis_pieces[i]
             box = TargetBox(self._owner(rule, part), tuple(offsets), tuple(sizes))
             if box.numel:
                 out.append(box)

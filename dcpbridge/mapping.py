@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -215,9 +215,6 @@ class ShardedTensor:
         if self.data is None:
             self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
 
-    def without_data(self) -> ShardedTensor:
-        return replace(self, data=None)
-
     def __repr__(self) -> str:
         return (
             f"ShardedTensor(key={self.key!r}, dtype={self.dtype}, local_shape={self.local_shape}, "
@@ -257,9 +254,6 @@ class ShardedObject:
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offsets}_{shape}"
 
-    def without_data(self) -> ShardedObject:
-        return replace(self, data=None)
-
     def __repr__(self) -> str:
         return (
             f"ShardedObject(key={self.key!r}, global_shape={self.global_shape}, "
@@ -294,6 +288,3 @@ class LocalNonpersistentObject:
 
     def unwrap(self) -> Any:
         return self.obj
-
-
-ShardedBase = ShardedTensor | ShardedObject

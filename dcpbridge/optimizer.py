@@ -302,10 +302,10 @@ def optimizer_sharded_state_dict(
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the lazily built state (e.g. Adam's moments) of parameters that have none, so a
     load template covers them: one step on zero gradients, parameters restored bit-exactly."""
-    fresh = [p for p in _optimizer_params(optimizer) if not optimizer.state.get(p)]
+    everyone = _optimizer_params(optimizer)
+    fresh = [p for p in everyone if not optimizer.state.get(p)]
     if not fresh:
         return
-    everyone = _optimizer_params(optimizer)
     grads = [p.grad for p in everyone]
     backup = [p.detach().clone() for p in fresh]
     with torch.no_grad():

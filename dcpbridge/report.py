@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +131,8 @@ def _verify_checksums(
         return
     byteio = ByteIO.for_location(source.location)
     piece = max(block, _VERIFY_PIECE // block * block)
+    largest = max((item.nbytes for item in index.items.values()), default=0)
+    scratch = memoryview(bytearray(min(piece, largest)))  # reused: each read fills its slice
     for (fqn, offsets), item in sorted(
         index.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)
     ):
@@ -143,7 +144,7 @@ def _verify_checksums(
         try:
             for pos in range(0, max(item.nbytes, 1), piece):
                 n = min(piece, item.nbytes - pos)
-                buf = memoryview(bytearray(n))
+                buf = scratch[:n]
                 byteio.fetch(
                     [RangeRead(source.location.path(item.file), item.offset + pos, buf)], 1
                 )
@@ -287,6 +288,4 @@ def summary_line(source: Source, found: Findings) -> str:
 
 
 def count_bytes(source: Source) -> int:
-    return sum(
-        math.prod(c.sizes) * t.dtype.itemsize for t in source.tensors.values() for c in t.chunks
-    )
+    return sum(c.nbytes for t in source.tensors.values() for c in t.chunks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,16 @@ def box_bytes(
         yield tensor_bytes(source.read(key, o, s))
 
 
+def counted(
+    parts: Iterable[memoryview], on_bytes: Callable[[int], None] | None
+) -> Iterator[memoryview]:
+    """``parts`` in order, each one's length passed to ``on_bytes`` (if given) once consumed."""
+    for part in parts:
+        yield part
+        if on_bytes is not None:
+            on_bytes(len(part))
+
+
 def plan_work(source: Source, layout: Layout) -> list[WorkItem]:
     """Every target item: each tensor's boxes in ``layout`` (by key, then offset), then objects."""
     work = []
@@ -157,7 +167,7 @@ def write_items(
     slab_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
 ) -> dict[ItemKey, StoredItem]:
-    """Copy ``items`` from ``source`` into ``writer``'s files; returns where each landed."""
+    """Copy ``items`` from ``source`` into ``writer`` (left open); returns where each landed."""
     for item in items:
         if item.offsets is None:
             blob = memoryview(source.object_bytes(item.key))
@@ -165,24 +175,15 @@ def write_items(
             if on_bytes is not None:
                 on_bytes(len(blob))
             continue
-
-        def counted(parts: Iterator[memoryview]) -> Iterator[memoryview]:
-            for part in parts:
-                yield part
-                if on_bytes is not None:
-                    on_bytes(len(part))
-
         parts = box_bytes(source, item.key, item.offsets, item.sizes, slab_bytes)
-        dtype = source.tensors[item.key].dtype
         writer.write_item(
             item.index,
-            counted(parts),
+            counted(parts, on_bytes),
             nbytes=item.nbytes,
             rank=item.rank,
             sizes=item.sizes,
-            dtype=dtype,
+            dtype=source.tensors[item.key].dtype,
         )
-    writer.close()
     return writer.items
 
 
@@ -202,10 +203,12 @@ def reshard(
     slab_bytes: int = DEFAULT_SLAB_BYTES,
     max_file_bytes: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    work: list[WorkItem] | None = None,
 ) -> ReshardResult:
     """Write ``source`` to ``destination`` as a dcpbridge checkpoint in ``layout``.
 
-    Every rank of ``group`` (one process if None) calls it with the same arguments.
+    Every rank of ``group`` (one process if None) calls it with the same arguments; ``work``
+    is ``plan_work(source, layout)`` when the caller has it already.
     """
     group = group or Group(None, 0, 1, 0)
     started = time.perf_counter()
@@ -214,7 +217,7 @@ def reshard(
         location = resolve(destination, storage_options)
         if _same_place(location, source.location):
             raise ValueError(f"the destination {location.url} is the source checkpoint itself")
-        return location, plan_work(source, layout)
+        return location, work if work is not None else plan_work(source, layout)
 
     planned = attempt(group.rank, "plan", plan)
     statuses = group.all_gather(planned if isinstance(planned, Failure) else None)

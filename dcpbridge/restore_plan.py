@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dcpbridge.fully_parallel import ShardId
 from dcpbridge.mapping import ShardedTensor
 from planners import (
     DTypeMismatchError,
@@ -21,8 +22,6 @@ from planners import (
     StrictMode,
     UnexpectedKeysError,
 )
-
-ShardId = tuple[str, tuple[int, ...]]  # (key, global offset), as in ``fully_parallel``
 
 
 @dataclass(frozen=True, slots=True)

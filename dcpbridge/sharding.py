@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,8 +32,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from dcpbridge.collectives import Group
 from dcpbridge.engine import Failure, attempt, raise_failures
 from dcpbridge.errors import ShapeMismatchError
+from dcpbridge.formats import load_torch_file
 from dcpbridge.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.state import HOLE, fill_holes, map_leaves
+from planners.walk import iter_leaves
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -109,18 +111,6 @@ def _mismatch(shape: tuple[int, ...] | None, have: TensorInfo | Any) -> str:
 # Template leaves.
 
 
-def _walk(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
-    """(dotted path, leaf) in the traversal order of ``state.map_leaves``."""
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from _walk(v, (*path, str(k)))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _walk(v, (*path, str(i)))
-    else:
-        yield ".".join(path), tree
-
-
 def _source(path: str, leaf: Any) -> tuple[str, tuple[int, ...] | None]:
     """The key of ``leaf`` in rank 0's state dict, and the global shape it needs."""
     if isinstance(leaf, ShardedTensor):
@@ -152,7 +142,7 @@ def _target_device(t: torch.Tensor | None) -> torch.device:
 def _own_part(full: torch.Tensor, part: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``part`` of ``full`` on ``device`` without keeping the rest of ``full`` alive."""
     if part.numel() < full.numel():
-        part = part.clone(memory_format=torch.contiguous_format)
+        return part.to(device, memory_format=torch.contiguous_format, copy=True)
     return part.to(device)
 
 
@@ -182,7 +172,8 @@ def _distribute(
     meta_sharded_state_dict: Mapping[str, Any],
     sharded_state_dict: dict[str, Any],
 ) -> DistributedKeys:
-    leaves = list(_walk(meta_sharded_state_dict))
+    template = dict(meta_sharded_state_dict)
+    leaves = [(leaf.path, leaf.value) for leaf in iter_leaves(template)]  # map_leaves' order
 
     def local_step() -> tuple[list[tuple[str, tuple[int, ...] | None]], Any]:
         sources = [_source(path, leaf) for path, leaf in leaves]
@@ -219,7 +210,7 @@ def _distribute(
             results[i] = _shard(leaves[i][1], full)
         del full
     it = iter(results)
-    rebuilt = fill_holes(map_leaves(dict(meta_sharded_state_dict), lambda _: next(it)))
+    rebuilt = fill_holes(map_leaves(template, lambda _: next(it)))
     sharded_state_dict.update(rebuilt)
     return DistributedKeys(plan.missing.get(group.rank, []), plan.unexpected)
 
@@ -299,12 +290,7 @@ def _read_file(path: str) -> dict[str, Any]:
 
         with safe_open(path, framework="pt", device="cpu") as f:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+    obj = load_torch_file(path, weights_only=True)
     if not isinstance(obj, Mapping):
         raise TypeError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return dict(obj)
@@ -382,10 +368,7 @@ class DistModule(nn.Module):
         group = Group.resolve(self._process_group)
         template = self.module.state_dict()
         shards: dict[str, Any] = {}
-        if group.rank == 0:
-            keys = _distribute(group, state_dict, template, shards)
-        else:
-            keys = _distribute(group, None, template, shards)
+        keys = _distribute(group, state_dict if group.rank == 0 else None, template, shards)
         result = self.module.load_state_dict(shards, strict=False, assign=assign)
         missing = list(result.missing_keys)
         unexpected = keys.unexpected_keys + list(result.unexpected_keys)

@@ -34,10 +34,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from dcpbridge.errors import CorruptCheckpointError, NotACheckpointError, PickleRefusedError
 from dcpbridge.formats import (
     MEGATRON_COMMON,
+    MEGATRON_CONFIG,
     SAFETENSORS_INDEX,
     Format,
     dcp_reader,
     detect,
+    load_torch_file,
     read_megatron_common,
     refuse_pickled_metadata,
     unwrap_megatron_object,
@@ -311,7 +313,7 @@ def _open_dcp(
         common = int(location.fs.size(location.path(MEGATRON_COMMON)))
         objects[COMMON_KEY] = ObjectInfo(COMMON_KEY, common, file=MEGATRON_COMMON)
         facts["megatron_config"] = json.loads(
-            ByteIO.for_location(location).read_file(location.path("metadata.json"))
+            ByteIO.for_location(location).read_file(location.path(MEGATRON_CONFIG))
         )
     src = _DcpSource(location, fmt, _chunks_by_fqn(metadata, where), objects, facts, box_reads=True)
     src.allow_pickle = allow_pickle
@@ -339,19 +341,16 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
 
 
 def _open_safetensors(location: Location, options: dict[str, Any] | None) -> Source:
-    if ByteIO.for_location(location).exists(SAFETENSORS_INDEX):
-        index = json.loads(
-            ByteIO.for_location(location).read_file(location.path(SAFETENSORS_INDEX))
-        )
+    byteio = ByteIO.for_location(location)
+    if byteio.exists(SAFETENSORS_INDEX):
+        index = json.loads(byteio.read_file(location.path(SAFETENSORS_INDEX)))
         names = sorted(set(index.get("weight_map", {}).values()))
         folder = location
     elif location.root.endswith(".safetensors"):
         folder = resolve(_parent_url(location), options)
         names = [location.root.rstrip("/").rsplit("/", 1)[-1]]
     else:
-        names = sorted(
-            n for n in ByteIO.for_location(location).list_names() if n.endswith(".safetensors")
-        )
+        names = sorted(n for n in byteio.list_names() if n.endswith(".safetensors"))
         folder = location
     state: dict[str, TensorStorageMetadata] = {}
     items = {}
@@ -403,12 +402,7 @@ def _open_torch_file(location: Location, allow_pickle: bool) -> Source:
         path = os.path.join(scratch.name, "checkpoint.pt")
         location.fs.get_file(location.root, path)
     try:
-        try:
-            loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=not allow_pickle)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            loaded = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+        loaded = load_torch_file(path, weights_only=not allow_pickle)
     except pickle.UnpicklingError:
         if scratch is not None:
             scratch.cleanup()

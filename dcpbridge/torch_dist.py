@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpbridge.errors import SerializationError
 from dcpbridge.formats import MEGATRON_COMMON, MEGATRON_CONFIG
 from planners import ShardedSavePlanner
 from planners.protocol import leaf_kind
+from planners.save_planner import serialize_object
 from storage import METADATA_FILE, Location, resolve
 from storage.backends import ByteIO
 from storage.writer import remove_stale_files
@@ -37,22 +37,13 @@ MEGATRON_CHECKPOINT_CONFIG = {
 }
 
 
-def _torch_bytes(value: Any, what: str) -> bytes:
-    buf = io.BytesIO()
-    try:
-        torch.save(value, buf)
-    except Exception as e:
-        raise SerializationError(f"cannot serialize {what} ({type(value).__name__}): {e}") from e
-    return buf.getvalue()
-
-
 class TorchDistSavePlanner(ShardedSavePlanner):
     """Our save planning, with each ShardedObject stored as ``[data]`` as Megatron stores it."""
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         source = self._sources[write_item.index]
         if leaf_kind(source) == "object_shard":
-            return io.BytesIO(_torch_bytes([source.data], f"object {write_item.index.fqn!r}"))
+            return serialize_object([source.data], f"object {write_item.index.fqn!r}")
         return super().resolve_data(write_item)
 
 
@@ -77,6 +68,7 @@ class TorchDistWriter(StorageWriter):
         self.location: Location = resolve(path, storage_options)
         self.common_state = common_state
         self.sync_files = sync_files
+        self.byteio = ByteIO.for_location(self.location)
         if self.location.is_local:
             self.inner: StorageWriter = FileSystemWriter(
                 self.location.root, thread_count=thread_count, sync_files=sync_files
@@ -106,7 +98,7 @@ class TorchDistWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Before any data is overwritten, unpublish what this directory held, so that an
         # interrupted save leaves an incomplete checkpoint rather than a corrupt one.
-        byteio = ByteIO.for_location(self.location)
+        byteio = self.byteio
         stale = [n for n in (MEGATRON_CONFIG, METADATA_FILE) if byteio.exists(n)]
         byteio.remove(stale)
         if METADATA_FILE in stale:
@@ -117,8 +109,8 @@ class TorchDistWriter(StorageWriter):
         return self.inner.write_data(plan, planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        byteio = ByteIO.for_location(self.location)
-        common = _torch_bytes(self.common_state, "the common state")
+        byteio = self.byteio
+        common = serialize_object(self.common_state, "the common state").getvalue()
         byteio.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
         self.inner.finish(metadata, results)
         config = json.dumps(MEGATRON_CHECKPOINT_CONFIG).encode()

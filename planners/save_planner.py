@@ -242,6 +242,17 @@ def _object_grid_problems(
     return problems
 
 
+def serialize_object(value: Any, what: str) -> io.BytesIO:
+    """``torch.save`` of ``value`` into a buffer at position 0; ``what`` names it in errors."""
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as e:
+        raise SerializationError(f"cannot serialize {what} ({type(value).__name__}): {e}") from e
+    buf.seek(0)
+    return buf
+
+
 class ShardedSavePlanner(SavePlanner):
     """DCP ``SavePlanner`` for Megatron-style sharded state; works with ``dcp.save`` too.
 
@@ -285,12 +296,4 @@ class ShardedSavePlanner(SavePlanner):
         if kind == "tensor":
             return source
         value = source.data if kind == "object_shard" else source
-        buf = io.BytesIO()
-        try:
-            torch.save(value, buf)
-        except Exception as e:
-            raise SerializationError(
-                f"cannot serialize object {write_item.index.fqn!r} ({type(value).__name__}): {e}"
-            ) from e
-        buf.seek(0)
-        return buf
+        return serialize_object(value, f"object {write_item.index.fqn!r}")
