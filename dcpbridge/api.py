@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
-import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,43 +11,35 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcpbridge import fully_parallel as fp
 from dcpbridge.async_save import AsyncSaveHandle, AsyncSaver
+from dcpbridge.bridge import BridgeLoadPlanner, BridgeSavePlanner
 from dcpbridge.collectives import Group
 from dcpbridge.config import resolve_storage_options
 from dcpbridge.engine import Reuse, SaveCache, agree_to_reuse, run_load, run_save
-from dcpbridge.formats import LoadSource, open_for_load
-from dcpbridge.mapping import (
-    COMMON_KEY,
-    ReplicaId,
-    ShardedObject,
-    ShardedStateDict,
-    ShardedTensor,
-    StateDict,
-)
+from dcpbridge.formats import Format, LoadSource, open_for_load, read_megatron_common
+from dcpbridge.intake import LoadParts, SaveParts, for_load, for_save, normalize
+from dcpbridge.mapping import COMMON_KEY, ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.staging import stage
 from dcpbridge.state import (
     HOLE,
     apply_factories,
-    assemble,
     extract,
     fill_holes,
     is_nonpersistent,
     is_sharded,
     leaves,
-    map_leaves,
 )
 from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
-from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
-from storage import (
-    FsspecCheckpointWriter,
-    read_checkpoint_metadata,
-    resolve,
-)
-from storage.reader import read_object_bytes
+from planners import ShardedSavePlanner, StrictMode
+from planners.errors import MissingKeysError
+from planners.leaves import refuse
+from planners.protocol import leaf_kind
+from planners.walk import iter_leaves
+from storage import FsspecCheckpointWriter, read_checkpoint_metadata, resolve
 
 PathLike = str | os.PathLike[str]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -76,21 +66,6 @@ def _gc_paused(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@dataclass
-class _CommonState:
-    """The non-sharded rest of the state dict, stored once by the group's rank 0."""
-
-    data: Any
-    replica_id: ReplicaId
-    key: str = COMMON_KEY
-    global_shape: tuple[int, ...] = (1,)
-    global_offset: tuple[int, ...] = (0,)
-
-    @property
-    def unique_key(self) -> str:
-        return COMMON_KEY
-
-
 # Save caches per (process group and this rank's place in it, validation flag, format): reused
 # while the structure holds. The place guards against a new group reusing a freed group's id.
 _SAVE_CACHES: dict[tuple[int, int, int, int, bool, str], SaveCache] = {}
@@ -102,8 +77,9 @@ def save_cache(group: Group, validate: bool, format: str = "dcpbridge") -> SaveC
     return _SAVE_CACHES.setdefault(key, SaveCache())
 
 
-def structure_of(shards: list[Any], parallel: Group | None) -> int:
-    """Fingerprint of what the shards declare (keys, boxes, dtypes, replicas), not their data."""
+def structure_of(shards: list[Any], parallel: Group | None, common: Any = ()) -> int:
+    """Fingerprint of what the shards declare (keys, boxes, dtypes, replicas) and of the
+    common state's keys, not their data."""
     parts = [
         (
             s.key,
@@ -118,14 +94,15 @@ def structure_of(shards: list[Any], parallel: Group | None) -> int:
         else (s.unique_key, s.replica_id)
         for s in shards
     ]
-    return hash((tuple(parts), None if parallel is None else (id(parallel.pg), parallel.rank)))
+    where = None if parallel is None else (id(parallel.pg), parallel.rank)
+    return hash((tuple(parts), tuple(common), where))
 
 
 @dataclass
 class _PlannedSave:
     """A save after the collective decisions taken before planning (or the error it hit)."""
 
-    common: Any = None
+    parts: SaveParts = field(default_factory=SaveParts)
     shards: list[Any] = field(default_factory=list)
     structure: int | None = None
     reuse: Reuse | None = None
@@ -148,8 +125,10 @@ def _plan_save(
     parallel = _parallel_group(fully_parallel, parallelization_group, group)
     planned = _PlannedSave()
     try:
-        planned.common, planned.shards = split_for_save(sharded_state_dict)
-        planned.structure = structure_of(planned.shards, parallel)
+        planned.parts = for_save(sharded_state_dict, group.rank)
+        planned.shards = planned.parts.shards
+        common = [(k, p) for k, p in planned.parts.paths.items()] + planned.parts.empty
+        planned.structure = structure_of(planned.shards, parallel, common)
     except Exception as e:
         planned.error = e
     planned.reuse = agree_to_reuse(group, cache, planned.structure)
@@ -186,15 +165,17 @@ class _WriteOptions:
         if planned.error is not None:
             raise planned.error
         options = resolve_storage_options(self.storage_options, self.profile)
-        if self.format == "torch_dist":  # the common state goes to common.pt
+        parts = planned.parts
+        if self.format == "torch_dist":  # the common state, tensors too, goes to common.pt
             writer: StorageWriter = TorchDistWriter(
                 self.checkpoint_dir,
-                planned.common,
+                parts.nested_common(),
                 storage_options=options,
                 thread_count=self.thread_count,
                 sync_files=self.sync_files,
             )
-            return {"shards": planned.shards}, TorchDistSavePlanner(validate=self.validate), writer
+            shards = [s for s in planned.shards if s.key not in parts.plain]
+            return {"shards": shards}, TorchDistSavePlanner(validate=self.validate), writer
         writer = FsspecCheckpointWriter(
             self.checkpoint_dir,
             storage_options=options,
@@ -202,8 +183,10 @@ class _WriteOptions:
             sync_files=self.sync_files,
             checksums=self.checksums,
         )
-        state = save_state(planned.common, planned.shards, rank)
-        return state, ShardedSavePlanner(validate=self.validate), writer
+        planner = BridgeSavePlanner(
+            planned.shards, parts.objects, parts.common_table(), validate=self.validate
+        )
+        return None, planner, writer
 
 
 def _run_planned(
@@ -225,17 +208,6 @@ def _parallel_group(
     if not fully_parallel:
         return None
     return Group.resolve(parallelization_group) if parallelization_group is not None else group
-
-
-class _BridgeLoadPlanner(ShardedLoadPlanner):
-    """Treats the common state as optional (plain-DCP checkpoints written with our planner lack it)."""
-
-    def set_up_planner(
-        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
-    ) -> None:
-        if metadata is not None and COMMON_KEY not in metadata.state_dict_metadata:
-            state_dict = {k: v for k, v in state_dict.items() if k != "common"}
-        super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
 @_gc_paused
@@ -317,7 +289,7 @@ def async_save(
     if planned.error is None:
         try:
             planned.shards, buffers = stage(planned.shards, saver.area)
-            planned.common = copy.deepcopy(planned.common)
+            planned.parts = planned.parts.staged(planned.shards)
         except Exception as e:
             planned.error = e
     options = _WriteOptions(
@@ -337,19 +309,18 @@ def async_save(
 
 
 def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:
-    """(common state, shards): factories built, non-persistent objects dropped."""
-    tree = apply_factories(sharded_state_dict)
+    """(common state, shards) in Megatron's split: factories built, non-persistent objects
+    dropped, Megatron-Core's own types taken as dcpbridge's; sharded data that would be
+    pickled in the common state (DTensors, ...) is refused."""
+    tree = apply_factories(normalize(sharded_state_dict))
     _, tree = extract(tree, is_nonpersistent)
     sharded, common = extract(tree, is_sharded)
-    return (
-        fill_holes(common) if common is not HOLE else {},
-        leaves(sharded),
-    )
-
-
-def save_state(common: Any, shards: list[Any], rank: int) -> dict[str, Any]:
-    """The state dict the save planner sees: the shards plus the common state as one object."""
-    return {"common": _CommonState(common, rank), "shards": shards}
+    common = fill_holes(common) if common is not HOLE else {}
+    for leaf in iter_leaves(common):
+        kind = leaf_kind(leaf.value)
+        if kind not in ("object", "tensor"):
+            raise refuse(leaf.path, leaf.value, kind)
+    return common, leaves(sharded)
 
 
 @_gc_paused
@@ -379,62 +350,85 @@ def load(
     directories load too, with ``allow_pickle=True`` (their metadata is a pickle);
     ``profile`` names a storage profile of the configuration file.
     """
-    strict = StrictMode(strict)
-    group = Group.resolve(process_group)
-    nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
+    return _load(
+        sharded_state_dict,
+        checkpoint_dir,
+        Group.resolve(process_group),
+        strict=StrictMode(strict),
+        storage_options=resolve_storage_options(storage_options, profile),
+        allow_pickle=allow_pickle,
+        allow_dtype_cast=allow_dtype_cast,
+        verify_checksums=verify_checksums,
+        thread_count=thread_count,
+        fully_parallel=fully_parallel,
+        parallelization_group=parallelization_group,
+    )
+
+
+def _load(
+    template: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    group: Group,
+    *,
+    strict: StrictMode,
+    storage_options: dict[str, Any] | None,
+    allow_pickle: bool,
+    allow_dtype_cast: bool = False,
+    verify_checksums: bool = True,
+    thread_count: int = 4,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
+) -> Any:
     parallel = _parallel_group(fully_parallel, parallelization_group, group)
-    sharded: Any = HOLE
-    shards: list[Any] = []
+    parts = LoadParts(template)
     error: BaseException | None = None
     try:
-        sharded, _ = extract(apply_factories(tree), is_sharded)
-        shards = leaves(sharded)
-        for sh in shards:
-            if isinstance(sh, ShardedTensor):
-                sh.init_data()
+        parts = for_load(template)
     except Exception as e:  # raised inside the engine's first step, on every rank
         error = e
     share = None
     if parallel is not None:
         try:
-            share = fp.share_load(parallel, error or shards)
+            share = fp.share_load(parallel, error or parts.shards)
         except Exception as e:
             error = error or e
 
     source: LoadSource | None = None
 
-    def prepare() -> tuple[Any, _BridgeLoadPlanner, StorageReader]:
+    def prepare() -> tuple[Any, BridgeLoadPlanner, StorageReader]:
         nonlocal source
         if error is not None:
             raise error
-        planner = _BridgeLoadPlanner(
-            strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
-        )
         source = open_for_load(
             checkpoint_dir,
-            storage_options=resolve_storage_options(storage_options, profile),
+            storage_options=storage_options,
             allow_pickle=allow_pickle,
             thread_count=thread_count,
             verify_checksums=verify_checksums,
         )
-        state = {"common": _CommonState(None, 0), "shards": share.read if share else shards}
-        return state, planner, source.reader
+        planner = BridgeLoadPlanner(
+            parts,
+            share.read if share else parts.shards,
+            legacy_common=source.format == Format.TORCH_DIST,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast,
+        )
+        return None, planner, source.reader
 
     _, planner, _ = run_load(prepare, group)
-    assert isinstance(planner, _BridgeLoadPlanner) and source is not None
+    assert isinstance(planner, BridgeLoadPlanner) and source is not None
     if share is not None and parallel is not None:
         fp.hand_off(parallel, share)
-
-    objects = source.objects(planner.loaded_objects)
-    missing = set(planner.missing_keys)
-
-    def loaded_value(x: Any) -> Any:
-        if isinstance(x, ShardedObject):
-            return objects.get(x.unique_key, HOLE)
-        return HOLE if x.key in missing else x.data
-
-    loaded = map_leaves(sharded, loaded_value)
-    result = assemble(source.common_state(objects), loaded, tree, nonpersistent)
+    blob = planner.values.get(COMMON_KEY) if source.format != Format.TORCH_DIST else None
+    if source.format == Format.TORCH_DIST:
+        blob = read_megatron_common(source.location, allow_pickle=allow_pickle)
+    objects = source.objects(planner.shard_objects())
+    result, missing = planner.result(objects, blob)
+    if missing and strict != StrictMode.RETURN_ALL:
+        raise MissingKeysError(
+            f"{len(missing)} key(s) requested but not in the checkpoint: {sorted(missing)[:10]}"
+        )
     if strict == StrictMode.RETURN_ALL:
         return result, sorted(missing), sorted(planner.unexpected_keys)
     return result
@@ -449,7 +443,7 @@ def load_tensors_metadata(
     """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
     options = resolve_storage_options(storage_options, profile)
     metadata = read_checkpoint_metadata(resolve(checkpoint_dir, options))
-    out = {}
+    out: dict[str, ShardedTensor] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             data = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
@@ -465,9 +459,11 @@ def load_common_state_dict(
     profile: str | None = None,
 ) -> StateDict:
     """The checkpoint's common (non-sharded) state, read in this process alone."""
-    location = resolve(checkpoint_dir, resolve_storage_options(storage_options, profile))
-    metadata = read_checkpoint_metadata(location)
-    if COMMON_KEY not in metadata.state_dict_metadata:
-        return {}
-    raw = read_object_bytes(location, metadata, COMMON_KEY)
-    return load_object(io.BytesIO(raw), allow_pickle=allow_pickle, what="the common state")
+    return _load(
+        {},
+        checkpoint_dir,
+        Group(None, 0, 1, 0),
+        strict=StrictMode.RAISE_MISSING,
+        storage_options=resolve_storage_options(storage_options, profile),
+        allow_pickle=allow_pickle,
+    )

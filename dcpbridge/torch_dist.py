@@ -8,22 +8,19 @@ backend, written last (Megatron treats a directory without it as unfinished).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcpbridge.formats import MEGATRON_COMMON, MEGATRON_CONFIG
 from planners import ShardedSavePlanner
-from planners.protocol import leaf_kind
 from planners.save_planner import serialize_object
 from storage import METADATA_FILE, Location, resolve
 from storage.backends import ByteIO
@@ -40,11 +37,7 @@ MEGATRON_CHECKPOINT_CONFIG = {
 class TorchDistSavePlanner(ShardedSavePlanner):
     """Our save planning, with each ShardedObject stored as ``[data]`` as Megatron stores it."""
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        source = self._sources[write_item.index]
-        if leaf_kind(source) == "object_shard":
-            return serialize_object([source.data], f"object {write_item.index.fqn!r}")
-        return super().resolve_data(write_item)
+    list_wrapped_objects = True
 
 
 class TorchDistWriter(StorageWriter):

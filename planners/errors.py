@@ -34,3 +34,7 @@ class SerializationError(CheckpointError, TypeError):
 
 class PickleRefusedError(CheckpointError):
     """A stored object needs full unpickling, which was not allowed."""
+
+
+class InvalidRequestError(CheckpointError, ValueError):
+    """A load template entry cannot receive data (no data, meta tensor, unknown kind)."""

@@ -8,6 +8,7 @@ import enum
 import io
 import math
 import pickle
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +25,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from planners.boxes import Shape, fmt_box, intersect, sweep_dim
 from planners.errors import (
     DTypeMismatchError,
+    InvalidRequestError,
     MissingKeysError,
     PickleRefusedError,
     ShapeMismatchError,
     UnexpectedKeysError,
 )
+from planners.leaves import TENSOR_KINDS, refuse, tensor_boxes
 from planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
 from planners.walk import Leaf, iter_leaves
 from storage.errors import CorruptCheckpointError
@@ -106,9 +109,15 @@ def plan_tensor_reads(
 
 
 def load_object(value: io.BytesIO, *, allow_pickle: bool, what: str) -> Any:
-    """``torch.load`` with ``weights_only`` unless pickles are explicitly allowed."""
+    """``torch.load`` with ``weights_only`` unless pickles are explicitly allowed.
+
+    ``io.BytesIO`` (DCP's way to store opaque bytes) is the one class added to the safe set.
+    """
     try:
-        return torch.load(value, weights_only=not allow_pickle, map_location="cpu")
+        if allow_pickle:
+            return torch.load(value, weights_only=False, map_location="cpu")
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(value, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         if allow_pickle:
             raise
@@ -135,6 +144,7 @@ class LocalReads:
     items: list[ReadItem] = field(default_factory=list)
     dests: dict[MetadataIndex, _Dest] = field(default_factory=dict)
     objects: dict[str, list[Leaf]] = field(default_factory=dict)
+    legacy: dict[str, _Legacy] = field(default_factory=dict)
     requested: set[str] = field(default_factory=set)
     missing: list[str] = field(default_factory=list)
 
@@ -142,7 +152,7 @@ class LocalReads:
 def plan_local_reads(
     leaves: Iterable[Leaf], metadata: Metadata, *, allow_dtype_cast: bool = False
 ) -> LocalReads:
-    """Read items that fill every requested tensor shard, tensor and object from ``metadata``."""
+    """Read items that fill every requested tensor-like leaf and object from ``metadata``."""
     out = LocalReads()
     stored = metadata.state_dict_metadata
     indexes: dict[str, ChunkIndex] = {}
@@ -151,71 +161,144 @@ def plan_local_reads(
         kind = leaf_kind(value)
         if kind in ("object_shard", "object"):
             fqn = value.unique_key if kind == "object_shard" else leaf.path
-            out.requested.add(fqn)
-            if fqn not in stored or isinstance(stored[fqn], TensorStorageMetadata):
-                out.missing.append(fqn)
-                continue
-            if fqn not in out.objects:
-                z = torch.Size([0])
-                mi = MetadataIndex(fqn)
-                out.items.append(ReadItem(LoadItemType.BYTE_IO, mi, z, mi, z, z))
-            out.objects.setdefault(fqn, []).append(leaf)
-            continue
-        if kind == "tensor_shard":
-            sh: TensorShard = value
-            fqn, view = sh.key, chunk_view(sh)
-            offsets, sizes, shape = tuple(sh.global_offset), chunk_sizes(sh), tuple(sh.global_shape)
-            allow_mismatch = sh.allow_shape_mismatch
-        else:
-            fqn, view = leaf.path, value
-            shape = sizes = tuple(value.shape)
-            offsets = (0,) * len(shape)
-            allow_mismatch = False
-        out.requested.add(fqn)
-        md = stored.get(fqn)
-        if not isinstance(md, TensorStorageMetadata):
-            out.missing.append(fqn)
-            continue
-        if md.properties.dtype != view.dtype and not allow_dtype_cast:
-            raise DTypeMismatchError(
-                f"{fqn!r}: stored as {md.properties.dtype}, requested as {view.dtype} "
-                "(pass allow_dtype_cast=True to convert)"
-            )
-        stored_shape = tuple(md.size)
-        if stored_shape != shape:
-            if not allow_mismatch or len(stored_shape) != len(shape):
-                raise ShapeMismatchError(
-                    f"{fqn!r}: global shape in checkpoint is {stored_shape}, requested {shape}"
-                    + (
-                        ""
-                        if allow_mismatch
-                        else " (set allow_shape_mismatch=True to load the overlap)"
-                    )
-                )
-            view.zero_()
-        if math.prod(sizes) == 0:
-            continue
-        dest_key = MetadataIndex(fqn, offsets)
-        dest = out.dests.get(dest_key)
-        if dest is not None:  # the same box requested twice on this rank: read once, copy
-            if tuple(dest.views[0].shape) != tuple(view.shape):
-                raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
-            dest.views.append(view)
-            continue
-        out.dests[dest_key] = _Dest([view], md.properties.dtype)
-        index = indexes.get(fqn)
-        if index is None:
-            index = indexes[fqn] = ChunkIndex(md.chunks)
-        items, covered = plan_tensor_reads(fqn, offsets, sizes, index)
-        inside = intersect(offsets, sizes, (0,) * len(shape), stored_shape)
-        expected = math.prod(inside[1]) if inside else 0
-        if covered != expected:
-            raise CorruptCheckpointError(
-                f"{fqn!r}: stored chunks cover {covered} of the {expected} elements requested "
-                f"at {fmt_box(offsets, sizes)}; the checkpoint is missing part of this tensor"
-            )
-        out.items.extend(items)
+            _plan_object(out, fqn, leaf, stored)
+        elif kind in TENSOR_KINDS:
+            for sh in tensor_boxes(leaf.path, value, kind):
+                _plan_box(out, sh, stored, indexes, allow_dtype_cast)
+        elif kind != "nonpersistent":
+            raise refuse(leaf.path, value, kind)
     return out
+
+
+def _plan_object(out: LocalReads, fqn: str, leaf: Leaf, stored: dict[str, Any]) -> None:
+    out.requested.add(fqn)
+    if fqn not in stored or isinstance(stored[fqn], TensorStorageMetadata):
+        parts = _legacy_parts(fqn, stored) if isinstance(leaf.value, (list, tuple)) else None
+        if parts is None:
+            out.missing.append(fqn)
+            return
+        pending = _Legacy(leaf, parts, fqn)  # stored item by item by dcpbridge < 0.2
+        for part in pending.keys:
+            out.requested.add(part)
+            out.legacy[part] = pending
+            out.items.append(_bytes_item(part))
+        return
+    if fqn not in out.objects:
+        out.items.append(_bytes_item(fqn))
+    out.objects.setdefault(fqn, []).append(leaf)
+
+
+def _bytes_item(fqn: str) -> ReadItem:
+    z = torch.Size([0])
+    mi = MetadataIndex(fqn)
+    return ReadItem(LoadItemType.BYTE_IO, mi, z, mi, z, z)
+
+
+def _legacy_parts(fqn: str, stored: dict[str, Any]) -> list[Any] | None:
+    """Keys ``fqn.0``, ``fqn.1``... (nested for nested sequences) under which an older
+    dcpbridge stored a list or tuple item by item; None if there are none."""
+    parts: list[Any] = []
+    while True:
+        sub = f"{fqn}.{len(parts)}"
+        if sub in stored and not isinstance(stored[sub], TensorStorageMetadata):
+            parts.append(sub)
+            continue
+        nested = _legacy_parts(sub, stored)
+        if nested is None:
+            return parts or None
+        parts.append(nested)
+
+
+class _Legacy:
+    """A list or tuple leaf read back from its per-item keys, replaced once all arrive."""
+
+    def __init__(self, leaf: Leaf, parts: list[Any], fqn: str) -> None:
+        self.leaf, self.parts, self.fqn = leaf, parts, fqn
+        self.keys: list[str] = []
+        self._collect(parts)
+        self.values: dict[str, Any] = {}
+
+    def _collect(self, parts: list[Any]) -> None:
+        for p in parts:
+            if isinstance(p, str):
+                self.keys.append(p)
+            else:
+                self._collect(p)
+
+    def arrive(self, key: str, value: Any) -> Any | None:
+        """Record one item; the rebuilt value once every item has arrived, else None."""
+        self.values[key] = value
+        if len(self.values) < len(self.keys):
+            return None
+        kind = type(self.leaf.value)
+
+        def build(parts: list[Any], like: Any) -> Any:
+            items = [
+                self.values[p]
+                if isinstance(p, str)
+                else build(p, like[i] if isinstance(like, (list, tuple)) and i < len(like) else [])
+                for i, p in enumerate(parts)
+            ]
+            return tuple(items) if isinstance(like, tuple) else items
+
+        return build(self.parts, self.leaf.value) if kind in (list, tuple) else None
+
+
+def _plan_box(
+    out: LocalReads,
+    sh: TensorShard,
+    stored: dict[str, Any],
+    indexes: dict[str, ChunkIndex],
+    allow_dtype_cast: bool,
+) -> None:
+    fqn = sh.key
+    if sh.data is None or sh.data.is_meta:
+        raise InvalidRequestError(
+            f"{fqn!r}: the load template has no data to fill ({'meta' if sh.data is not None else 'None'})"
+        )
+    view = chunk_view(sh)
+    offsets, sizes, shape = tuple(sh.global_offset), chunk_sizes(sh), tuple(sh.global_shape)
+    out.requested.add(fqn)
+    md = stored.get(fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        out.missing.append(fqn)
+        return
+    if md.properties.dtype != view.dtype and not allow_dtype_cast:
+        raise DTypeMismatchError(
+            f"{fqn!r}: stored as {md.properties.dtype}, requested as {view.dtype} "
+            "(pass allow_dtype_cast=True to convert)"
+        )
+    stored_shape = tuple(md.size)
+    if stored_shape != shape:
+        allow_mismatch = sh.allow_shape_mismatch
+        if not allow_mismatch or len(stored_shape) != len(shape):
+            raise ShapeMismatchError(
+                f"{fqn!r}: global shape in checkpoint is {stored_shape}, requested {shape}"
+                + ("" if allow_mismatch else " (set allow_shape_mismatch=True to load the overlap)")
+            )
+        view.zero_()
+    if math.prod(sizes) == 0:
+        return
+    dest_key = MetadataIndex(fqn, offsets)
+    dest = out.dests.get(dest_key)
+    if dest is not None:  # the same box requested twice on this rank: read once, copy
+        if tuple(dest.views[0].shape) != tuple(view.shape):
+            raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
+        dest.views.append(view)
+        return
+    out.dests[dest_key] = _Dest([view], md.properties.dtype)
+    index = indexes.get(fqn)
+    if index is None:
+        index = indexes[fqn] = ChunkIndex(md.chunks)
+    items, covered = plan_tensor_reads(fqn, offsets, sizes, index)
+    inside = intersect(offsets, sizes, (0,) * len(shape), stored_shape)
+    expected = math.prod(inside[1]) if inside else 0
+    if covered != expected:
+        raise CorruptCheckpointError(
+            f"{fqn!r}: stored chunks cover {covered} of the {expected} elements requested "
+            f"at {fmt_box(offsets, sizes)}; the checkpoint is missing part of this tensor"
+        )
+    out.items.extend(items)
 
 
 class ShardedLoadPlanner(LoadPlanner):
@@ -242,6 +325,7 @@ class ShardedLoadPlanner(LoadPlanner):
         self._state_dict: Any = None
         self._metadata: Metadata | None = None
         self._local = LocalReads()
+        self._lock = threading.Lock()
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -251,10 +335,14 @@ class ShardedLoadPlanner(LoadPlanner):
         self._state_dict = state_dict
         self._metadata = metadata
 
+    def leaves(self) -> Iterable[Leaf]:
+        """The leaves to fill: the state dict's, keyed as DCP keys them."""
+        return iter_leaves(self._state_dict)
+
     def create_local_plan(self) -> LoadPlan:
         assert self._metadata is not None
         self._local = plan_local_reads(
-            iter_leaves(self._state_dict), self._metadata, allow_dtype_cast=self.allow_dtype_cast
+            self.leaves(), self._metadata, allow_dtype_cast=self.allow_dtype_cast
         )
         self.missing_keys = sorted(self._local.missing)
         if self.missing_keys and self.strict != StrictMode.RETURN_ALL:
@@ -288,6 +376,14 @@ class ShardedLoadPlanner(LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         obj = load_object(value, allow_pickle=self.allow_pickle, what=f"object {fqn!r}")
+        legacy = self._local.legacy.get(fqn)
+        if legacy is not None:
+            with self._lock:
+                obj = legacy.arrive(fqn, obj)
+            if obj is None:
+                return
+            fqn = legacy.fqn
+            legacy.leaf.replace(obj)
         self.loaded_objects[fqn] = obj
         for leaf in self._local.objects.get(fqn, ()):
             if leaf_kind(leaf.value) == "object":

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+from torch.distributed.tensor import DTensor
 
 ReplicaId = int | tuple[int, ...]
 
@@ -38,8 +41,47 @@ class ObjectShard(Protocol):
     def unique_key(self) -> str: ...
 
 
-LeafKind = Literal["tensor_shard", "object_shard", "tensor", "object"]
+LeafKind = Literal[
+    "tensor_shard",
+    "object_shard",
+    "tensor",
+    "dtensor",
+    "torch_sharded",
+    "factory",
+    "nonpersistent",
+    "unknown_sharded",
+    "object",
+]
 _KINDS: dict[type, LeafKind] = {}
+# Attributes that mark a value as sharding metadata of some library (never to be pickled).
+_SHARDING_ATTRS = ("placements", "device_mesh", "local_shards", "sharding_spec", "flattened_range")
+
+
+def _classify(leaf: Any) -> LeafKind:
+    if isinstance(leaf, DTensor):
+        return "dtensor"
+    if isinstance(leaf, TorchShardedTensor):
+        return "torch_sharded"
+    if isinstance(leaf, torch.Tensor):
+        plain = type(leaf) in (torch.Tensor, torch.nn.Parameter)
+        return "tensor" if plain else "unknown_sharded"
+    if isinstance(leaf, ObjectShard):
+        return "object_shard"
+    if isinstance(leaf, TensorShard):
+        return "tensor_shard"
+    if callable(getattr(leaf, "build", None)) and hasattr(leaf, "merge_fn"):
+        return "factory"  # dcpbridge's or Megatron-Core's ShardedTensorFactory
+    if type(leaf).__name__ == "LocalNonpersistentObject" and callable(
+        getattr(leaf, "unwrap", None)
+    ):
+        return "nonpersistent"
+    if (
+        any(hasattr(leaf, a) for a in _SHARDING_ATTRS)
+        or (hasattr(leaf, "global_shape") and hasattr(leaf, "global_offset"))
+        or "Shard" in type(leaf).__name__
+    ):
+        return "unknown_sharded"
+    return "object"
 
 
 def leaf_kind(leaf: Any) -> LeafKind:
@@ -47,16 +89,33 @@ def leaf_kind(leaf: Any) -> LeafKind:
     cls = type(leaf)
     kind = _KINDS.get(cls)
     if kind is None:
-        if isinstance(leaf, torch.Tensor):
-            kind = "tensor"
-        elif isinstance(leaf, ObjectShard):
-            kind = "object_shard"
-        elif isinstance(leaf, TensorShard):
-            kind = "tensor_shard"
-        else:
-            kind = "object"
-        _KINDS[cls] = kind
+        kind = _KINDS[cls] = _classify(leaf)
     return kind
+
+
+def is_sharded_meta(value: Any) -> bool:
+    """Sharding metadata that is not itself a tensor (ShardedTensor/Object, factories...)."""
+    return not isinstance(value, torch.Tensor) and leaf_kind(value) not in ("object",)
+
+
+def keeps_list_recursing(value: Any) -> bool:
+    """DCP recurses into a list holding a tensor; we also do for any sharded value."""
+    return isinstance(value, torch.Tensor) or leaf_kind(value) != "object"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalBox:
+    """A ``TensorShard`` made from a plain tensor, a DTensor or a torch ShardedTensor shard."""
+
+    key: str
+    data: torch.Tensor | None
+    dtype: torch.dtype
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:

@@ -6,6 +6,8 @@ import dataclasses
 import io
 import itertools
 import math
+import pickletools
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.planner import (
 
 from planners.boxes import Placed, Shape, coverage_problems
 from planners.errors import SerializationError, ShardingValidationError
+from planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
 from planners.protocol import (
     ObjectShard,
     TensorShard,
@@ -76,8 +79,17 @@ def _tensor_item(
     )
 
 
-def plan_local_writes(leaves: Iterable[Leaf], is_coordinator: bool) -> LocalWrites:
-    """Write items for this rank's main replicas; plain tensors and objects go to the coordinator."""
+def plan_local_writes(
+    leaves: Iterable[Leaf], is_coordinator: bool, *, list_wrapped_objects: bool = False
+) -> LocalWrites:
+    """Write items for this rank's main replicas; plain values go to the coordinator.
+
+    Tensor-like leaves (plain tensors, DTensors, torch ShardedTensors, Megatron-style
+    shards) become tensor chunks; non-persistent objects are skipped; sharded values of
+    unknown kinds are refused by name before anything is written. Objects are serialized
+    here, so an object that cannot be stored fails the plan, not the write
+    (``list_wrapped_objects``: ShardedObjects stored as ``[data]``, as torch_dist does).
+    """
     out = LocalWrites([], {}, LocalSummary())
 
     def declare(key: str, shape: Shape, dtype: torch.dtype) -> None:
@@ -91,37 +103,56 @@ def plan_local_writes(leaves: Iterable[Leaf], is_coordinator: bool) -> LocalWrit
     for leaf in leaves:
         value = leaf.value
         kind = leaf_kind(value)
-        if kind == "tensor_shard":
-            sh: TensorShard = value
-            shape = tuple(sh.global_shape)
-            declare(sh.key, shape, sh.dtype)
-            sizes = chunk_sizes(sh)
-            if is_main_replica(sh.replica_id) and math.prod(sizes) > 0:
-                if sh.data is None:
-                    raise ValueError(f"ShardedTensor {sh.key!r} has no data to save")
-                item = _tensor_item(sh.key, tuple(sh.global_offset), sizes, shape, sh.dtype)
-                out.items.append(item)
-                out.sources[item.index] = sh
-        elif kind == "tensor":
-            shape = tuple(value.shape)
-            declare(leaf.path, shape, value.dtype)
-            if is_coordinator and value.numel() > 0:
-                item = _tensor_item(leaf.path, (0,) * len(shape), shape, shape, value.dtype)
-                out.items.append(item)
-                out.sources[item.index] = value
+        if kind in TENSOR_KINDS:
+            for sh in tensor_boxes(leaf.path, value, kind, main=is_coordinator):
+                key = check_key(sh.key)
+                shape = tuple(sh.global_shape)
+                declare(key, shape, sh.dtype)
+                sizes = chunk_sizes(sh)
+                if is_main_replica(sh.replica_id) and math.prod(sizes) > 0:
+                    _check_data(sh)
+                    item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
+                    if item.index in out.sources:
+                        raise ShardingValidationError(
+                            f"{key!r}: this rank saves the chunk at {list(item.index.offset)} twice"
+                        )
+                    out.items.append(item)
+                    out.sources[item.index] = sh
         elif kind == "object_shard":
             obj: ObjectShard = value
-            uk = obj.unique_key
+            uk = check_key(obj.unique_key)
             out.summary.objects[uk] = (obj.key, tuple(obj.global_shape), tuple(obj.global_offset))
             if is_main_replica(obj.replica_id):
                 item = WriteItem(index=MetadataIndex(uk), type=WriteItemType.BYTE_IO)
                 out.items.append(item)
-                out.sources[item.index] = obj
+                data = [obj.data] if list_wrapped_objects else obj.data
+                out.sources[item.index] = serialize_object(data, f"ShardedObject {uk!r}")
+        elif kind == "nonpersistent":
+            continue
+        elif kind != "object":
+            raise refuse(leaf.path, value, kind)
         elif is_coordinator:
-            item = WriteItem(index=MetadataIndex(leaf.path), type=WriteItemType.BYTE_IO)
+            key = check_key(leaf.path)
+            item = WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
             out.items.append(item)
-            out.sources[item.index] = leaf.value
+            out.sources[item.index] = serialize_object(leaf.value, f"object {key!r}")
     return out
+
+
+def _check_data(sh: TensorShard) -> None:
+    """A main replica's data must be a tensor of exactly the declared local shape and dtype."""
+    data = sh.data
+    if not isinstance(data, torch.Tensor):
+        raise ShardingValidationError(f"ShardedTensor {sh.key!r} has no data to save")
+    if tuple(data.shape) != tuple(sh.local_shape) or data.dtype != sh.dtype:
+        raise ShardingValidationError(
+            f"ShardedTensor {sh.key!r}: data is {data.dtype} of shape {tuple(data.shape)}, "
+            f"declared {sh.dtype} of local shape {tuple(sh.local_shape)}"
+        )
+    if data.is_meta or data.layout != torch.strided:
+        raise ShardingValidationError(
+            f"ShardedTensor {sh.key!r}: {data.layout} {data.device} data cannot be saved"
+        )
 
 
 def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
@@ -243,14 +274,49 @@ def _object_grid_problems(
 
 
 def serialize_object(value: Any, what: str) -> io.BytesIO:
-    """``torch.save`` of ``value`` into a buffer at position 0; ``what`` names it in errors."""
+    """``torch.save`` of ``value`` into a buffer at position 0; ``what`` names it in errors.
+
+    Refuses values that would pickle sharding metadata or tensor subclasses (a DTensor's
+    pickle holds only this rank's shard): those must be stored as tensors, or not at all.
+    """
     buf = io.BytesIO()
     try:
         torch.save(value, buf)
     except Exception as e:
         raise SerializationError(f"cannot serialize {what} ({type(value).__name__}): {e}") from e
+    bad = _sharded_globals(buf.getbuffer())
+    if bad:
+        raise SerializationError(
+            f"{what} ({type(value).__name__}) holds {', '.join(sorted(bad))}, which would be "
+            "pickled and lose the other ranks' shards; put it in the state dict as its own "
+            "entry (a dict or list, not a tuple or object) so it is stored as a tensor"
+        )
     buf.seek(0)
     return buf
+
+
+_SHARDED_MODULES = ("torch.distributed", "dcpbridge", "planners", "megatron")
+_SUBCLASS_REBUILDS = {"_rebuild_from_type_v2", "_rebuild_wrapper_subclass", "_rebuild_dtensor"}
+
+
+def _sharded_globals(raw: memoryview) -> set[str]:
+    """Classes in a ``torch.save`` pickle that mean sharded data or tensor subclasses."""
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        pickled = z.read(name)
+    found = set()
+    for op, arg, _ in pickletools.genops(pickled):
+        if op.name != "GLOBAL" or not isinstance(arg, str):
+            continue
+        module, _, attr = arg.partition(" ")
+        if (
+            module.startswith(_SHARDED_MODULES)
+            or attr in _SUBCLASS_REBUILDS
+            or "Shard" in attr
+            or "DTensor" in attr
+        ):
+            found.add(f"{module}.{attr}")
+    return found
 
 
 class ShardedSavePlanner(SavePlanner):
@@ -260,6 +326,8 @@ class ShardedSavePlanner(SavePlanner):
     or plain objects. Only main replicas are written; the coordinator validates that the
     shards of every rank tile each global tensor before anything is written.
     """
+
+    list_wrapped_objects = False  # ShardedObjects stored as ``[data]`` (torch_dist's way)
 
     def __init__(self, *, validate: bool = True) -> None:
         self.validate = validate
@@ -276,8 +344,14 @@ class ShardedSavePlanner(SavePlanner):
         self._state_dict = state_dict
         self._is_coordinator = is_coordinator
 
+    def leaves(self) -> Iterable[Leaf]:
+        """The leaves to save: the state dict's, keyed as DCP keys them."""
+        return iter_leaves(self._state_dict)
+
     def create_local_plan(self) -> SavePlan:
-        local = plan_local_writes(iter_leaves(self._state_dict), self._is_coordinator)
+        local = plan_local_writes(
+            self.leaves(), self._is_coordinator, list_wrapped_objects=self.list_wrapped_objects
+        )
         self._sources = local.sources
         return SavePlan(local.items, planner_data=local.summary)
 
@@ -290,10 +364,6 @@ class ShardedSavePlanner(SavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         source = self._sources[write_item.index]
-        kind = leaf_kind(source)
-        if kind == "tensor_shard":
-            return chunk_view(source)
-        if kind == "tensor":
+        if isinstance(source, io.BytesIO):
             return source
-        value = source.data if kind == "object_shard" else source
-        return serialize_object(value, f"object {write_item.index.fqn!r}")
+        return chunk_view(source)

@@ -1,37 +1,148 @@
-"""Walk nested state dicts (dicts, lists, tuples) to their leaves with DCP-style dotted paths."""
+"""Walk nested state dicts exactly as DCP's ``flatten_state_dict`` does, keyed by dotted paths.
+
+DCP's rule (``torch/distributed/checkpoint/_traverse.py``): mappings always recurse; a list
+recurses by index only if it holds a tensor, a mapping, or such a list; tuples and every other
+value are one leaf. dcpbridge extends "holds a tensor" to any tensor-like or sharded leaf and
+also recurses into tuples that hold sharded metadata (which DCP would pickle whole), so that
+checkpoints match DCP's keys wherever DCP can store the state at all.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping, MutableSequence
+import itertools
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass
 from typing import Any
+
+from planners.errors import SerializationError
+from planners.protocol import is_sharded_meta, keeps_list_recursing
+
+PathItem = str | int
+ObjPath = tuple[PathItem, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Leaf:
-    """A leaf value, its dotted path, and how to replace it in its parent container."""
+    """A leaf value, its DCP key and path, and how to replace it in its parent container."""
 
     path: str
     value: Any
     parent: Any
     slot: Any
+    obj_path: ObjPath = ()
 
     def replace(self, value: Any) -> None:
-        """Store ``value`` where the leaf was (tuples are immutable: their leaves are not replaced)."""
+        """Store ``value`` where the leaf was (a leaf inside a tuple cannot be replaced)."""
         if isinstance(self.parent, (MutableMapping, MutableSequence)):
             self.parent[self.slot] = value
 
 
-def iter_leaves(tree: Any, prefix: str = "") -> Iterator[Leaf]:
-    """Yield every non-container value under ``tree`` in a deterministic order."""
-    stack: list[tuple[str, Any, Any, Any]] = [(prefix, tree, None, None)]
-    while stack:
-        path, node, parent, slot = stack.pop()
-        if isinstance(node, dict):
-            children = [(f"{path}.{k}" if path else str(k), v, node, k) for k, v in node.items()]
-        elif isinstance(node, (list, tuple)):
-            children = [(f"{path}.{i}" if path else str(i), v, node, i) for i, v in enumerate(node)]
+def dotted(obj_path: ObjPath) -> str:
+    """DCP's flattened key of a path: its items joined by ``.``."""
+    return ".".join(map(str, obj_path))
+
+
+def _always_false(_: Any) -> bool:
+    return False
+
+
+class Walker:
+    """DCP's traversal rules with two predicates: what makes a list recurse (``keep``), and
+    what makes a tuple recurse (``sharded``: metadata DCP cannot pickle meaningfully)."""
+
+    def __init__(
+        self, keep: Callable[[Any], bool], sharded: Callable[[Any], bool] = _always_false
+    ) -> None:
+        self.keep = keep
+        self.sharded = sharded
+
+    def is_terminal(self, value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if isinstance(value, tuple):
+            return not any(
+                self.sharded(v)
+                or (isinstance(v, (Mapping, list, tuple)) and self._holds_sharded(v))
+                for v in value
+            )
+        if not isinstance(value, list):
+            return True
+        for entry in value:
+            if isinstance(entry, (Mapping, list, tuple)) and not self.is_terminal(entry):
+                return False
+            if self.keep(entry):
+                return False
+        return True
+
+    def _holds_sharded(self, value: Any) -> bool:
+        items = value.values() if isinstance(value, Mapping) else value
+        return any(
+            self.sharded(v) or (isinstance(v, (Mapping, list, tuple)) and self._holds_sharded(v))
+            for v in items
+        )
+
+    def leaves(self, tree: Any, prefix: ObjPath = ()) -> Iterator[Leaf]:
+        """Every leaf of ``tree`` in DCP's order, with its dotted key; duplicate keys raise."""
+        seen: set[str] = set()
+        stack: list[tuple[ObjPath, Any, Any, Any]] = [(prefix, tree, None, None)]
+        while stack:
+            path, node, parent, slot = stack.pop()
+            if isinstance(node, Mapping):
+                children = [((*path, str(k)), v, node, k) for k, v in node.items()]
+            elif (path and self.is_terminal(node)) or (
+                not path and not isinstance(node, (list, tuple))
+            ):
+                key = dotted(path)
+                if key in seen:
+                    raise SerializationError(
+                        f"two entries of the state dict flatten to the same key {key!r}"
+                    )
+                seen.add(key)
+                yield Leaf(key, node, parent, slot, path)
+                continue
+            else:
+                children = [((*path, i), v, node, i) for i, v in enumerate(node)]
+            stack.extend(reversed(children))
+
+    def rebuild(self, tree: Any, fn: Callable[[Leaf], Any], prefix: ObjPath = ()) -> Any:
+        """New containers shaped like ``tree``, with ``fn(leaf)`` in place of every leaf."""
+
+        def go(path: ObjPath, node: Any, parent: Any, slot: Any) -> Any:
+            if isinstance(node, Mapping):
+                return {k: go((*path, str(k)), v, node, k) for k, v in node.items()}
+            if (path and self.is_terminal(node)) or (
+                not path and not isinstance(node, (list, tuple))
+            ):
+                return fn(Leaf(dotted(path), node, parent, slot, path))
+            return type(node)(go((*path, i), v, node, i) for i, v in enumerate(node))
+
+        return go(prefix, tree, None, None)
+
+
+def set_path(tree: dict[str, Any], obj_path: ObjPath, value: Any) -> None:
+    """Put ``value`` at ``obj_path`` in ``tree``, creating dicts and lists on the way (DCP's
+    ``set_element``): integer path items index lists, string items key dicts."""
+    node: Any = tree
+    for item, nxt in itertools.pairwise(obj_path):
+        empty: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            assert isinstance(item, int)
+            node.extend([None] * (item + 1 - len(node)))
+            if node[item] is None:
+                node[item] = empty
+            node = node[item]
         else:
-            yield Leaf(path, node, parent, slot)
-            continue
-        stack.extend(reversed(children))
+            node = node.setdefault(item, empty)
+    last = obj_path[-1]
+    if isinstance(node, list):
+        assert isinstance(last, int)
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+STATE_WALKER = Walker(keep=keeps_list_recursing, sharded=is_sharded_meta)
+
+
+def iter_leaves(tree: Any, prefix: str = "") -> Iterator[Leaf]:
+    """Leaves of ``tree`` under DCP's rules (any tensor or sharded value keeps a list recursing)."""
+    yield from STATE_WALKER.leaves(tree, (prefix,) if prefix else ())

@@ -165,11 +165,19 @@ class _TensorSink:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview | None:
-    """Writable bytes of ``t`` if it is a contiguous CPU tensor, else None.
+    """Writable bytes of ``t`` if it is a plain, dense, contiguous CPU tensor, else None.
 
-    The view aliases ``t``'s memory; callers keep ``t`` alive while using it.
+    Only then is ``data_ptr()`` the address of its elements: a tensor subclass (DTensor...)
+    is filled through torch (``copy_``) from a bounce buffer instead. The view aliases ``t``'s
+    memory; callers keep ``t`` alive while using it.
     """
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or t.layout != torch.strided
+        or t.device.type != "cpu"
+        or t.is_meta
+        or not t.is_contiguous()
+    ):
         return None
     n = t.numel() * t.element_size()
     if n == 0:

@@ -85,7 +85,8 @@ def test_inspect_json_lists_chunks_ranks_files(rows2):
     ]
     assert w["chunks"][1]["file"].startswith("__1_0.")
     assert doc["tensors"]["w_bf16"]["dtype"] == "bfloat16"
-    assert set(doc["objects"]) == {"__common__"}
+    common = {"common.iteration", "common.args.lr", "common.args.betas", "common.args.name"}
+    assert set(doc["objects"]) == common  # the common state, one entry per key (as DCP)
     names = {f["name"]: f["bytes"] for f in doc["files"]}
     assert set(names) == {"dcpbridge.json", w["chunks"][0]["file"], w["chunks"][1]["file"]}
     assert all(n > 0 for n in names.values())
@@ -96,7 +97,7 @@ def test_reshard_to_a_mesh_layout_one_chunk_per_target_box(pool, rows2, tmp_path
     layout.write_text(LAYOUT)
     dst = str(tmp_path / "mesh4")
     proc = run_cli("reshard", rows2, dst, "--layout", str(layout), "--slab-size", "100")
-    assert "4 tensors as 11 chunks for 4 target ranks" in proc.stdout
+    assert "5 tensors as 12 chunks for 4 target ranks, 4 objects" in proc.stdout
     assert "reshard" in proc.stderr and "B/s" in proc.stderr  # the progress bar
 
     with open(os.path.join(dst, "dcpbridge.json")) as f:
@@ -121,8 +122,9 @@ def test_reshard_to_a_mesh_layout_one_chunk_per_target_box(pool, rows2, tmp_path
     tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(sizes), (12, 8), offsets)}
     out = db.load(tmpl, dst)
     assert torch.equal(out["w"], L.expected("w", (offsets, sizes)))
-    common = doc["objects"]["__common__"]["nbytes"]
-    assert sorted(reads) == sorted([6 * 4 * 4, common])  # the shard, and the common state
+    common = [o["nbytes"] for o in doc["objects"].values()]
+    common += [c["nbytes"] for c in doc["tensors"]["common.t"]["chunks"]]
+    assert sorted(reads) == sorted([6 * 4 * 4, *common])  # the shard, and the common state
 
 
 def load_mesh_layout(r: Rank, path: str) -> None:
@@ -158,27 +160,29 @@ def test_validate_reports_corruption_and_missing_files(rows2, tmp_path, capsys):
     os.remove(os.path.join(ck, doc["tensors"]["w"]["chunks"][0]["file"]))
     code, out, _ = in_process(capsys, "validate", ck)
     assert code == 1 and f"data file {doc['tensors']['w']['chunks'][0]['file']} is missing" in out
-    assert "it holds tensor 'vec' chunk [0:5], tensor 'w' chunk [0:6, 0:8]" in out
+    assert "it holds tensor 'common.t' chunk [0:3], tensor 'vec' chunk [0:5], tensor 'w' chunk" in out
 
 
 def test_convert_to_safetensors_torch_and_back(rows2, tmp_path, capsys):
     hf, pt, back = str(tmp_path / "hf"), str(tmp_path / "model.pt"), str(tmp_path / "back")
     proc = run_cli("convert", rows2, hf, "--to", "safetensors", "--max-shard-size", "500")
-    assert "skipped 1 object(s): __common__" in proc.stdout
+    assert "skipped 4 object(s): common.args.betas, common.args.lr" in proc.stdout
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
         index = json.load(f)
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
-    assert index["metadata"]["total_size"] == sum(
+    t = COMMON["t"]  # a plain tensor of the common state is stored, and exported, as a tensor
+    assert index["metadata"]["total_size"] == t.numel() * t.element_size() + sum(
         L.full(k).numel() * L.full(k).element_size() for k in L.TENSORS
     )
     loaded = {k: v for f in files for k, v in load_file(os.path.join(hf, f)).items()}
-    assert set(loaded) == set(L.TENSORS)
+    assert set(loaded) == {*L.TENSORS, "common.t"} and torch.equal(loaded["common.t"], t)
     for key in L.TENSORS:
         assert torch.equal(loaded[key], L.full(key)), key
 
     run_cli("convert", hf, pt, "--to", "torch", "--no-progress")
     sd = torch.load(pt, weights_only=True)
+    del sd["common.t"]
     assert set(sd) == set(L.TENSORS)
     assert all(torch.equal(sd[k], L.full(k)) for k in L.TENSORS)
     assert zipfile.ZipFile(pt).testzip() is None  # CRCs of the in-place written records
@@ -309,7 +313,7 @@ def test_commands_on_s3_urls_through_a_config_profile(
     doc = json.loads(run_cli("inspect", remote, "--json", "--profile", "seaweed", *conf).stdout)
     assert doc["complete"] and doc["problems"] == []
     owners = {k: {c["rank"] for c in v["chunks"]} for k, v in doc["tensors"].items()}
-    assert owners == {k: set(v) for k, v in OWNED.items()}
+    assert owners == {k: set(v) for k, v in OWNED.items()} | {"common.t": {3}}
     run_cli("validate", "--checksums", remote, "--profile", "seaweed", *conf)
     back = str(tmp_path / "back")
     run_cli("reshard", remote, back, "--layout", str(layout), "--src-profile", "seaweed", *conf)

@@ -1,0 +1,198 @@
+"""The planners ``save`` and ``load`` run: the generic planners fed with sorted state.
+
+Save: shards plus the common state one entry per key, and a table in the metadata naming
+the common keys and paths, so a load returns the common state whole (Megatron's meaning)
+while plain DCP reads every entry by its key. Load: the template's shards and plain values,
+every common entry the checkpoint recorded, and the common blob of older checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from dcpbridge.intake import MISSING, LoadParts, Shard
+from dcpbridge.mapping import COMMON_KEY, ShardedObject, ShardedTensor
+from dcpbridge.state import merge
+from planners import ShardedLoadPlanner, ShardedSavePlanner
+from planners.walk import Leaf, ObjPath, set_path
+
+COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
+
+
+class BridgeSavePlanner(ShardedSavePlanner):
+    """Plans ``save``'s shards and common entries, and records the common table."""
+
+    def __init__(
+        self,
+        shards: list[Shard],
+        objects: dict[str, Any],
+        table: dict[str, Any],
+        *,
+        validate: bool = True,
+    ) -> None:
+        super().__init__(validate=validate)
+        self._shards, self._objects, self._table = shards, objects, table
+
+    def leaves(self) -> Iterator[Leaf]:
+        for shard in self._shards:
+            yield Leaf("", shard, None, None)
+        for key, value in self._objects.items():
+            yield Leaf(key, value, None, None)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        metadata.planner_data[COMMON_TABLE] = self._table
+        return plans, metadata
+
+
+def common_table(metadata: Metadata) -> dict[str, Any] | None:
+    """The common-state table a dcpbridge save recorded, or None (plain DCP, older saves)."""
+    data = metadata.planner_data
+    table = data.get(COMMON_TABLE) if isinstance(data, dict) else None
+    return table if isinstance(table, dict) and isinstance(table.get("keys"), dict) else None
+
+
+def _path(raw: Any) -> ObjPath:
+    return tuple(p if isinstance(p, int) else str(p) for p in raw)
+
+
+def lookup(tree: Any, path: ObjPath) -> Any:
+    """The value at ``path`` in a nested common state, or MISSING."""
+    node = tree
+    for item in path:
+        if isinstance(node, Mapping):
+            if item in node:
+                node = node[item]
+                continue
+            match = [k for k in node if str(k) == item]
+            if not match:
+                return MISSING
+            node = node[match[0]]
+        elif isinstance(node, (list, tuple)) and isinstance(item, int) and item < len(node):
+            node = node[item]
+        else:
+            return MISSING
+    return node
+
+
+class BridgeLoadPlanner(ShardedLoadPlanner):
+    """Plans ``load``: the template's shards and values plus the checkpoint's common state."""
+
+    def __init__(
+        self, parts: LoadParts, shards: list[Shard], *, legacy_common: bool, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.parts, self.shards = parts, shards
+        self.legacy_common = legacy_common  # the common state is one blob (torch_dist)
+        self.values: dict[str, Any] = {}  # plain values and common entries, by key
+        self.from_blob: set[str] = set()  # plain tensors to copy out of the blob
+        self.replaced: dict[str, torch.Tensor] = {}  # plain tensors stored in another form
+        self.table: dict[str, Any] | None = None
+
+    def leaves(self) -> Iterator[Leaf]:
+        assert self._metadata is not None
+        stored = self._metadata.state_dict_metadata
+        self.table = common_table(self._metadata)
+        blob = self.legacy_common or COMMON_KEY in stored
+        taken: set[str] = set()
+        for shard in self.shards:
+            key = shard.key if isinstance(shard, ShardedTensor) else shard.unique_key
+            if key in self.parts.plain_tensors:
+                md = stored.get(key)
+                if blob and md is None:
+                    self.from_blob.add(key)
+                    continue
+                if isinstance(md, TensorStorageMetadata) and (
+                    md.properties.dtype != shard.dtype or tuple(md.size) != shard.global_shape
+                ):
+                    shard = self._stored_tensor(key, md)
+                    self.replaced[key] = shard.data
+            taken.add(key)
+            yield Leaf("", shard, None, None)
+        for key in self.parts.values:  # plain values: the checkpoint's, where it has them
+            if key in stored and not isinstance(stored[key], TensorStorageMetadata):
+                taken.add(key)
+                yield Leaf(key, None, self.values, key)
+        for key in self.table["keys"] if self.table else ():
+            if key in taken:
+                continue
+            md = stored.get(key)
+            if isinstance(md, TensorStorageMetadata):
+                box = self._stored_tensor(key, md)
+                self.values[key] = box.data
+                yield Leaf("", box, None, None)
+            else:
+                yield Leaf(key, None, self.values, key)
+        if COMMON_KEY in stored:
+            yield Leaf(COMMON_KEY, None, self.values, COMMON_KEY)
+
+    @staticmethod
+    def _stored_tensor(key: str, md: TensorStorageMetadata) -> ShardedTensor:
+        """A new whole tensor to read stored tensor ``key`` into, as it is stored."""
+        t = torch.empty(md.size, dtype=md.properties.dtype)
+        return ShardedTensor.from_box(key, t, tuple(md.size), (0,) * t.ndim)
+
+    def shard_objects(self) -> dict[str, Any]:
+        """Loaded ShardedObjects by storage key."""
+        keys = {s.unique_key for s in self.shards if isinstance(s, ShardedObject)}
+        return {k: v for k, v in self.loaded_objects.items() if k in keys}
+
+    def result(self, objects: dict[str, Any], blob: Any) -> tuple[Any, set[str]]:
+        """The loaded state in the template's structure, with the checkpoint's common state;
+        and the requested keys the checkpoint does not hold.
+
+        Tensors and sharded objects are requests; plain values are common state, as in
+        Megatron-Core: the checkpoint's value where it has one, else left out.
+        """
+        missing = set(self.missing_keys)
+
+        def loaded(shard: Shard) -> Any:
+            if isinstance(shard, ShardedObject):
+                return objects.get(shard.unique_key, MISSING)
+            if shard.key in self.from_blob:
+                return self._copy_from_blob(shard, blob, missing)
+            if shard.key in missing:
+                return MISSING
+            return self.replaced.get(shard.key, shard.data)
+
+        def value(key: str) -> Any:
+            if key in self.values:
+                return self.values[key]
+            return MISSING if blob is None else lookup(blob, self.parts.values[key])
+
+        result = _prune(self.parts.result(loaded, value))
+        result = {} if result is MISSING else result
+        if self.table is not None:
+            for key, raw in self.table["keys"].items():
+                if key in self.values and key not in self.parts.values:
+                    set_path(result, _path(raw), self.values[key])
+            for raw in self.table.get("empty", ()):
+                if lookup(result, _path(raw)) is MISSING:
+                    set_path(result, _path(raw), {})
+        if blob is not None:
+            result = merge(blob, result)
+        return result, missing
+
+    def _copy_from_blob(self, shard: ShardedTensor, blob: Any, missing: set[str]) -> Any:
+        found = lookup(blob, self.parts.tensor_paths[shard.key])
+        if not isinstance(found, torch.Tensor) or found.shape != shard.data.shape:
+            missing.add(shard.key)
+            return MISSING
+        shard.data.copy_(found)
+        return shard.data
+
+
+def _prune(tree: Any) -> Any:
+    """Drop MISSING values, and dicts left empty by that (as if never requested); list
+    positions keep their place as None."""
+    if isinstance(tree, dict):
+        kept = {k: v for k, v in ((k, _prune(v)) for k, v in tree.items()) if v is not MISSING}
+        return MISSING if tree and not kept else kept
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(None if v is MISSING else v for v in map(_prune, tree))
+    return tree

@@ -1,0 +1,306 @@
+"""Every kind of training state into dcpbridge's own sharded types, keyed as DCP keys it.
+
+One walk over the user's state dict (DCP's flattening rules) sorts each leaf:
+- dcpbridge's or Megatron-Core's ShardedTensor / ShardedObject (recognised by their fields)
+  become dcpbridge shards; factories are built; non-persistent objects are skipped;
+- DTensors and torch ShardedTensors become ShardedTensors under their dotted path;
+- plain tensors become whole-tensor ShardedTensors under their path, held by every rank
+  (``replica_id`` = rank, so exactly one writes: rank 0, or the fully-parallel choice);
+- any other value is common state, stored one entry per key (plain DCP's layout);
+- anything else carrying sharding is refused by name.
+On load, the same walk remembers how to put each loaded value back where the template had it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dcpbridge.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from dcpbridge.state import HOLE
+from planners.errors import SerializationError
+from planners.leaves import check_key, refuse, tensor_boxes
+from planners.protocol import leaf_kind
+from planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
+
+Shard = ShardedTensor | ShardedObject
+
+
+def own_tensor(value: Any) -> ShardedTensor:
+    """dcpbridge's ShardedTensor for ours or a Megatron-Core one (sharing its data)."""
+    tensor_boxes(value.key, value, "tensor_shard")  # refuses a flattened_range, naming the key
+    if isinstance(value, ShardedTensor):
+        return value
+    return ShardedTensor(
+        value.key,
+        value.data,
+        value.dtype,
+        tuple(value.local_shape),
+        tuple(value.global_shape),
+        tuple(value.global_offset),
+        getattr(value, "axis_fragmentations", None),
+        value.replica_id,
+        value.prepend_axis_num,
+        value.allow_shape_mismatch,
+    )
+
+
+def own_object(value: Any) -> ShardedObject:
+    if isinstance(value, ShardedObject):
+        return value
+    return ShardedObject(
+        value.key,
+        value.data,
+        tuple(value.global_shape),
+        tuple(value.global_offset),
+        value.replica_id,
+    )
+
+
+def _boxes(path: str, value: Any, kind: str, replica: int) -> list[ShardedTensor]:
+    return [
+        ShardedTensor.from_box(
+            b.key, b.data, b.global_shape, b.global_offset, replica_id=b.replica_id
+        )
+        if kind != "tensor"
+        else ShardedTensor.from_box(
+            b.key, b.data, b.global_shape, b.global_offset, replica_id=replica
+        )
+        for b in tensor_boxes(path, value, kind)  # type: ignore[arg-type]
+    ]
+
+
+def _built(factory: Any) -> Any:
+    built = factory.build()
+    for leaf in STATE_WALKER.leaves(built):
+        kind = leaf_kind(leaf.value)
+        if kind not in ("tensor_shard", "object_shard"):
+            raise SerializationError(
+                f"factory {getattr(factory, 'key', '?')!r} built a {type(leaf.value).__name__} "
+                f"at {leaf.path!r}; factories must build ShardedTensors and ShardedObjects"
+            )
+    return built
+
+
+def _factory_shards(built: Any) -> list[Shard]:
+    return [
+        own_tensor(leaf.value)
+        if leaf_kind(leaf.value) == "tensor_shard"
+        else own_object(leaf.value)
+        for leaf in STATE_WALKER.leaves(built)
+    ]
+
+
+@dataclass
+class SaveParts:
+    """A state dict sorted for saving: shards, and the common state by DCP key."""
+
+    shards: list[Shard] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)  # common values by key
+    paths: dict[str, ObjPath] = field(default_factory=dict)  # every common key's path
+    empty: list[ObjPath] = field(default_factory=list)  # empty dicts (DCP keys drop them)
+    plain: dict[str, torch.Tensor] = field(default_factory=dict)  # common tensors by key
+
+    def staged(self, shards: list[Shard]) -> SaveParts:
+        """These parts after staging (``async_save``): staged shards, copied common values."""
+        return dataclasses.replace(self, shards=shards, objects=copy.deepcopy(self.objects))
+
+    def common_table(self) -> dict[str, Any]:
+        """What the metadata records so a load returns the common state whole."""
+        return {
+            "keys": {k: list(p) for k, p in self.paths.items()},
+            "empty": [list(p) for p in self.empty],
+        }
+
+    def nested_common(self) -> dict[str, Any]:
+        """The common state (values and plain tensors) as the nested dict it came from."""
+        out: dict[str, Any] = {}
+        for key, path in self.paths.items():
+            set_path(out, path, self.objects[key] if key in self.objects else self.plain[key])
+        for path in self.empty:
+            set_path(out, path, {})
+        return out
+
+
+def for_save(tree: Any, rank: int) -> SaveParts:
+    """Sort ``tree``'s leaves for a save by the rank ``rank`` of its group."""
+    if not isinstance(tree, Mapping):
+        raise SerializationError(f"a state dict must be a mapping, got {type(tree).__name__}")
+    parts = SaveParts()
+    for leaf in STATE_WALKER.leaves(tree):
+        value, kind = leaf.value, leaf_kind(leaf.value)
+        if kind == "nonpersistent":
+            continue
+        if kind == "factory":
+            parts.shards.extend(_factory_shards(_built(value)))
+        elif kind == "tensor_shard":
+            parts.shards.append(own_tensor(value))
+        elif kind == "object_shard":
+            parts.shards.append(own_object(value))
+        elif kind in ("dtensor", "torch_sharded", "tensor"):
+            key = check_key(leaf.path)
+            parts.shards.extend(_boxes(key, value, kind, rank))
+            if kind == "tensor":
+                parts.plain[key] = value
+                parts.paths[key] = leaf.obj_path
+        elif kind == "object":
+            key = check_key(leaf.path)
+            parts.objects[key] = value
+            parts.paths[key] = leaf.obj_path
+        else:
+            raise refuse(leaf.path, value, kind)
+    _find_empty(tree, (), parts.empty)
+    return parts
+
+
+def _find_empty(node: Any, path: ObjPath, out: list[ObjPath]) -> None:
+    if isinstance(node, Mapping):
+        if not node and path:
+            out.append(path)
+        for k, v in node.items():
+            _find_empty(v, (*path, str(k)), out)
+    elif isinstance(node, list) and not STATE_WALKER.is_terminal(node):
+        for i, v in enumerate(node):
+            _find_empty(v, (*path, i), out)
+
+
+def normalize(tree: Any) -> Any:
+    """``tree`` with Megatron-Core's sharded types replaced by dcpbridge's (same data)."""
+
+    def own(leaf: Leaf) -> Any:
+        value, kind = leaf.value, leaf_kind(leaf.value)
+        if kind == "tensor_shard":
+            return own_tensor(value)
+        if kind == "object_shard":
+            return own_object(value)
+        if kind == "factory" and not isinstance(value, ShardedTensorFactory):
+            return ShardedTensorFactory(
+                value.key,
+                value.data,
+                lambda *_: normalize(_built(value)),
+                value.merge_fn,
+                value.replica_id,
+            )
+        if kind == "nonpersistent" and not isinstance(value, LocalNonpersistentObject):
+            return LocalNonpersistentObject(value.unwrap())
+        return value
+
+    return STATE_WALKER.rebuild(tree, own)
+
+
+# -- load --------------------------------------------------------------------------------------
+
+
+MISSING: Any = HOLE  # a requested value the checkpoint does not hold (dropped from results)
+
+
+@dataclass
+class LoadParts:
+    """A load template sorted: the shards to fill, the plain values and tensors it names."""
+
+    template: Any
+    shards: list[Shard] = field(default_factory=list)
+    plain_tensors: dict[str, ShardedTensor] = field(default_factory=dict)  # by key
+    tensor_paths: dict[str, ObjPath] = field(default_factory=dict)  # plain tensors' paths
+    values: dict[str, ObjPath] = field(default_factory=dict)  # plain values wanted, by key
+    _slots: dict[int, Callable[[Callable[[Shard], Any]], Any]] = field(default_factory=dict)
+
+    def result(self, loaded: Callable[[Shard], Any], value: Callable[[str], Any]) -> Any:
+        """The template's structure with every leaf replaced by what was loaded for it:
+        ``loaded(shard)`` for shards (MISSING if absent), ``value(key)`` for plain values."""
+
+        def fill(leaf: Leaf) -> Any:
+            slot = self._slots.get(id(leaf.value))
+            if slot is not None:
+                return slot(loaded)
+            kind = leaf_kind(leaf.value)
+            if kind == "nonpersistent":
+                return leaf.value.unwrap()
+            if kind == "object":
+                return value(leaf.path)
+            return leaf.value
+
+        return STATE_WALKER.rebuild(self.template, fill)
+
+
+def for_load(tree: Any) -> LoadParts:
+    """Sort a load template; tensor-like leaves are filled in place by the load."""
+    if not isinstance(tree, Mapping):
+        raise SerializationError(f"a load template must be a mapping, got {type(tree).__name__}")
+    parts = LoadParts(tree)
+    for leaf in STATE_WALKER.leaves(tree):
+        value, kind = leaf.value, leaf_kind(leaf.value)
+        if kind == "nonpersistent":
+            continue
+        if kind == "factory":
+            built = _built(value)
+            shards = _factory_shards(built)
+            parts.shards.extend(shards)
+            parts._slots[id(value)] = _merge_slot(value, built, shards)
+        elif kind in ("tensor_shard", "object_shard"):
+            shard = own_tensor(value) if kind == "tensor_shard" else own_object(value)
+            if isinstance(shard, ShardedTensor):
+                shard.init_data()
+            parts.shards.append(shard)
+            parts._slots[id(value)] = _one_slot(shard)
+        elif kind in ("dtensor", "torch_sharded", "tensor"):
+            key = check_key(leaf.path)
+            shards = _boxes(key, value, kind, 0)
+            parts.shards.extend(shards)
+            if kind == "tensor":
+                parts.plain_tensors[key] = shards[0]
+                parts.tensor_paths[key] = leaf.obj_path
+                parts._slots[id(value)] = _plain_slot(value, shards[0])
+            else:
+                parts._slots[id(value)] = _whole_slot(value, shards)
+        elif kind == "object":
+            parts.values[check_key(leaf.path)] = leaf.obj_path
+        else:
+            raise refuse(leaf.path, value, kind)
+    return parts
+
+
+def _one_slot(shard: Shard) -> Callable[[Callable[[Shard], Any]], Any]:
+    return lambda loaded: loaded(shard)
+
+
+def _plain_slot(value: torch.Tensor, shard: Shard) -> Callable[[Callable[[Shard], Any]], Any]:
+    """A plain tensor comes back filled in place, or as the stored tensor if the checkpoint
+    holds it in another dtype or shape (common state: the checkpoint's value wins)."""
+
+    def slot(loaded: Callable[[Shard], Any]) -> Any:
+        got = loaded(shard)
+        return value if got is shard.data else got
+
+    return slot
+
+
+def _whole_slot(value: Any, shards: list[Shard]) -> Callable[[Callable[[Shard], Any]], Any]:
+    def slot(loaded: Callable[[Shard], Any]) -> Any:
+        return MISSING if any(loaded(s) is MISSING for s in shards) else value
+
+    return slot
+
+
+def _merge_slot(
+    factory: Any, built: Any, shards: list[Shard]
+) -> Callable[[Callable[[Shard], Any]], Any]:
+    by_leaf = dict(zip((id(leaf.value) for leaf in STATE_WALKER.leaves(built)), shards))
+
+    def slot(loaded: Callable[[Shard], Any]) -> Any:
+        values = STATE_WALKER.rebuild(built, lambda leaf: loaded(by_leaf[id(leaf.value)]))
+        if any(v is MISSING for v in (loaded(s) for s in shards)):
+            return MISSING
+        return factory.merge_fn(values)
+
+    return slot

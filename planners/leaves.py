@@ -1,0 +1,121 @@
+"""What a state-dict leaf stores: the tensor boxes of every tensor-like kind, or a refusal.
+
+Plain tensors, DTensors (any placements, meshes, uneven and empty shards) and torch's
+``ShardedTensor`` become ``LocalBox``es in global coordinates; Megatron-style tensor shards
+(dcpbridge's or Megatron-Core's own, recognised by their fields) are used as they are.
+Anything else that carries sharding is refused by name rather than pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from planners.errors import SerializationError
+from planners.protocol import LeafKind, LocalBox, TensorShard
+
+TENSOR_KINDS = frozenset({"tensor", "dtensor", "torch_sharded", "tensor_shard"})
+
+
+def check_key(key: Any, what: str = "key") -> str:
+    """A storage key must be a non-empty string without NUL or control characters."""
+    if not isinstance(key, str) or not key:
+        raise SerializationError(f"{what} must be a non-empty string, got {key!r}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise SerializationError(f"{what} {key!r} contains NUL or control characters")
+    return key
+
+
+def refuse(key: str, value: Any, kind: LeafKind) -> SerializationError:
+    """The error for a leaf that holds sharded data dcpbridge cannot store as tensors."""
+    kind_text = {
+        "factory": "a ShardedTensorFactory (save and load it with dcpbridge.save/load, which "
+        "apply factories)",
+        "unknown_sharded": "a tensor subclass or sharding metadata dcpbridge does not know",
+    }.get(kind, kind)
+    return SerializationError(
+        f"{key!r} is {type(value).__module__}.{type(value).__qualname__}, {kind_text}; "
+        "it would be pickled and lose its other shards, so nothing was saved"
+    )
+
+
+def _plain_data(key: str, t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided or t.is_meta or t.is_quantized:
+        raise SerializationError(
+            f"{key!r}: a {t.layout} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
+        )
+    return t.detach()
+
+
+def dtensor_box(key: str, dt: DTensor) -> LocalBox | None:
+    """This rank's box of ``dt`` (None if it is not on the mesh); replicas along Replicate
+    mesh dimensions other than coordinate 0 are not the main replica."""
+    if any(isinstance(p, Partial) for p in dt.placements):
+        raise SerializationError(
+            f"{key!r}: DTensor with a Partial placement {dt.placements} holds unreduced "
+            "values; call .redistribute() to Replicate or Shard before checkpointing"
+        )
+    coordinate = dt.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    local = _plain_data(key, dt.to_local())
+    if tuple(local.shape) != tuple(shape):
+        raise SerializationError(
+            f"{key!r}: DTensor local tensor has shape {tuple(local.shape)}, its placements "
+            f"{dt.placements} give {tuple(shape)}"
+        )
+    replica = tuple(c for c, p in zip(coordinate, dt.placements) if isinstance(p, Replicate))
+    return LocalBox(
+        key,
+        local,
+        dt.dtype,
+        tuple(shape),
+        tuple(dt.shape),
+        tuple(offset),
+        replica_id=replica or 0,
+    )
+
+
+def torch_sharded_boxes(key: str, st: Any) -> list[LocalBox]:
+    """One box per local shard of a ``torch.distributed._shard`` ShardedTensor."""
+    shape = tuple(st.size())
+    out = []
+    for shard in st.local_shards():
+        data = _plain_data(key, shard.tensor)
+        md = shard.metadata
+        out.append(
+            LocalBox(
+                key,
+                data,
+                data.dtype,
+                tuple(md.shard_sizes),
+                shape,
+                tuple(md.shard_offsets),
+            )
+        )
+    return out
+
+
+def tensor_boxes(key: str, value: Any, kind: LeafKind, *, main: bool = True) -> list[TensorShard]:
+    """The boxes a tensor-like leaf stores under ``key`` (``main``: plain tensors' writer)."""
+    if kind == "tensor_shard":
+        if getattr(value, "flattened_range", None) is not None:
+            raise SerializationError(
+                f"ShardedTensor {value.key!r} has a flattened_range, which dcpbridge (like "
+                "Megatron-Core 0.16) does not support: store optimizer state in model space"
+            )
+        return [value]
+    if kind == "tensor":
+        data = _plain_data(key, value)
+        shape = tuple(data.shape)
+        return [LocalBox(key, data, data.dtype, shape, shape, (0,) * len(shape), 0 if main else 1)]
+    if kind == "dtensor":
+        box = dtensor_box(key, value)
+        return [] if box is None else [box]
+    if kind == "torch_sharded":
+        return torch_sharded_boxes(key, value)
+    raise refuse(key, value, kind)
