@@ -29,6 +29,7 @@ from dcpbridge.mapping import (
     ShardedStateDict,
     ShardedTensor,
     StateDict,
+    check_not_flattened,
 )
 from dcpbridge.staging import stage
 from dcpbridge.state import (
@@ -42,8 +43,9 @@ from dcpbridge.state import (
     leaves,
     map_leaves,
 )
+from dcpbridge.strict import StrictLoadPlanner, load_result, parse_strict
 from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
-from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode, load_object
+from planners import ShardedSavePlanner, StrictMode, load_object
 from storage import (
     FsspecCheckpointWriter,
     read_checkpoint_metadata,
@@ -227,7 +229,7 @@ def _parallel_group(
     return Group.resolve(parallelization_group) if parallelization_group is not None else group
 
 
-class _BridgeLoadPlanner(ShardedLoadPlanner):
+class _BridgeLoadPlanner(StrictLoadPlanner):
     """Treats the common state as optional (plain-DCP checkpoints written with our planner lack it)."""
 
     def set_up_planner(
@@ -341,6 +343,8 @@ def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]
     tree = apply_factories(sharded_state_dict)
     _, tree = extract(tree, is_nonpersistent)
     sharded, common = extract(tree, is_sharded)
+    for shard in leaves(sharded):
+        check_not_flattened(shard)
     return (
         fill_holes(common) if common is not HOLE else {},
         leaves(sharded),
@@ -358,7 +362,7 @@ def load(
     checkpoint_dir: PathLike,
     *,
     process_group: dist.ProcessGroup | None = None,
-    strict: StrictMode | str = StrictMode.RAISE_MISSING,
+    strict: StrictMode | str | Any = StrictMode.RAISE_MISSING,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
     allow_dtype_cast: bool = False,
@@ -367,19 +371,20 @@ def load(
     fully_parallel: bool = False,
     parallelization_group: dist.ProcessGroup | None = None,
     profile: str | None = None,
-) -> StateDict | tuple[StateDict, list[str], list[str]]:
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load into a template sharded state dict, in any parallel layout.
 
     Returns the template's structure with ShardedTensors replaced by their (in-place filled)
     tensors, ShardedObjects by their objects, factories merged, merged with the checkpoint's
-    common state and the template's LocalNonpersistentObjects. With
-    ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``. With
+    common state and the template's LocalNonpersistentObjects. ``strict`` takes dcpbridge's
+    and Megatron's policies (``dcpbridge.strict``); ``"return_all"`` returns Megatron's
+    ``(state_dict, missing, unexpected)``: stored-not-requested and requested-not-stored keys. With
     ``fully_parallel``, a box several ranks of ``parallelization_group`` need is read from
     storage by one of them and sent to the others. Plain DCP and Megatron-Core torch_dist
     directories load too, with ``allow_pickle=True`` (their metadata is a pickle);
     ``profile`` names a storage profile of the configuration file.
     """
-    strict = StrictMode(strict)
+    policy = parse_strict(strict)
     group = Group.resolve(process_group)
     nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
     parallel = _parallel_group(fully_parallel, parallelization_group, group)
@@ -390,6 +395,7 @@ def load(
         sharded, _ = extract(apply_factories(tree), is_sharded)
         shards = leaves(sharded)
         for sh in shards:
+            check_not_flattened(sh)
             if isinstance(sh, ShardedTensor):
                 sh.init_data()
     except Exception as e:  # raised inside the engine's first step, on every rank
@@ -408,7 +414,7 @@ def load(
         if error is not None:
             raise error
         planner = _BridgeLoadPlanner(
-            strict=strict, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
+            strict=policy, allow_pickle=allow_pickle, allow_dtype_cast=allow_dtype_cast
         )
         source = open_for_load(
             checkpoint_dir,
@@ -435,9 +441,7 @@ def load(
 
     loaded = map_leaves(sharded, loaded_value)
     result = assemble(source.common_state(objects), loaded, tree, nonpersistent)
-    if strict == StrictMode.RETURN_ALL:
-        return result, sorted(missing), sorted(planner.unexpected_keys)
-    return result
+    return load_result(planner, result)
 
 
 def load_tensors_metadata(
@@ -453,7 +457,8 @@ def load_tensors_metadata(
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             data = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
-            out[key] = ShardedTensor.from_box(key, data, tuple(md.size), (0,) * len(md.size))
+            size, ones = tuple(md.size), (1,) * len(md.size)
+            out[key] = ShardedTensor(key, data, data.dtype, size, size, (0,) * len(size), ones)
     return out
 
 
