@@ -101,7 +101,9 @@ def test_missing_unexpected_and_strict_modes(pool, tmp_path):
     # raise_all: one error on every rank, before any read, with both sets
     errs = pool.run(load_strict, 2, path, "raise_all")
     assert errs[0] == errs[1]
-    assert "1 key(s) requested but not in the checkpoint" in errs[0] and "'ghost' (rank 0)" in errs[0]
+    assert (
+        "1 key(s) requested but not in the checkpoint" in errs[0] and "'ghost' (rank 0)" in errs[0]
+    )
     assert "2 key(s) in the checkpoint but not requested" in errs[0] and "'w_bf16'" in errs[0]
 
 
