@@ -14,6 +14,7 @@ from dcpbridge.errors import (
     HollowStateError,
     IncompleteCheckpointError,
     InvalidShardError,
+    KeyMismatchError,
     MissingKeysError,
     NotACheckpointError,
     OptimizerStateError,
@@ -33,7 +34,10 @@ from dcpbridge.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
     StateDict,
+    apply_factories,
+    apply_factory_merges,
 )
+from dcpbridge.metadata import load_plain_tensors, load_sharded_metadata, remove_sharded_tensors
 from dcpbridge.optimizer import (
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
@@ -54,6 +58,7 @@ from dcpbridge.sharding import (
     shard_broadcasted_state_dict,
 )
 from dcpbridge.sources import open_source
+from dcpbridge.strict import StrictHandling
 from dcpbridge.tensor_aware_state_dict import ShardDistribution, TensorAwareStateDict
 from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
@@ -75,6 +80,7 @@ __all__ = [
     "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidShardError",
+    "KeyMismatchError",
     "Layout",
     "LayoutError",
     "LocalNonpersistentObject",
@@ -95,10 +101,13 @@ __all__ = [
     "ShardedTensorFactory",
     "ShardingValidationError",
     "StateDict",
+    "StrictHandling",
     "StrictMode",
     "TensorAwareStateDict",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "apply_factories",
+    "apply_factory_merges",
     "async_save",
     "broadcast_and_shard_state_dict",
     "export_safetensors",
@@ -113,6 +122,8 @@ __all__ = [
     "load_config",
     "load_layout",
     "load_optimizer_state",
+    "load_plain_tensors",
+    "load_sharded_metadata",
     "load_state_dict",
     "load_tensors_metadata",
     "make_sharded_optimizer_tensor",
@@ -120,6 +131,7 @@ __all__ = [
     "optim_state_to_sharding_state",
     "optimizer_sharded_state_dict",
     "parse_layout",
+    "remove_sharded_tensors",
     "reshard",
     "restore_optim_state",
     "save",

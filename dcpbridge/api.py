@@ -33,9 +33,9 @@ from dcpbridge.state import (
     is_sharded,
     leaves,
 )
+from dcpbridge.strict import Policy, decide, load_result, parse_strict
 from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
 from planners import ShardedSavePlanner, StrictMode
-from planners.errors import MissingKeysError
 from planners.leaves import refuse
 from planners.protocol import leaf_kind
 from planners.walk import iter_leaves
@@ -329,7 +329,7 @@ def load(
     checkpoint_dir: PathLike,
     *,
     process_group: dist.ProcessGroup | None = None,
-    strict: StrictMode | str = StrictMode.RAISE_MISSING,
+    strict: StrictMode | str | Any = StrictMode.RAISE_MISSING,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
     allow_dtype_cast: bool = False,
@@ -338,23 +338,26 @@ def load(
     fully_parallel: bool = False,
     parallelization_group: dist.ProcessGroup | None = None,
     profile: str | None = None,
-) -> StateDict | tuple[StateDict, list[str], list[str]]:
-    """Load into a template sharded state dict, in any parallel layout.
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
+    """Load into a template state dict, in any parallel layout, from any format it reads.
 
-    Returns the template's structure with ShardedTensors replaced by their (in-place filled)
-    tensors, ShardedObjects by their objects, factories merged, merged with the checkpoint's
-    common state and the template's LocalNonpersistentObjects. With
-    ``strict="return_all"`` returns ``(state_dict, missing_keys, unexpected_keys)``. With
-    ``fully_parallel``, a box several ranks of ``parallelization_group`` need is read from
-    storage by one of them and sent to the others. Plain DCP and Megatron-Core torch_dist
-    directories load too, with ``allow_pickle=True`` (their metadata is a pickle);
+    Tensor-like leaves are requests, filled in place: dcpbridge's and Megatron-Core's
+    ShardedTensors (returned as their tensors), DTensors, torch ShardedTensors and plain
+    tensors (returned as the same objects). ShardedObjects are replaced by their objects,
+    factories merged, LocalNonpersistentObjects unwrapped. Plain values are common state, as
+    in Megatron: the result holds the checkpoint's whole common state, template values replaced
+    by the stored ones. ``strict`` takes dcpbridge's and Megatron's policies
+    (``dcpbridge.strict``); ``"return_all"`` returns Megatron's ``(state_dict, missing,
+    unexpected)``. With ``fully_parallel``, a box several ranks of ``parallelization_group``
+    need is read from storage by one of them and sent to the others. Plain DCP and Megatron-Core
+    torch_dist directories load too, with ``allow_pickle=True`` (their metadata is a pickle);
     ``profile`` names a storage profile of the configuration file.
     """
     return _load(
         sharded_state_dict,
         checkpoint_dir,
         Group.resolve(process_group),
-        strict=StrictMode(strict),
+        strict=parse_strict(strict),
         storage_options=resolve_storage_options(storage_options, profile),
         allow_pickle=allow_pickle,
         allow_dtype_cast=allow_dtype_cast,
@@ -370,7 +373,7 @@ def _load(
     checkpoint_dir: PathLike,
     group: Group,
     *,
-    strict: StrictMode,
+    strict: Policy,
     storage_options: dict[str, Any] | None,
     allow_pickle: bool,
     allow_dtype_cast: bool = False,
@@ -424,14 +427,13 @@ def _load(
     if source.format == Format.TORCH_DIST:
         blob = read_megatron_common(source.location, allow_pickle=allow_pickle)
     objects = source.objects(planner.shard_objects())
-    result, missing = planner.result(objects, blob)
-    if missing and strict != StrictMode.RETURN_ALL:
-        raise MissingKeysError(
-            f"{len(missing)} key(s) requested but not in the checkpoint: {sorted(missing)[:10]}"
-        )
-    if strict == StrictMode.RETURN_ALL:
-        return result, sorted(missing), sorted(planner.unexpected_keys)
-    return result
+    result, late = planner.result(objects, blob)
+    if late:  # plain tensors the common blob of an older checkpoint lacks
+        planner.requested_not_stored |= late
+        error = decide(strict, late, ()).error
+        if error is not None:
+            raise error
+    return load_result(planner, result)
 
 
 def load_tensors_metadata(
@@ -447,7 +449,8 @@ def load_tensors_metadata(
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             data = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
-            out[key] = ShardedTensor.from_box(key, data, tuple(md.size), (0,) * len(md.size))
+            size, ones = tuple(md.size), (1,) * len(md.size)
+            out[key] = ShardedTensor(key, data, data.dtype, size, size, (0,) * len(size), ones)
     return out
 
 
@@ -463,7 +466,7 @@ def load_common_state_dict(
         {},
         checkpoint_dir,
         Group(None, 0, 1, 0),
-        strict=StrictMode.RAISE_MISSING,
+        strict=parse_strict("raise_missing"),
         storage_options=resolve_storage_options(storage_options, profile),
         allow_pickle=allow_pickle,
     )

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from dcpbridge.intake import MISSING, LoadParts, Shard
 from dcpbridge.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.state import merge
-from planners import ShardedLoadPlanner, ShardedSavePlanner
+from dcpbridge.strict import StrictLoadPlanner
+from planners import ShardedSavePlanner
 from planners.walk import Leaf, ObjPath, set_path
 
 COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
@@ -80,7 +81,7 @@ def lookup(tree: Any, path: ObjPath) -> Any:
     return node
 
 
-class BridgeLoadPlanner(ShardedLoadPlanner):
+class BridgeLoadPlanner(StrictLoadPlanner):
     """Plans ``load``: the template's shards and values plus the checkpoint's common state."""
 
     def __init__(
@@ -131,6 +132,9 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         if COMMON_KEY in stored:
             yield Leaf(COMMON_KEY, None, self.values, COMMON_KEY)
 
+    def common_keys(self) -> set[str]:
+        return set(self.table["keys"]) if self.table else set()
+
     @staticmethod
     def _stored_tensor(key: str, md: TensorStorageMetadata) -> ShardedTensor:
         """A new whole tensor to read stored tensor ``key`` into, as it is stored."""
@@ -144,7 +148,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
 
     def result(self, objects: dict[str, Any], blob: Any) -> tuple[Any, set[str]]:
         """The loaded state in the template's structure, with the checkpoint's common state;
-        and the requested keys the checkpoint does not hold.
+        and the requested keys found absent only now (plain tensors an older blob lacks).
 
         Tensors and sharded objects are requests; plain values are common state, as in
         Megatron-Core: the checkpoint's value where it has one, else left out.
@@ -176,7 +180,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                     set_path(result, _path(raw), {})
         if blob is not None:
             result = merge(blob, result)
-        return result, missing
+        return result, missing - set(self.missing_keys)
 
     def _copy_from_blob(self, shard: ShardedTensor, blob: Any, missing: set[str]) -> Any:
         found = lookup(blob, self.parts.tensor_paths[shard.key])

@@ -33,6 +33,10 @@ class HollowStateError(CheckpointError, RuntimeError):
     """A TensorAwareStateDict call needs the tensors that were popped (or finds them present)."""
 
 
+class KeyMismatchError(MissingKeysError, UnexpectedKeysError):
+    """Keys requested but not in the checkpoint and keys in it but not requested, together."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -46,6 +50,7 @@ __all__ = [
     "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidShardError",
+    "KeyMismatchError",
     "MissingKeysError",
     "NotACheckpointError",
     "OptimizerStateError",

@@ -26,6 +26,7 @@ from dcpbridge.mapping import (
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    check_not_flattened,
 )
 from dcpbridge.state import HOLE
 from planners.errors import SerializationError
@@ -38,7 +39,7 @@ Shard = ShardedTensor | ShardedObject
 
 def own_tensor(value: Any) -> ShardedTensor:
     """dcpbridge's ShardedTensor for ours or a Megatron-Core one (sharing its data)."""
-    tensor_boxes(value.key, value, "tensor_shard")  # refuses a flattened_range, naming the key
+    check_not_flattened(value)
     if isinstance(value, ShardedTensor):
         return value
     return ShardedTensor(
@@ -81,6 +82,7 @@ def _boxes(path: str, value: Any, kind: str, replica: int) -> list[ShardedTensor
 
 
 def _built(factory: Any) -> Any:
+    check_not_flattened(factory)
     built = factory.build()
     for leaf in STATE_WALKER.leaves(built):
         kind = leaf_kind(leaf.value)

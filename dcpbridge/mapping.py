@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -10,10 +13,27 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import InvalidShardError
-from planners.protocol import ReplicaId
+from planners.protocol import ReplicaId, is_main_replica
 
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
+
+__all__ = [
+    "COMMON_KEY",
+    "LocalNonpersistentObject",
+    "ReplicaId",
+    "ShardedObject",
+    "ShardedStateDict",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "StateDict",
+    "apply_factories",
+    "apply_factory_merges",
+    "check_not_flattened",
+    "is_main_replica",
+    "object_key",
+    "parse_object_name",
+]
 
 COMMON_KEY = "__common__"
 _RESERVED = frozenset({COMMON_KEY})
@@ -42,7 +62,9 @@ class ShardedTensor:
 
     ``global_shape`` and ``global_offset`` include ``prepend_axis_num`` leading axes that the
     local ``data`` lacks (e.g. a layer axis for pipeline stages); along them the box has size 1.
-    Only the main replica (``replica_id`` 0 or all zeros) writes the box.
+    Only the main replica (``replica_id`` 0 or all zeros) writes the box. ``flattened_range``
+    exists so Megatron code that passes it constructs; anything but None is refused, as in
+    Megatron-Core 0.16.
     """
 
     key: str
@@ -55,6 +77,7 @@ class ShardedTensor:
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
+    flattened_range: slice | None = None
 
     def __post_init__(self) -> None:
         self.local_shape = tuple(int(s) for s in self.local_shape)
@@ -68,6 +91,7 @@ class ShardedTensor:
         """Raise ``InvalidShardError`` naming the key unless the metadata is self-consistent."""
         _check_key("ShardedTensor", self.key)
         what = f"ShardedTensor {self.key!r}"
+        check_not_flattened(self)
         _check_replica_id(what, self.replica_id)
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidShardError(f"{what}: dtype must be a torch.dtype, got {self.dtype!r}")
@@ -211,9 +235,44 @@ class ShardedTensor:
     def init_data(
         self, device: torch.device | str = "cpu", init_fn: Callable = torch.empty
     ) -> None:
-        """Allocate ``data`` for a template that has none (e.g. before a load)."""
-        if self.data is None:
+        """Allocate ``data`` for a template that has none or only meta-device data (e.g.
+        ``load_tensors_metadata``'s), so a load has real memory to fill."""
+        if self.data is None or self.data.is_meta:
             self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+
+    def without_data(self) -> ShardedTensor:
+        """The same box with ``data`` None (Megatron's metadata-only form)."""
+        return dataclasses.replace(self, data=None)
+
+    def narrow(self, dim: int, start: int, length: int) -> list[ShardedTensor]:
+        """``torch.narrow`` of the local data along local axis ``dim``, with the global tensor
+        shrunk alike on every rank (Megatron's meaning: each rank narrows its own piece).
+
+        Needs a regular grid along ``dim`` (global size and offset multiples of the local
+        size); returns a one-element list, as Megatron does for non-flat tensors.
+        """
+        if self.data is None:
+            raise InvalidShardError(f"ShardedTensor {self.key!r}: narrow needs data")
+        axis = dim + self.prepend_axis_num
+        local = self.local_shape[dim]
+        size, offset = self.global_shape[axis], self.global_offset[axis]
+        if local == 0 or size % local or offset % local:
+            raise InvalidShardError(
+                f"ShardedTensor {self.key!r}: narrow along axis {dim} needs a regular grid "
+                f"(global size {size} and offset {offset} multiples of the local size {local})"
+            )
+        data = self.data.narrow(dim, start, length)
+        shape, offsets = list(self.global_shape), list(self.global_offset)
+        shape[axis], offsets[axis] = size // local * length, offset // local * length
+        return [
+            dataclasses.replace(
+                self,
+                data=data,
+                local_shape=tuple(data.shape),
+                global_shape=tuple(shape),
+                global_offset=tuple(offsets),
+            )
+        ]
 
     def __repr__(self) -> str:
         return (
@@ -247,6 +306,20 @@ class ShardedObject:
                 f"{self.global_shape}"
             )
 
+    def without_data(self) -> ShardedObject:
+        """The same grid cell with ``data`` None."""
+        return dataclasses.replace(self, data=None)
+
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
+        """The data-less cell a storage name ``<key>/shard_<offset>_<shape>`` stands for."""
+        parsed = parse_object_name(unique_key)
+        if parsed is None:
+            raise InvalidShardError(
+                f"{unique_key!r} is not a ShardedObject storage name (<key>/shard_<offset>_<shape>)"
+            )
+        return cls(parsed[0], None, parsed[2], parsed[1], replica_id)
+
     @property
     def unique_key(self) -> str:
         """The storage key of this grid cell (Megatron's naming)."""
@@ -267,17 +340,69 @@ class ShardedTensorFactory:
 
     ``build_fn(key, data, replica_id)`` returns a sharded state dict (e.g. the two halves of
     a fused SwiGLU weight as separate ShardedTensors); after a load, ``merge_fn`` receives that
-    dict filled with loaded tensors and returns the local tensor.
+    dict filled with loaded tensors and returns the local tensor. A Megatron-style
+    ``build_fn(key, data, replica_id, flattened_range)`` also works (it receives None);
+    ``flattened_range`` itself must stay None.
     """
 
     key: str
     data: torch.Tensor
-    build_fn: Callable[[str, torch.Tensor, ReplicaId], ShardedStateDict]
+    build_fn: Callable[..., ShardedStateDict]
     merge_fn: Callable[[Any], torch.Tensor]
     replica_id: ReplicaId = 0
+    flattened_range: slice | None = None
 
     def build(self) -> ShardedStateDict:
+        check_not_flattened(self)
+        if _takes_four_args(self.build_fn):
+            return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
         return self.build_fn(self.key, self.data, self.replica_id)
+
+    def without_data(self) -> ShardedTensorFactory:
+        return dataclasses.replace(self, data=None)
+
+
+def _takes_four_args(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` accepts a fourth positional argument (Megatron's build_fn signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def check_not_flattened(x: Any) -> None:
+    """Refuse a shard or factory with a ``flattened_range`` (flat, DistributedOptimizer-style
+    shards): Megatron-Core 0.16 dropped them and dcpbridge never supported them."""
+    flat = getattr(x, "flattened_range", None)
+    if flat is not None:
+        raise InvalidShardError(
+            f"{type(x).__name__} {getattr(x, 'key', '?')!r}: flattened_range={flat!r} is not "
+            "supported (Megatron-Core 0.16 rejects it too); describe the shard as a box "
+            "(global_shape, global_offset) of an unflattened tensor instead"
+        )
+
+
+_OBJECT_NAME = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
+
+
+def parse_object_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    """(key, global_offset, global_shape) of a ShardedObject storage name, or None."""
+    m = _OBJECT_NAME.match(name)
+    if m is None:
+        return None
+    offset = tuple(int(x) for x in m["offset"].split("."))
+    shape = tuple(int(x) for x in m["shape"].split("."))
+    if len(offset) != len(shape):
+        return None
+    return m["key"], offset, shape
+
+
+def object_key(name: str) -> str:
+    """The ShardedObject key a storage name belongs to (other names are returned unchanged)."""
+    parsed = parse_object_name(name)
+    return name if parsed is None else parsed[0]
 
 
 @dataclass
@@ -288,3 +413,52 @@ class LocalNonpersistentObject:
 
     def unwrap(self) -> Any:
         return self.obj
+
+
+def apply_factories(sharded_state_dict: Any) -> Any:
+    """Replace every ``ShardedTensorFactory`` in dicts and lists by what it builds, in place
+    (Megatron's ``apply_factories``); returns the state dict for convenience."""
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, ShardedTensorFactory):
+            return x.build()
+        if isinstance(x, dict):
+            for k, v in x.items():
+                x[k] = visit(v)
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                x[i] = visit(v)
+        return x
+
+    return visit(sharded_state_dict)
+
+
+def apply_factory_merges(loaded: Any, factories: Any, key: tuple[Any, ...] = ()) -> Any:
+    """Where ``factories`` (a sub-tree of the load template) holds a factory, replace the
+    matching part of ``loaded`` by its ``merge_fn`` result, in place (Megatron's
+    ``apply_factory_merges``); returns ``loaded``."""
+    if isinstance(factories, ShardedTensorFactory):
+        return factories.merge_fn(loaded)
+    where = ".".join(map(str, key)) or "<root>"
+    if isinstance(loaded, dict) and isinstance(factories, dict):
+        for k, sub in factories.items():
+            if k not in loaded:
+                raise InvalidShardError(
+                    f"apply_factory_merges: {where}: factory entry {k!r} has no loaded value "
+                    f"(loaded keys: {sorted(map(str, loaded))})"
+                )
+            loaded[k] = apply_factory_merges(loaded[k], sub, (*key, k))
+        return loaded
+    if isinstance(loaded, list) and isinstance(factories, list):
+        if len(loaded) != len(factories):
+            raise InvalidShardError(
+                f"apply_factory_merges: {where}: loaded list has {len(loaded)} items, the "
+                f"factories' list {len(factories)}"
+            )
+        for i, sub in enumerate(factories):
+            loaded[i] = apply_factory_merges(loaded[i], sub, (*key, i))
+        return loaded
+    raise InvalidShardError(
+        f"apply_factory_merges: {where}: cannot merge {type(factories).__name__} factories "
+        f"into a loaded {type(loaded).__name__}"
+    )

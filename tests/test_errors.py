@@ -93,13 +93,18 @@ def test_missing_unexpected_and_strict_modes(pool, tmp_path):
     a, b = pool.run(load_missing, 2, path)
     assert a == b
     assert "rank 1" in a and "'not.saved'" in a
-    # return_all: nothing raises; each rank gets its missing keys and the global unexpected ones
+    # return_all (Megatron's shape): (state, stored-not-requested keys of all ranks,
+    # requested-not-stored keys of this rank); objects named by key, not storage name
     (m0, u0), (m1, u1) = pool.run(load_strict, 2, path, "return_all")
-    assert m0 == ["ghost/shard_0_1"] and m1 == []
-    assert u0 == u1 == ["idx", "w_bf16"]
-    # raise_all: the missing object raises on every rank before the global step
+    assert m0 == m1 == {"idx", "w_bf16"}
+    assert u0 == {"ghost"} and u1 == set()
+    # raise_all: one error on every rank, before any read, with both sets
     errs = pool.run(load_strict, 2, path, "raise_all")
-    assert errs[0] == errs[1] and "ghost/shard_0_1" in errs[0]
+    assert errs[0] == errs[1]
+    assert (
+        "1 key(s) requested but not in the checkpoint" in errs[0] and "'ghost' (rank 0)" in errs[0]
+    )
+    assert "2 key(s) in the checkpoint but not requested" in errs[0] and "'w_bf16'" in errs[0]
 
 
 def load_unexpected_only(r: Rank, path: str) -> str:
