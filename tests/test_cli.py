@@ -160,7 +160,9 @@ def test_validate_reports_corruption_and_missing_files(rows2, tmp_path, capsys):
     os.remove(os.path.join(ck, doc["tensors"]["w"]["chunks"][0]["file"]))
     code, out, _ = in_process(capsys, "validate", ck)
     assert code == 1 and f"data file {doc['tensors']['w']['chunks'][0]['file']} is missing" in out
-    assert "it holds tensor 'common.t' chunk [0:3], tensor 'vec' chunk [0:5], tensor 'w' chunk" in out
+    assert (
+        "it holds tensor 'common.t' chunk [0:3], tensor 'vec' chunk [0:5], tensor 'w' chunk" in out
+    )
 
 
 def test_convert_to_safetensors_torch_and_back(rows2, tmp_path, capsys):
