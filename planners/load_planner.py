@@ -197,16 +197,27 @@ def _bytes_item(fqn: str) -> ReadItem:
 def _legacy_parts(fqn: str, stored: dict[str, Any]) -> list[Any] | None:
     """Keys ``fqn.0``, ``fqn.1``... (nested for nested sequences) under which an older
     dcpbridge stored a list or tuple item by item; None if there are none."""
+    prefixes = {k[:i] for k in stored if k.startswith(fqn + ".") for i in _dots(k)}
+    return _parts_under(fqn, stored, prefixes)
+
+
+def _dots(key: str) -> list[int]:
+    return [i for i, c in enumerate(key) if c == "."]
+
+
+def _parts_under(fqn: str, stored: dict[str, Any], prefixes: set[str]) -> list[Any] | None:
     parts: list[Any] = []
     while True:
         sub = f"{fqn}.{len(parts)}"
         if sub in stored and not isinstance(stored[sub], TensorStorageMetadata):
             parts.append(sub)
-            continue
-        nested = _legacy_parts(sub, stored)
-        if nested is None:
+        elif sub in prefixes:
+            nested = _parts_under(sub, stored, prefixes)
+            if nested is None:
+                return parts or None
+            parts.append(nested)
+        else:
             return parts or None
-        parts.append(nested)
 
 
 class _Legacy:

@@ -1,0 +1,214 @@
+"""dcpbridge checkpoints are DCP checkpoints: DCP's keys, tensors as tensor entries, both ways."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import dcpbridge as db
+from planners.walk import iter_leaves
+from storage.reader import _byte_view
+
+
+def nested() -> dict:
+    return {
+        "cfg": {"betas": (0.9, 0.95), "names": ["a", "b"], "empty": []},
+        "mixed": [torch.arange(3.0), 7, {"deep": torch.ones(2, 2)}],
+        "blob": io.BytesIO(b"opaque"),
+        "raw": b"bytes",
+        "n": 3,
+    }
+
+
+def test_keys_are_dcps_flattened_keys():
+    sd = nested()
+    ours = [leaf.path for leaf in iter_leaves(sd)]
+    theirs, _ = flatten_state_dict(sd)
+    assert ours == list(theirs)
+    assert "cfg.betas" in ours and "mixed.2.deep" in ours and "cfg.betas.0" not in ours
+
+
+def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()  # state exists (the template needs it), with other values
+    msd, osd = get_state_dict(model, opt)
+    return model, opt, {"model": msd, "optim": osd}
+
+
+def assert_resumed(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    ref_model, ref_opt = trained()
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), n
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["betas"] == (0.8, 0.9)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        mine, ref = opt.state[p], ref_opt.state[q]
+        assert set(mine) == set(ref)
+        assert all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize(("save_ours", "load_ours"), [(False, True), (True, False), (True, True)])
+def test_get_state_dict_round_trip_across_planner_pairs(tmp_path, save_ours, load_ours):
+    """nn.Linear + AdamW in one process: either planner pair writes, either reads, in place."""
+    model, opt = trained()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save(
+        {"model": msd, "optim": osd},
+        storage_writer=db.FsspecCheckpointWriter(tmp_path),
+        planner=db.ShardedSavePlanner() if save_ours else None,
+        no_dist=True,
+    )
+    with open(os.path.join(tmp_path, "dcpbridge.json")) as f:
+        stored = json.load(f)
+    assert "model.weight" in stored["tensors"] and "optim.param_groups.0.betas" in stored["objects"]
+    assert "optim.state.weight.exp_avg" in stored["tensors"]
+    model2, opt2, sd = fresh()
+    weight = sd["model"]["weight"]
+    dcp.load(
+        sd,
+        storage_reader=db.FsspecCheckpointReader(tmp_path),
+        planner=db.ShardedLoadPlanner() if load_ours else None,
+        no_dist=True,
+    )
+    assert sd["model"]["weight"] is weight  # filled in place
+    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert_resumed(model2, opt2)
+
+
+def test_db_load_fills_a_plain_dcp_checkpoint_template(tmp_path):
+    """The template's tensors are requests: filled in place, never a silent empty result."""
+    model, opt = trained()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save(
+        {"model": msd, "optim": osd},
+        storage_writer=db.FsspecCheckpointWriter(tmp_path),
+        no_dist=True,
+    )
+    model2, opt2, sd = fresh()
+    out = db.load(sd, tmp_path)
+    assert out["model"]["weight"] is sd["model"]["weight"]
+    assert out["optim"]["param_groups"][0]["lr"] == 0.01
+    set_state_dict(model2, opt2, model_state_dict=out["model"], optim_state_dict=out["optim"])
+    assert_resumed(model2, opt2)
+    sd["model"]["extra"] = torch.zeros(2)
+    with pytest.raises(db.MissingKeysError, match=r"model\.extra"):
+        db.load(sd, tmp_path)
+
+
+def test_db_save_is_read_by_plain_dcp_key_for_key(tmp_path):
+    """db.save stores tensors as tensor entries and values one entry per key."""
+    model, opt = trained()
+    msd, osd = get_state_dict(model, opt)
+    db.save({"model": msd, "optim": osd, **nested()}, tmp_path)
+    with open(os.path.join(tmp_path, "dcpbridge.json")) as f:
+        doc = json.load(f)
+    assert "__common__" not in doc["objects"]
+    assert {"model.weight", "model.bias", "mixed.0", "mixed.2.deep"} <= set(doc["tensors"])
+    assert {"cfg.betas", "cfg.names", "blob", "raw", "n"} <= set(doc["objects"])
+    model2, opt2, sd = fresh()
+    sd.update(nested())
+    sd["blob"], sd["raw"], sd["n"], sd["cfg"]["betas"] = io.BytesIO(), b"", 0, (0, 0)
+    dcp.load(sd, storage_reader=db.FsspecCheckpointReader(tmp_path), no_dist=True)
+    assert sd["blob"].getvalue() == b"opaque" and sd["raw"] == b"bytes" and sd["n"] == 3
+    assert sd["cfg"]["betas"] == (0.9, 0.95)
+    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert_resumed(model2, opt2)
+    # Megatron's meaning too: load returns the whole common state, whatever the template asks
+    common = db.load_common_state_dict(tmp_path)
+    assert common["cfg"] == {"betas": (0.9, 0.95), "names": ["a", "b"], "empty": []}
+    assert common["blob"].getvalue() == b"opaque" and torch.equal(
+        common["mixed"][0], torch.arange(3.0)
+    )
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_bytes_values_through_dcbridge_planners_and_dcps(tmp_path, ours):
+    """An io.BytesIO saved by either planner loads with dcpbridge's safe (no-pickle) loader."""
+    planner = db.ShardedSavePlanner() if ours else None
+    dcp.save(
+        {"blob": io.BytesIO(b"\x00\x01"), "b": b"xy"},
+        storage_writer=db.FsspecCheckpointWriter(tmp_path),
+        planner=planner,
+        no_dist=True,
+    )
+    sd = {"blob": io.BytesIO(), "b": b""}
+    dcp.load(
+        sd,
+        storage_reader=db.FsspecCheckpointReader(tmp_path),
+        planner=db.ShardedLoadPlanner(),
+        no_dist=True,
+    )
+    assert sd["blob"].getvalue() == b"\x00\x01" and sd["b"] == b"xy"
+
+
+def test_older_per_item_keys_still_load(tmp_path):
+    """dcpbridge < 0.2 stored tuples and lists item by item (``cfg.betas.0``): still read."""
+    old = {
+        "cfg": {"betas": {"0": 0.9, "1": 0.95}, "groups": {"0": {"0": 1, "1": 2}, "1": {"0": 3}}}
+    }
+    dcp.save(
+        old,
+        storage_writer=db.FsspecCheckpointWriter(tmp_path),
+        planner=db.ShardedSavePlanner(),
+        no_dist=True,
+    )
+    sd = {"cfg": {"betas": (0.0, 0.0), "groups": [[0, 0], [0]]}}
+    dcp.load(
+        sd,
+        storage_reader=db.FsspecCheckpointReader(tmp_path),
+        planner=db.ShardedLoadPlanner(),
+        no_dist=True,
+    )
+    assert sd["cfg"]["betas"] == (0.9, 0.95) and sd["cfg"]["groups"] == [[1, 2], [3]]
+
+
+def test_partial_loads_and_missing_keys(tmp_path):
+    dcp.save({"a": torch.ones(2)}, storage_writer=db.FsspecCheckpointWriter(tmp_path), no_dist=True)
+    sd = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    with pytest.raises(CheckpointException, match=r"MissingKeysError.*'b'"):  # DCP wraps it
+        dcp.load(
+            sd,
+            storage_reader=db.FsspecCheckpointReader(tmp_path),
+            planner=db.ShardedLoadPlanner(),
+            no_dist=True,
+        )
+    dcp.load(
+        sd,
+        storage_reader=db.FsspecCheckpointReader(tmp_path),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
+    assert torch.equal(sd["a"], torch.ones(2)) and torch.equal(sd["b"], torch.zeros(2))
+
+
+class Subclass(torch.Tensor):
+    """A tensor subclass whose ``data_ptr`` the reader must not trust."""
+
+
+def test_reader_writes_through_raw_pointers_only_into_plain_tensors():
+    plain = torch.zeros(4)
+    assert _byte_view(plain) is not None
+    assert _byte_view(torch.nn.Parameter(torch.zeros(4))) is not None
+    assert _byte_view(torch.zeros(4).as_subclass(Subclass)) is None
+    assert _byte_view(torch.zeros(4, 2).t()) is None  # not contiguous
+    assert _byte_view(torch.zeros(4, device="meta")) is None
