@@ -262,3 +262,105 @@ def test_torch_sharded_tensor_row_to_column_and_plain(pool, tmp_path):
     assert pool.run(load_torch_sharded, 2, path) == [True, True]
     out = db.load({"w": torch.zeros(SHAPES["w"])}, path)
     assert torch.equal(out["w"], full("w"))
+
+
+# -- fully parallel and async saves of DTensors ---------------------------------------------------
+
+
+def save_replicated_fully_parallel(r: Rank, path: str, use_async: bool) -> None:
+    """Data-parallel replicas (Replicate on the mesh): each tensor written once, spread."""
+    state = dstate(mesh_of(r), {k: [Replicate()] for k in SHAPES})
+    if use_async:
+        handle = db.async_save(state, path, process_group=r.group, fully_parallel=True)
+        for v in state["model"].values():
+            v.to_local().add_(1)  # training goes on: the staged copy is what gets written
+        handle.result(timeout=60)
+    else:
+        db.save(state, path, process_group=r.group, fully_parallel=True)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_replicated_dtensors_fully_parallel_and_async(pool, tmp_path, use_async):
+    path = str(tmp_path / "ck")
+    pool.run(save_replicated_fully_parallel, 2, path, use_async)
+    with open(os.path.join(path, "dcpbridge.json")) as f:
+        doc = json.load(f)
+    writers = {k: [c["rank"] for c in v["chunks"]] for k, v in doc["tensors"].items()}
+    assert all(len(w) == 1 for w in writers.values())  # exactly once
+    assert {w[0] for w in writers.values()} == {0, 1}  # spread over both replicas
+    out = db.load({"model": {k: torch.zeros(s) for k, s in SHAPES.items()}}, path)
+    assert all(torch.equal(out["model"][k], full(k)) for k in SHAPES)
+
+
+# -- Megatron-Core's own objects, recognised by their fields ----------------------------------------
+
+
+@pytest.mark.interop
+def test_megatron_cores_own_objects_save_and_load(tmp_path):
+    from megatron.core.dist_checkpointing import mapping as mm
+
+    w, b = full("w"), full("b")
+
+    def build(key, data, replica_id, flattened_range=None):
+        return {
+            "top": mm.ShardedTensor.from_rank_offsets(
+                f"{key}.top", data[:3], replica_id=replica_id
+            ),
+            "bot": mm.ShardedTensor.from_rank_offsets(
+                f"{key}.bot", data[3:], replica_id=replica_id
+            ),
+        }
+
+    def state(wd, bd, obj):
+        return {
+            "w": mm.ShardedTensor.from_rank_offsets("w", wd, (0, 0, 1)),
+            "f": mm.ShardedTensorFactory(
+                "fac", bd.reshape(8, 1)[:6], build, lambda d: torch.cat([d["top"], d["bot"]])
+            ),
+            "o": mm.ShardedObject("rng", obj, (1,), (0,)),
+            "np": mm.LocalNonpersistentObject("kept"),
+            "it": 5,
+        }
+
+    db.save(state(w, b, {"seed": 1}), tmp_path)
+    with open(os.path.join(tmp_path, "dcpbridge.json")) as f:
+        doc = json.load(f)
+    assert set(doc["tensors"]) == {"w", "fac.top", "fac.bot"}  # stored as tensors, not pickled
+    assert set(doc["objects"]) == {"rng/shard_0_1", "it"}
+    out = db.load(state(torch.zeros(6, 8), torch.zeros(8), None), tmp_path)
+    assert torch.equal(out["w"], w) and torch.equal(out["f"], b.reshape(8, 1)[:6])
+    assert out["o"] == {"seed": 1} and out["np"] == "kept" and out["it"] == 5
+    flat = mm.ShardedTensor.from_rank_offsets("flat", torch.zeros(4))
+    flat.flattened_range = slice(0, 2)
+    with pytest.raises(db.CheckpointError, match=r"'flat'.*flattened_range"):
+        db.save({"x": flat}, tmp_path / "flat")
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+
+def cuda_dtensors(r: Rank, path: str) -> bool:
+    torch.cuda.set_device(0)
+    mesh = DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
+    state = {k: distribute_tensor(full(k), mesh, [Shard(0)]) for k in SHAPES}
+    state = {
+        k: DTensor.from_local(
+            v.to_local().cuda(), mesh, v.placements, shape=v.shape, stride=v.stride()
+        )
+        for k, v in state.items()
+    }
+    db.save(state, path, process_group=r.group)
+    tmpl = {
+        k: DTensor.from_local(
+            torch.zeros_like(v.to_local()), mesh, [Shard(0)], shape=v.shape, stride=v.stride()
+        )
+        for k, v in state.items()
+    }
+    db.load(tmpl, path, process_group=r.group)
+    return all(torch.equal(tmpl[k].to_local(), state[k].to_local()) for k in SHAPES)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dtensors_save_and_load(pool, tmp_path):
+    assert pool.run(cuda_dtensors, 1, str(tmp_path / "ck")) == [True]
