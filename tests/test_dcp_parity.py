@@ -212,3 +212,24 @@ def test_reader_writes_through_raw_pointers_only_into_plain_tensors():
     assert _byte_view(torch.zeros(4).as_subclass(Subclass)) is None
     assert _byte_view(torch.zeros(4, 2).t()) is None  # not contiguous
     assert _byte_view(torch.zeros(4, device="meta")) is None
+
+
+def test_older_common_blob_still_loads(tmp_path):
+    """Checkpoints of dcpbridge < 0.2 kept the common state as one ``__common__`` object."""
+    from dcpbridge.bridge import BridgeSavePlanner
+
+    w = db.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))
+    blob = {"iteration": 3, "rng": torch.arange(2), "cfg": {"lr": 0.1}}
+    planner = BridgeSavePlanner([w], {"__common__": blob}, {})
+    dcp.save({}, storage_writer=db.FsspecCheckpointWriter(tmp_path), planner=planner, no_dist=True)
+    rng = torch.zeros(2, dtype=torch.int64)
+    tmpl = {
+        "w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(4)),
+        "rng": rng,
+        "iteration": 0,
+    }
+    out = db.load(tmpl, tmp_path)
+    assert torch.equal(out["w"], torch.arange(4.0)) and out["iteration"] == 3
+    assert out["rng"] is rng and torch.equal(rng, torch.arange(2))  # filled from the blob
+    assert out["cfg"] == {"lr": 0.1}
+    assert db.load_common_state_dict(tmp_path)["cfg"] == {"lr": 0.1}
