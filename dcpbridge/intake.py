@@ -31,7 +31,7 @@ from dcpbridge.mapping import (
 from dcpbridge.state import HOLE
 from planners.errors import SerializationError
 from planners.leaves import check_key, refuse, tensor_boxes
-from planners.protocol import leaf_kind
+from planners.protocol import LeafKind, leaf_kind
 from planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
 
 Shard = ShardedTensor | ShardedObject
@@ -68,16 +68,18 @@ def own_object(value: Any) -> ShardedObject:
     )
 
 
-def _boxes(path: str, value: Any, kind: str, replica: int) -> list[ShardedTensor]:
+def _boxes(path: str, value: Any, kind: LeafKind, replica: int) -> list[ShardedTensor]:
+    """ShardedTensors of a DTensor / torch ShardedTensor / plain tensor leaf; a plain
+    tensor is held by every rank, with ``replica`` as its replica id."""
     return [
         ShardedTensor.from_box(
-            b.key, b.data, b.global_shape, b.global_offset, replica_id=b.replica_id
+            b.key,
+            b.data,
+            b.global_shape,
+            b.global_offset,
+            replica_id=replica if kind == "tensor" else b.replica_id,
         )
-        if kind != "tensor"
-        else ShardedTensor.from_box(
-            b.key, b.data, b.global_shape, b.global_offset, replica_id=replica
-        )
-        for b in tensor_boxes(path, value, kind)  # type: ignore[arg-type]
+        for b in tensor_boxes(path, value, kind)
     ]
 
 
