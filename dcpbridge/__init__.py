@@ -26,6 +26,7 @@ from dcpbridge.errors import (
     UnsafePathError,
 )
 from dcpbridge.export import export_safetensors, export_torch
+from dcpbridge.key_map import KeyMap
 from dcpbridge.layout import Layout, LayoutError, load_layout, parse_layout
 from dcpbridge.mapping import (
     LocalNonpersistentObject,
@@ -38,6 +39,7 @@ from dcpbridge.mapping import (
     apply_factory_merges,
 )
 from dcpbridge.metadata import load_plain_tensors, load_sharded_metadata, remove_sharded_tensors
+from dcpbridge.optim_layout import from_model_space, to_model_space
 from dcpbridge.optimizer import (
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
@@ -80,6 +82,7 @@ __all__ = [
     "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidShardError",
+    "KeyMap",
     "KeyMismatchError",
     "Layout",
     "LayoutError",
@@ -112,6 +115,7 @@ __all__ = [
     "broadcast_and_shard_state_dict",
     "export_safetensors",
     "export_torch",
+    "from_model_space",
     "get_optim_param_to_id_map",
     "get_optimizer",
     "get_param_groups",
@@ -136,4 +140,5 @@ __all__ = [
     "restore_optim_state",
     "save",
     "shard_broadcasted_state_dict",
+    "to_model_space",
 ]
