@@ -16,7 +16,11 @@ from storage.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidArgumentError,
+    MissingEntryError,
     NotACheckpointError,
+    StorageError,
+    StorageFileNotFoundError,
     UnsafePathError,
 )
 
@@ -45,7 +49,9 @@ __all__ = [
     "DistributedCheckpointError",
     "HollowStateError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "InvalidShardError",
+    "MissingEntryError",
     "MissingKeysError",
     "NotACheckpointError",
     "OptimizerStateError",
@@ -53,6 +59,8 @@ __all__ = [
     "SerializationError",
     "ShapeMismatchError",
     "ShardingValidationError",
+    "StorageError",
+    "StorageFileNotFoundError",
     "UnexpectedKeysError",
     "UnsafePathError",
 ]
