@@ -504,11 +504,12 @@ def check_stored_ranges(
         size = sizes.get(item.file)
         if size is None:
             raise CorruptCheckpointError(
-                f"{where}: data file {item.file} of {describe_item(key)} is missing"
+                f"{where}: data file {item.file} of {describe_item(key)}, named in "
+                f"{METADATA_FILE}, is missing"
             )
         if item.offset + item.nbytes > size:
             raise CorruptCheckpointError(
-                f"{where}: {describe_item(key)} is recorded at bytes "
+                f"{where}: {METADATA_FILE} places {describe_item(key)} at bytes "
                 f"{item.offset}..{item.offset + item.nbytes} of {item.file}, which has only "
-                f"{size} bytes (truncated?)"
+                f"{size} bytes (a truncated file or damaged metadata)"
             )

@@ -339,7 +339,8 @@ def test_corrupted_or_truncated_object_is_detected(backend):
     for keep in (len(data) - 7, len(data) // 2):  # a range cut short; ranges past the end
         backend.write("ck", file, bytes(data[:keep]))
         with pytest.raises(
-            db.CorruptCheckpointError, match=rf"{file}, which has only {keep} bytes"
+            db.CorruptCheckpointError,
+            match=rf"{file}, which has only {keep} bytes \(a truncated file",
         ):
             load_one_process(backend, "ck", verify_checksums=False)
 
