@@ -39,7 +39,12 @@ from planners import ShardedSavePlanner, StrictMode
 from planners.leaves import refuse
 from planners.protocol import leaf_kind
 from planners.walk import iter_leaves
-from storage import FsspecCheckpointWriter, read_checkpoint_metadata, resolve
+from storage import (
+    FsspecCheckpointReader,
+    FsspecCheckpointWriter,
+    read_checkpoint_metadata,
+    resolve,
+)
 
 PathLike = str | os.PathLike[str]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -409,6 +414,9 @@ def _load(
             thread_count=thread_count,
             verify_checksums=verify_checksums,
         )
+        if isinstance(source.reader, FsspecCheckpointReader):  # the planner may allocate
+            source.reader.read_metadata()  # common tensors by their recorded sizes
+            source.reader.check_ranges()
         planner = BridgeLoadPlanner(
             parts,
             share.read if share else parts.shards,

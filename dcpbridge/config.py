@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcpbridge.errors import CheckpointError
 from dcpbridge.layout import Layout, LayoutError, load_layout, parse_layout, read_yaml
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ _SECRET_OPTIONS = frozenset(
 _SECRET_FIELDS = ("key", "secret", "token", "password")
 
 
-class ConfigError(ValueError):
+class ConfigError(CheckpointError, ValueError):
     """The configuration file is malformed or refers to something that does not exist."""
 
 

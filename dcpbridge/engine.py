@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import pickle
 import traceback
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from dcpbridge.errors import CheckpointError, DistributedCheckpointError
 from storage.writer import new_save_id
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ def run_save(
     of ``structure`` replaces ``cache``'s entry (with ``extra`` attached).
     """
     planner: SavePlanner
-    writer: StorageWriter
+    writer: StorageWriter | None = None
 
     def local_step() -> SavePlan:
         nonlocal planner, writer
@@ -188,6 +191,10 @@ def run_save(
         writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
         return writer.prepare_local_plan(planner.create_local_plan())
 
+    def save_writer() -> Any:
+        assert writer is not None
+        return writer
+
     local = attempt(group.rank, "plan", local_step)
     metadata: Metadata | None = None
     reply: tuple[Any, Any] | None = None
@@ -195,7 +202,7 @@ def run_save(
         # Every rank voted its structure unchanged: no plan exchange. A rank whose local
         # planning failed reports it through the results gather below.
         if not isinstance(local, Failure):
-            storage_data = writer.storage_data_for(group.rank, reuse.save_id)  # type: ignore[attr-defined]
+            storage_data = save_writer().storage_data_for(group.rank, reuse.save_id)
             reply = (storage_data, reuse.entry.planner_data)
         metadata = copy.copy(reuse.entry.metadata)
     else:
@@ -203,7 +210,7 @@ def run_save(
         def global_step(plans: list[SavePlan]) -> list[Any]:
             nonlocal metadata
             plans, metadata = planner.create_global_plan(plans)
-            plans = writer.prepare_global_plan(plans)
+            plans = save_writer().prepare_global_plan(plans)
             return [(p.storage_data, p.planner_data) for p in plans]
 
         reply = _coordinate(group, local, global_step, "plan")
@@ -212,7 +219,7 @@ def run_save(
         assert isinstance(local, SavePlan) and reply is not None
         storage_data, planner_data = reply
         plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
-        return writer.write_data(planner.finish_plan(plan), planner).wait()
+        return save_writer().write_data(planner.finish_plan(plan), planner).wait()
 
     results = local if isinstance(local, Failure) else attempt(group.rank, "write", write_step)
     gathered = group.gather(results)
@@ -222,17 +229,29 @@ def run_save(
         if not outcome:
             try:
                 assert metadata is not None
-                writer.finish(metadata=metadata, results=gathered)
+                save_writer().finish(metadata=metadata, results=gathered)
             except Exception as e:
                 outcome = [Failure.capture(group.rank, "commit", e)]
     outcome = group.broadcast(outcome)
     if outcome:
+        abort_save(writer)
         raise_failures(outcome, results, world_size=group.size)
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
     if cache is not None and reuse is None and structure is not None and reusable:
         assert reply is not None
         cache.entry = CacheEntry(structure, reply[1], metadata, extra)
     return metadata
+
+
+def abort_save(writer: StorageWriter | None) -> None:
+    """Let ``writer`` remove what it wrote for a failed save (writers without ``abort`` keep it)."""
+    abort = getattr(writer, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception as e:  # the save's own failure is what the caller must see
+        log.warning("cleaning up after a failed save failed: %s", e)
 
 
 def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, StorageReader]:

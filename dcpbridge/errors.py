@@ -16,7 +16,11 @@ from storage.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidArgumentError,
+    MissingEntryError,
     NotACheckpointError,
+    StorageError,
+    StorageFileNotFoundError,
     UnsafePathError,
 )
 
@@ -49,8 +53,10 @@ __all__ = [
     "DistributedCheckpointError",
     "HollowStateError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "InvalidShardError",
     "KeyMismatchError",
+    "MissingEntryError",
     "MissingKeysError",
     "NotACheckpointError",
     "OptimizerStateError",
@@ -58,6 +64,8 @@ __all__ = [
     "SerializationError",
     "ShapeMismatchError",
     "ShardingValidationError",
+    "StorageError",
+    "StorageFileNotFoundError",
     "UnexpectedKeysError",
     "UnsafePathError",
 ]

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
+from storage.errors import is_storage_fault, storage_error
 from storage.paths import Location
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(slots=True)
@@ -23,8 +27,42 @@ class RangeRead:
     on_done: Callable[[], None] | None = None
 
 
+def _target(arg: object) -> str | None:
+    """What a byte operation's first argument names: a path, a file, or some range reads."""
+    if isinstance(arg, str):
+        return arg
+    if isinstance(arg, Sequence) and arg and isinstance(arg[0], RangeRead):
+        paths = sorted({r.path for r in arg})
+        return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    name = getattr(arg, "name", None) or getattr(arg, "path", None)
+    return str(name) if name is not None else None
+
+
+def storage_op(op: str) -> Callable[[F], F]:
+    """Raise a storage fault of method ``op`` as ``StorageError`` naming the URL and file."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: ByteIO, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:
+                if not is_storage_fault(e):
+                    raise
+                target = _target(args[0]) if args else None
+                where = f"{self.location.url}: {op}" + (f" {target}" if target else "")
+                raise storage_error(where, e) from e
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
 class ByteIO:
-    """Storage-specific byte operations; ``for_location`` picks the implementation."""
+    """Storage-specific byte operations; ``for_location`` picks the implementation.
+
+    Every operation raises storage faults as ``StorageError`` naming the location and file.
+    """
 
     def __init__(self, location: Location) -> None:
         self.location = location
@@ -40,25 +78,32 @@ class ByteIO:
             return S3ByteIO(location)
         return ByteIO(location)
 
+    @storage_op("create directory")
     def makedirs(self) -> None:
         self.fs.makedirs(self.location.root, exist_ok=True)
 
+    @storage_op("open for writing")
     def open_write(self, path: str) -> BinaryIO:
         return self.fs.open(path, "wb")
 
+    @storage_op("sync")
     def sync(self, f: BinaryIO) -> None:
         """Make ``f``'s bytes durable before the commit (no-op on object stores)."""
 
+    @storage_op("read")
     def read_file(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    @storage_op("commit")
     def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
         """Publish ``data`` under ``name`` atomically; object stores replace objects atomically."""
         self.fs.pipe_file(self.location.path(name), data)
 
+    @storage_op("look up")
     def exists(self, name: str) -> bool:
         return self.fs.exists(self.location.path(name))
 
+    @storage_op("list")
     def list_names(self) -> list[str]:
         """Plain names directly under the checkpoint root ([] if it does not exist)."""
         try:
@@ -67,10 +112,31 @@ class ByteIO:
             return []
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
+    @storage_op("list")
+    def file_sizes(self) -> dict[str, int]:
+        """Size of every file directly under the checkpoint root, from one listing."""
+        try:
+            entries = self.fs.ls(self.location.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        sizes = {}
+        for e in entries:
+            size = e.get("size", e.get("Size"))
+            if e.get("type", "file") == "file" and size is not None:
+                sizes[str(e["name"]).rstrip("/").rsplit("/", 1)[-1]] = int(size)
+        return sizes
+
+    @storage_op("look up")
+    def file_size(self, path: str) -> int:
+        """Size of one file (raises ``StorageFileNotFoundError`` if it does not exist)."""
+        return int(self.fs.size(path))
+
+    @storage_op("remove")
     def remove(self, names: Sequence[str]) -> None:
         if names:
             self.fs.rm([self.location.path(n) for n in names])
 
+    @storage_op("read")
     def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
         """Perform ``reads`` (grouped, possibly concurrently); raise the first failure."""
         by_path: dict[str, list[RangeRead]] = {}
@@ -109,16 +175,20 @@ def _fill(r: RangeRead, blob: bytes) -> None:
 class LocalByteIO(ByteIO):
     """Local disk: unbuffered writes, fsync, temp+rename commit and threaded ``preadv``."""
 
+    @storage_op("open for writing")
     def open_write(self, path: str) -> BinaryIO:
         return open(path, "wb", buffering=0)
 
+    @storage_op("sync")
     def sync(self, f: BinaryIO) -> None:
         os.fsync(f.fileno())
 
+    @storage_op("read")
     def read_file(self, path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
 
+    @storage_op("commit")
     def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
         tmp = self.location.path(temp_name)
         with open(tmp, "wb") as f:
@@ -134,6 +204,7 @@ class LocalByteIO(ByteIO):
             finally:
                 os.close(fd)
 
+    @storage_op("read")
     def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
         with _FdCache() as fds:
 

@@ -43,7 +43,8 @@ def verify_blocks(
                 f"checksum mismatch in {where}, block {index} "
                 f"(bytes {index * block_size}..{index * block_size + len(data[start : start + block_size])}"
                 f" of the item): expected {ALGORITHM} {expected[index]}, got {got}. "
-                "The file was modified or corrupted after the save."
+                "The data file, or the checksum recorded in dcpbridge.json, was modified or "
+                "corrupted after the save."
             )
 
 

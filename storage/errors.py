@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 
 class CheckpointError(Exception):
     """Base class of all dcpbridge errors (an ordinary ``Exception``, unlike DCP's)."""
@@ -25,3 +28,50 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsafePathError(CheckpointError):
     """A key or file name would place data outside the checkpoint directory."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument or setting is out of range or inconsistent (still a ``ValueError``)."""
+
+
+class MissingEntryError(CheckpointError, KeyError):
+    """A checkpoint lacks the entry asked for by name (still a ``KeyError``)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StorageError(CheckpointError, OSError):
+    """Storage I/O failed (disk, network, object store); ``__cause__`` is the original error."""
+
+
+class StorageFileNotFoundError(StorageError, FileNotFoundError):
+    """A storage operation found no file or object where it expected one."""
+
+
+def is_storage_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is an I/O failure of the storage layer (OS, fsspec, botocore, s3fs)."""
+    if isinstance(exc, CheckpointError):
+        return False
+    if isinstance(exc, OSError):
+        return True
+    return any(c.__module__.split(".")[0] in ("botocore", "aiobotocore") for c in type(exc).__mro__)
+
+
+def storage_error(where: str, exc: BaseException) -> StorageError:
+    """``exc`` as a ``StorageError`` whose message starts with ``where`` (a URL or file)."""
+    kind = StorageFileNotFoundError if isinstance(exc, FileNotFoundError) else StorageError
+    error = kind(f"{where}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+@contextlib.contextmanager
+def storage_faults(where: str | Callable[[], str]) -> Iterator[None]:
+    """Re-raise storage faults inside the block as ``StorageError`` naming ``where``."""
+    try:
+        yield
+    except Exception as e:
+        if not is_storage_fault(e):
+            raise
+        raise storage_error(where() if callable(where) else where, e) from e

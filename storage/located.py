@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from storage.backends import ByteIO
+from storage.errors import InvalidArgumentError
 from storage.paths import Location, resolve
 
 
@@ -41,7 +42,9 @@ class Located:
     @property
     def _loc(self) -> Location:
         if self.location is None:
-            raise ValueError(f"{type(self).__name__} has no checkpoint path: pass one to it")
+            raise InvalidArgumentError(
+                f"{type(self).__name__} has no checkpoint path: pass one to it"
+            )
         return self.location
 
     @property

@@ -10,7 +10,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.errors import UnsafePathError
+from storage.errors import InvalidArgumentError, UnsafePathError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
@@ -37,7 +37,7 @@ def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None 
     """Turn a local path or fsspec URL plus its options into a ``Location``."""
     text = os.fspath(url)
     if not text:
-        raise ValueError("checkpoint location is empty")
+        raise InvalidArgumentError("checkpoint location is empty")
     fs, root = fsspec.core.url_to_fs(text, **(storage_options or {}))
     if isinstance(fs, LocalFileSystem):
         root = os.path.abspath(root)

@@ -25,9 +25,20 @@ from storage.backends import ByteIO, RangeRead
 from storage.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    MissingEntryError,
     NotACheckpointError,
+    storage_faults,
 )
-from storage.format import DATA_FILE_RE, METADATA_FILE, StorageIndex, StoredItem, decode_metadata
+from storage.format import (
+    DATA_FILE_RE,
+    METADATA_FILE,
+    ItemKey,
+    StorageIndex,
+    StoredItem,
+    check_stored_ranges,
+    decode_metadata,
+    item_key,
+)
 from storage.located import Located
 from storage.paths import Location
 from storage.regions import Extent, c_strides, expand_to_blocks, narrow_box, plan_extents
@@ -93,7 +104,8 @@ def read_checkpoint_metadata(location: Location) -> Metadata:
     """
     path = location.path(METADATA_FILE)
     try:
-        key = (f"{location.fs.protocol}:{path}", _file_identity(location.fs.info(path)))
+        with storage_faults(f"{location.url}: look up {path}"):
+            key = (f"{location.fs.protocol}:{path}", _file_identity(location.fs.info(path)))
     except FileNotFoundError:
         raise diagnose_missing_metadata(ByteIO.for_location(location), location.url) from None
     with _METADATA_LOCK:
@@ -137,11 +149,16 @@ def read_object_bytes(
         raise CorruptCheckpointError(f"{location.url}: metadata has no dcpbridge storage index")
     stored = index.items.get((fqn, None))
     if stored is None:
-        raise KeyError(f"{location.url}: the checkpoint has no object {fqn!r}")
+        raise MissingEntryError(f"{location.url}: the checkpoint has no object {fqn!r}")
+    byteio = ByteIO.for_location(location)
+    path = location.path(stored.file)
+    try:
+        sizes = {stored.file: byteio.file_size(path)}
+    except FileNotFoundError:
+        sizes = {}
+    check_stored_ranges({(fqn, None): stored}, sizes, location.url)
     buf = memoryview(bytearray(stored.nbytes))
-    ByteIO.for_location(location).fetch(
-        [RangeRead(location.path(stored.file), stored.offset, buf)], threads=1
-    )
+    byteio.fetch([RangeRead(path, stored.offset, buf)], threads=1)
     check = _block_checker(index, stored, 0, f"object {fqn!r} in {stored.file}", verify)
     if check is not None:
         check(buf)
@@ -206,6 +223,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         self.thread_count = max(1, thread_count)
         self.verify_checksums = verify_checksums
         self._metadata: Metadata | None = None
+        self._file_sizes: dict[str, int] | None = None
         self.bytes_read = 0
         if path is not None:
             self.reset(path)
@@ -215,6 +233,7 @@ class FsspecCheckpointReader(Located, StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and self._relocate(checkpoint_id):
             self._metadata = None
+            self._file_sizes = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -228,7 +247,15 @@ class FsspecCheckpointReader(Located, StorageReader):
             raise CorruptCheckpointError(
                 f"{self._loc.url}: metadata has no dcpbridge storage index"
             )
+        if metadata is not self._metadata:
+            self._file_sizes = None
         self._metadata = metadata
+
+    def check_ranges(self) -> None:
+        """Refuse the checkpoint unless every item's bytes lie inside its data file (one
+        listing, kept for the reads): call it before sizing anything by the metadata."""
+        self._file_sizes = self._byteio.file_sizes()
+        check_stored_ranges(self._index.items, self._file_sizes, self._loc.url)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -238,6 +265,7 @@ class FsspecCheckpointReader(Located, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         tuning = ReadTuning.for_location(self._loc)
+        self._check_ranges(plan)
         reads: list[_Op] = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -268,6 +296,18 @@ class FsspecCheckpointReader(Located, StorageReader):
                 f"at offsets {list(index.offset or ())}"
             )
         return item
+
+    def _check_ranges(self, plan: LoadPlan) -> None:
+        """Refuse items whose bytes lie outside their data file, before any buffer is sized
+        by the metadata; file sizes come from one listing per reader."""
+        wanted: dict[ItemKey, StoredItem] = {}
+        for item in plan.items:
+            wanted[item_key(item.storage_index)] = self._stored(item.storage_index)
+        if not wanted:
+            return
+        if self._file_sizes is None:
+            self._file_sizes = self._byteio.file_sizes()
+        check_stored_ranges(wanted, self._file_sizes, self._loc.url)
 
     def _verifies(self, stored: StoredItem) -> bool:
         return _block_checker(self._index, stored, 0, "", self.verify_checksums) is not None

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from storage.errors import InvalidArgumentError
+
 
 @dataclass(frozen=True, slots=True)
 class Extent:
@@ -62,9 +64,11 @@ def plan_extents(
     """
     ndim = len(sizes)
     if len(offsets) != ndim or len(lengths) != ndim:
-        raise ValueError(f"box rank mismatch: sizes {sizes}, offsets {offsets}, lengths {lengths}")
+        raise InvalidArgumentError(
+            f"box rank mismatch: sizes {sizes}, offsets {offsets}, lengths {lengths}"
+        )
     if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)):
-        raise ValueError(f"box {offsets}+{lengths} outside chunk of sizes {sizes}")
+        raise InvalidArgumentError(f"box {offsets}+{lengths} outside chunk of sizes {sizes}")
     if math.prod(lengths) == 0:
         return []
     strides = c_strides(sizes)

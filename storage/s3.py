@@ -21,7 +21,8 @@ from typing import Any
 import s3fs.core
 from fsspec.asyn import sync
 
-from storage.backends import ByteIO, RangeRead
+from storage.backends import ByteIO, RangeRead, storage_op
+from storage.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,12 @@ class S3Transfer:
 
     def __post_init__(self) -> None:
         if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"S3 part size (default_block_size) must be between 5 MiB and 5 GiB, "
                 f"got {self.part_size}"
             )
         if self.concurrency < 1:
-            raise ValueError(f"S3 max_concurrency must be >= 1, got {self.concurrency}")
+            raise InvalidArgumentError(f"S3 max_concurrency must be >= 1, got {self.concurrency}")
 
     @staticmethod
     def from_fs(fs: Any) -> S3Transfer:
@@ -80,34 +81,47 @@ class S3ByteIO(ByteIO):
         super().__init__(location)
         self.transfer = S3Transfer.from_fs(self.fs)
 
+    @storage_op("create directory")
     def makedirs(self) -> None:
         """Object stores have no directories (and creating buckets is not ours to do)."""
 
+    @storage_op("open for writing")
     def open_write(self, path: str) -> MultipartWriter:
         return MultipartWriter(self.fs, path, self.transfer)
 
+    @storage_op("read")
     def read_file(self, path: str) -> bytes:
         """One GET (no size lookup first, and empty objects read as b"")."""
         return sync(self.fs.loop, self.fs._cat_file, path, max_concurrency=1)
 
+    @storage_op("commit")
     def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
         """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix."""
         path = self.location.path(name)
         _request(self.fs, "put_object", path, Body=data)
         self.fs.invalidate_cache(path)
 
+    @storage_op("look up")
     def exists(self, name: str) -> bool:
         self.fs.invalidate_cache(self.location.root)
         return super().exists(name)
 
+    @storage_op("list")
     def list_names(self) -> list[str]:
         self.fs.invalidate_cache(self.location.root)  # other processes write here too
         return super().list_names()
 
+    @storage_op("list")
+    def file_sizes(self) -> dict[str, int]:
+        self.fs.invalidate_cache(self.location.root)
+        return super().file_sizes()
+
+    @storage_op("remove")
     def remove(self, names: Sequence[str]) -> None:
         super().remove(names)
         self.fs.invalidate_cache(self.location.root)
 
+    @storage_op("read")
     def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
         """Ranged GETs of at most ``part_size`` bytes, ``concurrency`` (or ``threads``) at a
         time. Each read's ``on_done`` runs on s3fs's event-loop thread as soon as its bytes
@@ -217,7 +231,7 @@ class MultipartWriter:
 
     def write(self, data: Any) -> int:
         if self._closed:
-            raise ValueError(f"write to closed upload {self.path}")
+            raise InvalidArgumentError(f"write to closed upload {self.path}")
         mv = memoryview(data).cast("B")
         n = len(mv)
         while len(mv):

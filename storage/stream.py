@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, Metad
 from storage import checksum
 from storage.backends import ByteIO
 from storage.checksum import BlockHasher as _BlockHasher
+from storage.errors import InvalidArgumentError, storage_faults
 from storage.format import ItemKey, StoredItem, data_file_name, item_key
 from storage.paths import Location
 from storage.writer import CoalescingFile, new_save_id, publish
@@ -71,18 +72,21 @@ class StreamWriter:
         A tensor chunk also gives its ``sizes`` and ``dtype``."""
         key = item_key(index)
         if key in self.items:
-            raise ValueError(f"{index.fqn!r} at {list(index.offset or ())} was written twice")
-        out = self._file_for_next_item()
-        start = out.align()
-        hasher = _BlockHasher(self.checksum_block_size) if self.checksums else None
-        for part in parts:
-            part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
-            if hasher is not None:
-                hasher.update(part)
-            out.write(part)
+            raise InvalidArgumentError(
+                f"{index.fqn!r} at {list(index.offset or ())} was written twice"
+            )
+        with storage_faults(self._where):
+            out = self._file_for_next_item()
+            start = out.align()
+            hasher = _BlockHasher(self.checksum_block_size) if self.checksums else None
+            for part in parts:
+                part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
+                if hasher is not None:
+                    hasher.update(part)
+                out.write(part)
         written = out.pos - start
         if written != nbytes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{index.fqn!r} at {list(index.offset or ())}: {written} bytes written, "
                 f"{nbytes} expected"
             )
@@ -96,13 +100,17 @@ class StreamWriter:
         if self._raw is None:
             return
         assert self._out is not None
-        try:
-            self._out.flush()
-            if self.sync_files:
-                self._io.sync(self._raw)
-        finally:
-            self._raw.close()
-            self._raw = self._out = None
+        with storage_faults(self._where):
+            try:
+                self._out.flush()
+                if self.sync_files:
+                    self._io.sync(self._raw)
+            finally:
+                self._raw.close()
+                self._raw = self._out = None
+
+    def _where(self) -> str:
+        return f"{self.location.url}: write {self._name}"
 
     def __enter__(self) -> StreamWriter:
         return self

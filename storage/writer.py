@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import math
 import os
@@ -19,8 +20,10 @@ from torch.futures import Future
 
 from storage import checksum
 from storage.backends import ByteIO
+from storage.errors import InvalidArgumentError, storage_faults
 from storage.format import (
     DATA_FILE_RE,
+    ITEM_ALIGN,
     METADATA_FILE,
     TEMP_METADATA_PREFIX,
     ItemKey,
@@ -37,8 +40,7 @@ log = logging.getLogger(__name__)
 
 _SMALL_ITEM = 256 << 10
 _COALESCE_BYTES = 8 << 20
-# Items start on 64-byte boundaries so staged reads can be viewed as any dtype.
-ALIGN = 64
+ALIGN = ITEM_ALIGN
 _PADDING = memoryview(bytes(ALIGN))
 
 
@@ -146,9 +148,11 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
     ) -> None:
         if thread_count < 1:
-            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+            raise InvalidArgumentError(f"thread_count must be >= 1, got {thread_count}")
         if checksum_block_size <= 0:
-            raise ValueError(f"checksum_block_size must be > 0, got {checksum_block_size}")
+            raise InvalidArgumentError(
+                f"checksum_block_size must be > 0, got {checksum_block_size}"
+            )
         Located.__init__(self, storage_options)
         self.thread_count = thread_count
         self.sync_files = sync_files
@@ -156,6 +160,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         self.checksum_block_size = checksum_block_size
         self._save_id = ""
         self._is_coordinator = False
+        self._written: set[str] = set()
         if path is not None:
             self.reset(path)
 
@@ -194,6 +199,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         if not isinstance(target, _RankTarget):
             raise RuntimeError("plan has no storage target: prepare_global_plan did not run")
         self._save_id = target.save_id
+        self._written = set()
         buckets = split_into_files(plan.items, self.thread_count)
 
         def write_file(index: int) -> list[WriteResult]:
@@ -224,9 +230,34 @@ class FsspecCheckpointWriter(Located, StorageWriter):
             sync=self.sync_files,
         )
 
+    def abort(self) -> None:
+        """Remove the data files this rank wrote for a save that failed (best effort).
+
+        The engine calls it on every rank when any rank's write or the commit failed. Only
+        files named with this save's id are touched, so the previous checkpoint at the same
+        location stays intact; nothing is removed if the commit did land.
+        """
+        names, self._written = sorted(self._written), set()
+        if not names:
+            return
+        try:
+            if committed_save_id(self._byteio) == self._save_id:
+                return
+            present = set(self._byteio.list_names())
+            self._byteio.remove([n for n in names if n in present])
+        except Exception as e:  # cleanup must not hide the failure being reported
+            log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
+
     # -- helpers --------------------------------------------------------------------------
 
     def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
+    ) -> list[WriteResult]:
+        self._written.add(name)
+        with storage_faults(lambda: f"{self._loc.url}: write {name}"):
+            return self._write_items(name, items, planner, rank)
+
+    def _write_items(
         self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
@@ -244,7 +275,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                     mv = tensor_bytes(data)
                 expected = item_nbytes(item)
                 if item.tensor_data is not None and len(mv) != expected:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
                         f"data has {len(mv)} bytes, the plan expects {expected}"
                     )
@@ -288,7 +319,8 @@ def publish(
     sync: bool,
     makedirs: bool = False,
 ) -> None:
-    """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop stale files."""
+    """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
+    the checkpoint it replaced."""
     metadata.storage_data = StorageIndex(
         items=items,
         save_id=save_id,
@@ -300,12 +332,59 @@ def publish(
     raw = encode_metadata(metadata)
     if makedirs:
         byteio.makedirs()
+    replaced = committed_files(byteio)
     byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync)
-    remove_stale_files(byteio, save_id)
+    remove_replaced_files(byteio, replaced, save_id)
+
+
+def _committed_document(byteio: ByteIO) -> dict[str, Any] | None:
+    """The JSON of the commit file at ``byteio``'s location, or None if absent or unreadable."""
+    try:
+        doc = json.loads(byteio.read_file(byteio.location.path(METADATA_FILE)))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def committed_save_id(byteio: ByteIO) -> str | None:
+    """The save id the location's commit file names (None if there is none)."""
+    doc = _committed_document(byteio)
+    save_id = doc.get("save_id") if doc is not None else None
+    return save_id if isinstance(save_id, str) else None
+
+
+def committed_files(byteio: ByteIO) -> list[str]:
+    """Data files the location's current commit file names ([] if none or unreadable)."""
+    doc = _committed_document(byteio)
+    files = doc.get("files") if doc is not None else None
+    if not isinstance(files, list):
+        return []
+    return [f for f in files if isinstance(f, str) and DATA_FILE_RE.match(f)]
+
+
+def _save_id_of(name: str) -> str | None:
+    m = DATA_FILE_RE.match(name)
+    return m.group(3) if m else None
+
+
+def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> None:
+    """After ``save_id`` committed: delete the files of the commit it replaced, and temp files.
+
+    Data files of other save ids are left alone: they may belong to a save to this location
+    that is still running (deleting them would break its commit). A failed save removes its
+    own files; only a killed process leaves some behind.
+    """
+    try:
+        names = set(byteio.list_names())
+        stale = [n for n in replaced if n in names and _save_id_of(n) != save_id]
+        stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
+        byteio.remove(sorted(set(stale)))
+    except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
+        log.warning("could not remove replaced files in %s: %s", byteio.location.url, e)
 
 
 def remove_stale_files(byteio: ByteIO, save_id: str) -> None:
-    """Delete data files of earlier saves to this location, now that ``save_id`` is committed."""
+    """Delete every data file not of ``save_id`` (and temp files) at ``byteio``'s location."""
     try:
         stale = [
             n

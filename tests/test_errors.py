@@ -148,9 +148,10 @@ def test_not_a_checkpoint_and_incomplete_checkpoint(pool, tmp_path):
     path = str(tmp_path / "broken")
     errs = pool.run(save_failing_object, 2, path)
     assert errs[0] == errs[1] and "rank 1" in errs[0] and "bad" in errs[0]
-    assert not os.path.exists(os.path.join(path, "dcpbridge.json"))
-    assert not any(f.endswith(".bin") for f in os.listdir(path))  # refused while planning
-    with open(os.path.join(path, "__0_0.0123456789abcdef.bin"), "wb") as f:  # a killed save's
+    assert not os.path.exists(path) or os.listdir(path) == []  # refused while planning
+    # a process killed while saving leaves data without a commit file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "__0_0.0123456789abcdef.bin"), "wb") as f:
         f.write(b"\0" * 64)
     msgs = pool.run(load_any, 2, path, "IncompleteCheckpointError")
     assert msgs[0] == msgs[1] and "incomplete checkpoint" in msgs[0]

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import dcpbridge as db
 from planners import ShardedLoadPlanner, ShardedSavePlanner
 from storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from storage.format import sign_document
 from tests import layouts as L
 from tests.dist_pool import Rank
 
@@ -109,11 +110,15 @@ def test_metadata_is_json_and_cannot_point_outside_the_checkpoint(tmp_path):
     db.save({"w": db.ShardedTensor.from_box("w", torch.ones(4), (4,), (0,))}, str(tmp_path))
     meta = tmp_path / "dcpbridge.json"
     doc = json.loads(meta.read_text())
-    assert doc["format"] == "dcpbridge" and doc["version"] == 1
+    assert doc["format"] == "dcpbridge" and doc["version"] == 2
     doc["tensors"]["w"]["chunks"][0]["file"] = "../../etc/passwd"
-    meta.write_text(json.dumps(doc))
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}
+    meta.write_text(json.dumps(doc))  # edited without a matching digest
+    with pytest.raises(db.CorruptCheckpointError, match="metadata digest"):
+        db.load(tmpl, str(tmp_path))
+    meta.write_bytes(sign_document(doc))  # a digest that matches: the path is still refused
     with pytest.raises(db.UnsafePathError, match=r"\.\./\.\./etc/passwd"):
-        db.load({"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}, str(tmp_path))
+        db.load(tmpl, str(tmp_path))
 
 
 def test_plain_dcp_checkpoint_is_named_as_such(tmp_path):
