@@ -364,3 +364,30 @@ def cuda_dtensors(r: Rank, path: str) -> bool:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_dtensors_save_and_load(pool, tmp_path):
     assert pool.run(cuda_dtensors, 1, str(tmp_path / "ck")) == [True]
+
+
+# -- FSDP2 on top of tensor parallelism: strided sharding ---------------------------------------
+
+
+def save_fsdp_over_tp(r: Rank, path: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    w = model[0].weight
+    placements = [type(p).__name__ for p in w.placements]
+    db.save({"model": model.state_dict()}, path)
+    return {"placements": placements, "w": w.full_tensor(), "b": model[0].bias.full_tensor()}
+
+
+def test_fsdp2_over_tensor_parallel_strided_shards(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    results = pool.run(save_fsdp_over_tp, 4, path, default_group=True)
+    assert results[0]["placements"] == ["_StridedShard", "Shard"]
+    out = db.load({"model": {"0.weight": torch.zeros(12, 8), "0.bias": torch.zeros(12)}}, path)
+    assert torch.equal(out["model"]["0.weight"], results[0]["w"])
+    assert torch.equal(out["model"]["0.bias"], results[0]["b"])
