@@ -404,28 +404,33 @@ class Net(nn.Module):
 
 
 def build(layout: str, r: Rank | None, seed: int, lr: float) -> tuple[nn.Module, Any]:
-    """A Net in ``layout`` ("plain", "fsdp", "hsdp" or "tp") with an Adam optimizer."""
-    model = Net(seed)
-    if layout == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+    """A Net in ``layout`` (plain, fsdp, hsdp, tp or fsdp_tp) and Adam with two param groups."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
+    model = Net(seed)
+    tp_plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    if layout == "fsdp":
         mesh = mesh_for(r, (r.size,))
         fully_shard(model.fc1, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    elif layout == "hsdp":
-        from torch.distributed.fsdp import fully_shard
-
+    elif layout == "hsdp":  # replicate over the first mesh dimension, shard over the second
         fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")))
     elif layout == "tp":
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
-
-        mesh = mesh_for(r, (r.size,))
-        parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    return model, torch.optim.Adam(model.parameters(), lr=lr)
+        parallelize_module(model, mesh_for(r, (r.size,)), tp_plan)
+    elif layout == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], tp_plan)
+        fully_shard(model, mesh=mesh["dp"])
+    groups = [
+        {"params": list(model.fc1.parameters())},
+        {"params": list(model.fc2.parameters()), "lr": 2 * lr, "weight_decay": 0.125},
+    ]
+    return model, torch.optim.Adam(groups, lr=lr)
 
 
 def train(model: nn.Module, optim: Any, steps: int) -> None:
@@ -515,9 +520,15 @@ def check_e2e_keys(path: str) -> None:
     keys = stored(path)
     tensors = {k for k, v in keys.items() if v == "tensor"}
     assert tensors == MODEL_KEYS | OPTIM_KEYS | {"progress.step"}
-    assert {"app.optim.param_groups.0.lr", "progress.losses", "progress.tag"} <= set(keys)
+    assert {
+        "app.optim.param_groups.0.lr",
+        "app.optim.param_groups.1.lr",
+        "app.optim.param_groups.1.weight_decay",
+        "progress.losses",
+        "progress.tag",
+    } <= set(keys)
     assert all(
-        k.startswith(("app.optim.param_groups.0.", "progress.")) for k in keys.keys() - tensors
+        k.startswith(("app.optim.param_groups.", "progress.")) for k in keys.keys() - tensors
     )
 
 
@@ -527,6 +538,9 @@ E2E = [
     pytest.param("hsdp", 4, "fsdp", 2, id="hsdp-2x2-to-fsdp2-2"),
     pytest.param("tp", 2, "tp", 4, id="tp-2-to-tp-4"),
     pytest.param("plain", 1, "tp", 2, id="plain-1-to-tp-2"),
+    pytest.param("fsdp", 2, "hsdp", 4, id="fsdp2-2-to-hsdp-2x2"),
+    pytest.param("fsdp_tp", 4, "tp", 2, id="fsdp2xtp-2x2-to-tp-2"),
+    pytest.param("tp", 2, "fsdp_tp", 4, id="tp-2-to-fsdp2xtp-2x2"),
 ]
 
 
@@ -538,7 +552,7 @@ def test_model_and_optimizer(pool, tmp_path, save_with, load_with, src, n_src, d
     saved = pool.run(train_and_save, n_src, path, save_with, src, **world_kw(n_src))
     check_e2e_keys(path)
     loaded = pool.run(load_into, n_dst, path, load_with, dst, **world_kw(n_dst))
-    assert saved[0]["lr"] == [LR] and saved[0]["state.fc1.weight.step"] == 2
+    assert saved[0]["lr"] == [LR, 2 * LR] and saved[0]["state.fc1.weight.step"] == 2
     assert all(same(saved[0], got) for got in loaded)
 
 
