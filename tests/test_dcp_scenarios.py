@@ -85,27 +85,39 @@ def world_kw(n: int) -> dict[str, Any]:
 
 
 def plain_state(salt: int) -> dict[str, Any]:
+    v = value((4, 5), salt)
     return {
-        "w": value((4, 5), salt),
+        "w": v,
+        "wt": value((5, 6), salt).t(),  # not contiguous, saved and filled as a view
         "nested": {"b": value((7,), salt), "pair": [value((2, 2), salt), value((3,), salt)]},
         "i64": torch.arange(6, dtype=torch.int64) * (salt + 1),
-        "bf16": value((3, 2), salt).to(torch.bfloat16),
+        "bf16": v.to(torch.bfloat16),
+        "f64": v.double() / 3,
+        "c64": torch.complex(v, -v),
+        "i8": (v * 8).to(torch.int8),
+        "flags": (v * 8).to(torch.int64) % 3 == salt,
+        "scalar": torch.tensor(3.5 + salt),
+        "empty": torch.zeros(0, 3),
         "epoch": 3 + salt,
         "cfg": {"name": f"run{salt}", "betas": (0.9, 0.95)},
     }
 
 
-PLAIN_KEYS = {
-    "w": "tensor",
-    "nested.b": "tensor",
-    "nested.pair.0": "tensor",
-    "nested.pair.1": "tensor",
-    "i64": "tensor",
-    "bf16": "tensor",
+PLAIN_TENSORS = ["w", "wt", "nested.b", "nested.pair.0", "nested.pair.1", "i64", "bf16", "f64"]
+PLAIN_TENSORS += ["c64", "i8", "flags", "scalar", "empty"]
+PLAIN_KEYS = {k: "tensor" for k in PLAIN_TENSORS} | {
     "epoch": "bytes",
     "cfg.name": "bytes",
     "cfg.betas": "bytes",
 }
+
+
+def at(sd: dict[str, Any], key: str) -> Any:
+    """The value at DCP key ``key`` of ``sd`` (dict keys and list indices joined by dots)."""
+    node: Any = sd
+    for part in key.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
 
 
 def save_plain(r: Rank, path: str, kind: str) -> None:
@@ -115,13 +127,14 @@ def save_plain(r: Rank, path: str, kind: str) -> None:
 def load_plain(r: Rank, path: str, kind: str) -> bool:
     """Tensors are filled in place, objects replaced; every value equals what was saved."""
     sd = plain_state(1)
-    tensors = [sd["w"], sd["nested"]["b"], *sd["nested"]["pair"], sd["i64"], sd["bf16"]]
+    before = {k: at(sd, k) for k in PLAIN_TENSORS}
     load(sd, path, kind, r.group)
     want = plain_state(0)
-    got = [sd["w"], sd["nested"]["b"], *sd["nested"]["pair"], sd["i64"], sd["bf16"]]
-    exp = [want["w"], want["nested"]["b"], *want["nested"]["pair"], want["i64"], want["bf16"]]
-    assert all(a is b for a, b in zip(got, tensors))
-    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, exp))
+    for k in PLAIN_TENSORS:
+        got, exp = at(sd, k), at(want, k)
+        assert got is before[k], k
+        assert got.dtype == exp.dtype and got.shape == exp.shape and torch.equal(got, exp), k
+    assert not sd["wt"].is_contiguous()
     assert sd["epoch"] == 3 and sd["cfg"] == {"name": "run0", "betas": (0.9, 0.95)}
     return True
 
@@ -437,6 +450,7 @@ def train(model: nn.Module, optim: Any, steps: int) -> None:
     """Steps on the same inputs on every rank."""
     for i in range(steps):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(100 + i))
+        x = x.to(next(model.parameters()).device)
         model(x).square().sum().backward()
         optim.step()
         optim.zero_grad()
@@ -467,7 +481,7 @@ def snapshot(model: nn.Module, optim: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def full(t: torch.Tensor) -> torch.Tensor:
-        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
 
     for n, p in model.named_parameters():
         out[f"param.{n}"] = full(p)
@@ -554,6 +568,51 @@ def test_model_and_optimizer(pool, tmp_path, save_with, load_with, src, n_src, d
     loaded = pool.run(load_into, n_dst, path, load_with, dst, **world_kw(n_dst))
     assert saved[0]["lr"] == [LR, 2 * LR] and saved[0]["state.fc1.weight.step"] == 2
     assert all(same(saved[0], got) for got in loaded)
+
+
+def load_model_only(r: Rank, path: str, kind: str) -> dict[str, torch.Tensor]:
+    """Only the model of a model + optimizer checkpoint, into FSDP2 on this many ranks."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    model, _ = build("fsdp", r, seed=1, lr=0.5)
+    msd = get_model_state_dict(model)
+    load({"app": {"model": msd}}, path, kind, r.group)
+    set_model_state_dict(model, msd)
+    return {
+        k: v for k, v in snapshot(model, torch.optim.SGD(model.parameters())).items() if k != "lr"
+    }
+
+
+@planner_pairs
+def test_model_only_from_model_and_optimizer_checkpoint(pool, tmp_path, save_with, load_with):
+    """A partial load (model, no optimizer) from an FSDP2 checkpoint on 2 ranks, on 4."""
+    path = str(tmp_path / "ck")
+    saved = pool.run(train_and_save, 2, path, save_with, "fsdp")[0]
+    params = {k: v for k, v in saved.items() if k.startswith("param.")}
+    loaded = pool.run(load_model_only, 4, path, load_with, **world_kw(4))
+    assert all(same(params, got) for got in loaded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_model_and_optimizer_to_cpu_and_back(tmp_path):
+    """CUDA model + Adam state saved without a process group, loaded on CPU and on CUDA."""
+    for save_with, load_with in [(s.values[0], s.values[1]) for s in PAIRS]:
+        path = str(tmp_path / f"{save_with}-{load_with}")
+        model, optim = build("plain", None, seed=0, lr=LR)
+        model.cuda()
+        optim = torch.optim.Adam(model.parameters(), lr=LR)
+        train(model, optim, 2)
+        save({"app": App(model, optim)}, path, save_with)
+        for device in ("cpu", "cuda"):
+            other = Net(seed=1).to(device)
+            other_optim = torch.optim.Adam(other.parameters(), lr=0.5)
+            load({"app": App(other, other_optim)}, path, load_with)
+            assert next(other.parameters()).device.type == device
+            assert same(snapshot(model, optim), snapshot(other, other_optim))
 
 
 # -- no process group ----------------------------------------------------------------------------
