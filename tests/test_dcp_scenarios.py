@@ -248,50 +248,76 @@ def test_stateful_bytes_and_bytesio(pool, tmp_path, save_with, load_with):
 # -- torch.distributed._shard ShardedTensor ------------------------------------------------------
 
 ST_SHAPE = (6, 8)
-ROWS = [((0, 0), (3, 8)), ((3, 0), (3, 8))]
+# Plans: per rank, the boxes (offsets, sizes) of its local shards.
+ROWS = [[((0, 0), (3, 8))], [((3, 0), (3, 8))]]
 ROWS_SWAPPED = [ROWS[1], ROWS[0]]
-ROWS_UNEVEN = [((0, 0), (1, 8)), ((1, 0), (5, 8))]
-COLS = [((0, 2 * i), (6, 2)) for i in range(4)]
+ROWS_UNEVEN = [[((0, 0), (1, 8))], [((1, 0), (5, 8))]]
+COLS = [[((0, 2 * i), (6, 2))] for i in range(4)]
+BLOCKS = [  # two shards per rank, a checkerboard of 3 x 4 blocks
+    [((0, 0), (3, 4)), ((3, 4), (3, 4))],
+    [((0, 4), (3, 4)), ((3, 0), (3, 4))],
+]
 
 
-def torch_st(r: Rank, boxes: list, fill: bool) -> Any:
-    """A torch ShardedTensor of ST_SHAPE; rank i holds ``boxes[i]`` (the value, or zeros)."""
+def torch_st(r: Rank, plan: list, fill: bool) -> Any:
+    """A torch ShardedTensor of ST_SHAPE; rank i holds ``plan[i]`` (the value, or zeros)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard as TorchShard
     from torch.distributed._shard.sharded_tensor import init_from_local_shards
 
-    offsets, sizes = boxes[r.rank]
-    local = box(value(ST_SHAPE), offsets, sizes).clone() if fill else torch.zeros(sizes)
-    md = ShardMetadata(list(offsets), list(sizes), f"rank:{r.rank}/cpu")
-    return init_from_local_shards([TorchShard(local, md)], list(ST_SHAPE), process_group=r.group)
+    shards = []
+    for offsets, sizes in plan[r.rank]:
+        local = box(value(ST_SHAPE), offsets, sizes).clone() if fill else torch.zeros(sizes)
+        md = ShardMetadata(list(offsets), list(sizes), f"rank:{r.rank}/cpu")
+        shards.append(TorchShard(local, md))
+    return init_from_local_shards(shards, list(ST_SHAPE), process_group=r.group)
 
 
-def save_st(r: Rank, path: str, kind: str, boxes: list) -> None:
-    save({"st": torch_st(r, boxes, True), "step": 4}, path, kind, r.group)
+def save_st(r: Rank, path: str, kind: str, plan: list) -> None:
+    save({"st": torch_st(r, plan, True), "step": 4}, path, kind, r.group)
 
 
-def load_st(r: Rank, path: str, kind: str, boxes: list) -> bool:
-    st = torch_st(r, boxes, False)
+def load_st(r: Rank, path: str, kind: str, plan: list) -> bool:
+    st = torch_st(r, plan, False)
     sd = {"st": st, "step": 0}
     load(sd, path, kind, r.group)
-    (shard,) = st.local_shards()
-    md = shard.metadata
     assert sd["st"] is st and sd["step"] == 4
-    return torch.equal(shard.tensor, box(value(ST_SHAPE), md.shard_offsets, md.shard_sizes))
+    shards = st.local_shards()
+    assert len(shards) == len(plan[r.rank])
+    return all(
+        torch.equal(
+            s.tensor, box(value(ST_SHAPE), s.metadata.shard_offsets, s.metadata.shard_sizes)
+        )
+        for s in shards
+    )
 
 
 @planner_pairs
 def test_torch_sharded_tensor_plans(pool, tmp_path, save_with, load_with):
-    """Same plan, swapped and uneven plans, row-wise to column-wise, and to a plain tensor."""
+    """Same plan, swapped, uneven and multi-shard plans, row-wise to column-wise, to plain."""
     path = str(tmp_path / "ck")
     pool.run(save_st, 2, path, save_with, ROWS)
     assert stored(path) == {"st": "tensor", "step": "bytes"}
     assert pool.run(load_st, 2, path, load_with, ROWS) == [True, True]
     assert pool.run(load_st, 2, path, load_with, ROWS_SWAPPED) == [True, True]
     assert pool.run(load_st, 2, path, load_with, ROWS_UNEVEN) == [True, True]
+    assert pool.run(load_st, 2, path, load_with, BLOCKS) == [True, True]
     assert pool.run(load_st, 4, path, load_with, COLS, **world_kw(4)) == [True] * 4
     sd = {"st": torch.zeros(ST_SHAPE), "step": 0}
     load(sd, path, load_with)  # one process, no process group
+    assert torch.equal(sd["st"], value(ST_SHAPE)) and sd["step"] == 4
+
+
+@planner_pairs
+def test_torch_sharded_tensor_two_shards_per_rank(pool, tmp_path, save_with, load_with):
+    """A checkerboard plan (two local shards per rank) saved, then loaded by rows and whole."""
+    path = str(tmp_path / "ck")
+    pool.run(save_st, 2, path, save_with, BLOCKS)
+    md = db.FsspecCheckpointReader(path).read_metadata().state_dict_metadata["st"]
+    assert sorted(tuple(c.offsets) for c in md.chunks) == [(0, 0), (0, 4), (3, 0), (3, 4)]
+    assert pool.run(load_st, 2, path, load_with, ROWS) == [True, True]
+    sd = {"st": torch.zeros(ST_SHAPE), "step": 0}
+    load(sd, path, load_with)
     assert torch.equal(sd["st"], value(ST_SHAPE)) and sd["step"] == 4
 
 
