@@ -42,7 +42,7 @@ from planners.protocol import (
     is_main_replica,
     leaf_kind,
 )
-from planners.walk import Leaf, iter_leaves
+from planners.walk import Leaf, ObjPath, iter_leaves
 from storage.format import dtype_name, parse_dtype
 
 _MAX_REPORTED = 20
@@ -54,6 +54,7 @@ class LocalSummary:
 
     tensors: dict[str, tuple[Shape, str]] = field(default_factory=dict)
     objects: dict[str, tuple[str, Shape, Shape]] = field(default_factory=dict)
+    paths: dict[str, ObjPath] = field(default_factory=dict)  # DCP key -> path in the state dict
 
 
 @dataclass(slots=True)
@@ -103,6 +104,8 @@ def plan_local_writes(
     for leaf in leaves:
         value = leaf.value
         kind = leaf_kind(value)
+        if leaf.obj_path and kind in ("tensor", "dtensor", "torch_sharded", "object"):
+            out.summary.paths[leaf.path] = leaf.obj_path  # stored under its DCP key
         if kind in TENSOR_KINDS:
             for sh in tensor_boxes(leaf.path, value, kind, main=is_coordinator):
                 key = check_key(sh.key)
@@ -158,6 +161,10 @@ def _check_data(sh: TensorShard) -> None:
 def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     """Global checkpoint metadata from every rank's plan; raises if the shards do not tile.
 
+    Its ``planner_data`` holds, like DCP's, the state-dict path of every key stored under its
+    DCP key (so DCP's ``_EmptyStateDictLoadPlanner`` rebuilds the nesting), and the
+    ``"objects"`` table of ShardedObjects.
+
     Checks that ranks agree on each tensor's global shape and dtype, and (with ``validate``)
     that main replicas cover every tensor exactly once and every object grid exactly once.
     All problems are collected into one ``ShardingValidationError``.
@@ -166,10 +173,12 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     decls: dict[str, dict[tuple[Shape, str], list[int]]] = {}
     objects: dict[str, dict[str, tuple[Shape, Shape]]] = {}
     object_shapes: dict[str, dict[Shape, list[int]]] = {}
+    paths: dict[str, ObjPath] = {}
     for rank, plan in enumerate(plans):
         summary = plan.planner_data
         if not isinstance(summary, LocalSummary):
             raise TypeError(f"rank {rank}'s plan was not made by ShardedSavePlanner")
+        paths.update(summary.paths)
         for key, decl in summary.tensors.items():
             decls.setdefault(key, {}).setdefault(decl, []).append(rank)
         for uk, (key, shape, offset) in summary.objects.items():
@@ -244,7 +253,8 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
         for uk, (shape, offset) in shards.items()
         if uk in byte_writers
     }
-    return Metadata(state_dict_metadata=state, planner_data={"objects": object_table})
+    mappings: dict[str, Any] = {k: list(p) for k, p in paths.items() if k in state}
+    return Metadata(state_dict_metadata=state, planner_data={**mappings, "objects": object_table})
 
 
 def _object_grid_problems(
