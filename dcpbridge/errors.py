@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planners.errors import (
     DTypeMismatchError,
+    InvalidRequestError,
     MissingKeysError,
     PickleRefusedError,
     SerializationError,
@@ -54,6 +55,7 @@ __all__ = [
     "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
+    "InvalidRequestError",
     "InvalidShardError",
     "KeyMismatchError",
     "MissingEntryError",

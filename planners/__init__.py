@@ -5,6 +5,7 @@ from __future__ import annotations
 from planners.boxes import Placed, coverage_problems, find_gap, find_overlaps, intersect
 from planners.errors import (
     DTypeMismatchError,
+    InvalidRequestError,
     MissingKeysError,
     PickleRefusedError,
     SerializationError,
@@ -24,6 +25,7 @@ from planners.save_planner import ShardedSavePlanner, build_metadata, plan_local
 
 __all__ = [
     "DTypeMismatchError",
+    "InvalidRequestError",
     "MissingKeysError",
     "ObjectShard",
     "PickleRefusedError",

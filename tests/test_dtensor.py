@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,8 +296,9 @@ def test_replicated_dtensors_fully_parallel_and_async(pool, tmp_path, use_async)
 # -- Megatron-Core's own objects, recognised by their fields ----------------------------------------
 
 
-@pytest.mark.interop
-def test_megatron_cores_own_objects_save_and_load(tmp_path):
+def megatron_objects(r: Rank, path: str) -> None:
+    """In a pool worker: importing megatron.core registers safe globals process-wide."""
+    tmp_path = Path(path)
     from megatron.core.dist_checkpointing import mapping as mm
 
     w, b = full("w"), full("b")
@@ -322,18 +324,23 @@ def test_megatron_cores_own_objects_save_and_load(tmp_path):
             "it": 5,
         }
 
-    db.save(state(w, b, {"seed": 1}), tmp_path)
+    db.save(state(w, b, {"seed": 1}), tmp_path, process_group=r.group)
     with open(os.path.join(tmp_path, "dcpbridge.json")) as f:
         doc = json.load(f)
     assert set(doc["tensors"]) == {"w", "fac.top", "fac.bot"}  # stored as tensors, not pickled
     assert set(doc["objects"]) == {"rng/shard_0_1", "it"}
-    out = db.load(state(torch.zeros(6, 8), torch.zeros(8), None), tmp_path)
+    out = db.load(state(torch.zeros(6, 8), torch.zeros(8), None), tmp_path, process_group=r.group)
     assert torch.equal(out["w"], w) and torch.equal(out["f"], b.reshape(8, 1)[:6])
     assert out["o"] == {"seed": 1} and out["np"] == "kept" and out["it"] == 5
     flat = mm.ShardedTensor.from_rank_offsets("flat", torch.zeros(4))
     flat.flattened_range = slice(0, 2)
     with pytest.raises(db.CheckpointError, match=r"'flat'.*flattened_range"):
-        db.save({"x": flat}, tmp_path / "flat")
+        db.save({"x": flat}, tmp_path / "flat", process_group=r.group)
+
+
+@pytest.mark.interop
+def test_megatron_cores_own_objects_save_and_load(pool, tmp_path):
+    pool.run(megatron_objects, 1, str(tmp_path))
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
@@ -391,3 +398,82 @@ def test_fsdp2_over_tensor_parallel_strided_shards(pool, tmp_path):
     out = db.load({"model": {"0.weight": torch.zeros(12, 8), "0.bias": torch.zeros(12)}}, path)
     assert torch.equal(out["model"]["0.weight"], results[0]["w"])
     assert torch.equal(out["model"]["0.bias"], results[0]["b"])
+
+
+# -- torch's own DCP writer, and torch ShardedTensor <-> DTensor --------------------------------
+
+
+def save_with_torch_writer(r: Rank, path: str) -> None:
+    dcp.save(
+        dstate(mesh_of(r), SAVE_1D),
+        storage_writer=dcp.FileSystemWriter(path),
+        process_group=r.group,
+    )
+
+
+def load_dtensors_pickled_metadata(r: Rank, path: str) -> list[str]:
+    mesh = mesh_of(r)
+    template = {
+        "model": {k: distribute_tensor(torch.zeros(SHAPES[k]), mesh, p) for k, p in LOAD_1D.items()}
+    }
+    out = db.load(template, path, process_group=r.group, allow_pickle=True)
+    assert "step" not in out  # plain DCP records no common state: only what was asked
+    return [k for k, v in out["model"].items() if torch.equal(v.full_tensor(), full(k))]
+
+
+def test_torch_filesystem_writer_checkpoint_loads_into_dtensors(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    pool.run(save_with_torch_writer, 2, path)
+    assert pool.run(load_dtensors_pickled_metadata, 3, path) == [["w", "b", "u", "z"]] * 3
+
+
+def load_torch_sharded_as_dtensor(r: Rank, path: str) -> bool:
+    dt = distribute_tensor(torch.zeros(SHAPES["w"]), mesh_of(r), [Shard(1)])
+    db.load({"w": dt}, path, process_group=r.group)
+    return torch.equal(dt.full_tensor(), full("w"))
+
+
+def test_torch_sharded_tensor_checkpoint_loads_into_dtensors(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    pool.run(save_torch_sharded, 2, path)
+    assert pool.run(load_torch_sharded_as_dtensor, 3, path) == [True] * 3
+
+
+# -- bad input to save: refused on every rank, nothing written ------------------------------------
+
+
+def save_bad_input(r: Rank, path: str, case: str) -> str:
+    w = db.ShardedTensor.from_rank_offsets(
+        "w", full("w")[3 * r.rank : 3 * r.rank + 3].clone(), (0, r.rank, 2)
+    )
+    sd: dict = {"w": w}
+    if case == "reshaped data" and r.rank == 1:
+        w.data = w.data.reshape(8, 3)  # same element count, another shape
+    elif case == "dtype" and r.rank == 1:
+        w.data = w.data.double()
+    elif case == "NUL in key":
+        sd["bad\x00key"] = torch.ones(1)
+    elif case == "empty key":
+        sd[""] = torch.ones(1)
+    elif case == "duplicate chunk" and r.rank == 0:
+        sd["again"] = db.ShardedTensor.from_rank_offsets("w", w.data.clone(), (0, 0, 2))
+    with pytest.raises(db.CheckpointError) as e:
+        db.save(sd, path, process_group=r.group)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("reshaped data", "'w': data is torch.float32 of shape (8, 3), declared"),
+        ("dtype", "'w': data is torch.float64"),
+        ("NUL in key", "NUL or control characters"),
+        ("empty key", "non-empty string"),
+        ("duplicate chunk", "'w': this rank saves the chunk at [0, 0] twice"),
+    ],
+)
+def test_bad_input_refused_on_every_rank_nothing_written(pool, tmp_path, case, named):
+    path = str(tmp_path / "ck")
+    errors = pool.run(save_bad_input, 2, path, case)
+    assert all(named in e for e in errors), errors
+    assert not os.path.exists(path) or not os.listdir(path)
