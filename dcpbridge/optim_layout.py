@@ -24,12 +24,11 @@ import torch
 from dcpbridge.errors import OptimizerStateError
 from dcpbridge.mapping import LocalNonpersistentObject, StateDict
 from dcpbridge.optimizer import (
-    _LOCAL_GROUP_FIELDS,
     SHARED_KEYS,
-    _group_identity,
     _shared_value,
     _ValueType,
     restore_optim_state,
+    split_param_groups,
 )
 
 
@@ -85,14 +84,7 @@ def to_model_space(
             else:
                 shared.setdefault(name, {})[pid] = value
                 types.setdefault(pid, {})[name] = _ValueType.of(value)
-    groups: dict[str, dict[str, Any]] = {}
-    local_groups: list[tuple[str, dict[str, Any]]] = []
-    for index, group in enumerate(optim_state_dict["param_groups"]):
-        identity = _group_identity(group, index)
-        if identity in groups:
-            raise OptimizerStateError(f"two param groups share the identity {identity!r}")
-        groups[identity] = {k: v for k, v in group.items() if k not in _LOCAL_GROUP_FIELDS}
-        local_groups.append((identity, {k: group[k] for k in _LOCAL_GROUP_FIELDS if k in group}))
+    groups, local_groups = split_param_groups(optim_state_dict["param_groups"])
     out: StateDict = {"state": state, "param_groups": groups}
     if shared:
         out["shared_state"] = {k: _shared_value(k, v) for k, v in shared.items()}

@@ -175,6 +175,21 @@ def _shared_value(key: str, values: dict[int, Any]) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
+def split_param_groups(
+    param_groups: list[Mapping[str, Any]],
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
+    """Saved hyper-parameters by group identity, and each group's rank-local fields."""
+    groups: dict[str, dict[str, Any]] = {}
+    local_groups: list[tuple[str, dict[str, Any]]] = []
+    for index, group in enumerate(param_groups):
+        identity = _group_identity(group, index)
+        if identity in groups:
+            raise OptimizerStateError(f"two param groups share the identity {identity!r}")
+        groups[identity] = {k: v for k, v in group.items() if k not in _LOCAL_GROUP_FIELDS}
+        local_groups.append((identity, {k: group[k] for k in _LOCAL_GROUP_FIELDS if k in group}))
+    return groups, local_groups
+
+
 def _group_identity(group: Mapping[str, Any], index: int) -> str:
     return str(group.get(GROUP_KEY, f"#{index}"))
 
@@ -216,14 +231,7 @@ def optim_state_to_sharding_state(
             else:
                 shared.setdefault(key, {})[param_id] = value
                 types.setdefault(param_id, {})[key] = _ValueType.of(value)
-    groups: dict[str, dict[str, Any]] = {}
-    local_groups: list[tuple[str, dict[str, Any]]] = []
-    for index, group in enumerate(optim_state_dict["param_groups"]):
-        identity = _group_identity(group, index)
-        if identity in groups:
-            raise OptimizerStateError(f"two param groups share the identity {identity!r}")
-        groups[identity] = {k: v for k, v in group.items() if k not in _LOCAL_GROUP_FIELDS}
-        local_groups.append((identity, {k: group[k] for k in _LOCAL_GROUP_FIELDS if k in group}))
+    groups, local_groups = split_param_groups(optim_state_dict["param_groups"])
     optim_state_dict.clear()
     optim_state_dict["state"] = sharded
     optim_state_dict["param_groups"] = groups
