@@ -20,6 +20,7 @@ from dcpbridge.bridge import BridgeLoadPlanner, BridgeSavePlanner
 from dcpbridge.collectives import Group
 from dcpbridge.config import resolve_storage_options
 from dcpbridge.engine import Reuse, SaveCache, agree_to_reuse, run_load, run_save
+from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.formats import Format, LoadSource, open_for_load, read_megatron_common
 from dcpbridge.intake import LoadParts, SaveParts, for_load, for_save, normalize
 from dcpbridge.mapping import COMMON_KEY, ShardedStateDict, ShardedTensor, StateDict
@@ -243,7 +244,7 @@ def save(
     profile of the configuration file.
     """
     if format not in ("dcpbridge", "torch_dist"):
-        raise ValueError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
+        raise InvalidArgumentError(f"format must be 'dcpbridge' or 'torch_dist', got {format!r}")
     group = Group.resolve(process_group)
     cache = save_cache(group, validate_access_integrity, format)
     planned = _plan_save(group, cache, sharded_state_dict, fully_parallel, parallelization_group)

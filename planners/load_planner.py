@@ -342,7 +342,7 @@ class ShardedLoadPlanner(LoadPlanner):
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
         if metadata is None:
-            raise ValueError("ShardedLoadPlanner needs the checkpoint metadata")
+            raise InvalidRequestError("ShardedLoadPlanner needs the checkpoint metadata")
         self._state_dict = state_dict
         self._metadata = metadata
 

@@ -9,6 +9,8 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 from torch.distributed.tensor import DTensor
 
+from planners.errors import InvalidRequestError
+
 ReplicaId = int | tuple[int, ...]
 
 
@@ -133,7 +135,7 @@ def chunk_sizes(shard: TensorShard) -> tuple[int, ...]:
 def chunk_view(shard: TensorShard) -> torch.Tensor:
     """The shard's data with its prepended axes as leading unit dimensions."""
     if shard.data is None:
-        raise ValueError(f"ShardedTensor {shard.key!r} has no data")
+        raise InvalidRequestError(f"ShardedTensor {shard.key!r} has no data")
     data = shard.data.detach()  # Parameters are filled in place, also from reader threads
     for _ in range(shard.prepend_axis_num):
         data = data.unsqueeze(0)

@@ -177,7 +177,7 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     for rank, plan in enumerate(plans):
         summary = plan.planner_data
         if not isinstance(summary, LocalSummary):
-            raise TypeError(f"rank {rank}'s plan was not made by ShardedSavePlanner")
+            raise ShardingValidationError(f"rank {rank}'s plan was not made by ShardedSavePlanner")
         paths.update(summary.paths)
         for key, decl in summary.tensors.items():
             decls.setdefault(key, {}).setdefault(decl, []).append(rank)
