@@ -9,9 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcpbridge import fully_parallel as fp
@@ -21,9 +19,10 @@ from dcpbridge.collectives import Group
 from dcpbridge.config import resolve_storage_options
 from dcpbridge.engine import Reuse, SaveCache, agree_to_reuse, run_load, run_save
 from dcpbridge.errors import InvalidArgumentError
-from dcpbridge.formats import Format, LoadSource, open_for_load, read_megatron_common
+from dcpbridge.formats import Format, LoadSource, open_for_load
 from dcpbridge.intake import LoadParts, SaveParts, for_load, for_save, normalize
-from dcpbridge.mapping import COMMON_KEY, ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.mapping import ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.metadata import tensors_metadata
 from dcpbridge.staging import stage
 from dcpbridge.state import (
     HOLE,
@@ -133,8 +132,7 @@ def _plan_save(
     try:
         planned.parts = for_save(sharded_state_dict, group.rank)
         planned.shards = planned.parts.shards
-        common = [(k, p) for k, p in planned.parts.paths.items()] + planned.parts.empty
-        planned.structure = structure_of(planned.shards, parallel, common)
+        planned.structure = structure_of(planned.shards, parallel, planned.parts.common_layout())
     except Exception as e:
         planned.error = e
     planned.reuse = agree_to_reuse(group, cache, planned.structure)
@@ -416,8 +414,7 @@ def _load(
             verify_checksums=verify_checksums,
         )
         if isinstance(source.reader, FsspecCheckpointReader):  # the planner may allocate
-            source.reader.read_metadata()  # common tensors by their recorded sizes
-            source.reader.check_ranges()
+            source.reader.check_ranges()  # common tensors by their recorded sizes
         planner = BridgeLoadPlanner(
             parts,
             share.read if share else parts.shards,
@@ -432,9 +429,7 @@ def _load(
     assert isinstance(planner, BridgeLoadPlanner) and source is not None
     if share is not None and parallel is not None:
         fp.hand_off(parallel, share)
-    blob = planner.values.get(COMMON_KEY) if source.format != Format.TORCH_DIST else None
-    if source.format == Format.TORCH_DIST:
-        blob = read_megatron_common(source.location, allow_pickle=allow_pickle)
+    blob = source.common_state(planner.values)  # older checkpoints' one common object
     objects = source.objects(planner.shard_objects())
     result, late = planner.result(objects, blob)
     if late:  # plain tensors the common blob of an older checkpoint lacks
@@ -453,14 +448,7 @@ def load_tensors_metadata(
 ) -> dict[str, ShardedTensor]:
     """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
     options = resolve_storage_options(storage_options, profile)
-    metadata = read_checkpoint_metadata(resolve(checkpoint_dir, options))
-    out: dict[str, ShardedTensor] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            data = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
-            size, ones = tuple(md.size), (1,) * len(md.size)
-            out[key] = ShardedTensor(key, data, data.dtype, size, size, (0,) * len(size), ones)
-    return out
+    return tensors_metadata(read_checkpoint_metadata(resolve(checkpoint_dir, options)))
 
 
 def load_common_state_dict(

@@ -159,9 +159,10 @@ class LoadSource:
         return {k: unwrap_megatron_object(k, v) for k, v in loaded.items()}
 
     def common_state(self, objects: dict[str, Any]) -> Any:
-        """The checkpoint's common state: our common object, or Megatron's ``common.pt``."""
+        """The checkpoint's common state as one object: the ``__common__`` object of older
+        dcpbridge saves, or Megatron's ``common.pt``; None where entries are stored by key."""
         if self.format != Format.TORCH_DIST:
-            return objects.get(COMMON_KEY, {})
+            return objects.get(COMMON_KEY)
         return read_megatron_common(self.location, allow_pickle=self.allow_pickle)
 
 

@@ -119,6 +119,10 @@ class SaveParts:
         """These parts after staging (``async_save``): staged shards, copied common values."""
         return dataclasses.replace(self, shards=shards, objects=copy.deepcopy(self.objects))
 
+    def common_layout(self) -> tuple[Any, ...]:
+        """The common state's keys, paths and empty dicts (part of a save's structure)."""
+        return (*self.paths.items(), *self.empty)
+
     def common_table(self) -> dict[str, Any]:
         """What the metadata records so a load returns the common state whole."""
         return {

@@ -241,7 +241,6 @@ class _Legacy:
         self.values[key] = value
         if len(self.values) < len(self.keys):
             return None
-        kind = type(self.leaf.value)
 
         def build(parts: list[Any], like: Any) -> Any:
             items = [
@@ -252,7 +251,7 @@ class _Legacy:
             ]
             return tuple(items) if isinstance(like, tuple) else items
 
-        return build(self.parts, self.leaf.value) if kind in (list, tuple) else None
+        return build(self.parts, self.leaf.value)
 
 
 def _plan_box(

@@ -254,6 +254,7 @@ class FsspecCheckpointReader(Located, StorageReader):
     def check_ranges(self) -> None:
         """Refuse the checkpoint unless every item's bytes lie inside its data file (one
         listing, kept for the reads): call it before sizing anything by the metadata."""
+        self.read_metadata()
         self._file_sizes = self._byteio.file_sizes()
         check_stored_ranges(self._index.items, self._file_sizes, self._loc.url)
 
