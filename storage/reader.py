@@ -224,6 +224,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         self.verify_checksums = verify_checksums
         self._metadata: Metadata | None = None
         self._file_sizes: dict[str, int] | None = None
+        self._all_ranges_checked = False  # check_ranges ran for the current metadata
         self.bytes_read = 0
         if path is not None:
             self.reset(path)
@@ -234,6 +235,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         if checkpoint_id is not None and self._relocate(checkpoint_id):
             self._metadata = None
             self._file_sizes = None
+            self._all_ranges_checked = False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -249,6 +251,7 @@ class FsspecCheckpointReader(Located, StorageReader):
             )
         if metadata is not self._metadata:
             self._file_sizes = None
+            self._all_ranges_checked = False
         self._metadata = metadata
 
     def check_ranges(self) -> None:
@@ -257,6 +260,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         self.read_metadata()
         self._file_sizes = self._byteio.file_sizes()
         check_stored_ranges(self._index.items, self._file_sizes, self._loc.url)
+        self._all_ranges_checked = True
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -301,6 +305,8 @@ class FsspecCheckpointReader(Located, StorageReader):
     def _check_ranges(self, plan: LoadPlan) -> None:
         """Refuse items whose bytes lie outside their data file, before any buffer is sized
         by the metadata; file sizes come from one listing per reader."""
+        if self._all_ranges_checked:
+            return
         wanted: dict[ItemKey, StoredItem] = {}
         for item in plan.items:
             wanted[item_key(item.storage_index)] = self._stored(item.storage_index)
