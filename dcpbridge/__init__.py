@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from dcpbridge.api import async_save, load, load_common_state_dict, load_tensors_metadata, save
-from dcpbridge.async_save import AsyncSaveHandle
-from dcpbridge.config import ConfigError, load_config
+from dcpbridge.engine.api import (
+    async_save,
+    load,
+    load_common_state_dict,
+    load_tensors_metadata,
+    save,
+)
+from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -30,22 +36,7 @@ from dcpbridge.errors import (
     UnexpectedKeysError,
     UnsafePathError,
 )
-from dcpbridge.export import export_safetensors, export_torch
-from dcpbridge.key_map import KeyMap
-from dcpbridge.layout import Layout, LayoutError, load_layout, parse_layout
-from dcpbridge.mapping import (
-    LocalNonpersistentObject,
-    ShardedObject,
-    ShardedStateDict,
-    ShardedTensor,
-    ShardedTensorFactory,
-    StateDict,
-    apply_factories,
-    apply_factory_merges,
-)
-from dcpbridge.metadata import load_plain_tensors, load_sharded_metadata, remove_sharded_tensors
-from dcpbridge.optim_layout import from_model_space, to_model_space
-from dcpbridge.optimizer import (
+from dcpbridge.mcore.optimizer import (
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
     init_optimizer_state,
@@ -55,20 +46,39 @@ from dcpbridge.optimizer import (
     optimizer_sharded_state_dict,
     restore_optim_state,
 )
-from dcpbridge.param_groups import OptimizerConfig, ParamKey, get_optimizer, get_param_groups
-from dcpbridge.reshard import reshard
-from dcpbridge.sharding import (
+from dcpbridge.mcore.param_groups import OptimizerConfig, ParamKey, get_optimizer, get_param_groups
+from dcpbridge.mcore.sharding import (
     DistModule,
     DistributedKeys,
     broadcast_and_shard_state_dict,
     load_state_dict,
     shard_broadcasted_state_dict,
 )
-from dcpbridge.sources import open_source
-from dcpbridge.strict import StrictHandling
-from dcpbridge.tensor_aware_state_dict import ShardDistribution, TensorAwareStateDict
-from planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
-from storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.mcore.tensor_aware_state_dict import ShardDistribution, TensorAwareStateDict
+from dcpbridge.model.key_map import KeyMap
+from dcpbridge.model.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from dcpbridge.model.optim_layout import from_model_space, to_model_space
+from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
+from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.tools.config import ConfigError, load_config
+from dcpbridge.tools.export import export_safetensors, export_torch
+from dcpbridge.tools.layout import Layout, LayoutError, load_layout, parse_layout
+from dcpbridge.tools.metadata import (
+    load_plain_tensors,
+    load_sharded_metadata,
+    remove_sharded_tensors,
+)
+from dcpbridge.tools.reshard import reshard
+from dcpbridge.tools.sources import open_source
 
 __version__ = "0.1.0"
 

@@ -135,7 +135,7 @@ rules:
 def cli(*args: str) -> None:
     """Run the ``dcpbridge`` command as a user would, echoing it and its output."""
     print(f"\n$ dcpbridge {' '.join(args)}", flush=True)
-    subprocess.run([sys.executable, "-m", "dcpbridge.cli", *args], check=True)
+    subprocess.run([sys.executable, "-m", "dcpbridge.tools.cli", *args], check=True)
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planners.errors import (
+from dcpbridge.planners.errors import (
     DTypeMismatchError,
     InvalidRequestError,
     MissingKeysError,
@@ -12,7 +12,7 @@ from planners.errors import (
     ShardingValidationError,
     UnexpectedKeysError,
 )
-from storage.errors import (
+from dcpbridge.storage.errors import (
     CheckpointError,
     ChecksumMismatchError,
     CorruptCheckpointError,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planners.boxes import Placed, coverage_problems, find_gap, find_overlaps, intersect
-from planners.errors import (
+from dcpbridge.planners.boxes import Placed, coverage_problems, find_gap, find_overlaps, intersect
+from dcpbridge.planners.errors import (
     DTypeMismatchError,
     InvalidRequestError,
     MissingKeysError,
@@ -13,15 +13,15 @@ from planners.errors import (
     ShardingValidationError,
     UnexpectedKeysError,
 )
-from planners.load_planner import (
+from dcpbridge.planners.load_planner import (
     ShardedLoadPlanner,
     StrictMode,
     load_object,
     plan_local_reads,
     plan_tensor_reads,
 )
-from planners.protocol import ObjectShard, TensorShard, is_main_replica
-from planners.save_planner import ShardedSavePlanner, build_metadata, plan_local_writes
+from dcpbridge.planners.protocol import ObjectShard, TensorShard, is_main_replica
+from dcpbridge.planners.save_planner import ShardedSavePlanner, build_metadata, plan_local_writes
 
 __all__ = [
     "DTypeMismatchError",

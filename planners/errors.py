@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.errors import CheckpointError
+from dcpbridge.storage.errors import CheckpointError
 
 
 class ShardingValidationError(CheckpointError):

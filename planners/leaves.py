@@ -14,8 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from planners.errors import SerializationError
-from planners.protocol import LeafKind, LocalBox, TensorShard
+from dcpbridge.planners.errors import SerializationError
+from dcpbridge.planners.protocol import LeafKind, LocalBox, TensorShard
 
 TENSOR_KINDS = frozenset({"tensor", "dtensor", "torch_sharded", "tensor_shard"})
 

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from planners.boxes import Shape, fmt_box, intersect, sweep_dim
-from planners.errors import (
+from dcpbridge.planners.boxes import Shape, fmt_box, intersect, sweep_dim
+from dcpbridge.planners.errors import (
     DTypeMismatchError,
     InvalidRequestError,
     MissingKeysError,
@@ -31,11 +31,11 @@ from planners.errors import (
     ShapeMismatchError,
     UnexpectedKeysError,
 )
-from planners.leaves import TENSOR_KINDS, refuse, tensor_boxes
-from planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
-from planners.walk import Leaf, iter_leaves
-from storage.errors import CorruptCheckpointError
-from storage.regions import narrow_box
+from dcpbridge.planners.leaves import TENSOR_KINDS, refuse, tensor_boxes
+from dcpbridge.planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
+from dcpbridge.planners.walk import Leaf, iter_leaves
+from dcpbridge.storage.errors import CorruptCheckpointError
+from dcpbridge.storage.regions import narrow_box
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
 _INDEX_THRESHOLD = 32

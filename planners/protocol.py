@@ -9,7 +9,7 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 from torch.distributed.tensor import DTensor
 
-from planners.errors import InvalidRequestError
+from dcpbridge.planners.errors import InvalidRequestError
 
 ReplicaId = int | tuple[int, ...]
 

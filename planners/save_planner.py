@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from planners.boxes import Placed, Shape, coverage_problems
-from planners.errors import SerializationError, ShardingValidationError
-from planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
-from planners.protocol import (
+from dcpbridge.planners.boxes import Placed, Shape, coverage_problems
+from dcpbridge.planners.errors import SerializationError, ShardingValidationError
+from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
+from dcpbridge.planners.protocol import (
     ObjectShard,
     TensorShard,
     chunk_sizes,
@@ -42,8 +42,8 @@ from planners.protocol import (
     is_main_replica,
     leaf_kind,
 )
-from planners.walk import Leaf, ObjPath, iter_leaves
-from storage.format import dtype_name, parse_dtype
+from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
+from dcpbridge.storage.format import dtype_name, parse_dtype
 
 _MAX_REPORTED = 20
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping, Mutable
 from dataclasses import dataclass
 from typing import Any
 
-from planners.errors import SerializationError
-from planners.protocol import is_sharded_meta, keeps_list_recursing
+from dcpbridge.planners.errors import SerializationError
+from dcpbridge.planners.protocol import is_sharded_meta, keeps_list_recursing
 
 PathItem = str | int
 ObjPath = tuple[PathItem, ...]

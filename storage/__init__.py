@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.errors import (
+from dcpbridge.storage.errors import (
     CheckpointError,
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -14,10 +14,10 @@ from storage.errors import (
     StorageFileNotFoundError,
     UnsafePathError,
 )
-from storage.format import FORMAT_VERSION, METADATA_FILE, StorageIndex, StoredItem
-from storage.paths import Location, resolve
-from storage.reader import FsspecCheckpointReader, read_checkpoint_metadata
-from storage.writer import FsspecCheckpointWriter
+from dcpbridge.storage.format import FORMAT_VERSION, METADATA_FILE, StorageIndex, StoredItem
+from dcpbridge.storage.paths import Location, resolve
+from dcpbridge.storage.reader import FsspecCheckpointReader, read_checkpoint_metadata
+from dcpbridge.storage.writer import FsspecCheckpointWriter
 
 __all__ = [
     "FORMAT_VERSION",

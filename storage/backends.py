@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
-from storage.errors import is_storage_fault, storage_error
-from storage.paths import Location
+from dcpbridge.storage.errors import is_storage_fault, storage_error
+from dcpbridge.storage.paths import Location
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -73,7 +73,7 @@ class ByteIO:
         if location.is_local:
             return LocalByteIO(location)
         if _is_s3(location.fs):
-            from storage.s3 import S3ByteIO
+            from dcpbridge.storage.s3 import S3ByteIO
 
             return S3ByteIO(location)
         return ByteIO(location)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from storage.errors import ChecksumMismatchError
+from dcpbridge.storage.errors import ChecksumMismatchError
 
 ALGORITHM = "xxh3_64"
 DEFAULT_BLOCK_SIZE = 1 << 20

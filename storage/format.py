@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from storage.errors import CorruptCheckpointError, InvalidArgumentError, UnsafePathError
-from storage.paths import check_file_name
+from dcpbridge.storage.errors import CorruptCheckpointError, InvalidArgumentError, UnsafePathError
+from dcpbridge.storage.paths import check_file_name
 
 FORMAT_NAME = "dcpbridge"
 # 2: the document ends with a digest of itself. 1 (no digest) still loads.

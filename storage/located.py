@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from storage.backends import ByteIO
-from storage.errors import InvalidArgumentError
-from storage.paths import Location, resolve
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.errors import InvalidArgumentError
+from dcpbridge.storage.paths import Location, resolve
 
 
 class Located:

@@ -10,7 +10,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.errors import InvalidArgumentError, UnsafePathError
+from dcpbridge.storage.errors import InvalidArgumentError, UnsafePathError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 

@@ -20,16 +20,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from storage import checksum
-from storage.backends import ByteIO, RangeRead
-from storage.errors import (
+from dcpbridge.storage import checksum
+from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MissingEntryError,
     NotACheckpointError,
     storage_faults,
 )
-from storage.format import (
+from dcpbridge.storage.format import (
     DATA_FILE_RE,
     METADATA_FILE,
     ItemKey,
@@ -39,9 +39,9 @@ from storage.format import (
     decode_metadata,
     item_key,
 )
-from storage.located import Located
-from storage.paths import Location
-from storage.regions import Extent, c_strides, expand_to_blocks, narrow_box, plan_extents
+from dcpbridge.storage.located import Located
+from dcpbridge.storage.paths import Location
+from dcpbridge.storage.regions import Extent, c_strides, expand_to_blocks, narrow_box, plan_extents
 
 # Reads smaller than this are merged with their neighbours into one request.
 _SMALL_READ = 1 << 20

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storage.errors import InvalidArgumentError
+from dcpbridge.storage.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from typing import Any
 import s3fs.core
 from fsspec.asyn import sync
 
-from storage.backends import ByteIO, RangeRead, storage_op
-from storage.errors import InvalidArgumentError
+from dcpbridge.storage.backends import ByteIO, RangeRead, storage_op
+from dcpbridge.storage.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from typing import BinaryIO
 import torch
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex
 
-from storage import checksum
-from storage.backends import ByteIO
-from storage.checksum import BlockHasher as _BlockHasher
-from storage.errors import InvalidArgumentError, storage_faults
-from storage.format import ItemKey, StoredItem, data_file_name, item_key
-from storage.paths import Location
-from storage.writer import CoalescingFile, new_save_id, publish
+from dcpbridge.storage import checksum
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.checksum import BlockHasher as _BlockHasher
+from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
+from dcpbridge.storage.format import ItemKey, StoredItem, data_file_name, item_key
+from dcpbridge.storage.paths import Location
+from dcpbridge.storage.writer import CoalescingFile, new_save_id, publish
 
 __all__ = ["StreamWriter", "commit", "new_save_id"]
 

@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from storage import checksum
-from storage.backends import ByteIO
-from storage.errors import InvalidArgumentError, storage_faults
-from storage.format import (
+from dcpbridge.storage import checksum
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
+from dcpbridge.storage.format import (
     DATA_FILE_RE,
     ITEM_ALIGN,
     METADATA_FILE,
@@ -34,7 +34,7 @@ from storage.format import (
     item_key,
     temp_metadata_name,
 )
-from storage.located import Located
+from dcpbridge.storage.located import Located
 
 log = logging.getLogger(__name__)
 

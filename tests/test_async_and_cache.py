@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge import api, collectives
-from storage import read_checkpoint_metadata, resolve
+from dcpbridge.engine import api, collectives
+from dcpbridge.storage import read_checkpoint_metadata, resolve
 from tests import layouts as L
 from tests.dist_pool import Rank
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from planners import ShardedLoadPlanner
-from storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.planners import ShardedLoadPlanner
+from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from tests import layouts as L
 from tests.backends import Backend
 from tests.dist_pool import Rank

@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 import dcpbridge as db
-from dcpbridge import cli
-from storage.backends import LocalByteIO
+from dcpbridge.storage.backends import LocalByteIO
+from dcpbridge.tools import cli
 from tests import layouts as L
 from tests.dist_pool import Rank
 from tests.test_reshard import COMMON, save_layout
 
 _SCRIPT = shutil.which("dcpbridge", path=os.path.dirname(sys.executable))
-COMMAND = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "dcpbridge.cli"]
+COMMAND = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "dcpbridge.tools.cli"]
 
 # rank = pp * 2 + tp
 LAYOUT = """\

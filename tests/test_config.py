@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.config import (
+from dcpbridge.tools.config import (
     ConfigError,
     StorageOptions,
     config_path,

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import dcpbridge as db
-from planners.walk import iter_leaves
-from storage.reader import _byte_view
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage.reader import _byte_view
 
 
 def nested() -> dict:
@@ -216,7 +216,7 @@ def test_reader_writes_through_raw_pointers_only_into_plain_tensors():
 
 def test_older_common_blob_still_loads(tmp_path):
     """Checkpoints of dcpbridge < 0.2 kept the common state as one ``__common__`` object."""
-    from dcpbridge.bridge import BridgeSavePlanner
+    from dcpbridge.engine.bridge import BridgeSavePlanner
 
     w = db.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))
     blob = {"iteration": 3, "rng": torch.arange(2), "cfg": {"lr": 0.1}}

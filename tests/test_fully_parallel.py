@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
-from dcpbridge import api, collectives
-from planners.distribution import Holding, distribute
+from dcpbridge.engine import api, collectives
+from dcpbridge.planners.distribution import Holding, distribute
 from tests import layouts as L
 from tests.dist_pool import Rank
 

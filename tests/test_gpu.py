@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.staging import StagingArea, stage
+from dcpbridge.engine.staging import StagingArea, stage
 
 pytestmark = [
     pytest.mark.gpu,

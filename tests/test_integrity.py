@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
-from storage.format import sign_document
+from dcpbridge.storage.format import sign_document
 from tests import layouts as L
 from tests.dist_pool import Rank
 

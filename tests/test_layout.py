@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from dcpbridge.layout import LayoutError, TargetBox, load_layout, parse_layout
+from dcpbridge.tools.layout import LayoutError, TargetBox, load_layout, parse_layout
 
 MESH = {
     "mesh": {"pp": 2, "dp": 2, "tp": 2},
@@ -126,9 +126,9 @@ def test_the_documented_examples_parse(tmp_path):
     """The YAML examples in the module docs (shown by ``--help``) are valid as written."""
     import yaml
 
-    from dcpbridge import config as config_mod
-    from dcpbridge import layout as layout_mod
-    from dcpbridge.config import parse_config
+    from dcpbridge.tools import config as config_mod
+    from dcpbridge.tools import layout as layout_mod
+    from dcpbridge.tools.config import parse_config
 
     def example(module) -> str:
         doc = module.__doc__

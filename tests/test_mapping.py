@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.state import HOLE, apply_factories, extract, fill_holes, is_sharded, merge
+from dcpbridge.model.state import HOLE, apply_factories, extract, fill_holes, is_sharded, merge
 
 
 def test_from_rank_offsets_even_split_with_prepended_axis():

@@ -10,7 +10,7 @@ import torch
 
 import dcpbridge as db
 from dcpbridge import dist_checkpointing as dc
-from dcpbridge.strict import STRICT_VALUES, decide, parse_strict
+from dcpbridge.engine.strict import STRICT_VALUES, decide, parse_strict
 from tests import megatron_cpu as M
 from tests.dist_pool import Rank
 
@@ -143,7 +143,7 @@ def test_strict_policies_end_to_end(ckpt, caplog):
     assert missing == set() and unexpected == {"ghost"}
     assert set(db.load(tmpl(), ckpt, strict="ignore_all")) == {"a", "rng", "iteration"}
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dcpbridge.strict"):
+    with caplog.at_level(logging.WARNING, logger="dcpbridge.engine.strict"):
         out = db.load(tmpl(), ckpt, strict="LOG_ALL")
     assert isinstance(out, dict) and "'ghost'" in caplog.text and "'b.x'" in caplog.text
     for policy in ("raise_missing", "assume_ok_unexpected", "raise_unexpected"):

@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import dcpbridge as db
-from dcpbridge.layout import parse_layout, whole_tensors
-from dcpbridge.reshard import WorkItem, assign, plan_work, reshard, slabs
-from dcpbridge.sources import open_source
-from planners import ShardedSavePlanner
+from dcpbridge.planners import ShardedSavePlanner
+from dcpbridge.tools.layout import parse_layout, whole_tensors
+from dcpbridge.tools.reshard import WorkItem, assign, plan_work, reshard, slabs
+from dcpbridge.tools.sources import open_source
 from tests import layouts as L
 from tests.dist_pool import Rank
 from tests.test_cli import COMMAND
@@ -55,7 +55,7 @@ def test_assign_balances_bytes_deterministically():
 
 def reshard_on_workers(r: Rank, src: str, dst: str, layout_doc: dict) -> tuple[int, str | None]:
     """Every worker runs ``reshard``; returns (files written by this worker, error text)."""
-    from dcpbridge.collectives import Group
+    from dcpbridge.engine.collectives import Group
 
     source = open_source(src)
     try:
@@ -116,7 +116,7 @@ def test_torchrun_workers(tmp_path):
         [
             *cmd,
             "-m",
-            "dcpbridge.cli",
+            "dcpbridge.tools.cli",
             "reshard",
             src,
             dst,

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import dcpbridge as db
-from dcpbridge.mapping import LocalNonpersistentObject
-from dcpbridge.state import apply_factories, extract, is_nonpersistent, is_sharded
+from dcpbridge.model.mapping import LocalNonpersistentObject
+from dcpbridge.model.state import apply_factories, extract, is_nonpersistent, is_sharded
 
 
 class Net(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcpbridge as db
-from planners import (
+from dcpbridge.planners import (
     Placed,
     ShardingValidationError,
     build_metadata,
@@ -19,8 +19,8 @@ from planners import (
     plan_local_reads,
     plan_local_writes,
 )
-from planners.walk import iter_leaves
-from storage.regions import expand_to_blocks, plan_extents
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage.regions import expand_to_blocks, plan_extents
 
 
 def _grid(rows: int, cols: int, r: int, c: int) -> list[Placed]:

@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from storage.backends import ByteIO, RangeRead
-from storage.paths import resolve
-from storage.s3 import MultipartWriter, S3ByteIO, S3Transfer
+from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage.paths import resolve
+from dcpbridge.storage.s3 import MultipartWriter, S3ByteIO, S3Transfer
 from tests.s3_server import DEAD_ENDPOINT
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

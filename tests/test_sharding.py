@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcpbridge as db
-from dcpbridge import collectives
-from dcpbridge.layout import even_pieces
-from dcpbridge.sharding import TensorInfo, _device_for, plan_broadcasts
+from dcpbridge.engine import collectives
+from dcpbridge.mcore.sharding import TensorInfo, _device_for, plan_broadcasts
+from dcpbridge.tools.layout import even_pieces
 from tests import layouts as L
 from tests.dist_pool import Rank
 

@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from planners import ShardedLoadPlanner, ShardedSavePlanner
-from storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from storage.format import sign_document
+from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
+from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.storage.format import sign_document
 from tests import layouts as L
 from tests.dist_pool import Rank
 

@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dcpbridge as db
-from storage import checksum, resolve
-from storage.format import METADATA_FILE
-from storage.stream import StreamWriter, _BlockHasher, commit, new_save_id
-from storage.writer import tensor_bytes
+from dcpbridge.storage import checksum, resolve
+from dcpbridge.storage.format import METADATA_FILE
+from dcpbridge.storage.stream import StreamWriter, _BlockHasher, commit, new_save_id
+from dcpbridge.storage.writer import tensor_bytes
 
 
 def _parts(t: torch.Tensor, sizes: list[int]) -> list[memoryview]:

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
-from dcpbridge import collectives
-from dcpbridge import fully_parallel as fp
-from dcpbridge.restore_plan import Manifest, ShardMeta, plan_restore
-from planners.distribution import Holding, distribute
+from dcpbridge.engine import collectives
+from dcpbridge.engine import fully_parallel as fp
+from dcpbridge.mcore.restore_plan import Manifest, ShardMeta, plan_restore
+from dcpbridge.planners.distribution import Holding, distribute
 from tests import layouts as L
 from tests.dist_pool import Rank
 from tests.test_errors import _expect

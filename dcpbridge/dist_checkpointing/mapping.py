@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dcpbridge.dist_checkpointing.core import CheckpointingException
-from dcpbridge.mapping import (
+from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ReplicaId,
     ShardedObject,

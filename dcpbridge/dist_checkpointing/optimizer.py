@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dcpbridge.optimizer import (
+from dcpbridge.mcore.optimizer import (
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,

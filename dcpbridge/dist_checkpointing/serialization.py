@@ -20,14 +20,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dcpbridge import api, metadata
-from dcpbridge.async_save import AsyncSaveHandle
 from dcpbridge.dist_checkpointing.strategies import LoadStrategy, SaveStrategy
+from dcpbridge.engine import api
+from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import CheckpointError
-from dcpbridge.formats import detect
-from dcpbridge.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from dcpbridge.strict import StrictHandling
-from storage import resolve
+from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.storage import resolve
+from dcpbridge.tools import metadata
+from dcpbridge.tools.formats import detect
 
 PathLike = str | os.PathLike[str]
 CONTENT_METADATA_KEY = "content_metadata"
@@ -115,7 +116,7 @@ def load(
     **options: Any,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Megatron's ``load``: every rank calls it; ``strict`` has Megatron's meaning and
-    return shape (``dcpbridge.strict``). Any sharded format dcpbridge reads loads."""
+    return shape (``dcpbridge.engine.strict``). Any sharded format dcpbridge reads loads."""
     _, parallel = _strategy(sharded_strategy, "sharded_strategy")
     _common_strategy(common_strategy)
     return api.load(sharded_state_dict, checkpoint_dir, strict=strict, **{**parallel, **options})

@@ -1,10 +1,10 @@
-"""Megatron-Core's ``dist_checkpointing.validation`` strict names (semantics: ``dcpbridge.strict``)."""
+"""Megatron-Core's ``dist_checkpointing.validation`` strict names (semantics: ``dcpbridge.engine.strict``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dcpbridge.strict import StrictHandling, parse_strict
+from dcpbridge.engine.strict import StrictHandling, parse_strict
 
 
 def parse_strict_flag(strict: Any) -> StrictHandling:

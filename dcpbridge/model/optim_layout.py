@@ -3,7 +3,7 @@
 torch keys optimizer state by parameter (``state.<fqn>.<name>`` from
 ``torch.distributed.checkpoint.state_dict.get_state_dict``, or integer ids with
 ``param_names`` from ``optimizer.state_dict()``); dcpbridge's Megatron-style helpers
-(``dcpbridge.optimizer``) key it by state name and model key (``optimizer.state.<name>.<model
+(``dcpbridge.mcore.optimizer``) key it by state name and model key (``optimizer.state.<name>.<model
 key>``), store ``step`` once (``optimizer.shared_state.step``) and the param groups'
 hyper-parameters by group identity (``optimizer.param_groups.<identity>.<hyper-parameter>``).
 ``to_model_space`` rearranges the first into the second without copying any tensor (DTensors
@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import OptimizerStateError
-from dcpbridge.mapping import LocalNonpersistentObject, StateDict
-from dcpbridge.optimizer import (
+from dcpbridge.mcore.optimizer import (
     SHARED_KEYS,
     _shared_value,
     _ValueType,
     restore_optim_state,
     split_param_groups,
 )
+from dcpbridge.model.mapping import LocalNonpersistentObject, StateDict
 
 
 def _names_by_id(optim_state_dict: StateDict) -> dict[Any, str]:

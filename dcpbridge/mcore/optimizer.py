@@ -29,14 +29,14 @@ import torch
 from torch import nn
 
 from dcpbridge.errors import OptimizerStateError
-from dcpbridge.mapping import (
+from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
     StateDict,
 )
-from dcpbridge.state import leaves
+from dcpbridge.model.state import leaves
 
 KEEP_VARS_HINT = (
     " Make sure the model sharded state dict holds the original torch.nn.Parameters (not "

@@ -26,11 +26,11 @@ from dcpbridge.errors import (
     NotACheckpointError,
     PickleRefusedError,
 )
-from dcpbridge.mapping import COMMON_KEY
-from planners import load_object
-from storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
-from storage.backends import ByteIO
-from storage.reader import diagnose_missing_metadata
+from dcpbridge.model.mapping import COMMON_KEY
+from dcpbridge.planners import load_object
+from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.reader import diagnose_missing_metadata
 
 DCP_METADATA = ".metadata"
 MEGATRON_CONFIG = "metadata.json"

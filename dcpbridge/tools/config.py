@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcpbridge.errors import CheckpointError
-from dcpbridge.layout import Layout, LayoutError, load_layout, parse_layout, read_yaml
+from dcpbridge.tools.layout import Layout, LayoutError, load_layout, parse_layout, read_yaml
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpbridge.formats import MEGATRON_COMMON, MEGATRON_CONFIG
-from planners import ShardedSavePlanner
-from planners.save_planner import serialize_object
-from storage import METADATA_FILE, Location, resolve
-from storage.backends import ByteIO
-from storage.writer import remove_stale_files
+from dcpbridge.planners import ShardedSavePlanner
+from dcpbridge.planners.save_planner import serialize_object
+from dcpbridge.storage import METADATA_FILE, Location, resolve
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.writer import remove_stale_files
+from dcpbridge.tools.formats import MEGATRON_COMMON, MEGATRON_CONFIG
 
 MEGATRON_CHECKPOINT_CONFIG = {
     "sharded_backend": "torch_dist",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import InvalidShardError
-from planners.protocol import ReplicaId, is_main_replica
+from dcpbridge.planners.protocol import ReplicaId, is_main_replica
 
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]

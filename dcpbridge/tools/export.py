@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import CheckpointError
-from dcpbridge.formats import SAFETENSORS_INDEX
-from dcpbridge.mapping import COMMON_KEY
-from dcpbridge.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
-from dcpbridge.sources import SAFETENSORS_DTYPES, Source, TensorInfo
-from storage import resolve
-from storage.backends import ByteIO
-from storage.writer import CoalescingFile
+from dcpbridge.model.mapping import COMMON_KEY
+from dcpbridge.storage import resolve
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.writer import CoalescingFile
+from dcpbridge.tools.formats import SAFETENSORS_INDEX
+from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
+from dcpbridge.tools.sources import SAFETENSORS_DTYPES, Source, TensorInfo
 
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from dcpbridge.collectives import Group
+from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import CheckpointError, DistributedCheckpointError
-from storage.writer import new_save_id
+from dcpbridge.storage.writer import new_save_id
 
 T = TypeVar("T")
 

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcpbridge import fully_parallel as fp
-from dcpbridge.api import split_for_save, structure_of
-from dcpbridge.collectives import Group
+from dcpbridge.engine import fully_parallel as fp
+from dcpbridge.engine.api import split_for_save, structure_of
+from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import HollowStateError, InvalidShardError
-from dcpbridge.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from dcpbridge.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
-from dcpbridge.state import (
+from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
+from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.model.state import (
     HOLE,
     apply_factories,
     assemble,
@@ -36,7 +36,7 @@ from dcpbridge.state import (
     leaves,
     map_leaves,
 )
-from planners import StrictMode
+from dcpbridge.planners import StrictMode
 
 ALGOS = ("fully_parallel", "atomic")
 EXCHANGE_ALGOS = ("broadcast", "p2p")
@@ -223,7 +223,7 @@ class TensorAwareStateDict:
         parallelization_group: dist.ProcessGroup | None = None,
         strict: StrictMode | str = StrictMode.RAISE_MISSING,
     ) -> StateDict | tuple[StateDict, list[str], list[str]]:
-        """The state dict ``sharded_state_dict`` asks for, like ``load`` does from storage.
+        """The state dict ``sharded_state_dict`` asks for, like ``load`` does from dcpbridge.storage.
 
         Each requested ShardedTensor gets the kept tensor of the same key and global offset:
         this rank's own, or (``fully_parallel``, the default for a state built with it) the

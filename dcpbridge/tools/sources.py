@@ -32,7 +32,14 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcpbridge.errors import CorruptCheckpointError, NotACheckpointError, PickleRefusedError
-from dcpbridge.formats import (
+from dcpbridge.model.mapping import COMMON_KEY, ShardedTensor
+from dcpbridge.model.state import HOLE, extract, fill_holes
+from dcpbridge.planners import ShardedLoadPlanner, load_object
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.reader import read_object_bytes
+from dcpbridge.tools.formats import (
     MEGATRON_COMMON,
     MEGATRON_CONFIG,
     SAFETENSORS_INDEX,
@@ -44,13 +51,6 @@ from dcpbridge.formats import (
     refuse_pickled_metadata,
     unwrap_megatron_object,
 )
-from dcpbridge.mapping import COMMON_KEY, ShardedTensor
-from dcpbridge.state import HOLE, extract, fill_holes
-from planners import ShardedLoadPlanner, load_object
-from planners.walk import iter_leaves
-from storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
-from storage.backends import ByteIO
-from storage.reader import read_object_bytes
 
 Shape = tuple[int, ...]
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")

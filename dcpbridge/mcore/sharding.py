@@ -29,13 +29,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcpbridge.collectives import Group
-from dcpbridge.engine import Failure, attempt, raise_failures
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.drive import Failure, attempt, raise_failures
 from dcpbridge.errors import ShapeMismatchError
-from dcpbridge.formats import load_torch_file
-from dcpbridge.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from dcpbridge.state import HOLE, fill_holes, map_leaves
-from planners.walk import iter_leaves
+from dcpbridge.model.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from dcpbridge.model.state import HOLE, fill_holes, map_leaves
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.tools.formats import load_torch_file
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -118,7 +118,7 @@ def _source(path: str, leaf: Any) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(leaf, (ShardedTensorFactory, ShardedObject)):
         raise TypeError(
             f"{path!r}: a {type(leaf).__name__} cannot be cut from a full tensor; apply "
-            "factories (dcpbridge.state.apply_factories) or leave objects out of the template"
+            "factories (dcpbridge.model.state.apply_factories) or leave objects out of the template"
         )
     if isinstance(leaf, DTensor):
         bad = [p for p in leaf.placements if not isinstance(p, (Shard, Replicate))]

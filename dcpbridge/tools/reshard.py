@@ -25,14 +25,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpbridge.collectives import Group
-from dcpbridge.engine import Failure, attempt, raise_failures
-from dcpbridge.layout import Layout
-from dcpbridge.sources import Source
-from storage import Location, StoredItem, resolve
-from storage.format import ItemKey
-from storage.stream import StreamWriter, commit, new_save_id
-from storage.writer import tensor_bytes
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.drive import Failure, attempt, raise_failures
+from dcpbridge.storage import Location, StoredItem, resolve
+from dcpbridge.storage.format import ItemKey
+from dcpbridge.storage.stream import StreamWriter, commit, new_save_id
+from dcpbridge.storage.writer import tensor_bytes
+from dcpbridge.tools.layout import Layout
+from dcpbridge.tools.sources import Source
 
 Shape = tuple[int, ...]
 DEFAULT_SLAB_BYTES = 64 << 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dcpbridge.mapping import (
+from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dcpbridge.collectives import Group
-from dcpbridge.optimizer import GROUP_KEY
+from dcpbridge.engine.collectives import Group
+from dcpbridge.mcore.optimizer import GROUP_KEY
 
 DEFAULT_GROUP = "default"
 OPTIMIZERS = ("adam", "adamw", "sgd")

@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 
-from dcpbridge.mapping import (
+from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
     check_not_flattened,
 )
-from dcpbridge.state import HOLE
-from planners.errors import SerializationError
-from planners.leaves import check_key, refuse, tensor_boxes
-from planners.protocol import LeafKind, leaf_kind
-from planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
+from dcpbridge.model.state import HOLE
+from dcpbridge.planners.errors import SerializationError
+from dcpbridge.planners.leaves import check_key, refuse, tensor_boxes
+from dcpbridge.planners.protocol import LeafKind, leaf_kind
+from dcpbridge.planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
 
 Shard = ShardedTensor | ShardedObject
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcpbridge.fully_parallel import ShardId
-from dcpbridge.mapping import ShardedTensor
-from planners import (
+from dcpbridge.engine.fully_parallel import ShardId
+from dcpbridge.model.mapping import ShardedTensor
+from dcpbridge.planners import (
     DTypeMismatchError,
     MissingKeysError,
     ShapeMismatchError,

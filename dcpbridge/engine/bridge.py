@@ -15,12 +15,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcpbridge.intake import MISSING, LoadParts, Shard
-from dcpbridge.mapping import COMMON_KEY, ShardedObject, ShardedTensor
-from dcpbridge.state import merge
-from dcpbridge.strict import StrictLoadPlanner
-from planners import ShardedSavePlanner
-from planners.walk import Leaf, ObjPath, set_path
+from dcpbridge.engine.strict import StrictLoadPlanner
+from dcpbridge.model.intake import MISSING, LoadParts, Shard
+from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
+from dcpbridge.model.state import merge
+from dcpbridge.planners import ShardedSavePlanner
+from dcpbridge.planners.walk import Leaf, ObjPath, set_path
 
 COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
 

@@ -15,12 +15,12 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from dcpbridge import config as config_mod
-from dcpbridge import layout as layout_mod
-from dcpbridge.config import Config, ConfigError, load_config, parse_size, storage_options
 from dcpbridge.errors import CheckpointError
-from dcpbridge.layout import Layout, LayoutError, load_layout, whole_tensors
-from dcpbridge.report import human_bytes
+from dcpbridge.tools import config as config_mod
+from dcpbridge.tools import layout as layout_mod
+from dcpbridge.tools.config import Config, ConfigError, load_config, parse_size, storage_options
+from dcpbridge.tools.layout import Layout, LayoutError, load_layout, whole_tensors
+from dcpbridge.tools.report import human_bytes
 
 log = logging.getLogger("dcpbridge")
 
@@ -204,7 +204,7 @@ def _size(text: str | None, what: str) -> int | None:
 
 
 def _open(args: argparse.Namespace, cfg: Config, url: str, profile: str | None = None) -> Any:
-    from dcpbridge.sources import open_source
+    from dcpbridge.tools.sources import open_source
 
     return open_source(
         url,
@@ -215,7 +215,7 @@ def _open(args: argparse.Namespace, cfg: Config, url: str, profile: str | None =
 
 def _group() -> Any:
     """The torchrun process group (gloo) when launched with WORLD_SIZE > 1, else one process."""
-    from dcpbridge.collectives import Group
+    from dcpbridge.engine.collectives import Group
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Group.resolve()
@@ -248,7 +248,7 @@ def _leave_group(code: int) -> NoReturn:
 
 
 def cmd_inspect(args: argparse.Namespace, cfg: Config) -> int:
-    from dcpbridge import report
+    from dcpbridge.tools import report
 
     source = _open(args, cfg, args.checkpoint)
     try:
@@ -262,7 +262,7 @@ def cmd_inspect(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
-    from dcpbridge import report
+    from dcpbridge.tools import report
 
     source = _open(args, cfg, args.checkpoint)
     try:
@@ -297,7 +297,7 @@ def _run_reshard(
     src_profile: str | None,
     dst_profile: str | None,
 ) -> int:
-    from dcpbridge.reshard import assign, plan_work, reshard
+    from dcpbridge.tools.reshard import assign, plan_work, reshard
 
     def norm(u: str) -> str:
         return u.rstrip("/") if _is_url(u) else os.path.abspath(u)
@@ -380,7 +380,7 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
         raise UsageError("--layout applies to --to dcpbridge only")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError(f"convert --to {args.to} runs in one process, not under torchrun")
-    from dcpbridge.export import export_safetensors, export_torch
+    from dcpbridge.tools.export import export_safetensors, export_torch
 
     slab = _size(args.slab_size, "--slab-size") or 0
     source = _open(args, cfg, args.source, args.src_profile)

@@ -12,19 +12,17 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from dcpbridge import fully_parallel as fp
-from dcpbridge.async_save import AsyncSaveHandle, AsyncSaver
-from dcpbridge.bridge import BridgeLoadPlanner, BridgeSavePlanner
-from dcpbridge.collectives import Group
-from dcpbridge.config import resolve_storage_options
-from dcpbridge.engine import Reuse, SaveCache, agree_to_reuse, run_load, run_save
+from dcpbridge.engine import fully_parallel as fp
+from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
+from dcpbridge.engine.bridge import BridgeLoadPlanner, BridgeSavePlanner
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.drive import Reuse, SaveCache, agree_to_reuse, run_load, run_save
+from dcpbridge.engine.staging import stage
+from dcpbridge.engine.strict import Policy, decide, load_result, parse_strict
 from dcpbridge.errors import InvalidArgumentError
-from dcpbridge.formats import Format, LoadSource, open_for_load
-from dcpbridge.intake import LoadParts, SaveParts, for_load, for_save, normalize
-from dcpbridge.mapping import ShardedStateDict, ShardedTensor, StateDict
-from dcpbridge.metadata import tensors_metadata
-from dcpbridge.staging import stage
-from dcpbridge.state import (
+from dcpbridge.model.intake import LoadParts, SaveParts, for_load, for_save, normalize
+from dcpbridge.model.mapping import ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.model.state import (
     HOLE,
     apply_factories,
     extract,
@@ -33,18 +31,20 @@ from dcpbridge.state import (
     is_sharded,
     leaves,
 )
-from dcpbridge.strict import Policy, decide, load_result, parse_strict
-from dcpbridge.torch_dist import TorchDistSavePlanner, TorchDistWriter
-from planners import ShardedSavePlanner, StrictMode
-from planners.leaves import refuse
-from planners.protocol import leaf_kind
-from planners.walk import iter_leaves
-from storage import (
+from dcpbridge.planners import ShardedSavePlanner, StrictMode
+from dcpbridge.planners.leaves import refuse
+from dcpbridge.planners.protocol import leaf_kind
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage import (
     FsspecCheckpointReader,
     FsspecCheckpointWriter,
     read_checkpoint_metadata,
     resolve,
 )
+from dcpbridge.tools.config import resolve_storage_options
+from dcpbridge.tools.formats import Format, LoadSource, open_for_load
+from dcpbridge.tools.metadata import tensors_metadata
+from dcpbridge.tools.torch_dist import TorchDistSavePlanner, TorchDistWriter
 
 PathLike = str | os.PathLike[str]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -351,9 +351,9 @@ def load(
     factories merged, LocalNonpersistentObjects unwrapped. Plain values are common state, as
     in Megatron: the result holds the checkpoint's whole common state, template values replaced
     by the stored ones. ``strict`` takes dcpbridge's and Megatron's policies
-    (``dcpbridge.strict``); ``"return_all"`` returns Megatron's ``(state_dict, missing,
+    (``dcpbridge.engine.strict``); ``"return_all"`` returns Megatron's ``(state_dict, missing,
     unexpected)``. With ``fully_parallel``, a box several ranks of ``parallelization_group``
-    need is read from storage by one of them and sent to the others. Plain DCP and Megatron-Core
+    need is read from dcpbridge.storage by one of them and sent to the others. Plain DCP and Megatron-Core
     torch_dist directories load too, with ``allow_pickle=True`` (their metadata is a pickle);
     ``profile`` names a storage profile of the configuration file.
     """

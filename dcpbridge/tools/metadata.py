@@ -21,13 +21,19 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpbridge.config import resolve_storage_options
 from dcpbridge.errors import CheckpointError
-from dcpbridge.formats import Format, detect, open_for_load, read_megatron_common
-from dcpbridge.mapping import COMMON_KEY, ShardedObject, ShardedTensor, StateDict, parse_object_name
-from storage import METADATA_FILE, StorageIndex, read_checkpoint_metadata, resolve
-from storage.backends import ByteIO
-from storage.format import encode_metadata, temp_metadata_name
+from dcpbridge.model.mapping import (
+    COMMON_KEY,
+    ShardedObject,
+    ShardedTensor,
+    StateDict,
+    parse_object_name,
+)
+from dcpbridge.storage import METADATA_FILE, StorageIndex, read_checkpoint_metadata, resolve
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.format import encode_metadata, temp_metadata_name
+from dcpbridge.tools.config import resolve_storage_options
+from dcpbridge.tools.formats import Format, detect, open_for_load, read_megatron_common
 
 PathLike = str | os.PathLike[str]
 
@@ -113,7 +119,7 @@ def load_plain_tensors(
 
     A collective ``load`` over ``process_group``: every rank reads every tensor.
     """
-    from dcpbridge.api import load
+    from dcpbridge.engine.api import load
 
     keep = ("storage_options", "profile", "allow_pickle")
     options = {k: v for k, v in load_options.items() if k in keep}
@@ -138,7 +144,7 @@ def load_common(
         return read_megatron_common(location, allow_pickle=allow_pickle)
     if fmt == Format.DCP:
         return {}
-    from dcpbridge.api import load_common_state_dict
+    from dcpbridge.engine.api import load_common_state_dict
 
     return load_common_state_dict(
         checkpoint_dir, storage_options=options, allow_pickle=allow_pickle

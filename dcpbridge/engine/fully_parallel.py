@@ -1,7 +1,7 @@
 """Fully-parallel save and load: spread replicated shards' writes and reads over a group.
 
 Save: of the ranks of the parallelization group that hold a shard (e.g. all data-parallel
-replicas), exactly one writes it, chosen by ``planners.distribution.distribute`` from one
+replicas), exactly one writes it, chosen by ``dcpbridge.planners.distribution.distribute`` from one
 exchange of shard metadata. Load: each box several ranks need is read by one of them and sent
 point-to-point to the others that need it; a box only one rank needs is never exchanged.
 Exchanges carry failures, so a rank that failed earlier makes the others fail, not wait.
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from dcpbridge.collectives import Group
-from dcpbridge.engine import Failure, raise_failures
-from dcpbridge.mapping import ShardedTensor
-from planners.distribution import Holding, distribute, holders
-from planners.protocol import chunk_sizes, is_main_replica
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.drive import Failure, raise_failures
+from dcpbridge.model.mapping import ShardedTensor
+from dcpbridge.planners.distribution import Holding, distribute, holders
+from dcpbridge.planners.protocol import chunk_sizes, is_main_replica
 
 ShardId = tuple[str, tuple[int, ...]]
 BoxId = tuple[str, tuple[int, ...], tuple[int, ...]]

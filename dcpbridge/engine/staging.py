@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dcpbridge.mapping import ShardedObject, ShardedTensor
-from planners import is_main_replica
+from dcpbridge.model.mapping import ShardedObject, ShardedTensor
+from dcpbridge.planners import is_main_replica
 
 _ALIGN = 64
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcpbridge.errors import CheckpointError
-from dcpbridge.formats import MEGATRON_COMMON, Format
-from dcpbridge.sources import Source, _ProtocolSource
-from planners import Placed, coverage_problems
-from planners.boxes import fmt_box
-from storage import StorageIndex, checksum
-from storage.backends import ByteIO, RangeRead
+from dcpbridge.planners import Placed, coverage_problems
+from dcpbridge.planners.boxes import fmt_box
+from dcpbridge.storage import StorageIndex, checksum
+from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.tools.formats import MEGATRON_COMMON, Format
+from dcpbridge.tools.sources import Source, _ProtocolSource
 
 _VERIFY_PIECE = 64 << 20
 

@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from dcpbridge.collectives import Group, StoreGroup
-from dcpbridge.staging import BufferSet, StagingArea
+from dcpbridge.engine.collectives import Group, StoreGroup
+from dcpbridge.engine.staging import BufferSet, StagingArea
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from dcpbridge.errors import (
     ShapeMismatchError,
     UnexpectedKeysError,
 )
-from dcpbridge.mapping import COMMON_KEY, object_key
-from planners import ShardedLoadPlanner, StrictMode
+from dcpbridge.model.mapping import COMMON_KEY, object_key
+from dcpbridge.planners import ShardedLoadPlanner, StrictMode
 
 log = logging.getLogger(__name__)
 

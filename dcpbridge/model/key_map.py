@@ -20,11 +20,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dcpbridge.intake import own_tensor
-from dcpbridge.mapping import ShardedTensor, ShardedTensorFactory
-from planners.leaves import tensor_boxes
-from planners.protocol import leaf_kind
-from planners.walk import STATE_WALKER, Leaf
+from dcpbridge.model.intake import own_tensor
+from dcpbridge.model.mapping import ShardedTensor, ShardedTensorFactory
+from dcpbridge.planners.leaves import tensor_boxes
+from dcpbridge.planners.protocol import leaf_kind
+from dcpbridge.planners.walk import STATE_WALKER, Leaf
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 _OPTIMIZER_STATE = re.compile(r"(optimizer\.state\.[^.]+\.)(.+)")

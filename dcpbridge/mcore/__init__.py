@@ -1,0 +1,1 @@
+"""Megatron-Core compatibility: the seed APIs (optimizer, param groups, rank-0 sharding, tensor-aware state dict)."""
