@@ -15,6 +15,7 @@ from dcpbridge.storage.errors import is_storage_fault, storage_error
 from dcpbridge.storage.paths import Location
 
 F = TypeVar("F", bound=Callable[..., Any])
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
 @dataclass(slots=True)
@@ -27,11 +28,37 @@ class RangeRead:
     on_done: Callable[[], None] | None = None
 
 
+@dataclass(slots=True)
+class ScatterRead:
+    """One request for bytes ``[start, start + nbytes)`` of ``path``, laid out over ``parts``
+    in order (a buffer takes its length of bytes, an int skips that many); then ``on_done``."""
+
+    path: str
+    start: int
+    parts: list[memoryview | int]
+    on_done: Callable[[], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p if isinstance(p, int) else len(p) for p in self.parts)
+
+
+Read = RangeRead | ScatterRead
+
+
+def parts_of(r: Read) -> list[memoryview | int]:
+    return [r.out] if isinstance(r, RangeRead) else r.parts
+
+
+def read_size(r: Read) -> int:
+    return len(r.out) if isinstance(r, RangeRead) else r.nbytes
+
+
 def _target(arg: object) -> str | None:
     """What a byte operation's first argument names: a path, a file, or some range reads."""
     if isinstance(arg, str):
         return arg
-    if isinstance(arg, Sequence) and arg and isinstance(arg[0], RangeRead):
+    if isinstance(arg, Sequence) and arg and isinstance(arg[0], (RangeRead, ScatterRead)):
         paths = sorted({r.path for r in arg})
         return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
     name = getattr(arg, "name", None) or getattr(arg, "path", None)
@@ -127,6 +154,11 @@ class ByteIO:
         return sizes
 
     @storage_op("look up")
+    def info(self, path: str) -> dict[str, Any]:
+        """The file's listing entry (size, mtime, ETag...); raises if it does not exist."""
+        return self.fs.info(path)
+
+    @storage_op("look up")
     def file_size(self, path: str) -> int:
         """Size of one file (raises ``StorageFileNotFoundError`` if it does not exist)."""
         return int(self.fs.size(path))
@@ -137,9 +169,9 @@ class ByteIO:
             self.fs.rm([self.location.path(n) for n in names])
 
     @storage_op("read")
-    def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
+    def fetch(self, reads: Sequence[Read], threads: int) -> None:
         """Perform ``reads`` (grouped, possibly concurrently); raise the first failure."""
-        by_path: dict[str, list[RangeRead]] = {}
+        by_path: dict[str, list[Read]] = {}
         for r in reads:
             by_path.setdefault(r.path, []).append(r)
         paths, starts, ends, order = [], [], [], []
@@ -147,7 +179,7 @@ class ByteIO:
             for r in group:
                 paths.append(path)
                 starts.append(r.start)
-                ends.append(r.start + len(r.out))
+                ends.append(r.start + read_size(r))
                 order.append(r)
         blobs = self.fs.cat_ranges(paths, starts, ends, on_error="raise")
         for r, blob in zip(order, blobs):
@@ -161,13 +193,19 @@ def _is_s3(fs: object) -> bool:
     return "s3" in ((protocol,) if isinstance(protocol, str) else protocol)
 
 
-def _fill(r: RangeRead, blob: bytes) -> None:
-    if len(blob) != len(r.out):
+def _fill(r: Read, blob: bytes) -> None:
+    if len(blob) != read_size(r):
         raise OSError(
-            f"short read from {r.path}: wanted {len(r.out)} bytes at offset {r.start}, "
+            f"short read from {r.path}: wanted {read_size(r)} bytes at offset {r.start}, "
             f"got {len(blob)} (file truncated?)"
         )
-    r.out[:] = blob
+    pos = 0
+    for part in parts_of(r):
+        if isinstance(part, int):
+            pos += part
+            continue
+        part[:] = blob[pos : pos + len(part)]
+        pos += len(part)
     if r.on_done is not None:
         r.on_done()
 
@@ -205,24 +243,33 @@ class LocalByteIO(ByteIO):
                 os.close(fd)
 
     @storage_op("read")
-    def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
+    def fetch(self, reads: Sequence[Read], threads: int) -> None:
         with _FdCache() as fds:
 
-            def run(r: RangeRead) -> None:
+            def run(r: Read) -> None:
                 fd = fds.get(r.path)
-                view, pos = r.out, r.start
-                while len(view):
-                    n = os.preadv(fd, [view], pos)
+                parts = parts_of(r)
+                gap = max((p for p in parts if isinstance(p, int)), default=0)
+                skip = memoryview(bytearray(gap))  # bytes between pieces land here
+                views = [v for p in parts if len(v := skip[:p] if isinstance(p, int) else p)]
+                pos, i = r.start, 0
+                while i < len(views):
+                    n = os.preadv(fd, views[i : i + _IOV_MAX], pos)
                     if n == 0:
                         raise OSError(
                             f"short read from {r.path}: file ends before byte {pos} "
-                            f"(needed up to {r.start + len(r.out)}; file truncated?)"
+                            f"(needed up to {r.start + read_size(r)}; file truncated?)"
                         )
-                    view, pos = view[n:], pos + n
+                    pos += n
+                    while i < len(views) and n >= len(views[i]):
+                        n -= len(views[i])
+                        i += 1
+                    if n:
+                        views[i] = views[i][n:]
                 if r.on_done is not None:
                     r.on_done()
 
-            def run_all(batch: Sequence[RangeRead]) -> None:
+            def run_all(batch: Sequence[Read]) -> None:
                 for r in batch:
                     run(r)
 
@@ -258,18 +305,18 @@ class _FdCache:
                 os.close(fd)
 
 
-def _balanced_batches(reads: Sequence[RangeRead], parts: int) -> list[Sequence[RangeRead]]:
+def _balanced_batches(reads: Sequence[Read], parts: int) -> list[Sequence[Read]]:
     """Cut ``reads`` into at most ``parts`` consecutive runs of about equal bytes.
 
     One task per thread keeps per-read overhead at a loop iteration, not a pool submission.
     """
-    total = sum(len(r.out) for r in reads)
+    total = sum(read_size(r) for r in reads)
     if parts <= 1 or len(reads) <= 1 or total == 0:
         return [reads] if reads else []
     batches, start, acc = [], 0, 0
     target = total / parts
     for i, r in enumerate(reads):
-        acc += len(r.out)
+        acc += read_size(r)
         if acc >= target * (len(batches) + 1) and len(batches) < parts - 1:
             batches.append(reads[start : i + 1])
             start = i + 1

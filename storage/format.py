@@ -23,12 +23,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcpbridge.storage.checksum import item_grid
 from dcpbridge.storage.errors import CorruptCheckpointError, InvalidArgumentError, UnsafePathError
 from dcpbridge.storage.paths import check_file_name
 
 FORMAT_NAME = "dcpbridge"
-# 2: the document ends with a digest of itself. 1 (no digest) still loads.
-FORMAT_VERSION = 2
+# 3: tensor chunks' checksums cover tiles chosen from their shape (storage/checksum.py);
+# 2: the document ends with a digest of itself. 1 and 2 (flat checksum blocks) still load.
+FORMAT_VERSION = 3
 METADATA_FILE = "dcpbridge.json"
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]+)\.bin$")
 TEMP_METADATA_PREFIX = f"{METADATA_FILE}.tmp-"
@@ -86,6 +88,7 @@ class StorageIndex:
     checksum_block_size: int = 0
     world_size: int = 1
     created_unix: float = field(default_factory=time.time)
+    tiled_checksums: bool = True  # format 3 checksum tiles (False: format 2's flat blocks)
 
     def get(self, index: MetadataIndex) -> StoredItem | None:
         return self.items.get(item_key(index))
@@ -150,7 +153,7 @@ def encode_metadata(metadata: Metadata) -> bytes:
             objects[fqn] = _item_json(item)
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if index.tiled_checksums else 2,
         "save_id": index.save_id,
         "created_unix": index.created_unix,
         "world_size": index.world_size,
@@ -299,6 +302,7 @@ class _Facts:
     files: frozenset[str]
     world_size: int
     block: int
+    tiled: bool
 
 
 def _decode_item(
@@ -322,7 +326,7 @@ def _decode_item(
     rank = _int(_field(entry, "rank", what), f"{what} rank", 0, facts.world_size - 1)
     checksums = entry.get("checksums")
     if facts.block:
-        expected = max(1, -(-nbytes // facts.block))
+        expected = item_grid(nbytes, sizes, dtype, facts.block, tiled=facts.tiled).count
         if type(checksums) is not list or len(checksums) != expected:
             raise CorruptCheckpointError(
                 f"{what}: {expected} block checksums expected, found {_show(checksums)}"
@@ -370,7 +374,7 @@ def _decode_facts(doc: dict[str, Any]) -> _Facts:
             raise CorruptCheckpointError(f"files: {name!r} is not a data file of save {save_id!r}")
     if len(set(files)) != len(files):
         raise CorruptCheckpointError("files: a file is listed twice")
-    return _Facts(save_id, frozenset(files), world_size, block)
+    return _Facts(save_id, frozenset(files), world_size, block, doc.get("version", 1) >= 3)
 
 
 def _decode(doc: dict[str, Any]) -> Metadata:
@@ -396,6 +400,7 @@ def _decode(doc: dict[str, Any]) -> Metadata:
         checksum_block_size=facts.block,
         world_size=facts.world_size,
         created_unix=float(doc.get("created_unix", 0.0)),
+        tiled_checksums=facts.tiled,
     )
     return Metadata(
         state_dict_metadata=state,

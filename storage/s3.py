@@ -21,7 +21,7 @@ from typing import Any
 import s3fs.core
 from fsspec.asyn import sync
 
-from dcpbridge.storage.backends import ByteIO, RangeRead, storage_op
+from dcpbridge.storage.backends import ByteIO, RangeRead, Read, ScatterRead, storage_op
 from dcpbridge.storage.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,9 @@ class S3ByteIO(ByteIO):
         self.fs.invalidate_cache(self.location.root)
 
     @storage_op("read")
-    def fetch(self, reads: Sequence[RangeRead], threads: int) -> None:
-        """Ranged GETs of at most ``part_size`` bytes, ``concurrency`` (or ``threads``) at a
-        time. Each read's ``on_done`` runs on s3fs's event-loop thread as soon as its bytes
+    def fetch(self, reads: Sequence[Read], threads: int) -> None:
+        """Ranged GETs of at most ``part_size`` bytes (a ``ScatterRead`` is one GET, its body
+        streamed into its parts), ``concurrency`` (or ``threads``) at a time. Each read's ``on_done`` runs on s3fs's event-loop thread as soon as its bytes
         landed: handing many small callbacks (per-block checksums) to another thread would
         make each wait for the busy loop thread's GIL slice."""
         if reads:
@@ -132,15 +132,20 @@ class S3ByteIO(ByteIO):
             sync(self.fs.loop, _fetch_all, self.fs, reads, self.transfer.part_size, limit)
 
 
-async def _fetch_all(fs: Any, reads: Sequence[RangeRead], piece: int, limit: int) -> None:
+async def _fetch_all(fs: Any, reads: Sequence[Read], piece: int, limit: int) -> None:
     gate = asyncio.Semaphore(limit)
 
-    async def fetch_one(r: RangeRead) -> None:
+    async def fetch_one(r: Read) -> None:
         async def get(lo: int) -> None:
             async with gate:
-                await _read_into(fs, r.path, r.start + lo, r.out[lo : lo + piece])
+                assert isinstance(r, RangeRead)
+                await _read_into(fs, r.path, r.start + lo, [r.out[lo : lo + piece]])
 
-        await asyncio.gather(*(get(lo) for lo in range(0, len(r.out), piece)))
+        if isinstance(r, ScatterRead):
+            async with gate:
+                await _read_into(fs, r.path, r.start, r.parts)
+        else:
+            await asyncio.gather(*(get(lo) for lo in range(0, len(r.out), piece)))
         if r.on_done is not None:
             r.on_done()
 
@@ -154,31 +159,43 @@ async def _fetch_all(fs: Any, reads: Sequence[RangeRead], piece: int, limit: int
         raise
 
 
+_SKIP_BUFFER = 1 << 20  # bytes between the parts of one GET are read through this and dropped
+
+
 class ShortReadError(OSError):
     """An object ended before the bytes its checkpoint metadata points at."""
 
 
-async def _read_into(fs: Any, path: str, start: int, out: memoryview) -> None:
-    """One ranged GET streamed straight into ``out`` (no intermediate object-sized copy);
-    a failure while streaming the body is retried like s3fs's own ``cat_file``."""
+async def _read_into(fs: Any, path: str, start: int, parts: Sequence[memoryview | int]) -> None:
+    """One ranged GET streamed straight into ``parts`` in order (an int part is skipped), with
+    no intermediate copy of the body; a failure while streaming it is retried like s3fs's
+    own ``cat_file``."""
     bucket, key = _split(fs, path)
-    end = start + len(out)
+    end = start + sum(p if isinstance(p, int) else len(p) for p in parts)
+    if end == start:
+        return
+    gap = max((p for p in parts if isinstance(p, int)), default=0)
+    skip = memoryview(bytearray(min(gap, _SKIP_BUFFER)))
 
     async def attempt() -> None:
         resp = await fs._call_s3(
             "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
         )
         body = resp["Body"]
+        pos = start
         try:
-            view = out
-            while len(view):
-                n = await body.readinto(view)
-                if n == 0:
-                    raise ShortReadError(
-                        f"short read from {path}: wanted bytes {start}..{end}, the object "
-                        f"ends at {end - len(view)} (truncated?)"
-                    )
-                view = view[n:]
+            for part in parts:
+                left = part if isinstance(part, int) else len(part)
+                while left:
+                    view = skip[: min(left, len(skip))] if isinstance(part, int) else part[-left:]
+                    n = await body.readinto(view)
+                    if n == 0:
+                        raise ShortReadError(
+                            f"short read from {path}: wanted bytes {start}..{end}, the object "
+                            f"ends at {pos} (truncated?)"
+                        )
+                    left -= n
+                    pos += n
         finally:
             body.close()
 

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, Metad
 
 from dcpbridge.storage import checksum
 from dcpbridge.storage.backends import ByteIO
-from dcpbridge.storage.checksum import BlockHasher as _BlockHasher
 from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
 from dcpbridge.storage.format import ItemKey, StoredItem, data_file_name, item_key
 from dcpbridge.storage.paths import Location
@@ -78,7 +77,11 @@ class StreamWriter:
         with storage_faults(self._where):
             out = self._file_for_next_item()
             start = out.align()
-            hasher = _BlockHasher(self.checksum_block_size) if self.checksums else None
+            hasher = (
+                checksum.Hasher(checksum.item_grid(nbytes, sizes, dtype, self.checksum_block_size))
+                if self.checksums
+                else None
+            )
             for part in parts:
                 part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
                 if hasher is not None:

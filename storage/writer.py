@@ -279,8 +279,11 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                         f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
                         f"data has {len(mv)} bytes, the plan expects {expected}"
                     )
+                chunk = item.tensor_data
+                sizes = tuple(chunk.chunk.sizes) if chunk else None
+                dtype = chunk.properties.dtype if chunk else None
                 digests = (
-                    tuple(checksum.block_digests(mv, self.checksum_block_size))
+                    checksum.item_digests(mv, sizes, dtype, self.checksum_block_size)
                     if self.checksums
                     else None
                 )
@@ -296,8 +299,8 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                             len(mv),
                             rank,
                             digests,
-                            tuple(item.tensor_data.chunk.sizes) if item.tensor_data else None,
-                            item.tensor_data.properties.dtype if item.tensor_data else None,
+                            sizes,
+                            dtype,
                         ),
                     )
                 )

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import dcpbridge as db
-from dcpbridge.storage.backends import LocalByteIO
+from dcpbridge.storage.backends import LocalByteIO, parts_of
 from dcpbridge.tools import cli
 from tests import layouts as L
 from tests.dist_pool import Rank
@@ -74,7 +74,7 @@ def rows2(pool, tmp_path_factory) -> str:
 
 def test_inspect_json_lists_chunks_ranks_files(rows2):
     doc = json.loads(run_cli("inspect", rows2, "--json").stdout)
-    assert doc["format"] == "dcpbridge" and doc["format_version"] == 2
+    assert doc["format"] == "dcpbridge" and doc["format_version"] == 3
     assert doc["complete"] and doc["problems"] == [] and doc["world_size"] == 2
     assert doc["checksum"] == {"algorithm": "xxh3_64", "block_size": 1 << 20}
     w = doc["tensors"]["w"]
@@ -114,7 +114,7 @@ def test_reshard_to_a_mesh_layout_one_chunk_per_target_box(pool, rows2, tmp_path
     real_fetch = LocalByteIO.fetch
 
     def recording(self, batch, threads):
-        reads.extend(len(r.out) for r in batch)
+        reads.extend(len(p) for r in batch for p in parts_of(r) if not isinstance(p, int))
         return real_fetch(self, batch, threads)
 
     monkeypatch.setattr(LocalByteIO, "fetch", recording)

@@ -7,15 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcpbridge.errors import CheckpointError
 from dcpbridge.planners import Placed, coverage_problems
 from dcpbridge.planners.boxes import fmt_box
-from dcpbridge.storage import StorageIndex, checksum
-from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage import StorageIndex
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.delivery import verify_stored_items
 from dcpbridge.tools.formats import MEGATRON_COMMON, Format
 from dcpbridge.tools.sources import Source, _ProtocolSource
-
-_VERIFY_PIECE = 64 << 20
 
 
 def human_bytes(n: float) -> str:
@@ -125,35 +123,17 @@ def _verify_checksums(
     assert isinstance(source, _ProtocolSource)
     index = source.metadata.storage_data
     assert isinstance(index, StorageIndex)
-    block = index.checksum_block_size
-    if not index.checksum_algorithm or not block:
+    if not index.checksum_algorithm or not index.checksum_block_size:
         found.notes.append("this checkpoint was saved without checksums; nothing to verify")
         return
+
+    def count(n: int) -> None:
+        found.verified_bytes += n
+        if on_bytes is not None:
+            on_bytes(n)
+
     byteio = ByteIO.for_location(source.location)
-    piece = max(block, _VERIFY_PIECE // block * block)
-    largest = max((item.nbytes for item in index.items.values()), default=0)
-    scratch = memoryview(bytearray(min(piece, largest)))  # reused: each read fills its slice
-    for (fqn, offsets), item in sorted(
-        index.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)
-    ):
-        where = f"[{', '.join(map(str, offsets))}]" if offsets is not None else ""
-        what = f"{fqn!r}{where} in {item.file}"
-        if not item.checksums:
-            found.problems.append(f"{what}: no checksums recorded for this item")
-            continue
-        try:
-            for pos in range(0, max(item.nbytes, 1), piece):
-                n = min(piece, item.nbytes - pos)
-                buf = scratch[:n]
-                byteio.fetch(
-                    [RangeRead(source.location.path(item.file), item.offset + pos, buf)], 1
-                )
-                checksum.verify_blocks(buf, pos // block, item.checksums, block, what=what)
-                found.verified_bytes += n
-                if on_bytes is not None:
-                    on_bytes(n)
-        except (CheckpointError, OSError) as e:
-            found.problems.append(str(e))
+    found.problems += verify_stored_items(source.location.path, byteio, index, on_bytes=count)
 
 
 def describe(source: Source, sizes: dict[str, int], found: Findings) -> dict[str, Any]:
