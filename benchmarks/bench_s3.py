@@ -39,7 +39,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 import dcpbridge as db
 from benchmarks.common import table
 from dcpbridge.storage.s3 import S3Transfer
-from tests.s3_server import run_seaweedfs, scrub_aws_environment
+from tests.s3_server import REGION, run_seaweedfs, scrub_aws_environment
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 MiB = 1 << 20
@@ -221,8 +221,240 @@ def _save_ceiling(results: list[dict[str, float]], nbytes: int) -> str:
     )
 
 
+# -- issue 17: many small tensors and a few large ones, against s3torchconnector ------------
+
+SMALL, SMALL_BYTES, LARGE, LARGE_BYTES = 2000, 64 << 10, 16, 32 << 20
+LOADERS = ("dcpbridge", "s3torchconnector", "raw s3fs")
+
+
+def _s3tc() -> Any:
+    """s3torchconnector's DCP reader/writer classes (the ``bench`` extra), or None."""
+    try:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    except ImportError:
+        return None
+
+    def make(cls: Any, url: str, endpoint: str) -> Any:
+        config = S3ClientConfig(force_path_style=True)
+        obj = cls(REGION, url, s3client_config=config)
+        obj.fs._client = S3Client(
+            REGION, endpoint=endpoint, s3client_config=config
+        )  # a local server
+        return obj
+
+    return lambda url, endpoint, write: make(
+        S3StorageWriter if write else S3StorageReader, url, endpoint
+    )
+
+
+class Loads:
+    """Save ``count`` tensors of ``nbytes`` once per library, then time loads of them into
+    preallocated tensors; rank ``rank`` of ``world`` holds every ``world``-th tensor."""
+
+    def __init__(
+        self,
+        opts: dict[str, Any],
+        endpoint: str,
+        bucket: str,
+        count: int,
+        nbytes: int,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        self.opts, self.endpoint, self.bucket = opts, endpoint, bucket
+        self.rank, self.world = rank, world
+        g = torch.Generator().manual_seed(0)
+        every = [torch.randn(nbytes // 4, generator=g) for _ in range(count)]
+        self.mine = {i: every[i] for i in range(rank, count, world)}
+        self.fs = fsspec.filesystem("s3", **opts)
+        self.s3tc = _s3tc()
+
+    def _url(self, name: str) -> str:
+        return f"s3://{self.bucket}/{name}"
+
+    def _sharded(self, empty: bool) -> dict[str, Any]:
+        return {
+            f"t{i}": db.ShardedTensor.from_box(
+                f"t{i}", torch.empty_like(t) if empty else t, tuple(t.shape), (0,)
+            )
+            for i, t in self.mine.items()
+        }
+
+    def save(self, who: str) -> float:
+        t0 = time.perf_counter()
+        if who == "dcpbridge":
+            db.save(self._sharded(False), self._url("db"), storage_options=self.opts)
+        elif who == "s3torchconnector":
+            writer = self.s3tc(self._url("tc"), self.endpoint, True)
+            dcp.save({f"t{i}": t for i, t in self.mine.items()}, storage_writer=writer)
+        else:
+            self.fs.pipe(
+                {f"{self.bucket}/raw/t{i}": t.numpy().tobytes() for i, t in self.mine.items()}
+            )
+        return time.perf_counter() - t0
+
+    def load(self, who: str, endpoint: str | None = None) -> float:
+        t0 = time.perf_counter()
+        if who == "dcpbridge":
+            opts = (
+                self.opts
+                if endpoint is None
+                else {
+                    **self.opts,
+                    "client_kwargs": {**self.opts["client_kwargs"], "endpoint_url": endpoint},
+                }
+            )
+            out = db.load(self._sharded(True), self._url("db"), storage_options=opts)
+            got = {i: out[f"t{i}"].data for i in self.mine}
+        elif who == "s3torchconnector":
+            reader = self.s3tc(self._url("tc"), endpoint or self.endpoint, False)
+            got = {i: torch.empty_like(t) for i, t in self.mine.items()}
+            dcp.load({f"t{i}": t for i, t in got.items()}, storage_reader=reader)
+        else:
+            fs = (
+                self.fs
+                if endpoint is None
+                else fsspec.filesystem(
+                    "s3",
+                    skip_instance_cache=True,
+                    **{
+                        **self.opts,
+                        "client_kwargs": {**self.opts["client_kwargs"], "endpoint_url": endpoint},
+                    },
+                )
+            )
+            blobs = fs.cat([f"{self.bucket}/raw/t{i}" for i in self.mine])
+            got = {
+                i: torch.frombuffer(
+                    bytearray(blobs[f"{self.bucket}/raw/t{i}"]), dtype=torch.float32
+                )
+                for i in self.mine
+            }
+        seconds = time.perf_counter() - t0
+        assert all(torch.equal(got[i], t) for i, t in self.mine.items()), who  # bit-exact
+        return seconds
+
+
+def _contenders() -> tuple[str, ...]:
+    return LOADERS if _s3tc() is not None else ("dcpbridge", "raw s3fs")
+
+
+def _rounds(loads: Loads, rounds: int, barrier: Callable[[], None]) -> dict[str, list[float]]:
+    """Save with each contender, then ``rounds`` rotated rounds of loads; seconds per load."""
+    names = _contenders()
+    out: dict[str, list[float]] = {f"{n} save": [] for n in names} | {n: [] for n in names}
+    for n in names:
+        barrier()
+        out[f"{n} save"].append(loads.save(n))
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in order:
+            barrier()
+            out[n].append(loads.load(n))
+    return out
+
+
+def _rank_rounds(
+    rank: int,
+    world: int,
+    opts: dict,
+    endpoint: str,
+    bucket: str,
+    count: int,
+    nbytes: int,
+    rounds: int,
+) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
+    scrub_aws_environment()
+    os.environ.update(AWS_ACCESS_KEY_ID=opts["key"], AWS_SECRET_ACCESS_KEY=opts["secret"])
+    loads = Loads(opts, endpoint, bucket, count, nbytes, rank, world)
+    return _rounds(loads, rounds, dist.barrier)
+
+
+def _gets(proxy: Any, loads: list[Loads], who: str) -> int:
+    """GETs the server saw for one untimed load by every rank (through a counting proxy)."""
+    proxy.reset_counters()
+    for one in loads:
+        one.load(who, proxy.endpoint_url)
+    return sum(r.startswith("GET ") for r in proxy.requests)
+
+
+def issue17_case(rounds: int, quick: bool) -> list[str]:
+    """The issue-17 rows: dcpbridge, s3torchconnector (if installed) and raw s3fs loads of
+    2,000 x 64 KiB (1 process and 2 ranks) and 16 x 32 MiB, with GET counts, in one run."""
+    from dcpbridge.launch import run
+    from tests.s3_proxy import FaultProxy
+
+    scrub_aws_environment()
+    cases = [
+        ("2,000 x 64 KiB", SMALL, SMALL_BYTES, 1),
+        ("2,000 x 64 KiB", SMALL, SMALL_BYTES, 2),
+        ("16 x 32 MiB", LARGE, LARGE_BYTES // (4 if quick else 1), 1),
+    ]
+    rows, summary = [], []
+    names = _contenders()
+    with (
+        tempfile.TemporaryDirectory(prefix="dcpb-s3-17-") as tmp,
+        run_seaweedfs(Path(tmp)) as server,
+    ):
+        os.environ.update(
+            AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key
+        )
+        opts = server.storage_options()
+        for label, count, nbytes, world in cases:
+            bucket = server.new_bucket()
+            args = (opts, server.endpoint_url, bucket, count, nbytes, rounds)
+            if world == 1:
+                loads = Loads(opts, server.endpoint_url, bucket, count, nbytes)
+                per_rank = [_rounds(loads, rounds, lambda: None)]
+            else:
+                per_rank = run(_rank_rounds, world, *args)
+            proxy = FaultProxy(server.endpoint_url)
+            try:
+                gets = {}
+                ranks = [
+                    Loads(opts, server.endpoint_url, bucket, count, nbytes, r, world)
+                    for r in range(world)
+                ]
+                gets = {n: _gets(proxy, ranks, n) for n in names}
+            finally:
+                proxy.close()
+            # a round's time is its slowest rank's
+            sec = {
+                k: [max(p[k][i] for p in per_rank) for i in range(len(per_rank[0][k]))]
+                for k in per_rank[0]
+            }
+            med = {k: statistics.median(v) for k, v in sec.items()}
+            for n in names:
+                rows.append(
+                    (
+                        label,
+                        f"{world}",
+                        n,
+                        f"{med[n]:.3f} s",
+                        f"{gets[n]}",
+                        f"{med[f'{n} save']:.3f} s",
+                    )
+                )
+            vs = [f"{med[n] / med['dcpbridge']:.2f}x {n}" for n in names if n != "dcpbridge"]
+            summary.append(
+                f"S3 load {label}, {world} rank(s): dcpbridge {med['dcpbridge']:.3f} s in "
+                f"{gets['dcpbridge']} GETs = " + ", ".join(vs) + " speed"
+            )
+    table(
+        f"S3 (local SeaweedFS) loads into preallocated tensors, medians of {rounds} rotated rounds"
+        + ("" if "s3torchconnector" in names else " (s3torchconnector not installed)"),
+        rows,
+        ("load", "ranks", "library", "load", "GETs", "save (once)"),
+    )
+    return summary
+
+
 def main(root: str, repeats: int, quick: bool) -> list[str]:
-    return s3_case((256 if quick else 1024) * MiB, repeats)
+    return issue17_case(repeats, quick) + s3_case((256 if quick else 1024) * MiB, repeats)
 
 
 if __name__ == "__main__":

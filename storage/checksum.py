@@ -31,6 +31,7 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 MAX_COLUMN_GROUPS = 8
 MIN_TILE = 64 << 10
 MIN_SEGMENT = 1 << 10
+_MAX_SLAB = 16 << 20  # a streamed item buffers at most this much to hash tile rows at once
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -167,15 +168,21 @@ def _tile_bytes(arr: np.ndarray, box: Box, itemsize: int) -> memoryview | np.nda
     return part if part.flags.c_contiguous else np.ascontiguousarray(part)
 
 
+def _box_digests(
+    grid: Grid, data: memoryview, offsets: Sequence[int], lengths: Sequence[int]
+) -> Iterator[tuple[int, str, Box]]:
+    """``(digest index, digest, tile box in the box)`` of each tile of a tile-aligned box
+    whose bytes (C order of the box) are ``data``."""
+    arr = _array(data, lengths, grid.itemsize)
+    for index, box in grid.tiles(offsets, lengths):
+        yield index, xxhash.xxh3_64_hexdigest(_tile_bytes(arr, box, grid.itemsize)), box
+
+
 def digests(grid: Grid, data: memoryview) -> list[str]:
     """The digest of every tile of an item whose bytes (C order) are ``data``."""
     if grid.nbytes == 0:
         return [xxhash.xxh3_64_hexdigest(b"")]
-    arr = _array(data, grid.sizes, grid.itemsize)
-    return [
-        xxhash.xxh3_64_hexdigest(_tile_bytes(arr, box, grid.itemsize))
-        for _, box in grid.tiles((0,) * len(grid.sizes), grid.sizes)
-    ]
+    return [d for _, d, _ in _box_digests(grid, data, (0,) * len(grid.sizes), grid.sizes)]
 
 
 def item_digests(
@@ -201,9 +208,7 @@ def verify(
         if got != expected[0]:
             _mismatch(0, got, expected, what, "the item")
         return
-    arr = _array(data, lengths, grid.itemsize)
-    for index, (lo, n) in grid.tiles(offsets, lengths):
-        got = xxhash.xxh3_64_hexdigest(_tile_bytes(arr, (lo, n), grid.itemsize))
+    for index, got, (lo, n) in _box_digests(grid, data, offsets, lengths):
         if got != expected[index]:
             at = [o + b for o, b in zip(offsets, lo)]
             if grid.itemsize == 1 and len(grid.sizes) == 1:
@@ -234,6 +239,13 @@ class Hasher:
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
         sizes, tile = grid.sizes, grid.tile
+        # Tiles several rows tall with short row pieces: hash whole slabs of tile rows at once
+        # (one tile row of dim 0 is about one block).
+        self._slab = tile[0] * (grid.nbytes // sizes[0]) if len(sizes) > 1 and sizes[0] else 0
+        if not (tile and tile[0] > 1 and self._slab <= _MAX_SLAB):
+            self._slab = 0
+        self._buf = bytearray()
+        self._slab_row = 0
         # the innermost dimension that tiles cut; runs are tile-wide along it
         cut = max((d for d in range(len(sizes)) if tile[d] < sizes[d]), default=-1)
         self._cut = cut
@@ -269,9 +281,27 @@ class Hasher:
         n = math.prod(min(t, s - c * t) for c, t, s in zip(coords, g.tile, g.sizes)) * g.itemsize
         return flat, n
 
+    def _hash_slab(self, data: memoryview) -> None:
+        g = self.grid
+        rows = len(data) * g.sizes[0] // g.nbytes
+        offsets = (self._slab_row,) + (0,) * (len(g.sizes) - 1)
+        for index, digest, _ in _box_digests(g, data, offsets, (rows, *g.sizes[1:])):
+            self._done[index] = digest
+        self._slab_row += rows
+
     def update(self, data: memoryview) -> None:
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         self._total += len(data)
+        if self._slab:
+            if not self._buf and len(data) >= self._slab:  # whole slabs straight from the input
+                whole = len(data) // self._slab * self._slab
+                self._hash_slab(data[:whole])
+                data = data[whole:]
+            self._buf += data
+            while len(self._buf) >= self._slab:
+                self._hash_slab(memoryview(self._buf)[: self._slab])
+                del self._buf[: self._slab]
+            return
         while len(data):
             run = min(self._step, self._along - self._col) * self._inner
             index, size = self._tile_of()
@@ -297,6 +327,9 @@ class Hasher:
     def finish(self) -> tuple[str, ...]:
         if not self._total:
             return (xxhash.xxh3_64_hexdigest(b""),)
+        if self._buf and self._total == self.grid.nbytes:  # the last, shorter slab
+            self._hash_slab(memoryview(self._buf))
+            self._buf = bytearray()
         if self._open or len(self._done) != self.grid.count:
             raise ValueError(f"item fed {self._total} bytes, its grid covers {self.grid.nbytes}")
         return tuple(self._done[i] for i in range(self.grid.count))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -12,6 +13,8 @@ import torch.distributed.checkpoint as dcp
 import dcpbridge as db
 from dcpbridge.planners import ShardedLoadPlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.storage.backends import ByteIO, RangeRead, ScatterRead
+from dcpbridge.storage.paths import resolve
 from tests import layouts as L
 from tests.backends import Backend
 from tests.dist_pool import Rank
@@ -358,3 +361,28 @@ def test_async_save_then_resave(backend):
     after = backend.names("ck")
     assert len(after) == 2 and set(after) & set(first) == {"dcpbridge.json"}
     assert load_one_process(backend, "ck") == len(L.TENSORS) * 4
+
+
+def test_scatter_reads_fill_their_parts_and_skip_the_gaps(backend):
+    """One request serves several buffers of a file in order; the bytes between are dropped."""
+    data = os.urandom(300_000)
+    fs = backend.fs()
+    fs.makedirs(backend.path("ck"), exist_ok=True)
+    path = backend.path("ck", "blob")
+    fs.pipe_file(path, data)
+    byteio = ByteIO.for_location(resolve(backend.url("ck"), backend.storage_options))
+    a, b, c, d = bytearray(1000), bytearray(70_000), bytearray(5), bytearray(3)
+    done: list[str] = []
+    parts = [memoryview(a), 5000, memoryview(b), 200_000, memoryview(c)]
+    byteio.fetch(
+        [
+            ScatterRead(path, 10, parts, lambda: done.append("scatter")),
+            RangeRead(path, 299_997, memoryview(d), lambda: done.append("range")),
+        ],
+        threads=2,
+    )
+    assert sorted(done) == ["range", "scatter"]
+    assert a == data[10:1010] and b == data[6010:76_010] and c == data[276_010:276_015]
+    assert d == data[-3:]
+    with pytest.raises(db.StorageError, match="short read"):
+        byteio.fetch([ScatterRead(path, 299_000, [memoryview(bytearray(500)), 600])], threads=1)

@@ -264,3 +264,34 @@ def test_small_reads_and_listing_see_other_writers(s3_server, bucket):
     )
     other.rm(f"{bucket}/ck/a")
     assert not byteio.exists("a") and byteio.list_names() == ["b"]
+
+
+# -- many small tensors: coalesced reads ----------------------------------------------------
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("verify", [True, False])
+def test_small_tensors_load_in_few_coalesced_gets(s3_server, s3_proxy, bucket, verify):
+    """2,000 tensors of 16 KiB: adjacent chunks of a file come back in one ranged GET each
+    (bounded in size), straight into their tensors, bit-exact, checksums on or off."""
+    url = f"s3://{bucket}/ck"
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(4096, generator=g) for _ in range(2000)]
+
+    def state(data: list[torch.Tensor]) -> dict[str, db.ShardedTensor]:
+        return {
+            f"t{i}": db.ShardedTensor.from_box(f"t{i}", t, (4096,), (0,))
+            for i, t in enumerate(data)
+        }
+
+    db.save(state(tensors), url, storage_options=s3_server.storage_options(), thread_count=2)
+    options = s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url)
+    out = db.load(
+        state([torch.empty(4096) for _ in tensors]),
+        url,
+        storage_options=options,
+        verify_checksums=verify,
+    )
+    assert all(torch.equal(out[f"t{i}"].data, t) for i, t in enumerate(tensors))
+    data_gets = [r for r in s3_proxy.requests if r.startswith("GET ") and ".bin" in r]
+    assert 2 <= len(data_gets) <= 40, data_gets  # 32 MiB in 2 files: 16 MiB requests at most

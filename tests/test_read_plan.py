@@ -1,0 +1,113 @@
+"""Range planning and checksum tiles as pure functions: no files, no process group."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import xxhash
+
+from dcpbridge.storage import checksum
+from dcpbridge.storage.checksum import Grid, Hasher, digests, flat_grid, tensor_grid, tensor_tiles
+from dcpbridge.storage.read_plan import coalesce, plan_chunk_read
+
+
+def _flat_blocks(data: memoryview, block: int) -> list[str]:
+    """Format 2's digests: one per ``block`` bytes of the item."""
+    if not len(data):
+        return [xxhash.xxh3_64_hexdigest(b"")]
+    return [xxhash.xxh3_64_hexdigest(data[s : s + block]) for s in range(0, len(data), block)]
+
+
+def test_tiles_split_columns_into_groups_and_rows_to_the_block():
+    assert tensor_tiles((1024, 4096), 4, 1 << 20) == (64, 512)  # 8 column groups, 128 KiB
+    assert tensor_tiles((32, 64), 4, 1 << 20) == (32, 64)  # 8 KiB: one tile
+    assert tensor_tiles((100_000, 16), 4, 1 << 20) == (16384, 16)  # rows too narrow to split
+    assert tensor_tiles((8, 1024, 128), 2, 1 << 20) == (4, 128, 128)
+    assert tensor_tiles((3000,), 4, 1 << 20) == (1 << 18,)  # 1-D: format 2's flat blocks
+    assert tensor_tiles((), 8, 1 << 20) == ()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_digests_streamed_and_verified_agree_and_format_2_is_a_grid(seed):
+    rng = random.Random(seed)
+    for _ in range(60):
+        sizes = tuple(rng.choice([0, 1, 3, 8, 64, 100]) for _ in range(rng.randint(0, 3)))
+        itemsize = rng.choice([1, 2, 4, 8])
+        block = rng.choice([64, 1000, 4096, 1 << 16])
+        nbytes = math.prod(sizes) * itemsize
+        data = memoryview(np.random.default_rng(seed).integers(0, 255, nbytes, np.uint8).tobytes())
+        # format 2 chunks, seen as a grid over their elements where rows fit blocks
+        assert digests(tensor_grid(sizes, itemsize, block, tiled=False), data) == _flat_blocks(
+            data, block
+        )
+        grid = tensor_grid(sizes, itemsize, block, tiled=True)
+        whole = digests(grid, data)
+        assert len(whole) == grid.count
+        h = Hasher(grid)
+        pos = 0
+        while pos < nbytes:  # pieces of any size
+            n = rng.randint(1, max(1, nbytes // 3))
+            h.update(data[pos : pos + n])
+            pos += n
+        assert h.finish() == tuple(whole)
+        if not nbytes or not sizes:
+            continue
+        offsets = [rng.randrange(s) for s in sizes]
+        lengths = [rng.randint(1, s - o) for s, o in zip(sizes, offsets)]
+        lo, n = grid.widen(offsets, lengths)
+        arr = np.frombuffer(data, np.uint8).reshape(*sizes[:-1], sizes[-1] * itemsize)
+        index = tuple(slice(a, a + b) for a, b in zip(lo[:-1], n[:-1]))
+        part = np.ascontiguousarray(
+            arr[(*index, slice(lo[-1] * itemsize, (lo[-1] + n[-1]) * itemsize))]
+        )
+        checksum.verify(grid, memoryview(part).cast("B"), lo, n, whole, what="x")
+        bad = bytearray(part.tobytes())
+        bad[rng.randrange(len(bad))] ^= 1
+        with pytest.raises(checksum.ChecksumMismatchError, match=r"in x, block \d+"):
+            checksum.verify(grid, memoryview(bad), lo, n, whole, what="x")
+
+
+def test_column_slice_with_checksums_reads_only_its_bytes():
+    sizes, itemsize = (1024, 4096), 4
+    grid = tensor_grid(sizes, itemsize, 1 << 20, tiled=True)
+    plan = plan_chunk_read(
+        sizes, itemsize, (0, 1024), (1024, 1024), grid=grid, min_piece_bytes=4096
+    )
+    assert not plan.widened and plan.bounce_bytes == 0
+    assert sum(p.stop - p.start for p in plan.pieces) == 1024 * 1024 * 4  # exactly the request
+    assert [(p.start, p.at) for p in plan.pieces[:2]] == [(4096, 0), (4096 + 16384, 4096)]
+    # format 2's 1 MiB blocks hold 64 whole rows: the same slice reads every row entirely
+    legacy = tensor_grid(sizes, itemsize, 1 << 20, tiled=False)
+    old = plan_chunk_read(
+        sizes, itemsize, (0, 1024), (1024, 1024), grid=legacy, min_piece_bytes=4096
+    )
+    assert old.box == ((0, 0), sizes) and old.widened
+
+
+def test_unaligned_request_widens_to_tiles_and_bytes_grids_to_the_chunk():
+    sizes = (1024, 4096)
+    grid = Grid(sizes, 4, (64, 512))
+    plan = plan_chunk_read(sizes, 4, (10, 100), (5, 10), grid=grid, min_piece_bytes=0)
+    assert plan.box == ((0, 0), (64, 512)) and plan.widened and plan.verify_box == plan.box
+    odd = flat_grid(7 * 3000 * 4, 1 << 20)  # format 2 blocks that cut rows
+    plan = plan_chunk_read((7, 3000), 4, (2, 0), (1, 3000), grid=odd, min_piece_bytes=0)
+    assert plan.box == ((0, 0), (7, 3000)) and plan.verify_box == ((0,), (7 * 3000 * 4,))
+    assert plan_chunk_read(sizes, 4, (0, 0), (0, 5), grid=grid, min_piece_bytes=0).pieces == ()
+
+
+def test_coalesce_joins_close_ranges_of_a_file_up_to_a_size():
+    ranges = [("a", i * 100, i * 100 + 60, i) for i in range(10)] + [("b", 0, 10, "b")]
+    reqs = coalesce(ranges, merge_gap=40, max_request=500)
+    assert [(r.file, r.start, r.stop, [m[2] for m in r.members]) for r in reqs] == [
+        ("a", 0, 460, [0, 1, 2, 3, 4]),
+        ("a", 500, 960, [5, 6, 7, 8, 9]),
+        ("b", 0, 10, ["b"]),
+    ]
+    assert len(coalesce(ranges, merge_gap=39, max_request=500)) == 11  # gaps of 40 stay apart
+    big = coalesce([("a", 0, 1000, 0), ("a", 1000, 1010, 1)], merge_gap=10, max_request=500)
+    assert len(big) == 2  # a range over the request size is a request of its own
+    overlap = coalesce([("a", 0, 100, 0), ("a", 50, 80, 1)], merge_gap=10, max_request=500)
+    assert len(overlap) == 2  # two reads of the same bytes are never joined
