@@ -13,6 +13,8 @@ from fsspec.implementations.local import LocalFileSystem
 from dcpbridge.storage.errors import InvalidArgumentError, UnsafePathError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+# Storage options that are dcpbridge's own (the filesystem never sees them).
+OWN_OPTIONS = ("request_timeout",)
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class Location:
     url: str
     fs: Any = field(compare=False, repr=False)
     root: str
+    settings: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """dcpbridge's own storage options (``OWN_OPTIONS``), taken out of the fsspec ones."""
 
     @property
     def is_local(self) -> bool:
@@ -38,10 +42,12 @@ def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None 
     text = os.fspath(url)
     if not text:
         raise InvalidArgumentError("checkpoint location is empty")
-    fs, root = fsspec.core.url_to_fs(text, **(storage_options or {}))
+    options = dict(storage_options or {})
+    settings = {k: options.pop(k) for k in OWN_OPTIONS if k in options}
+    fs, root = fsspec.core.url_to_fs(text, **options)
     if isinstance(fs, LocalFileSystem):
         root = os.path.abspath(root)
-    return Location(url=text, fs=fs, root=root.rstrip("/") or "/")
+    return Location(url=text, fs=fs, root=root.rstrip("/") or "/", settings=settings)
 
 
 def check_file_name(name: str) -> str:

@@ -5,6 +5,11 @@ Every request goes through ``S3FileSystem._call_s3``, so botocore's retry modes
 handle transient failures (503 SlowDown, 500, connection resets); nothing here swallows an
 error or retries on its own. Part size and requests in flight come from s3fs's own options
 ``default_block_size`` and ``max_concurrency`` when the storage options set them.
+
+Every request, retries included, must finish within ``request_timeout`` seconds (a storage
+option, default 120): a server that accepts a connection and never answers fails the
+operation with a ``StorageError`` naming the URL instead of hanging the job, and the engine's
+collectives carry that failure to every rank.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import s3fs.core
 from fsspec.asyn import sync
+from fsspec.exceptions import FSTimeoutError
 
 from dcpbridge.storage.backends import ByteIO, RangeRead, Read, ScatterRead, storage_op
 from dcpbridge.storage.errors import InvalidArgumentError
@@ -34,6 +41,7 @@ MAX_PART_SIZE = 5 << 30
 MAX_PARTS = 10_000
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_CONCURRENCY = 8
+DEFAULT_REQUEST_TIMEOUT = 120.0  # seconds; well under torch's 30 min collective timeout
 # Parts double in size every this many parts, so a file never needs more than MAX_PARTS.
 _PARTS_PER_SIZE_STEP = 1000
 
@@ -46,6 +54,8 @@ class S3Transfer:
     part_size: int = DEFAULT_PART_SIZE
     concurrency: int = DEFAULT_CONCURRENCY
     fixed_part_size: bool = False
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    """Seconds one request (with its retries) may take before the operation fails."""
 
     def __post_init__(self) -> None:
         if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
@@ -55,15 +65,24 @@ class S3Transfer:
             )
         if self.concurrency < 1:
             raise InvalidArgumentError(f"S3 max_concurrency must be >= 1, got {self.concurrency}")
+        if not self.request_timeout > 0:
+            raise InvalidArgumentError(
+                f"S3 request_timeout must be > 0 seconds, got {self.request_timeout}"
+            )
 
     @staticmethod
-    def from_fs(fs: Any) -> S3Transfer:
-        """Our defaults, overridden by ``default_block_size`` / ``max_concurrency`` if given."""
+    def from_fs(fs: Any, settings: dict[str, Any] | None = None) -> S3Transfer:
+        """Our defaults, overridden by ``default_block_size`` / ``max_concurrency`` (s3fs's
+        options) and ``request_timeout`` (``settings``: dcpbridge's own) if given."""
         opts = getattr(fs, "storage_options", {}) or {}
+        timeout = (settings or {}).get("request_timeout", DEFAULT_REQUEST_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise InvalidArgumentError(f"S3 request_timeout must be seconds, got {timeout!r}")
         return S3Transfer(
             part_size=opts.get("default_block_size") or DEFAULT_PART_SIZE,
             concurrency=opts.get("max_concurrency") or DEFAULT_CONCURRENCY,
             fixed_part_size=bool(getattr(fs, "fixed_upload_size", False)),
+            request_timeout=float(timeout),
         )
 
     def part_size_for(self, part_number: int) -> int:
@@ -74,12 +93,58 @@ class S3Transfer:
         return min(self.part_size << step, MAX_PART_SIZE)
 
 
+class RequestTimeoutError(OSError):
+    """An object store request (retries included) did not finish within ``request_timeout``."""
+
+
+def _timed_out(timeout: float, what: str) -> RequestTimeoutError:
+    return RequestTimeoutError(
+        f"no answer within {timeout:g} s ({what}; storage option request_timeout): the object "
+        "store or the network to it is stalled"
+    )
+
+
+async def _bounded(awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
+    """``awaitable``, cancelled and failed with ``RequestTimeoutError`` after ``timeout`` s."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except asyncio.TimeoutError:
+        raise _timed_out(timeout, what) from None
+
+
+class _BoundedFS:
+    """An s3fs filesystem whose blocking calls each fail after ``timeout`` seconds (fsspec's
+    ``sync`` takes the ``timeout`` and cancels the request); everything else passes through."""
+
+    _CALLS = frozenset(
+        {"ls", "exists", "info", "rm", "size", "cat_file", "cat_ranges", "pipe_file"}
+    )
+
+    def __init__(self, fs: Any, timeout: float) -> None:
+        self._fs, self._timeout = fs, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if name not in self._CALLS:
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, timeout=self._timeout, **kwargs)
+            except FSTimeoutError:
+                raise _timed_out(self._timeout, name) from None
+
+        return call
+
+
 class S3ByteIO(ByteIO):
     """S3 (s3fs): parallel multipart uploads, parallel ranged reads, one PUT per commit."""
 
     def __init__(self, location: Any) -> None:
         super().__init__(location)
-        self.transfer = S3Transfer.from_fs(self.fs)
+        self.transfer = S3Transfer.from_fs(self.fs, location.settings)
+        self.fs = _BoundedFS(self.fs, self.transfer.request_timeout)
 
     @storage_op("create directory")
     def makedirs(self) -> None:
@@ -87,18 +152,19 @@ class S3ByteIO(ByteIO):
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> MultipartWriter:
-        return MultipartWriter(self.fs, path, self.transfer)
+        return MultipartWriter(self.fs._fs, path, self.transfer)
 
     @storage_op("read")
     def read_file(self, path: str) -> bytes:
         """One GET (no size lookup first, and empty objects read as b"")."""
-        return sync(self.fs.loop, self.fs._cat_file, path, max_concurrency=1)
+        t = self.transfer.request_timeout
+        return _wait(self.fs.loop, _bounded(self.fs._cat_file(path, max_concurrency=1), t, "GET"))
 
     @storage_op("commit")
     def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
         """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix."""
         path = self.location.path(name)
-        _request(self.fs, "put_object", path, Body=data)
+        _request(self.fs._fs, "put_object", path, self.transfer.request_timeout, Body=data)
         self.fs.invalidate_cache(path)
 
     @storage_op("look up")
@@ -129,21 +195,32 @@ class S3ByteIO(ByteIO):
         make each wait for the busy loop thread's GIL slice."""
         if reads:
             limit = max(self.transfer.concurrency, threads)
-            sync(self.fs.loop, _fetch_all, self.fs, reads, self.transfer.part_size, limit)
+            t = self.transfer
+            sync(self.fs.loop, _fetch_all, self.fs, reads, t.part_size, limit, t.request_timeout)
 
 
-async def _fetch_all(fs: Any, reads: Sequence[Read], piece: int, limit: int) -> None:
+def _wait(loop: Any, coro: Awaitable[Any]) -> Any:
+    async def run() -> Any:
+        return await coro
+
+    return sync(loop, run)
+
+
+async def _fetch_all(
+    fs: Any, reads: Sequence[Read], piece: int, limit: int, timeout: float
+) -> None:
     gate = asyncio.Semaphore(limit)
 
     async def fetch_one(r: Read) -> None:
         async def get(lo: int) -> None:
             async with gate:
                 assert isinstance(r, RangeRead)
-                await _read_into(fs, r.path, r.start + lo, [r.out[lo : lo + piece]])
+                part = [r.out[lo : lo + piece]]
+                await _bounded(_read_into(fs, r.path, r.start + lo, part), timeout, "GET")
 
         if isinstance(r, ScatterRead):
             async with gate:
-                await _read_into(fs, r.path, r.start, r.parts)
+                await _bounded(_read_into(fs, r.path, r.start, r.parts), timeout, "GET")
         else:
             await asyncio.gather(*(get(lo) for lo in range(0, len(r.out), piece)))
         if r.on_done is not None:
@@ -220,10 +297,12 @@ def _split(fs: Any, path: str) -> tuple[str, str]:
     return bucket, key
 
 
-def _request(fs: Any, method: str, path: str, **kwargs: Any) -> Any:
-    """One S3 request about object ``path``, waited for (s3fs and botocore retry it)."""
+def _request(fs: Any, method: str, path: str, timeout: float, **kwargs: Any) -> Any:
+    """One S3 request about object ``path``, waited for at most ``timeout`` seconds (s3fs
+    and botocore retry it meanwhile)."""
     bucket, key = _split(fs, path)
-    return sync(fs.loop, fs._call_s3, method, Bucket=bucket, Key=key, **kwargs)
+    call = fs._call_s3(method, Bucket=bucket, Key=key, **kwargs)
+    return _wait(fs.loop, _bounded(call, timeout, method))
 
 
 class MultipartWriter:
@@ -233,6 +312,7 @@ class MultipartWriter:
 
     def __init__(self, fs: Any, path: str, transfer: S3Transfer) -> None:
         self.fs, self.path, self.transfer = fs, path, transfer
+        self._timeout = transfer.request_timeout
         self.bucket, self.key = _split(fs, path)
         self._buf = io.BytesIO()  # the part being filled (botocore sends BytesIO uncopied)
         self._upload_id: str | None = None
@@ -270,7 +350,7 @@ class MultipartWriter:
         self._closed = True
         try:
             if self._upload_id is None:
-                _request(self.fs, "put_object", self.path, Body=self._take_buffer())
+                _request(self.fs, "put_object", self.path, self._timeout, Body=self._take_buffer())
             else:
                 if self._buf.tell():
                     self._send(self._take_buffer())
@@ -315,25 +395,25 @@ class MultipartWriter:
             )
         try:
             if self._upload_id is None:
-                self._upload_id = _request(self.fs, "create_multipart_upload", self.path)[
-                    "UploadId"
-                ]
+                self._upload_id = _request(
+                    self.fs, "create_multipart_upload", self.path, self._timeout
+                )["UploadId"]
             self._wait(self.transfer.concurrency - 1)
         except BaseException:
             self.abort()
             raise
         number = self._next_part
         self._next_part += 1
+        call = self.fs._call_s3(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=body,
+        )
         fut = asyncio.run_coroutine_threadsafe(
-            self.fs._call_s3(
-                "upload_part",
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=body,
-            ),
-            self.fs.loop,
+            _bounded(call, self._timeout, "upload_part"), self.fs.loop
         )
         self._pending[fut] = number
 
@@ -356,6 +436,7 @@ class MultipartWriter:
             self.fs,
             "complete_multipart_upload",
             self.path,
+            self._timeout,
             UploadId=self._upload_id,
             MultipartUpload={"Parts": parts},
         )
@@ -372,6 +453,8 @@ class MultipartWriter:
             return
         upload_id, self._upload_id = self._upload_id, None
         try:
-            _request(self.fs, "abort_multipart_upload", self.path, UploadId=upload_id)
+            _request(
+                self.fs, "abort_multipart_upload", self.path, self._timeout, UploadId=upload_id
+            )
         except Exception as e:  # the bucket's lifecycle rules reap what we could not abort
             log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.path, e)
