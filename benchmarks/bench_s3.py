@@ -438,6 +438,11 @@ def issue17_case(rounds: int, quick: bool) -> list[str]:
                     )
                 )
             vs = [f"{med[n] / med['dcpbridge']:.2f}x {n}" for n in names if n != "dcpbridge"]
+            vs += [
+                f"save {med[f'{n} save'] / med['dcpbridge save']:.2f}x {n}"
+                for n in names
+                if n != "dcpbridge"
+            ]
             summary.append(
                 f"S3 load {label}, {world} rank(s): dcpbridge {med['dcpbridge']:.3f} s in "
                 f"{gets['dcpbridge']} GETs = " + ", ".join(vs) + " speed"

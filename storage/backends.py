@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
 from dcpbridge.storage.errors import is_storage_fault, storage_error
-from dcpbridge.storage.paths import Location
+from dcpbridge.storage.paths import SPREAD_DIR, Location
 
 F = TypeVar("F", bound=Callable[..., Any])
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
@@ -94,6 +94,7 @@ class ByteIO:
     def __init__(self, location: Location) -> None:
         self.location = location
         self.fs = location.fs
+        self._paths: dict[str, str] = {}  # files found in spread folders by the last listing
 
     @staticmethod
     def for_location(location: Location) -> ByteIO:
@@ -111,6 +112,9 @@ class ByteIO:
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> BinaryIO:
+        parent = path.rsplit("/", 1)[0]
+        if parent != self.location.root.rstrip("/"):  # a spread folder
+            self.fs.makedirs(parent, exist_ok=True)
         return self.fs.open(path, "wb")
 
     @storage_op("sync")
@@ -130,27 +134,41 @@ class ByteIO:
     def exists(self, name: str) -> bool:
         return self.fs.exists(self.location.path(name))
 
-    @storage_op("list")
-    def list_names(self) -> list[str]:
-        """Plain names directly under the checkpoint root ([] if it does not exist)."""
-        try:
-            entries = self.fs.ls(self.location.root, detail=False)
-        except FileNotFoundError:
-            return []
-        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
-
-    @storage_op("list")
-    def file_sizes(self) -> dict[str, int]:
-        """Size of every file directly under the checkpoint root, from one listing."""
+    def _entries(self) -> list[dict[str, Any]]:
+        """Listing entries under the checkpoint root, plus the files in its spread folders
+        (whose full paths ``remove`` then uses)."""
         try:
             entries = self.fs.ls(self.location.root, detail=True)
         except FileNotFoundError:
-            return {}
+            return []
+        if not any(e.get("type") == "directory" and SPREAD_DIR.match(_base(e)) for e in entries):
+            return entries
+        root = self.location.root.rstrip("/")
+        found = self.fs.find(root, detail=True)  # one listing on S3, not one per folder
+        for path, e in found.items():
+            parent, name = path.rstrip("/").rsplit("/", 1)
+            if parent != root and SPREAD_DIR.match(parent.rsplit("/", 1)[-1]):
+                self._paths[name] = path
+                entries.append(e)
+        return entries
+
+    @storage_op("list")
+    def list_names(self) -> list[str]:
+        """Plain names under the checkpoint root and its spread folders ([] if none)."""
+        return [
+            n
+            for e in self._entries()
+            if not (SPREAD_DIR.match(n := _base(e)) and e.get("type") == "directory")
+        ]
+
+    @storage_op("list")
+    def file_sizes(self) -> dict[str, int]:
+        """Size of every file under the checkpoint root and its spread folders."""
         sizes = {}
-        for e in entries:
+        for e in self._entries():
             size = e.get("size", e.get("Size"))
             if e.get("type", "file") == "file" and size is not None:
-                sizes[str(e["name"]).rstrip("/").rsplit("/", 1)[-1]] = int(size)
+                sizes[_base(e)] = int(size)
         return sizes
 
     @storage_op("look up")
@@ -166,7 +184,7 @@ class ByteIO:
     @storage_op("remove")
     def remove(self, names: Sequence[str]) -> None:
         if names:
-            self.fs.rm([self.location.path(n) for n in names])
+            self.fs.rm([self._paths.get(n) or self.location.path(n) for n in names])
 
     @storage_op("read")
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
@@ -186,6 +204,10 @@ class ByteIO:
             if isinstance(blob, BaseException):
                 raise blob
             _fill(r, blob)
+
+
+def _base(entry: dict[str, Any]) -> str:
+    return str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
 
 
 def _is_s3(fs: object) -> bool:
@@ -215,6 +237,7 @@ class LocalByteIO(ByteIO):
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> BinaryIO:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # a spread folder, the first time
         return open(path, "wb", buffering=0)
 
     @storage_op("sync")

@@ -24,6 +24,7 @@ from dcpbridge.storage import checksum
 from dcpbridge.storage.backends import ByteIO, RangeRead, ScatterRead
 from dcpbridge.storage.errors import CheckpointError
 from dcpbridge.storage.format import StorageIndex, StoredItem
+from dcpbridge.storage.paths import Location
 from dcpbridge.storage.read_plan import ChunkRead, ReadTuning, coalesce
 from dcpbridge.storage.regions import c_strides, narrow_box
 
@@ -270,8 +271,7 @@ def as_bytes_io(deliver: Callable[[io.BytesIO], Any]) -> Callable[[bytes], None]
 
 
 def verify_stored_items(
-    location_path: Callable[[str], str],
-    byteio: ByteIO,
+    location: Location,
     index: StorageIndex,
     *,
     on_bytes: Callable[[int], None] | None = None,
@@ -280,6 +280,7 @@ def verify_stored_items(
     """Read every item of ``index`` and check all its checksums, in slabs of about ``piece``
     bytes (whole tile rows, so memory stays bounded); returns one problem per bad item."""
     block = index.checksum_block_size
+    byteio = ByteIO.for_location(location)
     problems: list[str] = []
     for (fqn, offsets), item in sorted(
         index.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)
@@ -295,7 +296,8 @@ def verify_stored_items(
         try:
             for lo, hi, box in _slabs(grid, piece):
                 buf = memoryview(bytearray(hi - lo))
-                byteio.fetch([RangeRead(location_path(item.file), item.offset + lo, buf)], 1)
+                path = location.data_path(item.file, index.prefixes)
+                byteio.fetch([RangeRead(path, item.offset + lo, buf)], 1)
                 checksum.verify(grid, buf, *box, item.checksums, what=what)
                 if on_bytes is not None:
                     on_bytes(hi - lo)

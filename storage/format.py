@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcpbridge.storage.checksum import item_grid
 from dcpbridge.storage.errors import CorruptCheckpointError, InvalidArgumentError, UnsafePathError
-from dcpbridge.storage.paths import check_file_name
+from dcpbridge.storage.paths import MAX_PREFIXES, check_file_name
 
 FORMAT_NAME = "dcpbridge"
 # 3: tensor chunks' checksums cover tiles chosen from their shape (storage/checksum.py);
@@ -89,6 +89,7 @@ class StorageIndex:
     world_size: int = 1
     created_unix: float = field(default_factory=time.time)
     tiled_checksums: bool = True  # format 3 checksum tiles (False: format 2's flat blocks)
+    prefixes: int = 1  # data files spread over this many hashed folders (paths.spread_dir)
 
     def get(self, index: MetadataIndex) -> StoredItem | None:
         return self.items.get(item_key(index))
@@ -167,7 +168,7 @@ def encode_metadata(metadata: Metadata) -> bytes:
         "tensors": tensors,
         "objects": objects,
         "planner_data": _jsonable(metadata.planner_data),
-    }
+    } | ({"prefixes": index.prefixes} if index.prefixes > 1 else {})
     try:
         _decode(doc)
     except CorruptCheckpointError as e:
@@ -401,6 +402,7 @@ def _decode(doc: dict[str, Any]) -> Metadata:
         world_size=facts.world_size,
         created_unix=float(doc.get("created_unix", 0.0)),
         tiled_checksums=facts.tiled,
+        prefixes=_int(doc.get("prefixes", 1), "prefixes", 1, MAX_PREFIXES),
     )
     return Metadata(
         state_dict_metadata=state,

@@ -8,13 +8,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
 from dcpbridge.storage.errors import InvalidArgumentError, UnsafePathError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 # Storage options that are dcpbridge's own (the filesystem never sees them).
-OWN_OPTIONS = ("request_timeout",)
+OWN_OPTIONS = ("request_timeout", "prefixes")
+MAX_PREFIXES = 4096
+# The folders data files are spread over (``prefixes`` > 1): "p" and a hash of the file name.
+SPREAD_DIR = re.compile(r"^p[0-9a-f]{1,3}$")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,25 @@ class Location:
         check_file_name(name)
         return f"{self.root.rstrip('/')}/{name}"
 
+    @property
+    def prefixes(self) -> int:
+        """Over how many hashed folders this location spreads the data files it writes."""
+        return int(self.settings.get("prefixes", 1))
+
+    def data_path(self, name: str, prefixes: int | None = None) -> str:
+        """Full path of data file ``name`` of a checkpoint spread over ``prefixes`` folders
+        (default: this location's setting)."""
+        folder = spread_dir(check_file_name(name), self.prefixes if prefixes is None else prefixes)
+        return self.path(name) if folder is None else f"{self.root.rstrip('/')}/{folder}/{name}"
+
+
+def spread_dir(name: str, prefixes: int) -> str | None:
+    """The folder of data file ``name`` among ``prefixes`` hashed ones (None: not spread)."""
+    if prefixes <= 1:
+        return None
+    width = len(f"{prefixes - 1:x}")
+    return f"p{xxhash.xxh3_64_intdigest(name.encode()) % prefixes:0{width}x}"
+
 
 def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
     """Turn a local path or fsspec URL plus its options into a ``Location``."""
@@ -44,10 +67,20 @@ def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None 
         raise InvalidArgumentError("checkpoint location is empty")
     options = dict(storage_options or {})
     settings = {k: options.pop(k) for k in OWN_OPTIONS if k in options}
+    spread = settings.get("prefixes", 1)
+    if isinstance(spread, bool) or not isinstance(spread, int) or not 1 <= spread <= MAX_PREFIXES:
+        raise InvalidArgumentError(
+            f"storage option prefixes must be an integer in [1, {MAX_PREFIXES}], got {spread!r}"
+        )
     fs, root = fsspec.core.url_to_fs(text, **options)
     if isinstance(fs, LocalFileSystem):
         root = os.path.abspath(root)
     return Location(url=text, fs=fs, root=root.rstrip("/") or "/", settings=settings)
+
+
+def fsspec_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` without dcpbridge's own (for code that hands them to fsspec)."""
+    return {k: v for k, v in (storage_options or {}).items() if k not in OWN_OPTIONS}
 
 
 def check_file_name(name: str) -> str:

@@ -62,7 +62,7 @@ def read_object_bytes(
     if stored is None:
         raise MissingEntryError(f"{location.url}: the checkpoint has no object {fqn!r}")
     byteio = ByteIO.for_location(location)
-    path = location.path(stored.file)
+    path = location.data_path(stored.file, index.prefixes)
     try:
         sizes = {stored.file: byteio.file_size(path)}
     except FileNotFoundError:
@@ -148,7 +148,8 @@ class FsspecCheckpointReader(Located, StorageReader):
             )
             if job is not None:
                 jobs.append(job)
-        path = functools.cache(self._loc.path)
+        prefixes = self._index.prefixes
+        path = functools.cache(lambda name: self._loc.data_path(name, prefixes))
         self.bytes_read += run_jobs(jobs, self._byteio, path, tuning, self.thread_count)
         fut: Future[None] = Future()
         fut.set_result(None)

@@ -139,7 +139,7 @@ class StreamWriter:
         self.close()
         self._name = data_file_name(self.worker, self._files, self.save_id)
         self._files += 1
-        self._raw = self._io.open_write(self.location.path(self._name))
+        self._raw = self._io.open_write(self.location.data_path(self._name))
         self._out = CoalescingFile(self._raw)
         return self._out
 

@@ -261,7 +261,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
-        with self._byteio.open_write(self._loc.path(name)) as raw:
+        with self._byteio.open_write(self._loc.data_path(name)) as raw:
             out = CoalescingFile(raw)
             for item in items:
                 data = planner.resolve_data(item)
@@ -331,6 +331,7 @@ def publish(
         checksum_algorithm=checksum.ALGORITHM if checksums else None,
         checksum_block_size=checksum_block_size if checksums else 0,
         world_size=world_size,
+        prefixes=byteio.location.prefixes,
     )
     raw = encode_metadata(metadata)
     if makedirs:

@@ -30,6 +30,7 @@ from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.planners import load_object
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
 from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.paths import fsspec_options
 from dcpbridge.storage.reader import diagnose_missing_metadata
 
 DCP_METADATA = ".metadata"
@@ -140,7 +141,7 @@ def dcp_reader(location: Location, storage_options: dict[str, Any] | None) -> St
     """torch's own reader for a plain DCP / torch_dist directory (local or any fsspec URL)."""
     if location.is_local:
         return FileSystemReader(location.root)
-    return FsspecReader(location.url, **(storage_options or {}))
+    return FsspecReader(location.url, **fsspec_options(storage_options))
 
 
 @dataclass

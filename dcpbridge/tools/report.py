@@ -40,11 +40,7 @@ def file_sizes(source: Source) -> dict[str, int]:
         source.format == Format.SAFETENSORS and loc.root.endswith(".safetensors")
     ):
         return {loc.root.rsplit("/", 1)[-1]: int(loc.fs.size(loc.root))}
-    out = {}
-    for entry in loc.fs.ls(loc.root, detail=True):
-        if entry.get("type") == "file":
-            out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
-    return out
+    return ByteIO.for_location(loc).file_sizes()  # spread folders included
 
 
 def _extents(source: Source) -> list[tuple[str, str, int, int]]:
@@ -132,8 +128,7 @@ def _verify_checksums(
         if on_bytes is not None:
             on_bytes(n)
 
-    byteio = ByteIO.for_location(source.location)
-    found.problems += verify_stored_items(source.location.path, byteio, index, on_bytes=count)
+    found.problems += verify_stored_items(source.location, index, on_bytes=count)
 
 
 def describe(source: Source, sizes: dict[str, int], found: Findings) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.paths import fsspec_options
 from dcpbridge.storage.writer import remove_stale_files
 from dcpbridge.tools.formats import MEGATRON_COMMON, MEGATRON_CONFIG
 
@@ -71,7 +72,7 @@ class TorchDistWriter(StorageWriter):
                 self.location.url,
                 thread_count=thread_count,
                 sync_files=False,
-                **(storage_options or {}),
+                **fsspec_options(storage_options),
             )
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
