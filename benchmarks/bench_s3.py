@@ -1,4 +1,7 @@
-"""S3 save/load on a local SeaweedFS: dcpbridge vs raw s3fs requests vs torch's FsspecWriter.
+"""S3 save/load on a local SeaweedFS: dcpbridge vs raw s3fs requests vs torch's FsspecWriter,
+and issue 17's rows: loads of 2,000 x 64 KiB (1 process and 2 ranks) and 16 x 32 MiB against
+AWS's s3torchconnector (``pip install -e '.[bench]'``) and raw s3fs, with the GETs each makes
+(counted by a proxy in an extra, untimed load).
 
 The same tensors go up and come back four ways, interleaved, with the order rotated (and
 reversed on odd rounds) between rounds; each round's ratios compare runs of that round only.

@@ -117,7 +117,7 @@ class _BoundedFS:
     ``sync`` takes the ``timeout`` and cancels the request); everything else passes through."""
 
     _CALLS = frozenset(
-        {"ls", "exists", "info", "rm", "size", "cat_file", "cat_ranges", "pipe_file"}
+        {"ls", "find", "exists", "info", "rm", "size", "cat_file", "cat_ranges", "pipe_file"}
     )
 
     def __init__(self, fs: Any, timeout: float) -> None:
