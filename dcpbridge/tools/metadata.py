@@ -119,7 +119,7 @@ def load_plain_tensors(
 
     A collective ``load`` over ``process_group``: every rank reads every tensor.
     """
-    from dcpbridge.engine.api import load
+    from dcpbridge.engine.load import load
 
     keep = ("storage_options", "profile", "allow_pickle")
     options = {k: v for k, v in load_options.items() if k in keep}
@@ -144,7 +144,7 @@ def load_common(
         return read_megatron_common(location, allow_pickle=allow_pickle)
     if fmt == Format.DCP:
         return {}
-    from dcpbridge.engine.api import load_common_state_dict
+    from dcpbridge.engine.load import load_common_state_dict
 
     return load_common_state_dict(
         checkpoint_dir, storage_options=options, allow_pickle=allow_pickle
