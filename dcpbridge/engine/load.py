@@ -27,7 +27,7 @@ from dcpbridge.model.mapping import ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata, resolve
 from dcpbridge.tools.config import resolve_storage_options
-from dcpbridge.tools.formats import Format, LoadSource, open_for_load
+from dcpbridge.tools.formats import Checkpoint, Format, open_checkpoint
 from dcpbridge.tools.metadata import tensors_metadata
 
 PathLike = str | os.PathLike[str]
@@ -105,36 +105,33 @@ def _load(
         except Exception as e:  # raised on ``parallel`` only: carried to the whole group
             error = error or e
 
-    source: LoadSource | None = None
+    checkpoint: Checkpoint | None = None
 
     def prepare() -> tuple[Any, BridgeLoadPlanner, StorageReader]:
-        nonlocal source
+        nonlocal checkpoint
         _or_raise(error, None)
-        source = open_for_load(
-            checkpoint_dir,
-            storage_options=storage_options,
-            allow_pickle=allow_pickle,
-            thread_count=thread_count,
-            verify_checksums=verify_checksums,
+        checkpoint = open_checkpoint(
+            checkpoint_dir, storage_options=storage_options, allow_pickle=allow_pickle
         )
-        if isinstance(source.reader, FsspecCheckpointReader):  # the planner may allocate
-            source.reader.check_ranges()  # common tensors by their recorded sizes
+        reader = checkpoint.reader(thread_count=thread_count, verify_checksums=verify_checksums)
+        if isinstance(reader, FsspecCheckpointReader):  # the planner may allocate
+            reader.check_ranges()  # common tensors by their recorded sizes
         planner = BridgeLoadPlanner(
             parts,
             share.read if share else parts.shards,
-            legacy_common=source.format == Format.TORCH_DIST,
+            legacy_common=checkpoint.format == Format.TORCH_DIST,
             strict=strict,
             allow_pickle=allow_pickle,
             allow_dtype_cast=allow_dtype_cast,
         )
-        return None, planner, source.reader
+        return None, planner, reader
 
     _, planner, _ = run_load(prepare, group)
-    assert isinstance(planner, BridgeLoadPlanner) and source is not None
+    assert isinstance(planner, BridgeLoadPlanner) and checkpoint is not None
     if share is not None and parallel is not None:
         fp.hand_off(parallel, share)
-    blob = source.common_state(planner.values)  # older checkpoints' one common object
-    objects = source.objects(planner.shard_objects())
+    blob = checkpoint.common_state(planner.values)  # older checkpoints' one common object
+    objects = checkpoint.loaded_objects(planner.shard_objects())
     result, late = planner.result(objects, blob)
     if late:  # plain tensors the common blob of an older checkpoint lacks
         planner.requested_not_stored |= late

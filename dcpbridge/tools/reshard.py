@@ -95,7 +95,7 @@ def box_bytes(
 ) -> Iterator[memoryview]:
     """The bytes of a box of ``key`` in C order, read slab by slab (one read for box sources)."""
     itemsize = source.tensors[key].dtype.itemsize
-    if source.box_reads:
+    if source.reads_whole_chunks:
         budget = max(budget, math.prod(sizes) * itemsize)
     for o, s in slabs(offsets, sizes, itemsize, budget):
         yield tensor_bytes(source.read(key, o, s))
@@ -243,7 +243,7 @@ def reshard(
 
     def publish(written: list[dict[ItemKey, StoredItem]]) -> None:
         assert work is not None
-        planner_data = source.facts.get("planner_data")
+        planner_data = source.header.get("planner_data")
         commit(
             location,
             target_state(source, work),
