@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from dcpbridge.engine.api import (
-    async_save,
-    load,
-    load_common_state_dict,
-    load_tensors_metadata,
-    save,
-)
 from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.load import load, load_common_state_dict, load_tensors_metadata
+from dcpbridge.engine.save import SaveOptions, async_save, save
 from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import (
     CheckpointError,
@@ -111,6 +106,7 @@ __all__ = [
     "OptimizerStateError",
     "ParamKey",
     "PickleRefusedError",
+    "SaveOptions",
     "SerializationError",
     "ShapeMismatchError",
     "ShardDistribution",

@@ -100,8 +100,8 @@ def torch_sharded_boxes(key: str, st: Any) -> list[LocalBox]:
     return out
 
 
-def tensor_boxes(key: str, value: Any, kind: LeafKind, *, main: bool = True) -> list[TensorShard]:
-    """The boxes a tensor-like leaf stores under ``key`` (``main``: plain tensors' writer)."""
+def tensor_boxes(key: str, value: Any, kind: LeafKind) -> list[TensorShard]:
+    """The boxes a tensor-like leaf stores under ``key`` (a plain tensor: one whole box)."""
     if kind == "tensor_shard":
         if getattr(value, "flattened_range", None) is not None:
             raise SerializationError(
@@ -112,7 +112,7 @@ def tensor_boxes(key: str, value: Any, kind: LeafKind, *, main: bool = True) -> 
     if kind == "tensor":
         data = _plain_data(key, value)
         shape = tuple(data.shape)
-        return [LocalBox(key, data, data.dtype, shape, shape, (0,) * len(shape), 0 if main else 1)]
+        return [LocalBox(key, data, data.dtype, shape, shape, (0,) * len(shape))]
     if kind == "dtensor":
         box = dtensor_box(key, value)
         return [] if box is None else [box]

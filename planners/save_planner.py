@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from dcpbridge.planners.boxes import Placed, Shape, coverage_problems
+from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
 from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
 from dcpbridge.planners.protocol import (
@@ -39,7 +40,6 @@ from dcpbridge.planners.protocol import (
     TensorShard,
     chunk_sizes,
     chunk_view,
-    is_main_replica,
     leaf_kind,
 )
 from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
@@ -81,9 +81,14 @@ def _tensor_item(
 
 
 def plan_local_writes(
-    leaves: Iterable[Leaf], is_coordinator: bool, *, list_wrapped_objects: bool = False
+    leaves: Iterable[Leaf],
+    is_coordinator: bool,
+    *,
+    list_wrapped_objects: bool = False,
+    owners: WhoWrites | None = None,
 ) -> LocalWrites:
-    """Write items for this rank's main replicas; plain values go to the coordinator.
+    """Write items for what ``owners`` says this rank writes (default: its main replicas,
+    and the plain values if it is the coordinator).
 
     Tensor-like leaves (plain tensors, DTensors, torch ShardedTensors, Megatron-style
     shards) become tensor chunks; non-persistent objects are skipped; sharded values of
@@ -92,6 +97,7 @@ def plan_local_writes(
     (``list_wrapped_objects``: ShardedObjects stored as ``[data]``, as torch_dist does).
     """
     out = LocalWrites([], {}, LocalSummary())
+    owners = owners or MainReplicasWrite(is_coordinator)
 
     def declare(key: str, shape: Shape, dtype: torch.dtype) -> None:
         decl = (shape, dtype_name(dtype))
@@ -107,12 +113,13 @@ def plan_local_writes(
         if leaf.obj_path and kind in ("tensor", "dtensor", "torch_sharded", "object"):
             out.summary.paths[leaf.path] = leaf.obj_path  # stored under its DCP key
         if kind in TENSOR_KINDS:
-            for sh in tensor_boxes(leaf.path, value, kind, main=is_coordinator):
+            for sh in tensor_boxes(leaf.path, value, kind):
                 key = check_key(sh.key)
                 shape = tuple(sh.global_shape)
                 declare(key, shape, sh.dtype)
                 sizes = chunk_sizes(sh)
-                if is_main_replica(sh.replica_id) and math.prod(sizes) > 0:
+                writes = owners.writes_common() if kind == "tensor" else owners.writes(sh)
+                if writes and math.prod(sizes) > 0:
                     _check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
                     if item.index in out.sources:
@@ -125,7 +132,7 @@ def plan_local_writes(
             obj: ObjectShard = value
             uk = check_key(obj.unique_key)
             out.summary.objects[uk] = (obj.key, tuple(obj.global_shape), tuple(obj.global_offset))
-            if is_main_replica(obj.replica_id):
+            if owners.writes(obj):
                 item = WriteItem(index=MetadataIndex(uk), type=WriteItemType.BYTE_IO)
                 out.items.append(item)
                 data = [obj.data] if list_wrapped_objects else obj.data
@@ -134,7 +141,7 @@ def plan_local_writes(
             continue
         elif kind != "object":
             raise refuse(leaf.path, value, kind)
-        elif is_coordinator:
+        elif owners.writes_common():
             key = check_key(leaf.path)
             item = WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
             out.items.append(item)
@@ -339,8 +346,9 @@ class ShardedSavePlanner(SavePlanner):
 
     list_wrapped_objects = False  # ShardedObjects stored as ``[data]`` (torch_dist's way)
 
-    def __init__(self, *, validate: bool = True) -> None:
+    def __init__(self, *, validate: bool = True, owners: WhoWrites | None = None) -> None:
         self.validate = validate
+        self.owners = owners  # who writes what (default: main replicas, common on coordinator)
         self._state_dict: Any = None
         self._is_coordinator = False
         self._sources: dict[MetadataIndex, Any] = {}
@@ -360,7 +368,10 @@ class ShardedSavePlanner(SavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         local = plan_local_writes(
-            self.leaves(), self._is_coordinator, list_wrapped_objects=self.list_wrapped_objects
+            self.leaves(),
+            self._is_coordinator,
+            list_wrapped_objects=self.list_wrapped_objects,
+            owners=self.owners,
         )
         self._sources = local.sources
         return SavePlan(local.items, planner_data=local.summary)

@@ -33,8 +33,13 @@ class Location:
         return f"{self.root.rstrip('/')}/{name}"
 
 
-def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
-    """Turn a local path or fsspec URL plus its options into a ``Location``."""
+def resolve(
+    url: str | os.PathLike[str] | Location, storage_options: dict[str, Any] | None = None
+) -> Location:
+    """Turn a local path or fsspec URL plus its options into a ``Location`` (a ``Location``
+    is already resolved: it is returned as it is)."""
+    if isinstance(url, Location):
+        return url
     text = os.fspath(url)
     if not text:
         raise InvalidArgumentError("checkpoint location is empty")

@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcpbridge as db
-from dcpbridge.engine import collectives
 from dcpbridge.mcore.sharding import TensorInfo, _device_for, plan_broadcasts
 from dcpbridge.tools.layout import even_pieces
 from tests import layouts as L
+from tests.collective_counts import count_collectives
 from tests.dist_pool import Rank
 
 # -- planning (pure) ---------------------------------------------------------------------------
@@ -110,13 +110,15 @@ def _only_own_memory(t: torch.Tensor) -> bool:
 
 
 def _run_distribute(r: Rank, meta: dict) -> tuple[dict, db.DistributedKeys, int]:
-    before = collectives.CALLS["broadcast_tensor"]
     out: dict = {}
-    if r.rank == 0:
-        keys = db.broadcast_and_shard_state_dict(rank0_state(), meta, out, process_group=r.group)
-    else:
-        keys = db.shard_broadcasted_state_dict(meta, out, process_group=r.group)
-    return out, keys, collectives.CALLS["broadcast_tensor"] - before
+    with count_collectives() as calls:
+        if r.rank == 0:
+            keys = db.broadcast_and_shard_state_dict(
+                rank0_state(), meta, out, process_group=r.group
+            )
+        else:
+            keys = db.shard_broadcasted_state_dict(meta, out, process_group=r.group)
+    return out, keys, calls["broadcast_tensor"]
 
 
 DT_CASES = {"w": [Shard(0)], "emb": [Shard(1)], "b": [Replicate()], "mask": [Shard(0)]}

@@ -1,4 +1,4 @@
-"""The one place dcpbridge calls torch.distributed: counted object collectives on one group."""
+"""The one place dcpbridge calls torch.distributed: object and tensor collectives on one group."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-# Collectives actually issued, by name (tests use it to prove caching skips exchanges).
-CALLS: Counter[str] = Counter()
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,6 @@ class Group:
         """Every rank's ``obj`` on the coordinator (None elsewhere)."""
         if not self.distributed:
             return [obj]
-        CALLS["gather"] += 1
         out: list[Any] | None = [None] * self.size if self.is_coordinator else None
         dist.gather_object(obj, out, dst=self.coordinator, group=self.pg)
         return out
@@ -60,7 +56,6 @@ class Group:
         if not self.distributed:
             assert objs is not None
             return objs[0]
-        CALLS["scatter"] += 1
         out: list[Any] = [None]
         dist.scatter_object_list(out, objs, src=self.coordinator, group=self.pg)
         return out[0]
@@ -69,7 +64,6 @@ class Group:
         """The coordinator's ``obj`` on every rank."""
         if not self.distributed:
             return obj
-        CALLS["broadcast"] += 1
         box = [obj]
         dist.broadcast_object_list(box, src=self.coordinator, group=self.pg)
         return box[0]
@@ -77,7 +71,6 @@ class Group:
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
-        CALLS["all_gather"] += 1
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
@@ -90,7 +83,6 @@ class Group:
         if not self.distributed or tensor.numel() == 0:
             return
         data = _as_bytes(tensor, "broadcast_tensor needs a contiguous tensor")
-        CALLS["broadcast_tensor"] += 1
         root = dist.get_global_rank(self.pg, src) if src else self.coordinator
         dist.broadcast(data, src=root, group=self.pg)
 
@@ -105,7 +97,6 @@ class Group:
         """
         if not (sends or recvs):
             return
-        CALLS["p2p"] += 1
         ops = [
             dist.P2POp(dist.isend, _as_bytes(t), dist.get_global_rank(self.pg, dst), self.pg, tag)
             for t, dst, tag in sends
@@ -153,13 +144,14 @@ class StoreGroup(Group):
 
     @staticmethod
     def for_group(group: Group, purpose: str) -> Group:
-        """A store-backed twin of ``group`` (``group`` itself when there is nothing to sync).
+        """A store-backed twin of ``group`` (one process alone when there is nothing to sync).
 
         Its key prefix depends only on ``purpose``, the member ranks and how many twins for
-        them this process made before, so every member derives the same one unaided.
+        them this process made before, so every member derives the same one unaided. It
+        holds no reference to ``group``'s process group.
         """
         if not group.distributed:
-            return group
+            return Group(None, group.rank, group.size, group.coordinator)
         store = dist.distributed_c10d._get_default_store()
         ranks = tuple(dist.get_process_group_ranks(group.pg))
         serial = StoreGroup._created[(purpose, ranks)]
@@ -180,7 +172,6 @@ class StoreGroup(Group):
                 self._store.delete_key(n)
 
     def gather(self, obj: Any) -> list[Any] | None:
-        CALLS["gather"] += 1
         key = self._next("gather")
         if not self.is_coordinator:
             self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
@@ -191,7 +182,6 @@ class StoreGroup(Group):
         return out
 
     def scatter(self, objs: list[Any] | None) -> Any:
-        CALLS["scatter"] += 1
         key = self._next("scatter")
         if self.is_coordinator:
             assert objs is not None
@@ -203,7 +193,6 @@ class StoreGroup(Group):
         return value
 
     def broadcast(self, obj: Any) -> Any:
-        CALLS["broadcast"] += 1
         key = self._next("broadcast")
         if self.is_coordinator:
             self._store.set(f"{key}/value", pickle.dumps(obj))
@@ -216,7 +205,6 @@ class StoreGroup(Group):
         raise TypeError("a StoreGroup carries objects only; broadcast tensors on a process group")
 
     def all_gather(self, obj: Any) -> list[Any]:
-        CALLS["all_gather"] += 1
         key = self._next("all_gather")
         self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
         out = [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.size)]

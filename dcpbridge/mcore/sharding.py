@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.drive import Failure, attempt, raise_failures
 from dcpbridge.errors import ShapeMismatchError
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.model.state import HOLE, fill_holes, map_leaves
@@ -179,11 +179,8 @@ def _distribute(
         sources = [_source(path, leaf) for path, leaf in leaves]
         return sources, _header(state_dict) if state_dict is not None else None
 
-    local = attempt(group.rank, "plan", local_step)
-    gathered = group.all_gather(local)
-    raise_failures([g for g in gathered if isinstance(g, Failure)], local, world_size=group.size)
-    assert not isinstance(local, Failure)
-    sources = local[0]
+    gathered = protocol.agree(group, "plan", local_step)
+    sources = gathered[group.rank][0]
     header = gathered[0][1]
     plan = plan_broadcasts([dict(g[0]) for g in gathered], header)
     if plan.errors:
@@ -311,21 +308,15 @@ def load_state_dict(
     """
     group = Group.resolve(process_group)
     path = os.fspath(checkpoint_file)
-    result: Any = {}
-    if group.rank == 0:
 
-        def read() -> dict[str, Any]:
-            sd = _read_file(path)
-            return {
-                k: v.to(_device_for(k, device_map)) if isinstance(v, torch.Tensor) else v
-                for k, v in sd.items()
-            }
+    def read() -> dict[str, Any]:
+        sd = _read_file(path)
+        return {
+            k: v.to(_device_for(k, device_map)) if isinstance(v, torch.Tensor) else v
+            for k, v in sd.items()
+        }
 
-        result = attempt(0, "read", read)
-    failure = group.broadcast(result if isinstance(result, Failure) else None)
-    if failure is not None:
-        raise_failures([failure], result, world_size=group.size)
-    return result if group.rank == 0 else {}
+    return protocol.on_coordinator(group, "read", read) or {}
 
 
 # ---------------------------------------------------------------------------------------------

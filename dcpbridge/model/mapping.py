@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import InvalidShardError
-from dcpbridge.planners.protocol import ReplicaId, is_main_replica
+from dcpbridge.planners.distribution import is_main_replica
+from dcpbridge.planners.protocol import ReplicaId
 
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]

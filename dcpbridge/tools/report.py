@@ -13,7 +13,7 @@ from dcpbridge.planners.boxes import fmt_box
 from dcpbridge.storage import StorageIndex, checksum
 from dcpbridge.storage.backends import ByteIO, RangeRead
 from dcpbridge.tools.formats import MEGATRON_COMMON, Format
-from dcpbridge.tools.sources import Source, _ProtocolSource
+from dcpbridge.tools.sources import ProtocolSource, Source
 
 _VERIFY_PIECE = 64 << 20
 
@@ -84,7 +84,7 @@ def structure(source: Source, sizes: dict[str, int]) -> Findings:
     if source.format == Format.TORCH_DIST and MEGATRON_COMMON not in sizes:
         found.problems.append(f"{MEGATRON_COMMON} (the common state) is missing")
     if source.format == Format.DCPBRIDGE:
-        listed = set(source.facts.get("files", []))
+        listed = set(source.header.get("files", []))
         stray = sorted(n for n in sizes if n.endswith(".bin") and n not in listed)
         if stray:
             found.notes.append(
@@ -122,7 +122,7 @@ def verify_data(
 def _verify_checksums(
     source: Source, found: Findings, on_bytes: Callable[[int], None] | None
 ) -> None:
-    assert isinstance(source, _ProtocolSource)
+    assert isinstance(source, ProtocolSource)
     index = source.metadata.storage_data
     assert isinstance(index, StorageIndex)
     block = index.checksum_block_size
@@ -158,7 +158,7 @@ def _verify_checksums(
 
 def describe(source: Source, sizes: dict[str, int], found: Findings) -> dict[str, Any]:
     """A JSON-able description: format facts, files, tensors with their chunks, objects."""
-    facts = dict(source.facts)
+    facts = dict(source.header)
     created = facts.get("created_unix")
     tensors = {}
     for key in sorted(source.tensors):

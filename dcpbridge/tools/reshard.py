@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.drive import Failure, attempt, raise_failures
 from dcpbridge.storage import Location, StoredItem, resolve
 from dcpbridge.storage.format import ItemKey
 from dcpbridge.storage.stream import StreamWriter, commit, new_save_id
@@ -95,7 +95,7 @@ def box_bytes(
 ) -> Iterator[memoryview]:
     """The bytes of a box of ``key`` in C order, read slab by slab (one read for box sources)."""
     itemsize = source.tensors[key].dtype.itemsize
-    if source.box_reads:
+    if source.reads_whole_chunks:
         budget = max(budget, math.prod(sizes) * itemsize)
     for o, s in slabs(offsets, sizes, itemsize, budget):
         yield tensor_bytes(source.read(key, o, s))
@@ -213,18 +213,18 @@ def reshard(
     group = group or Group(None, 0, 1, 0)
     started = time.perf_counter()
 
-    def plan() -> tuple[Location, list[WorkItem]]:
+    location: Location
+
+    def plan() -> str | None:
+        nonlocal location, work
         location = resolve(destination, storage_options)
         if _same_place(location, source.location):
             raise ValueError(f"the destination {location.url} is the source checkpoint itself")
-        return location, work if work is not None else plan_work(source, layout)
+        work = work if work is not None else plan_work(source, layout)
+        return new_save_id() if group.is_coordinator else None
 
-    planned = attempt(group.rank, "plan", plan)
-    statuses = group.all_gather(planned if isinstance(planned, Failure) else None)
-    raise_failures([s for s in statuses if s is not None], planned, world_size=group.size)
-    assert not isinstance(planned, Failure)
-    location, work = planned
-    save_id = group.broadcast(new_save_id() if group.is_coordinator else None)
+    save_id = protocol.agree(group, "plan", plan)[0]
+    assert work is not None
     mine = assign(work, group.size)[group.rank]
 
     def run() -> dict[ItemKey, StoredItem]:
@@ -241,29 +241,21 @@ def reshard(
         finally:
             writer.close()
 
-    written = attempt(group.rank, "write", run)
-    gathered = group.gather(written)
-    outcome: list[Failure] | None = None
-    if gathered is not None:
-        outcome = [g for g in gathered if isinstance(g, Failure)]
-        if not outcome:
-            try:
-                items = {k: v for part in gathered for k, v in part.items()}
-                planner_data = source.facts.get("planner_data")
-                commit(
-                    location,
-                    target_state(source, work),
-                    items,
-                    save_id=save_id,
-                    world_size=layout.world_size,
-                    checksums=checksums,
-                    planner_data=planner_data if isinstance(planner_data, dict) else None,
-                    sync=sync_files,
-                )
-            except Exception as e:
-                outcome = [Failure.capture(group.rank, "commit", e)]
-    outcome = group.broadcast(outcome)
-    raise_failures(outcome or [], written, world_size=group.size)
+    def publish(written: list[dict[ItemKey, StoredItem]]) -> None:
+        assert work is not None
+        planner_data = source.header.get("planner_data")
+        commit(
+            location,
+            target_state(source, work),
+            {k: v for part in written for k, v in part.items()},
+            save_id=save_id,
+            world_size=layout.world_size,
+            checksums=checksums,
+            planner_data=planner_data if isinstance(planner_data, dict) else None,
+            sync=sync_files,
+        )
+
+    protocol.commit(group, "write", run, publish)
     return ReshardResult(
         destination=location.url,
         world_size=layout.world_size,
