@@ -14,6 +14,8 @@ from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import (
     CheckpointError,
     ChecksumMismatchError,
+    CollectiveError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     DistributedCheckpointError,
     DTypeMismatchError,
@@ -86,6 +88,8 @@ __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
     "ChecksumMismatchError",
+    "CollectiveError",
+    "ConcurrentSaveError",
     "ConfigError",
     "CorruptCheckpointError",
     "DTypeMismatchError",

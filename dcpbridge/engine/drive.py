@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import CheckpointError, DistributedCheckpointError
+from dcpbridge.errors import CheckpointError, CollectiveError, DistributedCheckpointError
 from dcpbridge.storage.writer import new_save_id
 
 T = TypeVar("T")
@@ -222,17 +222,27 @@ def run_save(
         return save_writer().write_data(planner.finish_plan(plan), planner).wait()
 
     results = local if isinstance(local, Failure) else attempt(group.rank, "write", write_step)
-    gathered = group.gather(results)
-    outcome: list[Failure] | None = None
-    if gathered is not None:
-        outcome = [x for x in gathered if isinstance(x, Failure)]
-        if not outcome:
-            try:
-                assert metadata is not None
-                save_writer().finish(metadata=metadata, results=gathered)
-            except Exception as e:
-                outcome = [Failure.capture(group.rank, "commit", e)]
-    outcome = group.broadcast(outcome)
+    committed = False
+    try:
+        gathered = group.gather(results)
+        outcome: list[Failure] | None = None
+        if gathered is not None:
+            outcome = [x for x in gathered if isinstance(x, Failure)]
+            if not outcome:
+                try:
+                    assert metadata is not None
+                    save_writer().finish(metadata=metadata, results=gathered)
+                    committed = True
+                except Exception as e:
+                    outcome = [Failure.capture(group.rank, "commit", e)]
+        outcome = group.broadcast(outcome)
+    except CollectiveError:
+        # A rank is gone. The coordinator knows it did not commit; any other rank cannot tell
+        # (a slow coordinator may still commit with its files), so it keeps what it wrote
+        # unless its own write failed, which no commit can include.
+        if (group.is_coordinator and not committed) or isinstance(results, Failure):
+            abort_save(writer)
+        raise
     if outcome:
         abort_save(writer)
         raise_failures(outcome, results, world_size=group.size)
