@@ -9,7 +9,6 @@ allocate far more than the checkpoint holds.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import resource
@@ -23,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dcpbridge as db
 from dcpbridge.storage.format import sign_document
@@ -616,7 +614,7 @@ def test_one_changed_byte_of_a_key_is_detected(original, tmp_path):
         shutil.rmtree(ck)
 
 
-# -- failed and concurrent saves ----------------------------------------------------------------
+# -- failed saves (concurrent ones and killed ranks: test_faults.py) ----------------------------------------------------------------
 
 
 def save_with_full_disk_on_rank_1(r: Rank, path: str) -> str:
@@ -652,54 +650,6 @@ def test_failed_save_leaves_no_files_and_the_old_checkpoint(original, pool, tmp_
     after = {p.name: p.read_bytes() for p in ck.iterdir()}
     assert after == before  # rank 0's complete file and rank 1's partial one are gone
     assert _identical(db.load(_template(), str(ck)), _expected())
-
-
-def save_concurrently(r: Rank, path: str, rounds: int) -> list[str]:
-    """Ranks 0-1 (job A) and 2-3 (job B) save different states to one path at once."""
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    solo = dist.new_group([0])
-    job = r.rank // 2
-    mine = groups[job]
-    value = float(job + 1)
-    outcomes = []
-    for _ in range(rounds):
-        dist.barrier()
-        sd = {
-            "x": db.ShardedTensor.from_box(
-                "x", torch.full((4096,), value), (8192,), ((r.rank % 2) * 4096,)
-            ),
-            "job": job,
-        }
-        try:
-            db.save(sd, path, process_group=mine)
-            outcomes.append("saved")
-        except db.CheckpointError as e:  # the other job's cleanup may remove our temp file
-            outcomes.append(f"{type(e).__name__}: {e}")
-        dist.barrier()
-        if r.rank == 0:
-            out = db.load(
-                {"x": db.ShardedTensor.from_box("x", torch.zeros(8192), (8192,), (0,))},
-                path,
-                process_group=solo,
-            )
-            winner = out["job"]
-            assert torch.equal(out["x"], torch.full((8192,), float(winner + 1))), "mixed"
-            outcomes.append(f"loaded job {winner}")
-        dist.barrier()
-    return outcomes
-
-
-def test_concurrent_saves_to_one_path_never_mix(pool, tmp_path):
-    path = str(tmp_path / "ck")
-    results = pool.run(save_concurrently, 4, path, 6, default_group=True, timeout=120)
-    loads = [o for o in results[0] if o.startswith("loaded")]
-    assert len(loads) == 6
-    for outcomes in results:
-        assert all(o in ("saved", "loaded job 0", "loaded job 1") or "Error" in o for o in outcomes)
-    doc = json.loads((tmp_path / "ck" / META).read_bytes())
-    named = set(doc["files"])
-    assert all(doc["save_id"] in f for f in named)
-    assert named <= set(os.listdir(tmp_path / "ck"))
 
 
 def test_common_tensor_sized_by_the_document_is_checked_before_allocation(tmp_path):
