@@ -1,4 +1,4 @@
-"""Damaged or crafted checkpoints are refused, failed saves leave nothing, concurrent saves never mix.
+"""Damaged or crafted checkpoints are refused and failed saves leave nothing (faults: test_faults.py).
 
 The corruption trials damage a real two-rank checkpoint (tensors in several chunks from both
 ranks' files, ShardedObjects, common state) one way at a time; every trial must either load
@@ -614,7 +614,7 @@ def test_one_changed_byte_of_a_key_is_detected(original, tmp_path):
         shutil.rmtree(ck)
 
 
-# -- failed saves (concurrent ones and killed ranks: test_faults.py) ----------------------------------------------------------------
+# -- failed saves (concurrent saves and killed ranks: test_faults.py) ---------------------
 
 
 def save_with_full_disk_on_rank_1(r: Rank, path: str) -> str:
