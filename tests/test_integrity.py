@@ -1,4 +1,4 @@
-"""Damaged or crafted checkpoints are refused and failed saves leave nothing (faults: test_faults.py).
+"""Damaged or crafted checkpoints are refused; failed saves leave nothing (faults: test_faults.py).
 
 The corruption trials damage a real two-rank checkpoint (tensors in several chunks from both
 ranks' files, ShardedObjects, common state) one way at a time; every trial must either load
