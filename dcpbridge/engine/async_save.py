@@ -17,6 +17,7 @@ from typing import Any
 
 from dcpbridge.engine.collectives import Group, StoreGroup
 from dcpbridge.engine.staging import BufferSet, StagingArea
+from dcpbridge.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class AsyncSaver:
     def for_group(cls, group: Group, max_in_flight: int) -> AsyncSaver:
         """The saver of ``group`` (created collectively on first use by every member)."""
         if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {max_in_flight}")
         with cls._lock:
             saver = cls._by_group.get(id(group.pg))
             if saver is None:
