@@ -25,11 +25,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcpbridge as db
 from dcpbridge.launch import free_port
 from dcpbridge.storage import resolve
 from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.stream import StreamWriter, new_save_id
 from tests.backends import Backend, local_backend, s3_backend
 from tests.dist_pool import Rank
 
@@ -451,3 +453,133 @@ def test_a_refused_s3_commit_that_is_already_there_counts_as_committed(s3_server
     byteio.commit_file("f", b"one", "", sync=True, replaces=absent)  # as a retry would
     with pytest.raises(db.ConcurrentSaveError):
         byteio.commit_file("f", b"other", "", sync=True, replaces=absent)
+
+
+# -- offline reshard and the streaming writer clean up after themselves ------------------------
+
+SPLIT2 = {"world_size": 2, "rules": [{"match": "*", "split": {"axis": 0}}]}
+
+
+def _reshard_source(path: str) -> dict[str, torch.Tensor]:
+    """Six 64 KiB tensors and common state in one process's checkpoint; returns the tensors."""
+    tensors = {
+        f"t{i}": torch.randn(64, 256, generator=torch.Generator().manual_seed(i)) for i in range(6)
+    }
+    db.save({**{k: v.clone() for k, v in tensors.items()}, "step": 5}, path)
+    return tensors
+
+
+def _corrupt_chunk(path: str, key: str) -> None:
+    doc = json.loads(Path(path, META).read_bytes())
+    chunk = doc["tensors"][key]["chunks"][0]
+    with open(os.path.join(path, chunk["file"]), "r+b") as f:
+        f.seek(chunk["offset"] + 100)
+        f.write(b"\xde\xad")
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_a_failed_offline_reshard_leaves_nothing_at_the_destination(kind, request, tmp_path):
+    """The last tensor's stored chunk is damaged: the reshard fails after writing a file for
+    each earlier item, and removes them all (and the directory it created)."""
+    from dcpbridge.tools.layout import parse_layout
+    from dcpbridge.tools.reshard import reshard
+    from dcpbridge.tools.sources import open_source
+
+    src = str(tmp_path / "src")
+    tensors = _reshard_source(src)
+    _corrupt_chunk(src, "t5")
+    backend = _backend(kind, request, tmp_path)
+    dst, options = backend.url("dst"), backend.storage_options
+    written: list[int] = []
+    source = open_source(src)
+    try:
+        with pytest.raises(db.ChecksumMismatchError, match="'t5'"):
+            reshard(
+                source,
+                dst,
+                parse_layout(SPLIT2),
+                storage_options=options,
+                max_file_bytes=1,  # one file per item: several files exist when t5 fails
+                on_bytes=written.append,
+            )
+    finally:
+        source.close()
+    assert sum(written) >= 5 * 64 * 256 * 4  # t0..t4 were written before t5 failed
+    if kind == "local":
+        assert not os.path.exists(dst)
+    else:
+        assert backend.everything() == [] and not backend.s3.multipart_uploads(backend.bucket)
+    # The destination takes a good reshard afterwards (of the source saved again, undamaged).
+    _reshard_source(src)
+    source = open_source(src)
+    try:
+        reshard(source, dst, parse_layout(SPLIT2), storage_options=options)
+    finally:
+        source.close()
+    template = {k: torch.zeros(64, 256) for k in tensors}
+    out = db.load(template, dst, storage_options=options)
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors) and out["step"] == 5
+
+
+def reshard_with_full_disk_on_rank_1(r: Rank, src: str, dst: str) -> str:
+    """Rank 1's writes fail with EFBIG past 64 KiB, after rank 0 wrote its share."""
+    import resource
+
+    from dcpbridge.engine.collectives import Group
+    from dcpbridge.tools.layout import parse_layout
+    from dcpbridge.tools.reshard import reshard
+    from dcpbridge.tools.sources import open_source
+
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if r.rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, old[1]))
+    source = open_source(src)
+    try:
+        reshard(source, dst, parse_layout(SPLIT2), group=Group.resolve(r.group))
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+        source.close()
+    return "resharded"
+
+
+def test_a_reshard_failing_on_one_worker_leaves_the_destination_as_it_was(pool, tmp_path):
+    """Worker 1's disk fills up: both workers raise, every file of the reshard is removed,
+    and the checkpoint that was at the destination is untouched and still loads."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    _reshard_source(src)
+    db.save({"old": torch.arange(10.0), "step": 1}, dst)
+    before = {p.name: p.read_bytes() for p in Path(dst).iterdir()}
+    errors = pool.run(reshard_with_full_disk_on_rank_1, 2, src, dst)
+    assert errors[0] == errors[1] and errors[0].startswith("StorageError: rank 1: "), errors
+    assert "File too large" in errors[0]
+    assert {p.name: p.read_bytes() for p in Path(dst).iterdir()} == before
+    assert torch.equal(db.load({"old": torch.zeros(10)}, dst)["old"], torch.arange(10.0))
+    fresh = str(tmp_path / "fresh")
+    errors = pool.run(reshard_with_full_disk_on_rank_1, 2, src, fresh)
+    assert errors[0].startswith("StorageError: rank 1: ") and not os.path.exists(fresh)
+
+
+def _write_then_fail(location: Any) -> StreamWriter:
+    """Three items in three files, then an item whose source breaks off."""
+
+    def broken() -> Any:
+        yield memoryview(b"y" * 10)
+        raise RuntimeError("source broke")
+
+    with StreamWriter(location, save_id=new_save_id(), max_file_bytes=1) as sw:
+        for i in range(3):
+            sw.write_item(MetadataIndex(f"k{i}"), [memoryview(b"x" * 100)], nbytes=100, rank=0)
+        assert len(sw.files) == 3
+        sw.write_item(MetadataIndex("k3"), broken(), nbytes=20, rank=0)
+    return sw
+
+
+def test_a_stream_writer_leaving_with_an_error_removes_its_files(backend):
+    location = resolve(backend.url("s"), backend.storage_options)
+    with pytest.raises(RuntimeError, match="source broke"):
+        _write_then_fail(location)
+    assert backend.data_names("s") == []

@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.drive import Failure, attempt, raise_failures
+from dcpbridge.errors import CollectiveError, InvalidArgumentError
 from dcpbridge.storage import Location, StoredItem, resolve
 from dcpbridge.storage.format import ItemKey
-from dcpbridge.storage.stream import StreamWriter, commit, new_save_id
+from dcpbridge.storage.stream import StreamWriter, commit, discard_save, new_save_id
 from dcpbridge.storage.writer import tensor_bytes
 from dcpbridge.tools.layout import Layout
 from dcpbridge.tools.sources import Source
@@ -208,22 +209,27 @@ def reshard(
     """Write ``source`` to ``destination`` as a dcpbridge checkpoint in ``layout``.
 
     Every rank of ``group`` (one process if None) calls it with the same arguments; ``work``
-    is ``plan_work(source, layout)`` when the caller has it already.
+    is ``plan_work(source, layout)`` when the caller has it already. A failure on any rank
+    raises on every rank and removes every file the reshard wrote (and the destination
+    directory if the reshard created it).
     """
     group = group or Group(None, 0, 1, 0)
     started = time.perf_counter()
 
-    def plan() -> tuple[Location, list[WorkItem]]:
+    def plan() -> tuple[Location, list[WorkItem], bool]:
         location = resolve(destination, storage_options)
         if _same_place(location, source.location):
-            raise ValueError(f"the destination {location.url} is the source checkpoint itself")
-        return location, work if work is not None else plan_work(source, layout)
+            raise InvalidArgumentError(
+                f"the destination {location.url} is the source checkpoint itself"
+            )
+        fresh = location.is_local and not os.path.exists(location.root)  # before any write
+        return location, work if work is not None else plan_work(source, layout), fresh
 
     planned = attempt(group.rank, "plan", plan)
     statuses = group.all_gather(planned if isinstance(planned, Failure) else None)
     raise_failures([s for s in statuses if s is not None], planned, world_size=group.size)
     assert not isinstance(planned, Failure)
-    location, work = planned
+    location, work, fresh = planned
     save_id = group.broadcast(new_save_id() if group.is_coordinator else None)
     mine = assign(work, group.size)[group.rank]
 
@@ -236,13 +242,16 @@ def reshard(
             sync_files=sync_files,
             max_file_bytes=max_file_bytes,
         )
-        try:
+        with writer:  # a failure removes this worker's files
             return write_items(source, writer, mine, slab_bytes=slab_bytes, on_bytes=on_bytes)
-        finally:
-            writer.close()
 
     written = attempt(group.rank, "write", run)
-    gathered = group.gather(written)
+    try:
+        gathered = group.gather(written)
+    except CollectiveError:  # a worker is gone: nothing will be committed
+        if group.is_coordinator:
+            discard_save(location, save_id, remove_root=fresh)
+        raise
     outcome: list[Failure] | None = None
     if gathered is not None:
         outcome = [g for g in gathered if isinstance(g, Failure)]
@@ -262,6 +271,8 @@ def reshard(
                 )
             except Exception as e:
                 outcome = [Failure.capture(group.rank, "commit", e)]
+        if outcome:  # every worker is done writing: remove all of this reshard's files
+            discard_save(location, save_id, remove_root=fresh)
     outcome = group.broadcast(outcome)
     raise_failures(outcome or [], written, world_size=group.size)
     return ReshardResult(
