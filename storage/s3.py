@@ -127,7 +127,18 @@ class S3ByteIO(ByteIO):
             elif isinstance(replaces.tag, str):
                 condition["IfMatch"] = replaces.tag
         try:
-            _request(self.fs, "put_object", path, Body=data, **condition)
+            try:
+                _request(self.fs, "put_object", path, Body=data, **condition)
+            except OSError as e:
+                if not condition or _error_code(e) not in _UNSUPPORTED_CODES:
+                    raise
+                log.warning(
+                    "%s does not support conditional PUTs (%s): committing %s unconditionally",
+                    self.location.url,
+                    e,
+                    name,
+                )
+                _request(self.fs, "put_object", path, Body=data)
         except OSError as e:
             if not condition or _error_code(e) not in _CONFLICT_CODES:
                 raise
@@ -196,6 +207,8 @@ async def _fetch_all(fs: Any, reads: Sequence[RangeRead], piece: int, limit: int
 
 # What S3 answers a conditional PUT that lost: 412, or 409 for a concurrent conditional write.
 _CONFLICT_CODES = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+# What a store that lacks conditional PUTs answers one (the commit then falls back to a plain PUT).
+_UNSUPPORTED_CODES = ("NotImplemented", "501")
 
 
 async def _get_with_etag(fs: Any, path: str) -> tuple[bytes, str]:
