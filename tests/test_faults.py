@@ -583,3 +583,17 @@ def test_a_stream_writer_leaving_with_an_error_removes_its_files(backend):
     with pytest.raises(RuntimeError, match="source broke"):
         _write_then_fail(location)
     assert backend.data_names("s") == []
+
+
+@pytest.mark.s3
+def test_a_store_without_conditional_puts_still_commits(s3_server, s3_proxy, caplog):
+    """A store answering a conditional PUT with 501 NotImplemented gets a plain PUT."""
+    backend = s3_backend(s3_server)
+    options = s3_server.storage_options(s3_proxy.endpoint_url)
+    path = backend.url("ck")
+    s3_proxy.inject("PUT", META, "notimplemented")
+    db.save({"t": torch.arange(8.0), "step": 2}, path, storage_options=options)
+    assert "does not support conditional PUTs" in caplog.text
+    assert torch.equal(
+        db.load({"t": torch.zeros(8)}, path, storage_options=options)["t"], torch.arange(8.0)
+    )
