@@ -672,3 +672,58 @@ def test_common_tensor_sized_by_the_document_is_checked_before_allocation(tmp_pa
     finally:
         tracemalloc.stop()
     assert peak < 8 << 20, f"{peak} bytes allocated before refusing"
+
+
+# -- one exception family: what users can get wrong outside a save or load ----------------------
+
+
+def test_full_state_dict_files_that_cannot_be_read_raise_checkpoint_errors(tmp_path):
+    """``load_state_dict`` (rank 0 reads a full state dict file): each failure names the file."""
+    missing = tmp_path / "missing.pt"
+    with pytest.raises(db.StorageFileNotFoundError, match=re.escape(str(missing))) as e:
+        db.load_state_dict(missing)
+    assert isinstance(e.value.__cause__, FileNotFoundError)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"metadata": {}}')  # no weight_map
+    with pytest.raises(db.CorruptCheckpointError, match=r"index\.json: not a readable.*KeyError"):
+        db.load_state_dict(index)
+    listed = tmp_path / "list.pt"
+    torch.save([torch.zeros(2)], listed)
+    with pytest.raises(db.InvalidArgumentError, match=r"list\.pt holds a list, not a state dict"):
+        db.load_state_dict(listed)
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"x": Path("/")}, pickled)  # needs a global that weights_only refuses
+    with pytest.raises(db.PickleRefusedError, match=r"pickled\.pt: holds objects"):
+        db.load_state_dict(pickled)
+    truncated = tmp_path / "truncated.pt"
+    torch.save({"x": torch.zeros(100)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    with pytest.raises(db.CorruptCheckpointError, match=r"truncated\.pt: not a readable"):
+        db.load_state_dict(truncated)
+
+
+def test_bad_arguments_raise_invalid_argument_errors(tmp_path):
+    """Arguments users pass wrong are ``InvalidArgumentError`` (still ``ValueError``)."""
+    from dcpbridge.engine.collectives import Group
+    from dcpbridge.mcore.sharding import _device_for
+
+    cases = [
+        (lambda: db.OptimizerConfig(lr=-1.0), "lr must be a finite number"),
+        (lambda: db.ParamKey(), "needs a name pattern"),
+        (lambda: db.async_save({}, tmp_path, max_in_flight=0), "max_in_flight must be >= 1"),
+        (lambda: db.TensorAwareStateDict.from_state_dict({}, algo="x"), "algo must be one of"),
+        (lambda: Group.resolve(object()), "torch.distributed is not initialized"),
+        (lambda: _device_for("x", {"": "no-such-device"}), "is not a device"),
+        (lambda: db.shard_broadcasted_state_dict({}, {}), "ranks other than 0"),
+    ]
+    for fn, needle in cases:
+        with pytest.raises(db.InvalidArgumentError, match=needle):
+            fn()
+
+
+def test_a_failed_param_group_dump_is_a_storage_error(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    target = tmp_path / "no-such-dir" / "groups.json"
+    with pytest.raises(db.StorageError, match=r"dump of param groups to .*groups\.json"):
+        db.get_optimizer(model, db.OptimizerConfig(), dump_param_groups_to=target)
+    assert not (tmp_path / "no-such-dir").exists()
