@@ -380,7 +380,8 @@ def _save_id_of(name: str) -> str | None:
 
 
 def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> None:
-    """After ``save_id`` committed: delete the files of the commit it replaced.
+    """After ``save_id`` committed: delete the files of the commit it replaced (local temp
+    files of killed commits go in the commit itself, under its lock).
 
     Data files of other save ids are left alone: they may belong to a save to this location
     that is still running (deleting them would break its commit). A failed save removes its
@@ -389,6 +390,8 @@ def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> 
     try:
         names = set(byteio.list_names())
         stale = [n for n in replaced if n in names and _save_id_of(n) != save_id]
+        if not byteio.location.is_local:  # no commit writes temp files there: all are stale
+            stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
         byteio.remove(sorted(set(stale)))
     except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
         log.warning("could not remove replaced files in %s: %s", byteio.location.url, e)
