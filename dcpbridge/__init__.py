@@ -9,6 +9,8 @@ from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import (
     CheckpointError,
     ChecksumMismatchError,
+    CollectiveError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     DistributedCheckpointError,
     DTypeMismatchError,
@@ -81,6 +83,8 @@ __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
     "ChecksumMismatchError",
+    "CollectiveError",
+    "ConcurrentSaveError",
     "ConfigError",
     "CorruptCheckpointError",
     "DTypeMismatchError",

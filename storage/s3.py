@@ -21,8 +21,8 @@ from typing import Any
 import s3fs.core
 from fsspec.asyn import sync
 
-from dcpbridge.storage.backends import ByteIO, RangeRead, storage_op
-from dcpbridge.storage.errors import InvalidArgumentError
+from dcpbridge.storage.backends import ByteIO, Committed, RangeRead, storage_op
+from dcpbridge.storage.errors import ConcurrentSaveError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,63 @@ class S3ByteIO(ByteIO):
         """One GET (no size lookup first, and empty objects read as b"")."""
         return sync(self.fs.loop, self.fs._cat_file, path, max_concurrency=1)
 
+    @storage_op("read")
+    def read_committed(self, name: str) -> Committed:
+        """One GET: the commit object's bytes and its ETag (for a conditional commit)."""
+        try:
+            data, etag = sync(self.fs.loop, _get_with_etag, self.fs, self.location.path(name))
+        except FileNotFoundError:
+            return Committed(None)
+        return Committed(data, etag)
+
     @storage_op("commit")
-    def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
-        """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix."""
+    def commit_file(
+        self,
+        name: str,
+        data: bytes,
+        temp_name: str,
+        *,
+        sync: bool,
+        replaces: Committed | None = None,
+    ) -> None:
+        """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix.
+
+        With ``replaces`` the PUT is conditional (``If-None-Match: *`` for a first commit,
+        else ``If-Match`` on the ETag read): if another commit landed since, the server
+        refuses it and ``ConcurrentSaveError`` is raised.
+        """
         path = self.location.path(name)
-        _request(self.fs, "put_object", path, Body=data)
-        self.fs.invalidate_cache(path)
+        condition: dict[str, str] = {}
+        if replaces is not None:
+            if replaces.data is None:
+                condition["IfNoneMatch"] = "*"
+            elif isinstance(replaces.tag, str):
+                condition["IfMatch"] = replaces.tag
+        try:
+            try:
+                _request(self.fs, "put_object", path, Body=data, **condition)
+            except OSError as e:
+                if not condition or _error_code(e) not in _UNSUPPORTED_CODES:
+                    raise
+                log.warning(
+                    "%s does not support conditional PUTs (%s): committing %s unconditionally",
+                    self.location.url,
+                    e,
+                    name,
+                )
+                _request(self.fs, "put_object", path, Body=data)
+        except OSError as e:
+            if not condition or _error_code(e) not in _CONFLICT_CODES:
+                raise
+            # A retried PUT whose first attempt landed is refused too: then the data is ours.
+            if self.read_committed(name).data != data:
+                raise ConcurrentSaveError(
+                    f"{self.location.url}: another save committed {name} while this one was "
+                    "committing; this save did not commit (the other one's checkpoint is in "
+                    "place)"
+                ) from e
+        finally:
+            self.fs.invalidate_cache(path)
 
     @storage_op("look up")
     def exists(self, name: str) -> bool:
@@ -152,6 +203,22 @@ async def _fetch_all(fs: Any, reads: Sequence[RangeRead], piece: int, limit: int
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+# What S3 answers a conditional PUT that lost: 412, or 409 for a concurrent conditional write.
+_CONFLICT_CODES = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+# What a store that lacks conditional PUTs answers one (the commit then falls back to a plain PUT).
+_UNSUPPORTED_CODES = ("NotImplemented", "501")
+
+
+async def _get_with_etag(fs: Any, path: str) -> tuple[bytes, str]:
+    bucket, key = _split(fs, path)
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    body = resp["Body"]
+    try:
+        return await body.read(), resp["ETag"]
+    finally:
+        body.close()
 
 
 class ShortReadError(OSError):

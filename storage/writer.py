@@ -332,18 +332,31 @@ def publish(
     raw = encode_metadata(metadata)
     if makedirs:
         byteio.makedirs()
-    replaced = committed_files(byteio)
-    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync)
+    current = byteio.read_committed(METADATA_FILE)
+    replaced = files_of(_document(current.data))
+    # Conditional: if another save committed since ``current`` was read, this one raises
+    # (and its caller removes its files) instead of replacing a commit it never saw.
+    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
     remove_replaced_files(byteio, replaced, save_id)
+
+
+def _document(raw: bytes | None) -> dict[str, Any] | None:
+    """``raw`` as a JSON object, or None if absent or unreadable."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def _committed_document(byteio: ByteIO) -> dict[str, Any] | None:
     """The JSON of the commit file at ``byteio``'s location, or None if absent or unreadable."""
     try:
-        doc = json.loads(byteio.read_file(byteio.location.path(METADATA_FILE)))
-    except (OSError, ValueError, RecursionError):
+        return _document(byteio.read_file(byteio.location.path(METADATA_FILE)))
+    except OSError:
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 def committed_save_id(byteio: ByteIO) -> str | None:
@@ -353,9 +366,8 @@ def committed_save_id(byteio: ByteIO) -> str | None:
     return save_id if isinstance(save_id, str) else None
 
 
-def committed_files(byteio: ByteIO) -> list[str]:
-    """Data files the location's current commit file names ([] if none or unreadable)."""
-    doc = _committed_document(byteio)
+def files_of(doc: dict[str, Any] | None) -> list[str]:
+    """Data files a commit document names ([] if none or malformed)."""
     files = doc.get("files") if doc is not None else None
     if not isinstance(files, list):
         return []
@@ -368,7 +380,8 @@ def _save_id_of(name: str) -> str | None:
 
 
 def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> None:
-    """After ``save_id`` committed: delete the files of the commit it replaced, and temp files.
+    """After ``save_id`` committed: delete the files of the commit it replaced (local temp
+    files of killed commits go in the commit itself, under its lock).
 
     Data files of other save ids are left alone: they may belong to a save to this location
     that is still running (deleting them would break its commit). A failed save removes its
@@ -377,7 +390,8 @@ def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> 
     try:
         names = set(byteio.list_names())
         stale = [n for n in replaced if n in names and _save_id_of(n) != save_id]
-        stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
+        if not byteio.location.is_local:  # no commit writes temp files there: all are stale
+            stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
         byteio.remove(sorted(set(stale)))
     except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
         log.warning("could not remove replaced files in %s: %s", byteio.location.url, e)

@@ -54,12 +54,12 @@ def test_device_map():
     assert _device_for("decoder.layers.10.w", dm) == torch.device("meta", 0)
     assert _device_for("x", None) == torch.device("cpu")
     assert _device_for("x", 1) == torch.device("cuda", 1)
-    with pytest.raises(ValueError, match="'disk'"):
+    with pytest.raises(db.InvalidArgumentError, match="'disk'"):
         _device_for("x", {"x": "disk"})
 
 
-def test_wrong_rank_raises_value_error():
-    with pytest.raises(ValueError, match="ranks other than 0"):
+def test_wrong_rank_raises_invalid_argument():
+    with pytest.raises(db.InvalidArgumentError, match="ranks other than 0"):
         db.shard_broadcasted_state_dict({}, {})
 
 
@@ -295,8 +295,9 @@ def test_dist_module_two_and_four_ranks(pool, tmp_path, fmt):
 def dist_module_strict(r: Rank, ckpt: str) -> tuple[str, list, list]:
     model = db.DistModule(Toy(), process_group=r.group)
     sd = db.load_state_dict(ckpt, process_group=r.group)
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(db.KeyMismatchError) as e:  # still nn.Module's RuntimeError
         model.load_state_dict(sd)
+    assert isinstance(e.value, RuntimeError)
     result = model.load_state_dict(sd, strict=False)
     assert torch.equal(model.proj.weight, toy_full()["proj.weight"])
     return str(e.value), result.missing_keys, result.unexpected_keys
@@ -348,7 +349,7 @@ def factory_on_rank1(r: Rank) -> str:
     meta: dict = {"w": torch.empty(7, 5, device="meta")}
     if r.rank == 1:
         meta["f"] = db.ShardedTensorFactory("f", torch.zeros(2), lambda *a: {}, lambda x: x)
-    with pytest.raises(TypeError) as e:
+    with pytest.raises(db.InvalidRequestError) as e:
         _run_distribute(r, meta)
     return str(e.value)
 

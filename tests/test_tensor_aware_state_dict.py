@@ -146,9 +146,13 @@ def test_cpu_copies_are_snapshots_and_the_hollow_state_pickles():
 
 
 def test_bad_arguments_are_clear_errors():
-    assert "fully_parallel" in _expect(lambda: TASD.from_state_dict({}, algo="x"), ValueError)
+    assert "fully_parallel" in _expect(
+        lambda: TASD.from_state_dict({}, algo="x"), db.InvalidArgumentError
+    )
     state, _ = TASD.from_state_dict(_sample())
-    msg = _expect(lambda: state.to_state_dict(_template(), exchange_algo="gather"), ValueError)
+    msg = _expect(
+        lambda: state.to_state_dict(_template(), exchange_algo="gather"), db.InvalidArgumentError
+    )
     assert "'broadcast', 'p2p'" in msg
     no_data = {"w": db.ShardedTensor.from_box("w", torch.zeros(2), (2,), (0,))}
     no_data["w"].data = None
@@ -344,7 +348,7 @@ def failure_case(r: Rank, case: str) -> object:
             lambda: TASD.from_state_dict(
                 other, parallelization_group=g, cached_metadata=distribution
             ),
-            ValueError,
+            db.InvalidArgumentError,
         )
     algo = "atomic" if case.startswith("duplicate") else "fully_parallel"
     state, _ = TASD.from_state_dict(_w_state(r.rank), algo=algo, parallelization_group=g)

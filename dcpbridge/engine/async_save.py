@@ -19,6 +19,7 @@ from typing import Any
 from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group, StoreGroup
 from dcpbridge.engine.staging import BufferSet, StagingArea
+from dcpbridge.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class AsyncSaver:
     def for_group(cls, group: Group, max_in_flight: int) -> AsyncSaver:
         """The saver of ``group`` (created collectively on first use by every member)."""
         if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {max_in_flight}")
         saver = cls._by_group.get(group, "async-save", lambda: AsyncSaver(group, max_in_flight))
         saver.area.max_sets = max(saver.area.max_sets, max_in_flight)
         saver.max_in_flight = max_in_flight

@@ -2,13 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import pickle
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from dcpbridge.errors import CheckpointError, CollectiveError, InvalidArgumentError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def _exchanging(group: Group, op: str) -> Iterator[None]:
+    """Raise a failed exchange (a peer died, timed out or left) as ``CollectiveError``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (RuntimeError, OSError) as e:  # torch's DistError family and socket errors
+        raise CollectiveError(
+            f"rank {group.rank} of {group.size}: {op} with the other ranks failed (a rank "
+            f"died, hung past the process group's timeout or left): {type(e).__name__}: {e}"
+        ) from e
+
+
+def collective(op: str) -> Callable[[F], F]:
+    """Run a ``Group`` method inside ``_exchanging``, naming the exchange ``op``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: Group, *args: Any, **kwargs: Any) -> Any:
+            with _exchanging(self, op):
+                return fn(self, *args, **kwargs)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -25,14 +60,14 @@ class Group:
         """``process_group``, the default group, or one process when distributed is not up."""
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "a process_group was given but torch.distributed is not initialized"
                 )
             return Group(None, 0, 1, 0)
         pg = process_group or dist.group.WORLD
         rank = dist.get_rank(pg)
         if rank < 0:
-            raise ValueError("this process is not a member of the given process_group")
+            raise InvalidArgumentError("this process is not a member of the given process_group")
         return Group(pg, rank, dist.get_world_size(pg), dist.get_global_rank(pg, 0))
 
     @property
@@ -43,6 +78,7 @@ class Group:
     def distributed(self) -> bool:
         return self.pg is not None and self.size > 1
 
+    @collective("gather")
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on the coordinator (None elsewhere)."""
         if not self.distributed:
@@ -51,6 +87,7 @@ class Group:
         dist.gather_object(obj, out, dst=self.coordinator, group=self.pg)
         return out
 
+    @collective("scatter")
     def scatter(self, objs: list[Any] | None) -> Any:
         """Rank ``i`` receives ``objs[i]`` from the coordinator."""
         if not self.distributed:
@@ -60,6 +97,7 @@ class Group:
         dist.scatter_object_list(out, objs, src=self.coordinator, group=self.pg)
         return out[0]
 
+    @collective("broadcast")
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""
         if not self.distributed:
@@ -68,6 +106,7 @@ class Group:
         dist.broadcast_object_list(box, src=self.coordinator, group=self.pg)
         return box[0]
 
+    @collective("all_gather")
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
@@ -75,6 +114,7 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    @collective("broadcast_tensor")
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` (contiguous, same byte size everywhere) with group rank ``src``'s.
 
@@ -86,6 +126,7 @@ class Group:
         root = dist.get_global_rank(self.pg, src) if src else self.coordinator
         dist.broadcast(data, src=root, group=self.pg)
 
+    @collective("exchange")
     def exchange(
         self,
         sends: list[tuple[torch.Tensor, int, int]],
@@ -121,9 +162,10 @@ class Group:
 def _as_bytes(
     t: torch.Tensor, error: str = "point-to-point transfers need contiguous tensors"
 ) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 view; raises ValueError(``error``) if ``t`` is not contiguous."""
+    """``t``'s bytes as a flat uint8 view; raises ``InvalidArgumentError(error)`` if ``t`` is
+    not contiguous."""
     if not t.is_contiguous():
-        raise ValueError(error)
+        raise InvalidArgumentError(error)
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -171,6 +213,7 @@ class StoreGroup(Group):
             for n in [*names, f"{key}/readers"]:
                 self._store.delete_key(n)
 
+    @collective("gather")
     def gather(self, obj: Any) -> list[Any] | None:
         key = self._next("gather")
         if not self.is_coordinator:
@@ -181,6 +224,7 @@ class StoreGroup(Group):
             self._store.delete_key(f"{key}/{r}")
         return out
 
+    @collective("scatter")
     def scatter(self, objs: list[Any] | None) -> Any:
         key = self._next("scatter")
         if self.is_coordinator:
@@ -192,6 +236,7 @@ class StoreGroup(Group):
         self._store.delete_key(f"{key}/{self.rank}")
         return value
 
+    @collective("broadcast")
     def broadcast(self, obj: Any) -> Any:
         key = self._next("broadcast")
         if self.is_coordinator:
@@ -201,9 +246,13 @@ class StoreGroup(Group):
         self._done(key, [f"{key}/value"])
         return obj
 
+    @collective("broadcast_tensor")
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
-        raise TypeError("a StoreGroup carries objects only; broadcast tensors on a process group")
+        raise InvalidArgumentError(
+            "a StoreGroup carries objects only; broadcast tensors on a process group"
+        )
 
+    @collective("all_gather")
     def all_gather(self, obj: Any) -> list[Any]:
         key = self._next("all_gather")
         self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))

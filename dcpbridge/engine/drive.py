@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import CacheEntry, Reuse, SaveCache
 from dcpbridge.engine.collectives import Group
+from dcpbridge.errors import CollectiveError
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ def run_save(
     else:  # every rank voted its structure unchanged: no plan exchange
         metadata = copy.copy(reuse.entry.metadata)
 
+    committed = wrote = False
+
     def write() -> list[Any]:
-        nonlocal reply
+        nonlocal reply, wrote
         if reply is None:  # reused: plan locally, re-targeted at the new save id
             plan_locally()
             assert reuse is not None and writer is not None
@@ -85,14 +88,25 @@ def run_save(
             reply = (storage_data, reuse.entry.planner_data)
         assert writer is not None
         plan = dataclasses.replace(local, storage_data=reply[0], planner_data=reply[1])
-        return writer.write_data(planner.finish_plan(plan), planner).wait()
+        results = writer.write_data(planner.finish_plan(plan), planner).wait()
+        wrote = True
+        return results
 
     def finish(results: list[Any]) -> None:
+        nonlocal committed
         assert writer is not None and metadata is not None
         writer.finish(metadata=metadata, results=results)
+        committed = True
 
     try:
         protocol.commit(group, "write", write, finish)
+    except CollectiveError:
+        # A rank is gone. The coordinator knows it did not commit; any other rank cannot tell
+        # (a slow coordinator may still commit with its files), so it keeps what it wrote
+        # unless its own write failed, which no commit can include.
+        if (group.is_coordinator and not committed) or not wrote:
+            abort_save(writer)
+        raise
     except Exception:
         abort_save(writer)
         raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -31,10 +32,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import ShapeMismatchError
+from dcpbridge.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidRequestError,
+    KeyMismatchError,
+    PickleRefusedError,
+    ShapeMismatchError,
+)
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.model.state import HOLE, fill_holes, map_leaves
 from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage.errors import storage_error
 from dcpbridge.tools.formats import load_torch_file
 
 if TYPE_CHECKING:
@@ -116,14 +126,14 @@ def _source(path: str, leaf: Any) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(leaf, ShardedTensor):
         return leaf.key, leaf.global_shape
     if isinstance(leaf, (ShardedTensorFactory, ShardedObject)):
-        raise TypeError(
+        raise InvalidRequestError(
             f"{path!r}: a {type(leaf).__name__} cannot be cut from a full tensor; apply "
             "factories (dcpbridge.model.state.apply_factories) or leave objects out of the template"
         )
     if isinstance(leaf, DTensor):
         bad = [p for p in leaf.placements if not isinstance(p, (Shard, Replicate))]
         if bad:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{path!r}: DTensor placements {bad} cannot be loaded from a full tensor "
                 "(only Shard and Replicate)"
             )
@@ -223,7 +233,7 @@ def broadcast_and_shard_state_dict(
     in ``sharded_state_dict`` (see the module docstring for what each leaf becomes)."""
     group = Group.resolve(process_group)
     if group.rank != 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"broadcast_and_shard_state_dict runs on rank 0 only (this is rank {group.rank}); "
             "other ranks call shard_broadcasted_state_dict"
         )
@@ -239,7 +249,7 @@ def shard_broadcasted_state_dict(
     """Every other rank's half: receive rank 0's tensors and keep this rank's shards."""
     group = Group.resolve(process_group)
     if group.rank == 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             "shard_broadcasted_state_dict runs on ranks other than 0; rank 0 calls "
             "broadcast_and_shard_state_dict with the full state dict"
         )
@@ -269,18 +279,39 @@ def _as_device(d: DeviceLike) -> torch.device:
     if isinstance(d, int):
         return torch.device("cuda", d)
     if d in ("disk", "meta"):
-        raise ValueError(f"device_map value {d!r} is not supported; use a real device")
-    return torch.device(d)
+        raise InvalidArgumentError(f"device_map value {d!r} is not supported; use a real device")
+    try:
+        return torch.device(d)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"device_map value {d!r} is not a device: {e}") from e
 
 
 def _read_file(path: str) -> dict[str, Any]:
+    """The state dict in ``path``; every failure is a ``CheckpointError`` naming the file."""
+    try:
+        return _read_state_file(path)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise storage_error(path, e) from e
+    except pickle.UnpicklingError as e:
+        raise PickleRefusedError(
+            f"{path}: holds objects that safe (weights_only) loading refuses: {e}"
+        ) from e
+    except Exception as e:  # a damaged index, safetensors header or torch.save archive
+        raise CorruptCheckpointError(
+            f"{path}: not a readable state dict file: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _read_state_file(path: str) -> dict[str, Any]:
     if path.endswith(".index.json"):
         with open(path) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
         out: dict[str, Any] = {}
         folder = os.path.dirname(path)
         for name in dict.fromkeys(weight_map.values()):
-            out.update(_read_file(os.path.join(folder, name)))
+            out.update(_read_state_file(os.path.join(folder, name)))
         return out
     if path.endswith(".safetensors"):
         from safetensors import safe_open
@@ -289,7 +320,7 @@ def _read_file(path: str) -> dict[str, Any]:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
     obj = load_torch_file(path, weights_only=True)
     if not isinstance(obj, Mapping):
-        raise TypeError(f"{path} holds a {type(obj).__name__}, not a state dict")
+        raise InvalidArgumentError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return dict(obj)
 
 
@@ -321,6 +352,11 @@ def load_state_dict(
 
 # ---------------------------------------------------------------------------------------------
 # Module wrapper.
+
+
+class ModuleKeysError(KeyMismatchError, RuntimeError):
+    """A strict ``DistModule.load_state_dict`` found missing or unexpected keys (still the
+    ``RuntimeError`` that ``nn.Module.load_state_dict`` raises)."""
 
 
 class DistModule(nn.Module):
@@ -369,7 +405,7 @@ class DistModule(nn.Module):
                 parts.append("Unexpected key(s) in state_dict: " + ", ".join(map(repr, unexpected)))
             if missing:
                 parts.append("Missing key(s) in state_dict: " + ", ".join(map(repr, missing)))
-            raise RuntimeError(
+            raise ModuleKeysError(
                 f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t"
                 + "\n\t".join(parts)
             )

@@ -25,7 +25,7 @@ from dcpbridge.engine.cache import structure_of
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import shard_id
 from dcpbridge.engine.save import split_for_save
-from dcpbridge.errors import HollowStateError, InvalidShardError
+from dcpbridge.errors import HollowStateError, InvalidArgumentError, InvalidShardError
 from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
 from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.model.state import (
@@ -106,7 +106,7 @@ class TensorAwareStateDict:
             if error is not None:
                 raise error
             if cached_metadata.structure != structure_of(shards, group):
-                raise ValueError(
+                raise InvalidArgumentError(
                     "cached_metadata was computed for other shards or another "
                     "parallelization group; call from_state_dict without it"
                 )
@@ -244,10 +244,10 @@ class TensorAwareStateDict:
         """
         algo = _check_algo(self.algo if algo is None else algo)
         if exchange_algo not in EXCHANGE_ALGOS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"exchange_algo must be one of {EXCHANGE_ALGOS}, got {exchange_algo!r}"
             )
-        strict = StrictMode(strict)
+        strict = _strict_mode(strict)
         local_only = algo == "atomic"
         group = Group.resolve(parallelization_group)
         nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
@@ -355,8 +355,16 @@ def _broadcast_all(
 
 def _check_algo(algo: str) -> str:
     if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+        raise InvalidArgumentError(f"algo must be one of {ALGOS}, got {algo!r}")
     return algo
+
+
+def _strict_mode(strict: Any) -> StrictMode:
+    try:
+        return StrictMode(strict)
+    except ValueError as e:
+        names = ", ".join(m.value for m in StrictMode)
+        raise InvalidArgumentError(f"strict must be one of {names}; got {strict!r}") from e
 
 
 def _is_object(x: Any) -> bool:

@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
+from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.storage import Location, StoredItem, resolve
 from dcpbridge.storage.format import ItemKey
-from dcpbridge.storage.stream import StreamWriter, commit, new_save_id
+from dcpbridge.storage.stream import StreamWriter, commit, discard_save, new_save_id
 from dcpbridge.storage.writer import tensor_bytes
 from dcpbridge.tools.layout import Layout
 from dcpbridge.tools.sources import Source
@@ -208,22 +209,28 @@ def reshard(
     """Write ``source`` to ``destination`` as a dcpbridge checkpoint in ``layout``.
 
     Every rank of ``group`` (one process if None) calls it with the same arguments; ``work``
-    is ``plan_work(source, layout)`` when the caller has it already.
+    is ``plan_work(source, layout)`` when the caller has it already. A failure on any rank
+    raises on every rank and removes every file the reshard wrote (and the destination
+    directory if the reshard created it).
     """
     group = group or Group(None, 0, 1, 0)
     started = time.perf_counter()
 
     location: Location
+    fresh = False
 
-    def plan() -> str | None:
+    def plan() -> tuple[str | None, bool]:
         nonlocal location, work
         location = resolve(destination, storage_options)
         if _same_place(location, source.location):
-            raise ValueError(f"the destination {location.url} is the source checkpoint itself")
+            raise InvalidArgumentError(
+                f"the destination {location.url} is the source checkpoint itself"
+            )
+        created = location.is_local and not os.path.exists(location.root)  # before any write
         work = work if work is not None else plan_work(source, layout)
-        return new_save_id() if group.is_coordinator else None
+        return (new_save_id() if group.is_coordinator else None), created
 
-    save_id = protocol.agree(group, "plan", plan)[0]
+    save_id, fresh = protocol.agree(group, "plan", plan)[0]
     assert work is not None
     mine = assign(work, group.size)[group.rank]
 
@@ -236,12 +243,13 @@ def reshard(
             sync_files=sync_files,
             max_file_bytes=max_file_bytes,
         )
-        try:
+        with writer:  # a failure removes this worker's files
             return write_items(source, writer, mine, slab_bytes=slab_bytes, on_bytes=on_bytes)
-        finally:
-            writer.close()
+
+    committed = False
 
     def publish(written: list[dict[ItemKey, StoredItem]]) -> None:
+        nonlocal committed
         assert work is not None
         planner_data = source.header.get("planner_data")
         commit(
@@ -254,8 +262,16 @@ def reshard(
             planner_data=planner_data if isinstance(planner_data, dict) else None,
             sync=sync_files,
         )
+        committed = True
 
-    protocol.commit(group, "write", run, publish)
+    try:
+        protocol.commit(group, "write", run, publish)
+    except Exception:
+        # The coordinator has gathered every worker (or lost one): remove all of this
+        # reshard's files unless it committed them.
+        if group.is_coordinator and not committed:
+            discard_save(location, save_id, remove_root=fresh)
+        raise
     return ReshardResult(
         destination=location.url,
         world_size=layout.world_size,
