@@ -168,7 +168,9 @@ class _WriteOptions:
         """(state dict, planner, writer) for ``planned``; re-raises its local failure."""
         if planned.error is not None:
             raise planned.error
-        options = resolve_storage_options(self.storage_options, self.profile)
+        options = resolve_storage_options(
+            self.storage_options, self.profile, url=self.checkpoint_dir
+        )
         parts = planned.parts
         if self.format == "torch_dist":  # the common state, tensors too, goes to common.pt
             writer: StorageWriter = TorchDistWriter(
@@ -362,7 +364,7 @@ def load(
         checkpoint_dir,
         Group.resolve(process_group),
         strict=parse_strict(strict),
-        storage_options=resolve_storage_options(storage_options, profile),
+        storage_options=resolve_storage_options(storage_options, profile, url=checkpoint_dir),
         allow_pickle=allow_pickle,
         allow_dtype_cast=allow_dtype_cast,
         verify_checksums=verify_checksums,
@@ -447,7 +449,7 @@ def load_tensors_metadata(
     profile: str | None = None,
 ) -> dict[str, ShardedTensor]:
     """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
-    options = resolve_storage_options(storage_options, profile)
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
     return tensors_metadata(read_checkpoint_metadata(resolve(checkpoint_dir, options)))
 
 
@@ -464,6 +466,6 @@ def load_common_state_dict(
         checkpoint_dir,
         Group(None, 0, 1, 0),
         strict=parse_strict("raise_missing"),
-        storage_options=resolve_storage_options(storage_options, profile),
+        storage_options=resolve_storage_options(storage_options, profile, url=checkpoint_dir),
         allow_pickle=allow_pickle,
     )

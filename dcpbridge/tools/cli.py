@@ -18,7 +18,14 @@ from typing import Any, NoReturn
 from dcpbridge.errors import CheckpointError
 from dcpbridge.tools import config as config_mod
 from dcpbridge.tools import layout as layout_mod
-from dcpbridge.tools.config import Config, ConfigError, load_config, parse_size, storage_options
+from dcpbridge.tools.config import (
+    Config,
+    ConfigError,
+    is_url,
+    load_config,
+    parse_size,
+    resolve_storage_options,
+)
 from dcpbridge.tools.layout import Layout, LayoutError, load_layout, whole_tensors
 from dcpbridge.tools.report import human_bytes
 
@@ -161,16 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
 def _options(cfg: Config, url: str, *names: str | None) -> dict[str, Any] | None:
     """Storage options for ``url``: the first profile named (or the file's default)."""
-    if not _is_url(url):
-        return None
-    name = next((n for n in names if n), None) or cfg.checkpoint.profile
-    return storage_options(cfg.profile(name)) if name else None
+    return resolve_storage_options(None, next((n for n in names if n), None), cfg, url=url)
 
 
 @contextlib.contextmanager
@@ -300,7 +300,7 @@ def _run_reshard(
     from dcpbridge.tools.reshard import assign, plan_work, reshard
 
     def norm(u: str) -> str:
-        return u.rstrip("/") if _is_url(u) else os.path.abspath(u)
+        return u.rstrip("/") if is_url(u) else os.path.abspath(u)
 
     if norm(src) == norm(dst):
         raise UsageError(f"the destination {dst} is the source itself")
