@@ -10,6 +10,7 @@ from dcpbridge.engine.api import (
     save,
 )
 from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.manager import CheckpointManager
 from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import (
     CheckpointError,
@@ -85,6 +86,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
+    "CheckpointManager",
     "ChecksumMismatchError",
     "ConfigError",
     "CorruptCheckpointError",
