@@ -10,6 +10,7 @@ its commit file first, so a half-deleted directory never looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -209,6 +210,7 @@ class CheckpointManager:
         api.save(state, url, **options)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
         self._after_commit()
+        self._settle()
         if preempted:
             self._final_saved = True
         return True
@@ -244,15 +246,21 @@ class CheckpointManager:
             )
         return float(metrics[self.best_metric])
 
-    def _finish_pending(self) -> None:
-        """Wait for the background save; raise its failure (every rank) or run retention."""
+    def _finish_pending(self) -> bool:
+        """Wait for the background save; raise its failure (every rank) or run retention.
+        True if a save was waited for."""
         if self._pending is None:
-            return
+            return False
         step, handle = self._pending
         self._pending = None
         handle.result()
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
         self._after_commit()
+        return True
+
+    def _settle(self) -> None:
+        """Every rank waits until rank 0's retention is done, so all see the same steps."""
+        self._group.broadcast(None)
 
     def _after_commit(self) -> None:
         """Rank 0: apply retention and remove uncommitted step directories."""
@@ -285,7 +293,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the pending background save is committed (raises its failure)."""
-        self._finish_pending()
+        if self._finish_pending():
+            self._settle()
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -361,7 +370,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the pending save (raising its failure) and restore signal handlers."""
         try:
-            self._finish_pending()
+            if self._finish_pending():
+                self._settle()
         finally:
             for signum, previous in self._signals.items():
                 signal.signal(signum, previous)
@@ -405,5 +415,7 @@ def _remove_dir(location: Location) -> None:
     if byteio.exists(METADATA_FILE):
         byteio.remove([METADATA_FILE])
     with storage_faults(f"{location.url}: remove"):
-        location.fs.rm(location.root, recursive=True)
+        location.fs.invalidate_cache(location.root)
+        with contextlib.suppress(FileNotFoundError):  # an object store's empty "directory"
+            location.fs.rm(location.root, recursive=True)
         location.fs.invalidate_cache(location.root)
