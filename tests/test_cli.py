@@ -96,7 +96,9 @@ def test_reshard_to_a_mesh_layout_one_chunk_per_target_box(pool, rows2, tmp_path
     layout = tmp_path / "layout.yaml"
     layout.write_text(LAYOUT)
     dst = str(tmp_path / "mesh4")
-    proc = run_cli("reshard", rows2, dst, "--layout", str(layout), "--slab-size", "100")
+    proc = run_cli(
+        "reshard", rows2, dst, "--layout", str(layout), "--slab-size", "100", "--progress"
+    )
     assert "5 tensors as 12 chunks for 4 target ranks, 4 objects" in proc.stdout
     assert "reshard" in proc.stderr and "B/s" in proc.stderr  # the progress bar
 
@@ -280,9 +282,8 @@ def test_memory_urls_and_a_config_job(rows2, tmp_path, capsys):
             capsys, "convert", "memory://cli-job/ck", hf, "--to", "safetensors"
         )
         assert code == 0, err
-        assert torch.equal(
-            load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))["w"], L.full("w")
-        )
+        assert sorted(os.listdir(hf)) == ["model.safetensors"]  # one shard: no index
+        assert torch.equal(load_file(os.path.join(hf, "model.safetensors"))["w"], L.full("w"))
         code, _, err = in_process(capsys, "reshard", "--config", str(cfg), "--job", "nope")
         assert code == 2 and "no job 'nope' (jobs: to-mem)" in err
     finally:
