@@ -276,7 +276,18 @@ def _as_device(d: DeviceLike) -> torch.device:
     return torch.device(d)
 
 
-def _read_file(path: str) -> dict[str, Any]:
+def _read_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
+    if os.path.isdir(path):  # a checkpoint directory of any format: every tensor, whole
+        from dcpbridge.tools.sources import open_source
+
+        source = open_source(path, allow_pickle=allow_pickle)
+        try:
+            return {
+                k: source.read(k, (0,) * len(t.shape), t.shape)
+                for k, t in sorted(source.tensors.items())
+            }
+        finally:
+            source.close()
     if path.endswith(".index.json"):
         with open(path) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
@@ -301,10 +312,12 @@ def load_state_dict(
     device_map: DeviceMap = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """Every rank calls it; only rank 0 (global, or of ``process_group``) reads
-    ``checkpoint_file`` (torch.save, ``.safetensors`` or a ``*.index.json`` of shards) and gets
-    its state dict, the others get ``{}``.
+    ``checkpoint_file`` (torch.save, ``.safetensors`` or a ``*.index.json`` of shards, or a
+    checkpoint directory of any format: its tensors, whole) and gets its state dict, the
+    others get ``{}``. ``allow_pickle`` is for DCP / torch_dist directories (pickled metadata).
 
     ``device_map`` places entries as accelerate does: one device for all, or a dict from
     module prefix to device (longest prefix wins). A read failure raises on every rank.
@@ -315,7 +328,7 @@ def load_state_dict(
     if group.rank == 0:
 
         def read() -> dict[str, Any]:
-            sd = _read_file(path)
+            sd = _read_file(path, allow_pickle)
             return {
                 k: v.to(_device_for(k, device_map)) if isinstance(v, torch.Tensor) else v
                 for k, v in sd.items()
