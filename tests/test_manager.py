@@ -3,6 +3,7 @@ async failures, a rank killed mid-save, preemption signals, local disk and S3.""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import textwrap
@@ -334,3 +335,23 @@ def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
         db.CheckpointManager(str(tmp_path), every=0)
     with pytest.raises(db.InvalidArgumentError, match="keep_best needs best_metric"):
         db.CheckpointManager(str(tmp_path), keep_best=1)
+
+
+def test_saves_and_loads_report_what_they_did(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dcpbridge")
+    w = torch.randn(256, 256)
+    state = {"w": db.ShardedTensor.from_box("w", w, (256, 256), (0, 0)), "it": 1}
+    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=True)
+    mgr.save(1, state)
+    mgr.close()
+    mgr.load({"w": db.ShardedTensor.from_box("w", torch.zeros(256, 256), (256, 256), (0, 0))})
+    events = {r.dcpbridge["event"]: r.dcpbridge for r in caplog.records if hasattr(r, "dcpbridge")}
+    assert set(events) == {"staged", "saved", "loaded"}
+    saved, loaded = events["saved"], events["loaded"]
+    assert saved["url"] == mgr.step_url(1) and saved["files"] >= 1
+    assert saved["bytes"] >= w.numel() * 4 and set(saved["seconds"]) == {"plan", "write", "commit"}
+    assert events["staged"]["bytes"] == w.numel() * 4
+    assert loaded["bytes"] == w.numel() * 4 and set(loaded["seconds"]) == {"plan", "read"}
+    assert any(
+        "dcpbridge saved" in r.getMessage() and "GB/s" in r.getMessage() for r in caplog.records
+    )

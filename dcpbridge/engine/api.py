@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcpbridge.engine import fully_parallel as fp
+from dcpbridge.engine import stats
 from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.engine.bridge import BridgeLoadPlanner, BridgeSavePlanner
 from dcpbridge.engine.collectives import Group
@@ -294,7 +295,12 @@ def async_save(
     buffers = None
     if planned.error is None:
         try:
-            planned.shards, buffers = stage(planned.shards, saver.area)
+            planned.shards, buffers = stats.timed(
+                "staged",
+                os.fspath(checkpoint_dir),
+                lambda: stage(planned.shards, saver.area),
+                lambda out: stats.tensor_bytes(out[0]),
+            )
             planned.parts = planned.parts.staged(planned.shards)
         except Exception as e:
             planned.error = e

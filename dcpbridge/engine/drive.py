@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import logging
 import pickle
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from dcpbridge.engine import stats
 from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import CheckpointError, DistributedCheckpointError
 from dcpbridge.storage.writer import new_save_id
@@ -195,6 +197,7 @@ def run_save(
         assert writer is not None
         return writer
 
+    started = time.perf_counter()
     local = attempt(group.rank, "plan", local_step)
     metadata: Metadata | None = None
     reply: tuple[Any, Any] | None = None
@@ -221,7 +224,9 @@ def run_save(
         plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
         return save_writer().write_data(planner.finish_plan(plan), planner).wait()
 
+    planned = time.perf_counter()
     results = local if isinstance(local, Failure) else attempt(group.rank, "write", write_step)
+    wrote = time.perf_counter()
     gathered = group.gather(results)
     outcome: list[Failure] | None = None
     if gathered is not None:
@@ -236,6 +241,11 @@ def run_save(
     if outcome:
         abort_save(writer)
         raise_failures(outcome, results, world_size=group.size)
+    if gathered is not None:
+        phases = {"plan": planned - started, "write": wrote - planned}
+        phases["commit"] = time.perf_counter() - wrote
+        url = str(getattr(writer, "checkpoint_id", "?"))
+        stats.report("saved", url, *stats.written(gathered), phases)
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
     if cache is not None and reuse is None and structure is not None and reusable:
         assert reply is not None
@@ -260,9 +270,10 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     Returns what ``prepare`` built (state dict, planner, reader), now filled.
     """
     prepared: tuple[Any, LoadPlanner, StorageReader]
+    metadata: Metadata | None = None
 
     def local_step() -> LoadPlan:
-        nonlocal prepared
+        nonlocal prepared, metadata
         prepared = prepare()
         state_dict, planner, reader = prepared
         metadata = reader.read_metadata()
@@ -270,6 +281,7 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
         reader.set_up_storage_reader(metadata, group.is_coordinator)
         return reader.prepare_local_plan(planner.create_local_plan())
 
+    started = time.perf_counter()
     local = attempt(group.rank, "plan", local_step)
     sent = dataclasses.replace(local, items=[]) if isinstance(local, LoadPlan) else local
 
@@ -282,11 +294,17 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     assert isinstance(local, LoadPlan)
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
-    def read_step() -> None:
+    def read_step() -> int:
         _, planner, reader = prepared
-        reader.read_data(planner.finish_plan(plan), planner).wait()
+        final = planner.finish_plan(plan)
+        reader.read_data(final, planner).wait()
+        return stats.read_bytes(final, metadata)
 
+    planned = time.perf_counter()
     done = attempt(group.rank, "read", read_step)
     statuses = group.all_gather(done)
     raise_failures([s for s in statuses if isinstance(s, Failure)], done, world_size=group.size)
+    url = str(getattr(prepared[2], "checkpoint_id", "?"))
+    phases = {"plan": planned - started, "read": time.perf_counter() - planned}
+    stats.report("loaded", url, int(done), 0, phases)  # type: ignore[arg-type]
     return prepared
