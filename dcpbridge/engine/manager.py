@@ -355,8 +355,8 @@ class CheckpointManager:
     def should_stop(self) -> bool:
         """Whether a ``save_on_signal`` signal arrived on any rank (collective); the first
         time it is True, the final checkpoint of ``state_fn()`` is written first (unless a
-        ``save`` already wrote it)."""
-        if not self._agree_on_signal():
+        ``save`` already wrote it). Without ``save_on_signal`` it is False, with no collective."""
+        if not self._signals or not self._agree_on_signal():
             return False
         if not self._final_saved:
             if self._state_fn is None:
