@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.load import load, load_common_state_dict, load_tensors_metadata
+from dcpbridge.engine.manager import CheckpointManager
 from dcpbridge.engine.save import SaveOptions, async_save, save
 from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import (
@@ -82,6 +83,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
+    "CheckpointManager",
     "ChecksumMismatchError",
     "CollectiveError",
     "ConcurrentSaveError",

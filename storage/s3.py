@@ -425,3 +425,35 @@ class MultipartWriter:
             _request(self.fs, "abort_multipart_upload", self.path, UploadId=upload_id)
         except Exception as e:  # the bucket's lifecycle rules reap what we could not abort
             log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.path, e)
+
+
+def s3_storage_options(
+    base: dict[str, Any] | None = None,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    key: str | None = None,
+    secret: str | None = None,
+    token: str | None = None,
+    part_size: int | None = None,
+    concurrency: int | None = None,
+) -> dict[str, Any]:
+    """s3fs ``storage_options`` for these settings, on top of ``base`` (the one place that
+    knows s3fs's option names: endpoint and region in ``client_kwargs``, credentials as
+    ``key``/``secret``/``token``, part size as ``default_block_size``)."""
+    opts = dict(base or {})
+    client_kwargs = dict(opts.get("client_kwargs") or {})
+    if endpoint_url is not None:
+        client_kwargs["endpoint_url"] = endpoint_url
+    if region is not None:
+        client_kwargs["region_name"] = region
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+    for name, value in (("key", key), ("secret", secret), ("token", token)):
+        if value is not None:
+            opts[name] = value
+    if part_size is not None:
+        opts["default_block_size"] = part_size
+    if concurrency is not None:
+        opts["max_concurrency"] = concurrency
+    return opts

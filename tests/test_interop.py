@@ -181,5 +181,5 @@ def test_cli_on_a_megatron_checkpoint(megatron_ckpt, tmp_path, capsys):
     assert code == 0, err
     from safetensors.torch import load_file
 
-    loaded = load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))
+    loaded = load_file(os.path.join(hf, "model.safetensors"))
     assert all(torch.equal(loaded[k], M.full(k)) for k in M.SHAPES)

@@ -358,3 +358,19 @@ def test_template_error_on_one_rank_raises_on_every_rank(pool):
     messages = pool.run(factory_on_rank1, 2)
     assert messages[0] == messages[1]
     assert "rank 1" in messages[0] and "'f': a ShardedTensorFactory cannot be cut" in messages[0]
+
+
+def test_load_state_dict_accepts_a_checkpoint_directory(tmp_path):
+    """A dcpbridge checkpoint directory and a Hugging Face style safetensors directory read
+    like a file: every tensor whole, by key."""
+    sd = toy_full()
+    db.save(
+        {k: db.ShardedTensor.from_box(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in sd.items()},
+        str(tmp_path / "ck"),
+    )
+    got = db.load_state_dict(tmp_path / "ck")
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    (tmp_path / "hf").mkdir()
+    write_safetensors(str(tmp_path / "hf" / "model.safetensors"), sd)
+    got = db.load_state_dict(str(tmp_path / "hf"))
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)

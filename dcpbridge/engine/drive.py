@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from dcpbridge.engine import protocol
+from dcpbridge.engine import protocol, stats
 from dcpbridge.engine.cache import CacheEntry, Reuse, SaveCache
 from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import CollectiveError
@@ -72,12 +73,14 @@ def run_save(
         plans = writer.prepare_global_plan(plans)
         return [(p.storage_data, p.planner_data) for p in plans]
 
+    started = time.perf_counter()
     if reuse is None:
         reply = protocol.decide(group, "plan", plan_locally, plan_globally)
     else:  # every rank voted its structure unchanged: no plan exchange
         metadata = copy.copy(reuse.entry.metadata)
 
     committed = wrote = False
+    planned = written = started
 
     def write() -> list[Any]:
         nonlocal reply, wrote
@@ -88,7 +91,10 @@ def run_save(
             reply = (storage_data, reuse.entry.planner_data)
         assert writer is not None
         plan = dataclasses.replace(local, storage_data=reply[0], planner_data=reply[1])
+        nonlocal planned, written
+        planned = time.perf_counter()
         results = writer.write_data(planner.finish_plan(plan), planner).wait()
+        written = time.perf_counter()
         wrote = True
         return results
 
@@ -97,6 +103,10 @@ def run_save(
         assert writer is not None and metadata is not None
         writer.finish(metadata=metadata, results=results)
         committed = True
+        phases = {"plan": planned - started, "write": written - planned}
+        phases["commit"] = time.perf_counter() - written
+        url = str(getattr(writer, "checkpoint_id", "?"))
+        stats.report("saved", url, *stats.written(results), phases)
 
     try:
         protocol.commit(group, "write", write, finish)
@@ -135,12 +145,13 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     """
     prepared: tuple[Any, LoadPlanner, StorageReader]
     local: LoadPlan
+    reader_metadata: Metadata | None = None
 
     def plan_locally() -> LoadPlan:
-        nonlocal prepared, local
+        nonlocal prepared, local, reader_metadata
         prepared = prepare()
         state_dict, planner, reader = prepared
-        metadata = reader.read_metadata()
+        metadata = reader_metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, group.is_coordinator)
         reader.set_up_storage_reader(metadata, group.is_coordinator)
         local = reader.prepare_local_plan(planner.create_local_plan())
@@ -151,12 +162,19 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
         plans = reader.prepare_global_plan(planner.create_global_plan(plans))
         return [(p.storage_data, p.planner_data) for p in plans]
 
+    started = time.perf_counter()
     storage_data, planner_data = protocol.decide(group, "plan", plan_locally, plan_globally)
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
-    def read() -> None:
+    def read() -> int:
         _, planner, reader = prepared
-        reader.read_data(planner.finish_plan(plan), planner).wait()
+        final = planner.finish_plan(plan)
+        reader.read_data(final, planner).wait()
+        return stats.read_bytes(final, reader_metadata)
 
-    protocol.agree(group, "read", read)
+    planned = time.perf_counter()
+    done = protocol.agree(group, "read", read)[group.rank]
+    url = str(getattr(prepared[2], "checkpoint_id", "?"))
+    phases = {"plan": planned - started, "read": time.perf_counter() - planned}
+    stats.report("loaded", url, done, 0, phases)
     return prepared

@@ -69,7 +69,7 @@ def load(
         checkpoint_dir,
         group,
         strict=parse_strict(strict),
-        storage_options=resolve_storage_options(storage_options, profile),
+        storage_options=resolve_storage_options(storage_options, profile, url=checkpoint_dir),
         allow_pickle=allow_pickle,
         allow_dtype_cast=allow_dtype_cast,
         verify_checksums=verify_checksums,
@@ -154,7 +154,7 @@ def load_tensors_metadata(
     profile: str | None = None,
 ) -> dict[str, ShardedTensor]:
     """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
-    options = resolve_storage_options(storage_options, profile)
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
     return tensors_metadata(read_checkpoint_metadata(resolve(checkpoint_dir, options)))
 
 
@@ -171,6 +171,6 @@ def load_common_state_dict(
         checkpoint_dir,
         Group(None, 0, 1, 0),
         strict=parse_strict("raise_missing"),
-        storage_options=resolve_storage_options(storage_options, profile),
+        storage_options=resolve_storage_options(storage_options, profile, url=checkpoint_dir),
         allow_pickle=allow_pickle,
     )

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from dcpbridge.engine import stats
 from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.engine.bridge import BridgeSavePlanner
 from dcpbridge.engine.cache import Reuse, SaveCache, agree_to_reuse, save_cache, structure_of
@@ -133,7 +134,9 @@ def _planner_and_writer(
     """(state dict, planner, writer) of ``options.format``; re-raises a carried failure."""
     if planned.error is not None:
         raise planned.error
-    storage_options = resolve_storage_options(options.storage_options, options.profile)
+    storage_options = resolve_storage_options(
+        options.storage_options, options.profile, url=checkpoint_dir
+    )
     validate, parts = options.validate_access_integrity, planned.parts
     if options.format == "torch_dist":
         writer: StorageWriter = TorchDistWriter(
@@ -243,7 +246,13 @@ def async_save(
         if planned.error is not None:
             raise planned.error
         assert planned.owners is not None
-        shards, buffers = stage(planned.shards, saver.area, planned.owners)
+        owners = planned.owners
+        shards, buffers = stats.timed(
+            "staged",
+            target,
+            lambda: stage(planned.shards, saver.area, owners),
+            lambda out: stats.tensor_bytes(out[0]),
+        )
         planned.parts = planned.parts.staged(shards)
         planned.common = copy.deepcopy(planned.common)  # common.pt's tensors too
     except Exception as e:  # this rank's alone: carried into the write's first step

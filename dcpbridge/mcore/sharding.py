@@ -286,10 +286,10 @@ def _as_device(d: DeviceLike) -> torch.device:
         raise InvalidArgumentError(f"device_map value {d!r} is not a device: {e}") from e
 
 
-def _read_file(path: str) -> dict[str, Any]:
+def _read_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
     """The state dict in ``path``; every failure is a ``CheckpointError`` naming the file."""
     try:
-        return _read_state_file(path)
+        return _read_state_file(path, allow_pickle)
     except CheckpointError:
         raise
     except OSError as e:
@@ -304,7 +304,18 @@ def _read_file(path: str) -> dict[str, Any]:
         ) from e
 
 
-def _read_state_file(path: str) -> dict[str, Any]:
+def _read_state_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
+    if os.path.isdir(path):  # a checkpoint directory of any format: every tensor, whole
+        from dcpbridge.tools.sources import open_source
+
+        source = open_source(path, allow_pickle=allow_pickle)
+        try:
+            return {
+                k: source.read(k, (0,) * len(t.shape), t.shape)
+                for k, t in sorted(source.tensors.items())
+            }
+        finally:
+            source.close()
     if path.endswith(".index.json"):
         with open(path) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
@@ -329,10 +340,12 @@ def load_state_dict(
     device_map: DeviceMap = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """Every rank calls it; only rank 0 (global, or of ``process_group``) reads
-    ``checkpoint_file`` (torch.save, ``.safetensors`` or a ``*.index.json`` of shards) and gets
-    its state dict, the others get ``{}``.
+    ``checkpoint_file`` (torch.save, ``.safetensors`` or a ``*.index.json`` of shards, or a
+    checkpoint directory of any format: its tensors, whole) and gets its state dict, the
+    others get ``{}``. ``allow_pickle`` is for DCP / torch_dist directories (pickled metadata).
 
     ``device_map`` places entries as accelerate does: one device for all, or a dict from
     module prefix to device (longest prefix wins). A read failure raises on every rank.
@@ -341,7 +354,7 @@ def load_state_dict(
     path = os.fspath(checkpoint_file)
 
     def read() -> dict[str, Any]:
-        sd = _read_file(path)
+        sd = _read_file(path, allow_pickle)
         return {
             k: v.to(_device_for(k, device_map)) if isinstance(v, torch.Tensor) else v
             for k, v in sd.items()

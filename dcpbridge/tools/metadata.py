@@ -47,7 +47,7 @@ def read_metadata(
 ) -> Metadata:
     """The DCP metadata of a dcpbridge, torch_dist or plain DCP checkpoint (pickled metadata of
     the latter two only with ``allow_pickle``)."""
-    options = resolve_storage_options(storage_options, profile)
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
     checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
     return checkpoint.reader().read_metadata()
 
@@ -137,7 +137,7 @@ def load_common(
 ) -> StateDict:
     """The common (non-sharded) state of a dcpbridge or torch_dist checkpoint ({} for plain
     DCP, which has none), read in this process alone."""
-    options = resolve_storage_options(storage_options, profile)
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
     checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
     if checkpoint.format == Format.TORCH_DIST:
         return checkpoint.read_common()
@@ -177,7 +177,9 @@ def remove_sharded_tensors(
     """
     if not key_prefix:
         raise ValueError("key_prefix must be a non-empty string (it would remove everything)")
-    location = resolve(checkpoint_dir, resolve_storage_options(storage_options, profile))
+    location = resolve(
+        checkpoint_dir, resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    )
     fmt = detect(location)
     if fmt != Format.DCPBRIDGE:
         raise CheckpointError(
