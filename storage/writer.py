@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -27,12 +28,13 @@ from dcpbridge.storage.format import (
     METADATA_FILE,
     TEMP_METADATA_PREFIX,
     ItemKey,
+    ItemTable,
     StorageIndex,
     StoredItem,
     data_file_name,
     encode_metadata,
-    item_key,
     temp_metadata_name,
+    written_table,
 )
 from dcpbridge.storage.located import Located
 
@@ -216,13 +218,10 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        items = {
-            item_key(r.index): r.storage_data for rank_results in results for r in rank_results
-        }
         publish(
             self._byteio,
             metadata,
-            items,
+            results_table(metadata, results, checksums=self.checksums),
             save_id=self._save_id,
             world_size=len(results),
             checksums=self.checksums,
@@ -310,7 +309,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
 def publish(
     byteio: ByteIO,
     metadata: Metadata,
-    items: dict[ItemKey, StoredItem],
+    items: Mapping[ItemKey, StoredItem],
     *,
     save_id: str,
     world_size: int,
@@ -321,20 +320,72 @@ def publish(
 ) -> None:
     """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
     the checkpoint it replaced."""
-    metadata.storage_data = StorageIndex(
-        items=items,
+    raw = encode_index(
+        metadata,
+        items,
         save_id=save_id,
-        files=tuple(sorted({it.file for it in items.values()})),
-        checksum_algorithm=checksum.ALGORITHM if checksums else None,
-        checksum_block_size=checksum_block_size if checksums else 0,
         world_size=world_size,
+        checksums=checksums,
+        checksum_block_size=checksum_block_size,
     )
-    raw = encode_metadata(metadata)
     if makedirs:
         byteio.makedirs()
     replaced = committed_files(byteio)
     byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync)
     remove_replaced_files(byteio, replaced, save_id)
+
+
+def encode_index(
+    metadata: Metadata,
+    items: Mapping[ItemKey, StoredItem],
+    *,
+    save_id: str,
+    world_size: int,
+    checksums: bool,
+    checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+) -> bytes:
+    """The commit document of ``metadata`` with ``items`` (a mapping or an ``ItemTable``) as
+    its storage index."""
+    files = (
+        items.files if isinstance(items, ItemTable) else sorted({i.file for i in items.values()})
+    )
+    metadata.storage_data = StorageIndex(
+        items=items,
+        save_id=save_id,
+        files=tuple(files),
+        checksum_algorithm=checksum.ALGORITHM if checksums else None,
+        checksum_block_size=checksum_block_size if checksums else 0,
+        world_size=world_size,
+    )
+    return encode_metadata(metadata)
+
+
+def results_table(
+    metadata: Metadata, results: list[list[WriteResult]], *, checksums: bool
+) -> ItemTable:
+    """Every rank's write results as the item table of ``metadata``."""
+    flat = [r for rank_results in results for r in rank_results]
+    indexes = [r.index for r in flat]
+    return written_table(
+        metadata,
+        [i.fqn for i in indexes],
+        [i.offset for i in indexes],
+        [r.storage_data for r in flat],
+        checksums=checksums,
+    )
+
+
+def index_results(
+    metadata: Metadata, results: list[list[WriteResult]], *, save_id: str, checksums: bool
+) -> bytes:
+    """The commit document of ``metadata`` for every rank's write ``results``."""
+    return encode_index(
+        metadata,
+        results_table(metadata, results, checksums=checksums),
+        save_id=save_id,
+        world_size=len(results),
+        checksums=checksums,
+    )
 
 
 def _committed_document(byteio: ByteIO) -> dict[str, Any] | None:
