@@ -35,6 +35,7 @@ from dcpbridge.storage.table import (
     MAX_NDIM,
     MAX_ROWS,
     MAX_SIZE,
+    ChunkList,
     ItemKey,
     ItemTable,
     StoredItem,
@@ -490,12 +491,11 @@ def _decode(doc: dict[str, Any], version: int) -> Metadata:
     check_table(table, world_size=facts.world_size, block=facts.block)
     table.block_size = facts.block
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for t, fqn in enumerate(table.tensors):
+    properties = {d: TensorProperties(dtype=d) for d in set(table.dtypes)}  # shared, read-only
+    for t, (fqn, dtype, shape) in enumerate(zip(table.tensors, table.dtypes, table.shapes)):
         state[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=table.dtypes[t]),
-            size=torch.Size(table.shapes[t]),
-            chunks=table.chunk_list(t),  # type: ignore[arg-type]
-        )
+            properties[dtype], torch.Size(shape), ChunkList(table, t)
+        )  # type: ignore[arg-type]
     for fqn in table.objects:
         state[fqn] = BytesStorageMetadata()
     index = StorageIndex(

@@ -154,6 +154,9 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
     _tensor_ids: dict[str, int] | None = field(default=None, repr=False)
     _object_rows: dict[str, int] | None = field(default=None, repr=False)
     _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
+    _hex: tuple[str, ...] | None = field(default=None, repr=False)
+    _hex_starts: list[int] = field(default_factory=list, repr=False)
+    _bounds: list[int] | None = field(default=None, repr=False)
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -211,9 +214,14 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
         t = self.tensor_id(fqn)
         if t is None:
             return None
-        lo, hi = int(self.starts[t]), int(self.starts[t + 1])
+        return self.find_chunk(t, tuple(offsets))
+
+    def find_chunk(self, t: int, offsets: tuple[int, ...]) -> int | None:
+        """The row of tensor ``t``'s chunk at ``offsets``, or None."""
+        if self._bounds is None:
+            self._bounds = self.starts.tolist()
+        lo, hi = self._bounds[t], self._bounds[t + 1]
         ndim = len(self.shapes[t])
-        offsets = tuple(offsets)
         if hi - lo == 1:
             return lo if self.chunk_offsets(lo, ndim) == offsets else None
         rows = self._chunk_rows.get(t)
@@ -222,15 +230,20 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
             rows = self._chunk_rows[t] = {tuple(o): lo + i for i, o in enumerate(block)}
         return rows.get(offsets)
 
-    def stored(self, row: int, block: int = 0) -> StoredItem:
-        """The ``StoredItem`` of ``row`` (``block``: the checksum block size, if any)."""
+    def stored(self, row: int, block: int = 0, t: int | None = None) -> StoredItem:
+        """The ``StoredItem`` of ``row`` (``block``: the checksum block size, if any; ``t``:
+        the row's tensor, if known)."""
         sums = None
         if self.checksums is not None:
-            starts = self.sum_starts(block)
-            sums = ints_to_hex(self.checksums[starts[row] : starts[row + 1]])
+            if self._hex is None:
+                self._hex = ints_to_hex(self.checksums)
+                self._hex_starts = self.sum_starts(block).tolist()
+            starts = self._hex_starts
+            sums = self._hex[starts[row] : starts[row + 1]]
         sizes = dtype = None
         if row < self.tensor_rows:
-            t = int(np.searchsorted(self.starts, row, side="right")) - 1
+            if t is None:
+                t = int(np.searchsorted(self.starts, row, side="right")) - 1
             sizes = tuple(self.sizes[row, : len(self.shapes[t])].tolist())
             dtype = self.dtypes[t]
         return StoredItem(
@@ -246,10 +259,19 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
     # -- Mapping ----------------------------------------------------------------------------
 
     def __getitem__(self, key: ItemKey) -> StoredItem:
-        row = self.find(key)
-        if row is None:
+        item = self.get(key)
+        if item is None:
             raise KeyError(key)
-        return self.stored(row, self.block_size)
+        return item
+
+    def get(self, key: ItemKey, default: Any = None) -> Any:  # type: ignore[override]
+        fqn, offsets = key
+        if offsets is None:
+            row = self.find(key)
+            return default if row is None else self.stored(row, self.block_size)
+        t = self.tensor_id(fqn)
+        row = None if t is None else self.find_chunk(t, tuple(offsets))
+        return default if row is None else self.stored(row, self.block_size, t)
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, tuple) and len(key) == 2 and self.find(key) is not None  # type: ignore[arg-type]
@@ -284,6 +306,15 @@ class ChunkList(Sequence[ChunkStorageMetadata]):
         nd = len(self.table.shapes[self.t])
         return self.table.offsets[lo:hi, :nd], self.table.sizes[lo:hi, :nd]
 
+    def box(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) of chunk ``i`` as tuples."""
+        row = int(self.table.starts[self.t]) + i
+        nd = len(self.table.shapes[self.t])
+        return (
+            tuple(self.table.offsets[row, :nd].tolist()),
+            tuple(self.table.sizes[row, :nd].tolist()),
+        )
+
     def _all(self) -> list[ChunkStorageMetadata]:
         if self._made is None:
             offsets, sizes = (a.tolist() for a in self.arrays())
@@ -296,6 +327,17 @@ class ChunkList(Sequence[ChunkStorageMetadata]):
         return int(self.table.counts[self.t])
 
     def __getitem__(self, i: Any) -> Any:
+        if self._made is None and isinstance(i, int):
+            n = len(self)
+            if not -n <= i < n:
+                raise IndexError(i)
+            lo, _ = self.rows
+            nd = len(self.table.shapes[self.t])
+            row = lo + (i % n)
+            return ChunkStorageMetadata(
+                torch.Size(self.table.offsets[row, :nd].tolist()),
+                torch.Size(self.table.sizes[row, :nd].tolist()),
+            )
         return self._all()[i]
 
     def __iter__(self) -> Iterator[ChunkStorageMetadata]:

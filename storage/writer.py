@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
@@ -93,11 +94,18 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
 
 
 class CoalescingFile:
-    """Writes many small items as few large writes; large items go straight through."""
+    """Writes many small items as few large writes; large items go straight through.
+
+    Small items are copied into one reused buffer (``copy_in`` takes a raw address, so a
+    tensor's bytes arrive with a single memmove and no Python objects per item).
+    """
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
-        self._buf = bytearray()
+        self._buf = bytearray(_COALESCE_BYTES + _SMALL_ITEM)
+        self._view = memoryview(self._buf)
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        self._fill = 0
         self.pos = 0
 
     def align(self) -> int:
@@ -108,19 +116,35 @@ class CoalescingFile:
         return self.pos
 
     def write(self, data: memoryview) -> None:
-        self.pos += len(data)
-        if len(data) < _SMALL_ITEM:
-            self._buf += data
-            if len(self._buf) >= _COALESCE_BYTES:
-                self.flush()
+        n = len(data)
+        self.pos += n
+        if n < _SMALL_ITEM:
+            self._view[self._fill : self._fill + n] = data
+            self._advance(n)
             return
         self.flush()
         _write_all(self._f, data)
 
+    def copy_in(self, address: int, n: int) -> memoryview:
+        """Append ``n`` (< ``_SMALL_ITEM``) bytes at ``address``; a view of the copy, valid
+        until the next call."""
+        start = self._fill
+        if n:
+            ctypes.memmove(self._addr + start, address, n)
+        self.pos += n
+        view = self._view[start : start + n]
+        self._advance(n)
+        return view
+
+    def _advance(self, n: int) -> None:
+        self._fill += n
+        if self._fill >= _COALESCE_BYTES:
+            self.flush()
+
     def flush(self) -> None:
-        if self._buf:
-            _write_all(self._f, memoryview(self._buf))
-            self._buf = bytearray()
+        if self._fill:
+            _write_all(self._f, self._view[: self._fill])
+            self._fill = 0
 
 
 def _write_all(f: BinaryIO, data: memoryview) -> None:
@@ -262,6 +286,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         results: list[WriteResult] = []
         with self._byteio.open_write(self._loc.path(name)) as raw:
             out = CoalescingFile(raw)
+            block = self.checksum_block_size if self.checksums else 0
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -270,21 +295,12 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                             f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}"
                         )
                     mv = data.getbuffer()
+                    start = out.align()
+                    out.write(mv)
                 else:
-                    mv = tensor_bytes(data)
-                expected = item_nbytes(item)
-                if item.tensor_data is not None and len(mv) != expected:
-                    raise InvalidArgumentError(
-                        f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
-                        f"data has {len(mv)} bytes, the plan expects {expected}"
-                    )
-                digests = (
-                    tuple(checksum.block_digests(mv, self.checksum_block_size))
-                    if self.checksums
-                    else None
-                )
-                start = out.align()
-                out.write(mv)
+                    start, mv = _write_tensor(out, item, data)
+                digests = tuple(checksum.block_digests(mv, block)) if block else None
+                td = item.tensor_data
                 results.append(
                     WriteResult(
                         index=item.index,
@@ -295,8 +311,8 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                             len(mv),
                             rank,
                             digests,
-                            tuple(item.tensor_data.chunk.sizes) if item.tensor_data else None,
-                            item.tensor_data.properties.dtype if item.tensor_data else None,
+                            None if td is None else tuple(td.chunk.sizes),
+                            None if td is None else td.properties.dtype,
                         ),
                     )
                 )
@@ -304,6 +320,37 @@ class FsspecCheckpointWriter(Located, StorageWriter):
             if self.sync_files:
                 self._byteio.sync(raw)
         return results
+
+
+def _write_tensor(
+    out: CoalescingFile, item: WriteItem, data: torch.Tensor
+) -> tuple[int, memoryview]:
+    """Append a tensor item at the next aligned position: (position, the bytes written).
+
+    A small, plain, contiguous CPU tensor is copied straight from its memory into the
+    coalescing buffer; anything else goes through ``tensor_bytes``.
+    """
+    expected = item_nbytes(item)
+    start = out.align()
+    if (
+        expected < _SMALL_ITEM
+        and type(data) in _PLAIN
+        and data.device.type == "cpu"
+        and data.is_contiguous()
+        and data.numel() * data.element_size() == expected
+    ):
+        return start, out.copy_in(data.data_ptr(), expected)
+    mv = tensor_bytes(data)
+    if len(mv) != expected:
+        raise InvalidArgumentError(
+            f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
+            f"data has {len(mv)} bytes, the plan expects {expected}"
+        )
+    out.write(mv)
+    return start, mv
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def publish(
