@@ -8,6 +8,7 @@ Anything else that carries sharding is refused by name rather than pickled.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.protocol import LeafKind, LocalBox, TensorShard
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 TENSOR_KINDS = frozenset({"tensor", "dtensor", "torch_sharded", "tensor_shard"})
 
 
@@ -24,7 +26,7 @@ def check_key(key: Any, what: str = "key") -> str:
     """A storage key must be a non-empty string without NUL or control characters."""
     if not isinstance(key, str) or not key:
         raise SerializationError(f"{what} must be a non-empty string, got {key!r}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+    if _CONTROL.search(key):
         raise SerializationError(f"{what} {key!r} contains NUL or control characters")
     return key
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
@@ -9,6 +10,7 @@ import logging
 import math
 import os
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -27,12 +29,13 @@ from dcpbridge.storage.format import (
     METADATA_FILE,
     TEMP_METADATA_PREFIX,
     ItemKey,
+    ItemTable,
     StorageIndex,
     StoredItem,
     data_file_name,
     encode_metadata,
-    item_key,
     temp_metadata_name,
+    written_table,
 )
 from dcpbridge.storage.located import Located
 
@@ -91,11 +94,18 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
 
 
 class CoalescingFile:
-    """Writes many small items as few large writes; large items go straight through."""
+    """Writes many small items as few large writes; large items go straight through.
+
+    Small items are copied into one reused buffer (``copy_in`` takes a raw address, so a
+    tensor's bytes arrive with a single memmove and no Python objects per item).
+    """
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
-        self._buf = bytearray()
+        self._buf = bytearray(_COALESCE_BYTES + _SMALL_ITEM)
+        self._view = memoryview(self._buf)
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        self._fill = 0
         self.pos = 0
 
     def align(self) -> int:
@@ -106,19 +116,35 @@ class CoalescingFile:
         return self.pos
 
     def write(self, data: memoryview) -> None:
-        self.pos += len(data)
-        if len(data) < _SMALL_ITEM:
-            self._buf += data
-            if len(self._buf) >= _COALESCE_BYTES:
-                self.flush()
+        n = len(data)
+        self.pos += n
+        if n < _SMALL_ITEM:
+            self._view[self._fill : self._fill + n] = data
+            self._advance(n)
             return
         self.flush()
         _write_all(self._f, data)
 
+    def copy_in(self, address: int, n: int) -> memoryview:
+        """Append ``n`` (< ``_SMALL_ITEM``) bytes at ``address``; a view of the copy, valid
+        until the next call."""
+        start = self._fill
+        if n:
+            ctypes.memmove(self._addr + start, address, n)
+        self.pos += n
+        view = self._view[start : start + n]
+        self._advance(n)
+        return view
+
+    def _advance(self, n: int) -> None:
+        self._fill += n
+        if self._fill >= _COALESCE_BYTES:
+            self.flush()
+
     def flush(self) -> None:
-        if self._buf:
-            _write_all(self._f, memoryview(self._buf))
-            self._buf = bytearray()
+        if self._fill:
+            _write_all(self._f, self._view[: self._fill])
+            self._fill = 0
 
 
 def _write_all(f: BinaryIO, data: memoryview) -> None:
@@ -216,13 +242,10 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        items = {
-            item_key(r.index): r.storage_data for rank_results in results for r in rank_results
-        }
         publish(
             self._byteio,
             metadata,
-            items,
+            results_table(metadata, results, checksums=self.checksums),
             save_id=self._save_id,
             world_size=len(results),
             checksums=self.checksums,
@@ -263,6 +286,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         results: list[WriteResult] = []
         with self._byteio.open_write(self._loc.path(name)) as raw:
             out = CoalescingFile(raw)
+            block = self.checksum_block_size if self.checksums else 0
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -271,21 +295,12 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                             f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}"
                         )
                     mv = data.getbuffer()
+                    start = out.align()
+                    out.write(mv)
                 else:
-                    mv = tensor_bytes(data)
-                expected = item_nbytes(item)
-                if item.tensor_data is not None and len(mv) != expected:
-                    raise InvalidArgumentError(
-                        f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
-                        f"data has {len(mv)} bytes, the plan expects {expected}"
-                    )
-                digests = (
-                    tuple(checksum.block_digests(mv, self.checksum_block_size))
-                    if self.checksums
-                    else None
-                )
-                start = out.align()
-                out.write(mv)
+                    start, mv = _write_tensor(out, item, data)
+                digests = tuple(checksum.block_digests(mv, block)) if block else None
+                td = item.tensor_data
                 results.append(
                     WriteResult(
                         index=item.index,
@@ -296,8 +311,8 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                             len(mv),
                             rank,
                             digests,
-                            tuple(item.tensor_data.chunk.sizes) if item.tensor_data else None,
-                            item.tensor_data.properties.dtype if item.tensor_data else None,
+                            None if td is None else tuple(td.chunk.sizes),
+                            None if td is None else td.properties.dtype,
                         ),
                     )
                 )
@@ -307,10 +322,41 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         return results
 
 
+def _write_tensor(
+    out: CoalescingFile, item: WriteItem, data: torch.Tensor
+) -> tuple[int, memoryview]:
+    """Append a tensor item at the next aligned position: (position, the bytes written).
+
+    A small, plain, contiguous CPU tensor is copied straight from its memory into the
+    coalescing buffer; anything else goes through ``tensor_bytes``.
+    """
+    expected = item_nbytes(item)
+    start = out.align()
+    if (
+        expected < _SMALL_ITEM
+        and type(data) in _PLAIN
+        and data.device.type == "cpu"
+        and data.is_contiguous()
+        and data.numel() * data.element_size() == expected
+    ):
+        return start, out.copy_in(data.data_ptr(), expected)
+    mv = tensor_bytes(data)
+    if len(mv) != expected:
+        raise InvalidArgumentError(
+            f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
+            f"data has {len(mv)} bytes, the plan expects {expected}"
+        )
+    out.write(mv)
+    return start, mv
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def publish(
     byteio: ByteIO,
     metadata: Metadata,
-    items: dict[ItemKey, StoredItem],
+    items: Mapping[ItemKey, StoredItem],
     *,
     save_id: str,
     world_size: int,
@@ -321,15 +367,14 @@ def publish(
 ) -> None:
     """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
     the checkpoint it replaced."""
-    metadata.storage_data = StorageIndex(
-        items=items,
+    raw = encode_index(
+        metadata,
+        items,
         save_id=save_id,
-        files=tuple(sorted({it.file for it in items.values()})),
-        checksum_algorithm=checksum.ALGORITHM if checksums else None,
-        checksum_block_size=checksum_block_size if checksums else 0,
         world_size=world_size,
+        checksums=checksums,
+        checksum_block_size=checksum_block_size,
     )
-    raw = encode_metadata(metadata)
     if makedirs:
         byteio.makedirs()
     current = byteio.read_committed(METADATA_FILE)
@@ -349,6 +394,59 @@ def _document(raw: bytes | None) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def encode_index(
+    metadata: Metadata,
+    items: Mapping[ItemKey, StoredItem],
+    *,
+    save_id: str,
+    world_size: int,
+    checksums: bool,
+    checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+) -> bytes:
+    """The commit document of ``metadata`` with ``items`` (a mapping or an ``ItemTable``) as
+    its storage index."""
+    files = (
+        items.files if isinstance(items, ItemTable) else sorted({i.file for i in items.values()})
+    )
+    metadata.storage_data = StorageIndex(
+        items=items,
+        save_id=save_id,
+        files=tuple(files),
+        checksum_algorithm=checksum.ALGORITHM if checksums else None,
+        checksum_block_size=checksum_block_size if checksums else 0,
+        world_size=world_size,
+    )
+    return encode_metadata(metadata)
+
+
+def results_table(
+    metadata: Metadata, results: list[list[WriteResult]], *, checksums: bool
+) -> ItemTable:
+    """Every rank's write results as the item table of ``metadata``."""
+    flat = [r for rank_results in results for r in rank_results]
+    indexes = [r.index for r in flat]
+    return written_table(
+        metadata,
+        [i.fqn for i in indexes],
+        [i.offset for i in indexes],
+        [r.storage_data for r in flat],
+        checksums=checksums,
+    )
+
+
+def index_results(
+    metadata: Metadata, results: list[list[WriteResult]], *, save_id: str, checksums: bool
+) -> bytes:
+    """The commit document of ``metadata`` for every rank's write ``results``."""
+    return encode_index(
+        metadata,
+        results_table(metadata, results, checksums=checksums),
+        save_id=save_id,
+        world_size=len(results),
+        checksums=checksums,
+    )
 
 
 def _committed_document(byteio: ByteIO) -> dict[str, Any] | None:

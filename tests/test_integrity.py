@@ -526,9 +526,9 @@ CRAFTED: list[tuple[str, Callable[[dict[str, Any]], None], type[Exception], str]
     ),
     (
         "newer format",
-        lambda doc: doc.__setitem__("version", 3),
+        lambda doc: doc.__setitem__("version", 4),
         db.CorruptCheckpointError,
-        "format version 3 is newer than this dcpbridge reads",
+        "format version 4 is newer than this dcpbridge reads",
     ),
     (
         "version as a string",

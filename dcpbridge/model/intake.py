@@ -35,6 +35,7 @@ from dcpbridge.planners.protocol import LeafKind, leaf_kind
 from dcpbridge.planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
 
 Shard = ShardedTensor | ShardedObject
+_LEAF_TYPES = frozenset({ShardedTensor, ShardedObject, torch.Tensor, torch.nn.Parameter})
 
 
 def own_tensor(value: Any) -> ShardedTensor:
@@ -171,6 +172,8 @@ def for_save(tree: Any) -> SaveParts:
 
 
 def _find_empty(node: Any, path: ObjPath, out: list[ObjPath]) -> None:
+    if type(node) in _LEAF_TYPES:  # shards and tensors hold no dicts: skip the ABC checks
+        return
     if isinstance(node, Mapping):
         if not node and path:
             out.append(path)
