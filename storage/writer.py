@@ -223,7 +223,9 @@ class FsspecCheckpointWriter(Located, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target = plan.storage_data
         if not isinstance(target, _RankTarget):
-            raise RuntimeError("plan has no storage target: prepare_global_plan did not run")
+            raise InvalidArgumentError(
+                "plan has no storage target: the writer's prepare_global_plan did not run"
+            )
         self._save_id = target.save_id
         self._written = set()
         buckets = split_into_files(plan.items, self.thread_count)
@@ -291,7 +293,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
-                        raise TypeError(
+                        raise InvalidArgumentError(
                             f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}"
                         )
                     mv = data.getbuffer()

@@ -364,6 +364,13 @@ def test_concurrent_saves_to_one_path_never_mix(kind, request, tmp_path, pool):
     assert set(backend.names("ck")) == {*doc["files"], META}
 
 
+def _wait_for(path: Path, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.02)
+
+
 def save_after_another_job_committed(r: Rank, path: str, options: Any, signal_dir: str) -> str:
     """Job 0 (ranks 0-1) reads the commit it will replace, then job 1 (ranks 2-3) saves and
     commits, then job 0 commits: its commit must be refused, on both of its ranks."""
@@ -371,7 +378,7 @@ def save_after_another_job_committed(r: Rank, path: str, options: Any, signal_di
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     job = r.rank // 2
-    done = Path(signal_dir, "job1-committed")
+    read, committed = Path(signal_dir, "job0-read"), Path(signal_dir, "job1-committed")
     patched = []
     if r.rank == 0:
         for cls in (backends.LocalByteIO, s3.S3ByteIO):
@@ -379,14 +386,14 @@ def save_after_another_job_committed(r: Rank, path: str, options: Any, signal_di
 
             def read_then_wait(self: Any, name: str, _original: Any = original) -> Any:
                 current = _original(self, name)
-                deadline = time.monotonic() + 60
-                while not done.exists():
-                    assert time.monotonic() < deadline, "job 1 never committed"
-                    time.sleep(0.02)
+                read.touch()
+                _wait_for(committed, "job 1's commit")
                 return current
 
             cls.read_committed = read_then_wait  # type: ignore[method-assign]
             patched.append((cls, original))
+    if r.rank == 2:
+        _wait_for(read, "job 0's read of the commit")
     try:
         db.save(_small_state(r.rank, job), path, process_group=groups[job], storage_options=options)
         outcome = "saved"
@@ -396,7 +403,7 @@ def save_after_another_job_committed(r: Rank, path: str, options: Any, signal_di
         for cls, original in patched:
             cls.read_committed = original  # type: ignore[method-assign]
     if r.rank == 2:
-        done.touch()
+        committed.touch()
     return outcome
 
 
