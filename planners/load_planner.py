@@ -38,6 +38,7 @@ from dcpbridge.planners.walk import Leaf, iter_leaves
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.regions import narrow_box
 from dcpbridge.storage.table import ChunkList
+from dcpbridge.storage.tiling import distinct
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
 _INDEX_THRESHOLD = 32
@@ -89,11 +90,9 @@ class ChunkIndex:
             if len(offsets) <= _INDEX_THRESHOLD:
                 self.boxes = list(zip(map(tuple, offsets.tolist()), map(tuple, sizes.tolist())))
                 return
-            self.dim = (
-                int(np.argmax([len(np.unique(offsets[:, d])) for d in range(offsets.shape[1])]))
-                if offsets.shape[1]
-                else -1
-            )
+            ndim = offsets.shape[1]
+            counts = [distinct(offsets[:, d]) for d in range(ndim)]
+            self.dim = int(np.argmax(counts)) if ndim else -1
             if self.dim < 0:
                 self.boxes = [((), ())] * len(offsets)
                 return

@@ -534,9 +534,12 @@ def _first(mask: np.ndarray) -> int | None:
 
 def _check_distinct_keys(table: ItemTable, tid: np.ndarray, numel: np.ndarray, name: Any) -> None:
     """No two chunks of a tensor at the same offsets (non-empty ones would also overlap)."""
-    suspects = np.isin(tid, np.unique(tid[numel == 0]))
-    if not suspects.any():
+    empty = numel == 0
+    if not empty.any():
         return
+    marked = np.zeros(len(table.tensors), dtype=bool)
+    marked[tid[empty]] = True
+    suspects = marked[tid]
     rows = np.flatnonzero(suspects)
     keys = np.column_stack([tid[rows], table.offsets[rows]])
     order = np.lexsort(keys.T[::-1])

@@ -11,6 +11,15 @@ import numpy as np
 DISJOINT, OVERLAP, UNKNOWN = 0, 1, 2
 
 
+def distinct(values: np.ndarray) -> int:
+    """How many distinct values a 1-d array holds (without ``np.unique``, whose first call
+    imports ``numpy.ma``)."""
+    if values.size == 0:
+        return 0
+    ordered = np.sort(values)
+    return int(np.count_nonzero(ordered[1:] != ordered[:-1])) + 1
+
+
 def products(values: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Row products of a non-negative ``(n, d)`` int64 array, and where they exceed ``limit``.
 
@@ -64,6 +73,6 @@ def disjointness(
         group[order] = np.cumsum(new) - 1
     counts = np.bincount(group)
     repeated = counts[group] > 1
-    status[np.unique(tid[repeated])] = OVERLAP
+    status[tid[repeated]] = OVERLAP
     status[unknown & (status != OVERLAP)] = UNKNOWN
     return status

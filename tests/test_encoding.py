@@ -311,3 +311,25 @@ def test_planning_a_million_chunk_layout_shape_is_checked_as_arrays():
     plans[5].items.pop()
     with pytest.raises(db.ShardingValidationError, match=r"layers.15.weight.*\[10:12, 0:8\]"):
         build_metadata(plans)
+
+
+def test_reshard_over_many_decoded_chunks(columnar, tmp_path):
+    """A tensor of 100 chunks, decoded as columns, read back in other boxes (the array
+    search of the load planner)."""
+    full = torch.arange(1000.0).reshape(100, 10)
+    state = {
+        f"r{i}": db.ShardedTensor.from_box("x", full[i : i + 1], (100, 10), (i, 0))
+        for i in range(100)
+    }
+    db.save(state, str(tmp_path))
+    assert json.loads((tmp_path / META).read_bytes())["version"] == 3
+    parts = [(0, 33), (33, 34), (67, 33)]
+    tmpl = {
+        f"p{a}": db.ShardedTensor.from_box("x", torch.zeros(n, 10), (100, 10), (a, 0))
+        for a, n in parts
+    }
+    tmpl["cols"] = db.ShardedTensor.from_box("x", torch.zeros(100, 3), (100, 10), (0, 7))
+    out = db.load(tmpl, str(tmp_path))
+    for a, n in parts:
+        assert torch.equal(out[f"p{a}"], full[a : a + n])
+    assert torch.equal(out["cols"], full[:, 7:])
