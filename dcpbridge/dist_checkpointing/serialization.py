@@ -25,7 +25,7 @@ from dcpbridge.engine import load as engine_load
 from dcpbridge.engine import save as engine_save
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.strict import StrictHandling
-from dcpbridge.errors import CheckpointError
+from dcpbridge.errors import CheckpointError, InvalidArgumentError
 from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.storage import resolve
 from dcpbridge.tools import metadata
@@ -164,7 +164,7 @@ def load_content_metadata(
     ``preloaded_state_dict`` (a loaded state dict) is given."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
-            raise ValueError("pass checkpoint_dir or preloaded_state_dict")
+            raise InvalidArgumentError("pass checkpoint_dir or preloaded_state_dict")
         preloaded_state_dict = load_common_state_dict(checkpoint_dir, **options)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcpbridge.errors import CorruptCheckpointError, NotACheckpointError
+from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError, NotACheckpointError
 from dcpbridge.storage.backends import ByteIO, RangeRead
 from dcpbridge.storage.paths import Location
 
@@ -67,7 +67,9 @@ class DcpFileReader(StorageReader):
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.location.url:
-            raise ValueError("a DcpFileReader is bound to the checkpoint it was opened for")
+            raise InvalidArgumentError(
+                "a DcpFileReader is bound to the checkpoint it was opened for"
+            )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpbridge.errors import CheckpointError
+from dcpbridge.errors import CheckpointError, InvalidArgumentError
 from dcpbridge.model.mapping import (
     COMMON_KEY,
     ShardedObject,
@@ -176,7 +176,9 @@ def remove_sharded_tensors(
     the same checkpoint in flight. Warns and changes nothing when no key matches (as Megatron).
     """
     if not key_prefix:
-        raise ValueError("key_prefix must be a non-empty string (it would remove everything)")
+        raise InvalidArgumentError(
+            "key_prefix must be a non-empty string (it would remove everything)"
+        )
     location = resolve(
         checkpoint_dir, resolve_storage_options(storage_options, profile, url=checkpoint_dir)
     )
