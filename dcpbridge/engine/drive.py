@@ -106,7 +106,7 @@ def run_save(
         phases = {"plan": planned - started, "write": written - planned}
         phases["commit"] = time.perf_counter() - written
         url = str(getattr(writer, "checkpoint_id", "?"))
-        stats.report("saved", url, *stats.written(results), phases)
+        stats.report("saved", url, phases, lambda: stats.written(results))
 
     try:
         protocol.commit(group, "write", write, finish)
@@ -166,15 +166,17 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     storage_data, planner_data = protocol.decide(group, "plan", plan_locally, plan_globally)
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
-    def read() -> int:
+    final = plan
+
+    def read() -> None:
+        nonlocal final
         _, planner, reader = prepared
         final = planner.finish_plan(plan)
         reader.read_data(final, planner).wait()
-        return stats.read_bytes(final, reader_metadata)
 
     planned = time.perf_counter()
-    done = protocol.agree(group, "read", read)[group.rank]
+    protocol.agree(group, "read", read)
     url = str(getattr(prepared[2], "checkpoint_id", "?"))
     phases = {"plan": planned - started, "read": time.perf_counter() - planned}
-    stats.report("loaded", url, done, 0, phases)
+    stats.report("loaded", url, phases, lambda: (stats.read_bytes(final, reader_metadata), 0))
     return prepared

@@ -80,7 +80,7 @@ def load(
 
 def _load(
     template: ShardedStateDict,
-    checkpoint_dir: PathLike,
+    checkpoint_dir: PathLike | Checkpoint,
     group: Group,
     *,
     strict: Policy,
@@ -110,9 +110,12 @@ def _load(
     def prepare() -> tuple[Any, BridgeLoadPlanner, StorageReader]:
         nonlocal checkpoint
         _or_raise(error, None)
-        checkpoint = open_checkpoint(
-            checkpoint_dir, storage_options=storage_options, allow_pickle=allow_pickle
-        )
+        if isinstance(checkpoint_dir, Checkpoint):  # already opened by the caller
+            checkpoint = checkpoint_dir
+        else:
+            checkpoint = open_checkpoint(
+                checkpoint_dir, storage_options=storage_options, allow_pickle=allow_pickle
+            )
         reader = checkpoint.reader(thread_count=thread_count, verify_checksums=verify_checksums)
         if isinstance(reader, FsspecCheckpointReader):  # the planner may allocate
             reader.check_ranges()  # common tensors by their recorded sizes
@@ -166,11 +169,18 @@ def load_common_state_dict(
     profile: str | None = None,
 ) -> StateDict:
     """The checkpoint's common (non-sharded) state, read in this process alone."""
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
+    return common_state_of(checkpoint, allow_pickle=allow_pickle)
+
+
+def common_state_of(checkpoint: Checkpoint, *, allow_pickle: bool = False) -> StateDict:
+    """The common state of an opened dcpbridge checkpoint, read in this process alone."""
     return _load(
         {},
-        checkpoint_dir,
+        checkpoint,
         Group(None, 0, 1, 0),
         strict=parse_strict("raise_missing"),
-        storage_options=resolve_storage_options(storage_options, profile, url=checkpoint_dir),
+        storage_options=None,
         allow_pickle=allow_pickle,
     )

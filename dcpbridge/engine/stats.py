@@ -28,10 +28,14 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def report(what: str, url: str, nbytes: int, files: int, phases: dict[str, float]) -> None:
-    """Log one INFO record: ``what`` (saved/loaded/staged) ``url`` with its figures."""
+def report(
+    what: str, url: str, phases: dict[str, float], measure: Callable[[], tuple[int, int]]
+) -> None:
+    """Log one INFO record: ``what`` (saved/loaded/staged) ``url`` with its figures;
+    ``measure`` (bytes, files) runs only when the record is logged."""
     if not log.isEnabledFor(logging.INFO):
         return
+    nbytes, files = measure()
     total = sum(phases.values())
     figures = {"url": url, "bytes": nbytes, "files": files, "seconds": phases}
     figures["throughput_gbps"] = nbytes / total / 1e9 if total > 0 else None
@@ -66,7 +70,7 @@ def timed(what: str, url: str, fn: Callable[[], T], nbytes: Callable[[T], int]) 
     """Run ``fn`` and report it as one phase ``what`` (e.g. staging) of ``url``."""
     start = time.perf_counter()
     out = fn()
-    report(what, url, nbytes(out), 0, {what: time.perf_counter() - start})
+    report(what, url, {what: time.perf_counter() - start}, lambda: (nbytes(out), 0))
     return out
 
 

@@ -143,11 +143,9 @@ def load_common(
         return checkpoint.read_common()
     if checkpoint.format == Format.DCP:
         return {}
-    from dcpbridge.engine.load import load_common_state_dict
+    from dcpbridge.engine.load import common_state_of
 
-    return load_common_state_dict(
-        checkpoint_dir, storage_options=options, allow_pickle=allow_pickle
-    )
+    return common_state_of(checkpoint, allow_pickle=allow_pickle)
 
 
 def is_sharded_checkpoint(

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.planners.boxes import Shape
 from dcpbridge.storage import Location, StoredItem, resolve
 from dcpbridge.storage.format import ItemKey
 from dcpbridge.storage.stream import StreamWriter, commit, discard_save, new_save_id
@@ -35,7 +36,6 @@ from dcpbridge.storage.writer import tensor_bytes
 from dcpbridge.tools.layout import Layout
 from dcpbridge.tools.sources import Source
 
-Shape = tuple[int, ...]
 DEFAULT_SLAB_BYTES = 64 << 20
 
 
