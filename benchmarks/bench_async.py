@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
 from benchmarks.common import alternate, fresh_dir, table
-from dcpbridge.launch import run
+from benchmarks.launch import run
 
 warnings.filterwarnings("ignore")
 

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
 from benchmarks.common import alternate, drop_page_cache, fresh_dir, gbps, rchar, table
-from dcpbridge.launch import run
+from benchmarks.launch import run
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import dcpbridge as db
 from benchmarks.common import drop_page_cache, fresh_dir, table
-from dcpbridge.launch import run
+from benchmarks.launch import run
 
 
 def _io() -> tuple[int, int]:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from dcpbridge.engine.api import (
-    async_save,
-    load,
-    load_common_state_dict,
-    load_tensors_metadata,
-    save,
-)
 from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.load import load, load_common_state_dict, load_tensors_metadata
+from dcpbridge.engine.manager import CheckpointManager
+from dcpbridge.engine.save import SaveOptions, async_save, save
 from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import (
     CheckpointError,
     ChecksumMismatchError,
+    CollectiveError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     DistributedCheckpointError,
     DTypeMismatchError,
@@ -85,7 +83,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
+    "CheckpointManager",
     "ChecksumMismatchError",
+    "CollectiveError",
+    "ConcurrentSaveError",
     "ConfigError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
@@ -111,6 +112,7 @@ __all__ = [
     "OptimizerStateError",
     "ParamKey",
     "PickleRefusedError",
+    "SaveOptions",
     "SerializationError",
     "ShapeMismatchError",
     "ShardDistribution",

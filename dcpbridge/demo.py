@@ -5,17 +5,21 @@ Run with ``python -m dcpbridge.demo [CHECKPOINT_ROOT]`` (default ``./checkpoints
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 import dcpbridge as db
-from dcpbridge.launch import run
 
 HIDDEN, FFN, BATCH, STEPS = 64, 256, 32, 20
 # model key -> (global shape, tensor-parallel split axis or None for replicated)
@@ -130,6 +134,24 @@ rules:
   - match: "*"                    # mlp.fc2.bias (+ its state): replicated, rank 0 stores it
     replicate: true
 """
+
+
+def _rank_main(rank: int, nprocs: int, folder: str, fn: Callable[..., dict], ckpt: str) -> None:
+    import torch.distributed.checkpoint
+
+    rendezvous = f"file://{os.path.join(folder, 'rendezvous')}"
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=nprocs)
+    torch.save(fn(rank, nprocs, ckpt), os.path.join(folder, f"{rank}.pt"))
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()  # then leave without interpreter teardown, which gloo can abort
+    os._exit(0)
+
+
+def run(fn: Callable[..., dict], nprocs: int, ckpt: str) -> list[Any]:
+    """``fn(rank, nprocs, ckpt)`` on ``nprocs`` spawned gloo processes; results in rank order."""
+    with tempfile.TemporaryDirectory(prefix="dcpbridge-demo-") as folder:
+        torch.multiprocessing.spawn(_rank_main, (nprocs, folder, fn, ckpt), nprocs=nprocs)
+        return [torch.load(os.path.join(folder, f"{r}.pt")) for r in range(nprocs)]
 
 
 def cli(*args: str) -> None:

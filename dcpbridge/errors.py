@@ -15,6 +15,7 @@ from dcpbridge.planners.errors import (
 from dcpbridge.storage.errors import (
     CheckpointError,
     ChecksumMismatchError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidArgumentError,
@@ -46,9 +47,16 @@ class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
 
+class CollectiveError(DistributedCheckpointError, RuntimeError):
+    """An exchange with the other ranks failed: a rank died, hung past the group's timeout or
+    left (still a ``RuntimeError``, as torch's own collective errors are)."""
+
+
 __all__ = [
     "CheckpointError",
     "ChecksumMismatchError",
+    "CollectiveError",
+    "ConcurrentSaveError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
     "DistributedCheckpointError",

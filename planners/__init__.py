@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dcpbridge.planners.boxes import Placed, coverage_problems, find_gap, find_overlaps, intersect
+from dcpbridge.planners.distribution import is_main_replica
 from dcpbridge.planners.errors import (
     DTypeMismatchError,
     InvalidRequestError,
@@ -20,7 +21,7 @@ from dcpbridge.planners.load_planner import (
     plan_local_reads,
     plan_tensor_reads,
 )
-from dcpbridge.planners.protocol import ObjectShard, TensorShard, is_main_replica
+from dcpbridge.planners.protocol import ObjectShard, TensorShard
 from dcpbridge.planners.save_planner import ShardedSavePlanner, build_metadata, plan_local_writes
 
 __all__ = [

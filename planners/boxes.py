@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -9,10 +10,14 @@ from typing import Protocol
 
 import numpy as np
 
+from dcpbridge.storage.tiling import disjointness, products
+
 Shape = tuple[int, ...]
 
 # Gap localisation marks a compressed grid; beyond this many cells it only reports counts.
 _MAX_GAP_CELLS = 4_000_000
+# Element counts the array checks compute exactly; beyond this the worded check decides.
+MAX_ELEMENTS = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +159,62 @@ def coverage_problems(key: str, shape: Shape, chunks: Sequence[Placed]) -> list[
             "exactly one holder of each shard?)"
         )
     return problems
+
+
+def chunk_arrays(
+    offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(offsets, sizes, dims) of many boxes as ``(n, width)`` int64 arrays padded with
+    offset 0 and size 1; raises OverflowError for values beyond int64."""
+    n = len(offsets)
+    dims = np.fromiter(map(len, offsets), dtype=np.int64, count=n)
+    if not np.array_equal(dims, np.fromiter(map(len, sizes), dtype=np.int64, count=n)):
+        raise OverflowError("offsets and sizes differ in length")
+    out_o = np.zeros((n, width), dtype=np.int64)
+    out_s = np.ones((n, width), dtype=np.int64)
+    if n and width:
+        total = int(dims.sum())
+        keep = np.arange(width)[None, :] < dims[:, None]
+        out_o[keep] = np.fromiter(itertools.chain.from_iterable(offsets), np.int64, total)
+        out_s[keep] = np.fromiter(itertools.chain.from_iterable(sizes), np.int64, total)
+    return out_o, out_s, dims
+
+
+def untiled_keys(
+    shapes: Sequence[Shape],
+    kid: np.ndarray,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    dims: np.ndarray,
+) -> list[int]:
+    """Indices of the keys whose chunks may not tile their shape exactly once.
+
+    Array checks decide the common case (every chunk inside, grid-like and disjoint, element
+    counts adding up); the keys returned get ``coverage_problems``' exact, worded check.
+    """
+    keys = len(shapes)
+    width = offsets.shape[1]
+    ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=keys)
+    padded = np.ones((keys, width), dtype=np.int64)
+    for k, shape in enumerate(shapes):
+        padded[k, : len(shape)] = shape
+    full, full_over = products(padded, MAX_ELEMENTS)
+    bad = np.zeros(keys, dtype=bool)
+    bad |= full_over
+    limits = padded[kid]
+    wrong = (dims != ndim[kid]) | (offsets < 0).any(axis=1) | (sizes < 0).any(axis=1)
+    wrong |= ((sizes > limits) | (offsets > limits - sizes)).any(axis=1)
+    numel, over = products(np.maximum(sizes, 0), MAX_ELEMENTS)
+    bad[kid[wrong | over]] = True
+    nonempty = numel > 0
+    status = disjointness(kid[nonempty], offsets[nonempty], sizes[nonempty], keys)
+    bad |= status != 0
+    counted = np.where(nonempty & ~bad[kid], numel, 0)
+    order = np.argsort(kid, kind="stable")
+    running = np.zeros(len(kid) + 1, dtype=np.int64)
+    np.cumsum(counted[order], out=running[1:])
+    starts = np.zeros(keys + 1, dtype=np.int64)
+    np.cumsum(np.bincount(kid, minlength=keys), out=starts[1:])
+    sums = running[starts[1:]] - running[starts[:-1]]
+    bad |= sums != full
+    return np.flatnonzero(bad).tolist()

@@ -1,11 +1,50 @@
-"""Which rank of a parallelization group saves (or reads) each shard several ranks hold."""
+"""Who writes (or reads) a shard: the pure decisions behind ``dcpbridge.engine.ownership``.
+
+A shard is written by its main replica, unless a parallelization group spreads the shards
+several of its ranks hold over them (``distribute``); the common state by the coordinator.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dcpbridge.planners.protocol import ReplicaId
 
 ShardId = Hashable
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """The main replica (0, or all zeros) is the one that writes a shard."""
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+class WhoWrites(Protocol):
+    """What the save planner asks before it plans a write on this rank."""
+
+    def writes(self, shard: Any) -> bool:
+        """Whether this rank writes ``shard`` (a tensor or object shard)."""
+        ...
+
+    def writes_common(self) -> bool:
+        """Whether this rank writes the common (non-sharded) state."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class MainReplicasWrite:
+    """The default: main replicas write their shards, the coordinator the common state."""
+
+    coordinator: bool
+
+    def writes(self, shard: Any) -> bool:
+        return is_main_replica(shard.replica_id)
+
+    def writes_common(self) -> bool:
+        return self.coordinator
 
 
 @dataclass(frozen=True, slots=True)

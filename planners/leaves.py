@@ -8,6 +8,7 @@ Anything else that carries sharding is refused by name rather than pickled.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.protocol import LeafKind, LocalBox, TensorShard
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 TENSOR_KINDS = frozenset({"tensor", "dtensor", "torch_sharded", "tensor_shard"})
 
 
@@ -24,7 +26,7 @@ def check_key(key: Any, what: str = "key") -> str:
     """A storage key must be a non-empty string without NUL or control characters."""
     if not isinstance(key, str) or not key:
         raise SerializationError(f"{what} must be a non-empty string, got {key!r}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+    if _CONTROL.search(key):
         raise SerializationError(f"{what} {key!r} contains NUL or control characters")
     return key
 
@@ -100,8 +102,8 @@ def torch_sharded_boxes(key: str, st: Any) -> list[LocalBox]:
     return out
 
 
-def tensor_boxes(key: str, value: Any, kind: LeafKind, *, main: bool = True) -> list[TensorShard]:
-    """The boxes a tensor-like leaf stores under ``key`` (``main``: plain tensors' writer)."""
+def tensor_boxes(key: str, value: Any, kind: LeafKind) -> list[TensorShard]:
+    """The boxes a tensor-like leaf stores under ``key`` (a plain tensor: one whole box)."""
     if kind == "tensor_shard":
         if getattr(value, "flattened_range", None) is not None:
             raise SerializationError(
@@ -112,7 +114,7 @@ def tensor_boxes(key: str, value: Any, kind: LeafKind, *, main: bool = True) -> 
     if kind == "tensor":
         data = _plain_data(key, value)
         shape = tuple(data.shape)
-        return [LocalBox(key, data, data.dtype, shape, shape, (0,) * len(shape), 0 if main else 1)]
+        return [LocalBox(key, data, data.dtype, shape, shape, (0,) * len(shape))]
     if kind == "dtensor":
         box = dtensor_box(key, value)
         return [] if box is None else [box]

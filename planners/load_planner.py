@@ -9,10 +9,11 @@ import io
 import math
 import pickle
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,6 +37,8 @@ from dcpbridge.planners.protocol import TensorShard, chunk_sizes, chunk_view, le
 from dcpbridge.planners.walk import Leaf, iter_leaves
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.regions import narrow_box
+from dcpbridge.storage.table import ChunkList
+from dcpbridge.storage.tiling import distinct
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
 _INDEX_THRESHOLD = 32
@@ -53,7 +56,7 @@ class StrictMode(str, enum.Enum):
 def _read_item(
     fqn: str,
     dest_offset: Shape,
-    chunk: ChunkStorageMetadata,
+    chunk_offsets: Shape,
     overlap: tuple[Shape, Shape],
 ) -> ReadItem:
     lo, lengths = overlap
@@ -61,33 +64,63 @@ def _read_item(
         type=LoadItemType.TENSOR,
         dest_index=MetadataIndex(fqn, dest_offset),
         dest_offsets=torch.Size(s - d for s, d in zip(lo, dest_offset)),
-        storage_index=MetadataIndex(fqn, chunk.offsets),
-        storage_offsets=torch.Size(s - c for s, c in zip(lo, chunk.offsets)),
+        storage_index=MetadataIndex(fqn, chunk_offsets),
+        storage_offsets=torch.Size(s - c for s, c in zip(lo, chunk_offsets)),
         lengths=torch.Size(lengths),
     )
 
 
+Box = tuple[Shape, Shape]
+
+
 class ChunkIndex:
-    """Stored chunks of one tensor, sorted along one dimension for fast overlap queries."""
+    """Stored chunks of one tensor as (offsets, sizes) boxes, sorted along one dimension for
+    fast overlap queries. Chunks decoded as arrays (``ChunkList``) are searched as arrays
+    and only the candidates become tuples."""
 
-    def __init__(self, chunks: list[ChunkStorageMetadata]) -> None:
-        self.chunks = chunks
-        ndim = len(chunks[0].offsets) if chunks else 0
+    def __init__(self, chunks: Sequence[ChunkStorageMetadata]) -> None:
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self.boxes: list[Box] = []
+        self.starts: list[int] | np.ndarray = []
+        if isinstance(chunks, ChunkList):
+            if len(chunks) == 1:
+                self.boxes = [chunks.box(0)]
+                return
+            offsets, sizes = chunks.arrays()
+            if len(offsets) <= _INDEX_THRESHOLD:
+                self.boxes = list(zip(map(tuple, offsets.tolist()), map(tuple, sizes.tolist())))
+                return
+            ndim = offsets.shape[1]
+            counts = [distinct(offsets[:, d]) for d in range(ndim)]
+            self.dim = int(np.argmax(counts)) if ndim else -1
+            if self.dim < 0:
+                self.boxes = [((), ())] * len(offsets)
+                return
+            order = np.argsort(offsets[:, self.dim], kind="stable")
+            self._arrays = (offsets[order], sizes[order])
+            self.starts = self._arrays[0][:, self.dim]
+            self.max_len = int(sizes[:, self.dim].max())
+            return
+        self.boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+        ndim = len(self.boxes[0][0]) if self.boxes else 0
         self.dim = sweep_dim(chunks) if ndim else -1
-        if self.dim >= 0 and len(chunks) > _INDEX_THRESHOLD:
-            self.chunks = sorted(chunks, key=lambda c: c.offsets[self.dim])
-            self.starts = [c.offsets[self.dim] for c in self.chunks]
-            self.max_len = max(c.sizes[self.dim] for c in self.chunks)
-        else:
-            self.starts = []
+        if self.dim >= 0 and len(self.boxes) > _INDEX_THRESHOLD:
+            self.boxes.sort(key=lambda b: b[0][self.dim])
+            self.starts = [b[0][self.dim] for b in self.boxes]
+            self.max_len = max(b[1][self.dim] for b in self.boxes)
 
-    def candidates(self, offsets: Shape, sizes: Shape) -> Iterable[ChunkStorageMetadata]:
-        if not self.starts:
-            return self.chunks
+    def candidates(self, offsets: Shape, sizes: Shape) -> Iterable[Box]:
+        if not len(self.starts):
+            return self.boxes
         d = self.dim
+        if self._arrays is not None:
+            lo = int(np.searchsorted(self.starts, offsets[d] - self.max_len, side="right"))
+            hi = int(np.searchsorted(self.starts, offsets[d] + sizes[d], side="left"))
+            o, s = (a[lo:hi].tolist() for a in self._arrays)
+            return list(zip(map(tuple, o), map(tuple, s)))
         lo = bisect.bisect_right(self.starts, offsets[d] - self.max_len)
         hi = bisect.bisect_left(self.starts, offsets[d] + sizes[d])
-        return self.chunks[lo:hi]
+        return self.boxes[lo:hi]
 
 
 def plan_tensor_reads(
@@ -96,14 +129,14 @@ def plan_tensor_reads(
     """Read items for the box ``offsets``+``sizes`` and the number of elements they cover."""
     items = []
     covered = 0
-    for chunk in index.candidates(offsets, sizes):
-        if chunk.offsets == offsets and chunk.sizes == sizes:  # same layout: the whole chunk
-            items.append(_read_item(fqn, offsets, chunk, (offsets, sizes)))
+    for chunk_offsets, stored_sizes in index.candidates(offsets, sizes):
+        if chunk_offsets == offsets and stored_sizes == sizes:  # same layout: the whole chunk
+            items.append(_read_item(fqn, offsets, chunk_offsets, (offsets, sizes)))
             covered += math.prod(sizes)
             continue
-        overlap = intersect(offsets, sizes, chunk.offsets, chunk.sizes)
+        overlap = intersect(offsets, sizes, chunk_offsets, stored_sizes)
         if overlap is not None:
-            items.append(_read_item(fqn, offsets, chunk, overlap))
+            items.append(_read_item(fqn, offsets, chunk_offsets, overlap))
             covered += math.prod(overlap[1])
     return items, covered
 
@@ -301,8 +334,11 @@ def _plan_box(
     if index is None:
         index = indexes[fqn] = ChunkIndex(md.chunks)
     items, covered = plan_tensor_reads(fqn, offsets, sizes, index)
-    inside = intersect(offsets, sizes, (0,) * len(shape), stored_shape)
-    expected = math.prod(inside[1]) if inside else 0
+    if stored_shape == shape:  # the box lies inside the shape (shards are validated)
+        expected = math.prod(sizes)
+    else:
+        inside = intersect(offsets, sizes, (0,) * len(shape), stored_shape)
+        expected = math.prod(inside[1]) if inside else 0
     if covered != expected:
         raise CorruptCheckpointError(
             f"{fqn!r}: stored chunks cover {covered} of the {expected} elements requested "

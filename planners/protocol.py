@@ -120,13 +120,6 @@ class LocalBox:
     allow_shape_mismatch: bool = False
 
 
-def is_main_replica(replica_id: ReplicaId) -> bool:
-    """The main replica (0, or all zeros) is the one that writes a shard."""
-    if isinstance(replica_id, int):
-        return replica_id == 0
-    return all(r == 0 for r in replica_id)
-
-
 def chunk_sizes(shard: TensorShard) -> tuple[int, ...]:
     """The shard's box size in global coordinates: 1 along each prepended axis."""
     return (1,) * shard.prepend_axis_num + tuple(shard.local_shape)

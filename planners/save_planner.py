@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
@@ -31,7 +32,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from dcpbridge.planners.boxes import Placed, Shape, coverage_problems
+from dcpbridge.planners.boxes import (
+    Placed,
+    Shape,
+    chunk_arrays,
+    coverage_problems,
+    untiled_keys,
+)
+from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
 from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
 from dcpbridge.planners.protocol import (
@@ -39,7 +47,6 @@ from dcpbridge.planners.protocol import (
     TensorShard,
     chunk_sizes,
     chunk_view,
-    is_main_replica,
     leaf_kind,
 )
 from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
@@ -81,9 +88,14 @@ def _tensor_item(
 
 
 def plan_local_writes(
-    leaves: Iterable[Leaf], is_coordinator: bool, *, list_wrapped_objects: bool = False
+    leaves: Iterable[Leaf],
+    is_coordinator: bool,
+    *,
+    list_wrapped_objects: bool = False,
+    owners: WhoWrites | None = None,
 ) -> LocalWrites:
-    """Write items for this rank's main replicas; plain values go to the coordinator.
+    """Write items for what ``owners`` says this rank writes (default: its main replicas,
+    and the plain values if it is the coordinator).
 
     Tensor-like leaves (plain tensors, DTensors, torch ShardedTensors, Megatron-style
     shards) become tensor chunks; non-persistent objects are skipped; sharded values of
@@ -92,6 +104,7 @@ def plan_local_writes(
     (``list_wrapped_objects``: ShardedObjects stored as ``[data]``, as torch_dist does).
     """
     out = LocalWrites([], {}, LocalSummary())
+    owners = owners or MainReplicasWrite(is_coordinator)
 
     def declare(key: str, shape: Shape, dtype: torch.dtype) -> None:
         decl = (shape, dtype_name(dtype))
@@ -107,12 +120,13 @@ def plan_local_writes(
         if leaf.obj_path and kind in ("tensor", "dtensor", "torch_sharded", "object"):
             out.summary.paths[leaf.path] = leaf.obj_path  # stored under its DCP key
         if kind in TENSOR_KINDS:
-            for sh in tensor_boxes(leaf.path, value, kind, main=is_coordinator):
+            for sh in tensor_boxes(leaf.path, value, kind):
                 key = check_key(sh.key)
                 shape = tuple(sh.global_shape)
                 declare(key, shape, sh.dtype)
                 sizes = chunk_sizes(sh)
-                if is_main_replica(sh.replica_id) and math.prod(sizes) > 0:
+                writes = owners.writes_common() if kind == "tensor" else owners.writes(sh)
+                if writes and math.prod(sizes) > 0:
                     _check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
                     if item.index in out.sources:
@@ -125,7 +139,7 @@ def plan_local_writes(
             obj: ObjectShard = value
             uk = check_key(obj.unique_key)
             out.summary.objects[uk] = (obj.key, tuple(obj.global_shape), tuple(obj.global_offset))
-            if is_main_replica(obj.replica_id):
+            if owners.writes(obj):
                 item = WriteItem(index=MetadataIndex(uk), type=WriteItemType.BYTE_IO)
                 out.items.append(item)
                 data = [obj.data] if list_wrapped_objects else obj.data
@@ -134,7 +148,7 @@ def plan_local_writes(
             continue
         elif kind != "object":
             raise refuse(leaf.path, value, kind)
-        elif is_coordinator:
+        elif owners.writes_common():
             key = check_key(leaf.path)
             item = WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
             out.items.append(item)
@@ -167,37 +181,13 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
 
     Checks that ranks agree on each tensor's global shape and dtype, and (with ``validate``)
     that main replicas cover every tensor exactly once and every object grid exactly once.
-    All problems are collected into one ``ShardingValidationError``.
+    All problems are collected into one ``ShardingValidationError``. The chunks of all ranks
+    are checked as arrays; only keys that fail get the per-chunk, worded check.
     """
     problems: list[str] = []
-    decls: dict[str, dict[tuple[Shape, str], list[int]]] = {}
-    objects: dict[str, dict[str, tuple[Shape, Shape]]] = {}
-    object_shapes: dict[str, dict[Shape, list[int]]] = {}
-    paths: dict[str, ObjPath] = {}
-    for rank, plan in enumerate(plans):
-        summary = plan.planner_data
-        if not isinstance(summary, LocalSummary):
-            raise ShardingValidationError(f"rank {rank}'s plan was not made by ShardedSavePlanner")
-        paths.update(summary.paths)
-        for key, decl in summary.tensors.items():
-            decls.setdefault(key, {}).setdefault(decl, []).append(rank)
-        for uk, (key, shape, offset) in summary.objects.items():
-            objects.setdefault(key, {})[uk] = (shape, offset)
-            object_shapes.setdefault(key, {}).setdefault(shape, []).append(rank)
-
-    chunks: dict[str, list[Placed]] = {}
-    stored_chunks: dict[str, list[ChunkStorageMetadata]] = {}
-    byte_writers: dict[str, list[int]] = {}
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            if item.tensor_data is not None:
-                c = item.tensor_data.chunk
-                chunks.setdefault(item.index.fqn, []).append(
-                    Placed(tuple(c.offsets), tuple(c.sizes), rank)
-                )
-                stored_chunks.setdefault(item.index.fqn, []).append(c)
-            else:
-                byte_writers.setdefault(item.index.fqn, []).append(rank)
+    decls, objects, object_shapes, paths = _merge_summaries(plans)
+    written = _collect_writes(plans)
+    byte_writers = written.byte_writers
 
     for key, variants in decls.items():
         if len(variants) > 1:
@@ -220,13 +210,19 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
                 f"object {fqn!r} is written by ranks {ranks}: exactly one main replica "
                 "(replica_id 0) may save it"
             )
+    keys = list(decls)
+    key_ids = {k: i for i, k in enumerate(keys)}
+    undeclared = sorted(set(written.fqns) - set(key_ids))
+    problems.extend(f"{k!r} is written but no rank declares it" for k in undeclared)
 
-    if validate and not problems:
-        for key, variants in decls.items():
-            ((shape, _),) = variants
-            problems.extend(coverage_problems(key, shape, chunks.get(key, [])))
-        for key, shards in objects.items():
-            problems.extend(_object_grid_problems(key, shards, byte_writers))
+    kid = order = None
+    if not problems:
+        kid = np.fromiter(map(key_ids.__getitem__, written.fqns), np.int64, len(written.fqns))
+        shapes = [next(iter(decls[k]))[0] for k in keys]
+        order = _check_chunks(problems, keys, shapes, kid, written, validate)
+        if validate:
+            for key, shards in objects.items():
+                problems.extend(_object_grid_problems(key, shards, byte_writers))
 
     if problems:
         shown = problems[:_MAX_REPORTED]
@@ -237,13 +233,18 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
             + (f"\n  ... and {more} more" if more else "")
         )
 
+    assert kid is not None and order is not None
+    chunks = [written.chunks[i] for i in order.tolist()]
+    bounds = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(kid, minlength=len(keys)), out=bounds[1:])
+    bounds_list = bounds.tolist()
     state: dict[str, STORAGE_TYPES] = {}
-    for key, variants in decls.items():
-        shape, dtype = next(iter(variants))
+    for k, key in enumerate(keys):
+        shape, dtype = next(iter(decls[key]))
         state[key] = TensorStorageMetadata(
             properties=TensorProperties(dtype=parse_dtype(dtype)),
             size=torch.Size(shape),
-            chunks=sorted(stored_chunks.get(key, []), key=lambda c: tuple(c.offsets)),
+            chunks=chunks[bounds_list[k] : bounds_list[k + 1]],
         )
     for fqn in byte_writers:
         state[fqn] = BytesStorageMetadata()
@@ -255,6 +256,105 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     }
     mappings: dict[str, Any] = {k: list(p) for k, p in paths.items() if k in state}
     return Metadata(state_dict_metadata=state, planner_data={**mappings, "objects": object_table})
+
+
+def _merge_summaries(plans: list[SavePlan]) -> tuple[Any, Any, Any, Any]:
+    """Every rank's declarations merged: (tensor decls -> ranks, object grids, object shapes
+    -> ranks, DCP key paths). Ranks declaring exactly what an earlier rank did are merged
+    with one dict comparison instead of one step per key."""
+    decls: dict[str, dict[tuple[Shape, str], list[int]]] = {}
+    objects: dict[str, dict[str, tuple[Shape, Shape]]] = {}
+    object_shapes: dict[str, dict[Shape, list[int]]] = {}
+    paths: dict[str, ObjPath] = {}
+    seen: list[tuple[dict[str, tuple[Shape, str]], list[int]]] = []  # distinct decls, ranks
+    for rank, plan in enumerate(plans):
+        summary = plan.planner_data
+        if not isinstance(summary, LocalSummary):
+            raise ShardingValidationError(f"rank {rank}'s plan was not made by ShardedSavePlanner")
+        if summary.paths:
+            paths.update(summary.paths)
+        tensors = summary.tensors
+        for known, ranks in reversed(seen[-8:]):
+            if known == tensors:
+                ranks.append(rank)
+                break
+        else:
+            seen.append((tensors, [rank]))
+        for uk, (key, shape, offset) in summary.objects.items():
+            objects.setdefault(key, {})[uk] = (shape, offset)
+            object_shapes.setdefault(key, {}).setdefault(shape, []).append(rank)
+    for tensors, ranks in seen:
+        for key, decl in tensors.items():
+            decls.setdefault(key, {}).setdefault(decl, []).extend(ranks)
+    for variants in decls.values():
+        for ranks in variants.values():
+            ranks.sort()
+    return decls, objects, object_shapes, paths
+
+
+@dataclass(slots=True)
+class _Writes:
+    """Every rank's write items as flat lists: tensor chunks, and the writers of objects."""
+
+    fqns: list[str] = field(default_factory=list)
+    chunks: list[ChunkStorageMetadata] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # chunks per rank
+    byte_writers: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _collect_writes(plans: list[SavePlan]) -> _Writes:
+    out = _Writes()
+    for rank, plan in enumerate(plans):
+        data = [item.tensor_data for item in plan.items]
+        if None in data:
+            for item in plan.items:
+                if item.tensor_data is None:
+                    out.byte_writers.setdefault(item.index.fqn, []).append(rank)
+            pairs = [(it, d) for it, d in zip(plan.items, data) if d is not None]
+            items, data = [p[0] for p in pairs], [p[1] for p in pairs]
+        else:
+            items = plan.items
+        out.fqns.extend([item.index.fqn for item in items])
+        out.chunks.extend([d.chunk for d in data])  # type: ignore[union-attr]
+        out.counts.append(len(items))
+    return out
+
+
+def _check_chunks(
+    problems: list[str],
+    keys: list[str],
+    shapes: list[Shape],
+    kid: np.ndarray,
+    written: _Writes,
+    validate: bool,
+) -> np.ndarray:
+    """Append the coverage problems of every key; returns the chunks' order by key, offsets."""
+    width = max(map(len, shapes), default=0)
+    chunks = written.chunks
+    try:
+        offsets, sizes, dims = chunk_arrays(
+            [c.offsets for c in chunks], [c.sizes for c in chunks], width
+        )
+    except (OverflowError, ValueError):  # values beyond int64: every key the worded way
+        offsets = sizes = dims = None
+    rank = np.repeat(np.arange(len(written.counts), dtype=np.int64), written.counts)
+    if validate:
+        if offsets is None:
+            suspects = list(range(len(keys)))
+        else:
+            suspects = untiled_keys(shapes, kid, offsets, sizes, dims)
+        for k in suspects:
+            rows = np.flatnonzero(kid == k).tolist()
+            placed = [
+                Placed(tuple(chunks[i].offsets), tuple(chunks[i].sizes), int(rank[i])) for i in rows
+            ]
+            problems.extend(coverage_problems(keys[k], shapes[k], placed))
+    if offsets is None:
+        return np.array(
+            sorted(range(len(chunks)), key=lambda i: (kid[i], tuple(chunks[i].offsets))),
+            dtype=np.int64,
+        )
+    return np.lexsort((*offsets.T[::-1], kid))
 
 
 def _object_grid_problems(
@@ -339,8 +439,9 @@ class ShardedSavePlanner(SavePlanner):
 
     list_wrapped_objects = False  # ShardedObjects stored as ``[data]`` (torch_dist's way)
 
-    def __init__(self, *, validate: bool = True) -> None:
+    def __init__(self, *, validate: bool = True, owners: WhoWrites | None = None) -> None:
         self.validate = validate
+        self.owners = owners  # who writes what (default: main replicas, common on coordinator)
         self._state_dict: Any = None
         self._is_coordinator = False
         self._sources: dict[MetadataIndex, Any] = {}
@@ -360,7 +461,10 @@ class ShardedSavePlanner(SavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         local = plan_local_writes(
-            self.leaves(), self._is_coordinator, list_wrapped_objects=self.list_wrapped_objects
+            self.leaves(),
+            self._is_coordinator,
+            list_wrapped_objects=self.list_wrapped_objects,
+            owners=self.owners,
         )
         self._sources = local.sources
         return SavePlan(local.items, planner_data=local.summary)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import functools
+import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
-from dcpbridge.storage.errors import is_storage_fault, storage_error
+from dcpbridge.storage.errors import ConcurrentSaveError, is_storage_fault, storage_error
 from dcpbridge.storage.paths import SPREAD_DIR, Location
+
+log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
@@ -52,6 +58,19 @@ def parts_of(r: Read) -> list[memoryview | int]:
 
 def read_size(r: Read) -> int:
     return len(r.out) if isinstance(r, RangeRead) else r.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A commit file as read: its bytes (None: absent) and a tag that changes with every
+    commit (None where the storage offers no such tag)."""
+
+    data: bytes | None
+    tag: object = None
+
+
+# How long a local commit waits for another process's commit of the same directory.
+COMMIT_LOCK_TIMEOUT = 60.0
 
 
 def _target(arg: object) -> str | None:
@@ -125,9 +144,32 @@ class ByteIO:
     def read_file(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    @storage_op("read")
+    def read_committed(self, name: str) -> Committed:
+        """The commit file ``name`` as it is now, to pass to ``commit_file(replaces=...)``."""
+        try:
+            return Committed(self.fs.cat_file(self.location.path(name)))
+        except FileNotFoundError:
+            return Committed(None)
+
     @storage_op("commit")
-    def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
-        """Publish ``data`` under ``name`` atomically; object stores replace objects atomically."""
+    def commit_file(
+        self,
+        name: str,
+        data: bytes,
+        temp_name: str,
+        *,
+        sync: bool,
+        replaces: Committed | None = None,
+    ) -> None:
+        """Publish ``data`` under ``name`` atomically.
+
+        With ``replaces`` (what ``read_committed`` returned) the commit is conditional: if
+        another commit replaced that one meanwhile, raise ``ConcurrentSaveError`` and publish
+        nothing. This generic version can only check just before writing.
+        """
+        if replaces is not None and self.read_committed(name).data != replaces.data:
+            raise _conflict(self.location.path(name))
         self.fs.pipe_file(self.location.path(name), data)
 
     @storage_op("look up")
@@ -249,21 +291,52 @@ class LocalByteIO(ByteIO):
         with open(path, "rb") as f:
             return f.read()
 
+    @storage_op("read")
+    def read_committed(self, name: str) -> Committed:
+        """The bytes and identity (inode, change time, size) of the commit file, read through
+        one descriptor so they agree."""
+        try:
+            with open(self.location.path(name), "rb") as f:
+                return Committed(f.read(), _identity(os.fstat(f.fileno())))
+        except FileNotFoundError:
+            return Committed(None)
+
     @storage_op("commit")
-    def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
-        tmp = self.location.path(temp_name)
-        with open(tmp, "wb") as f:
-            f.write(data)
+    def commit_file(
+        self,
+        name: str,
+        data: bytes,
+        temp_name: str,
+        *,
+        sync: bool,
+        replaces: Committed | None = None,
+    ) -> None:
+        """Write a temp file, then rename it over ``name``.
+
+        With ``replaces``, the check and the rename happen under an exclusive lock of the
+        directory (released by the kernel if the process dies), and a first commit links
+        the temp file without replacing anything, so of two commits made from the same
+        state only one lands; the other raises ``ConcurrentSaveError``.
+        """
+        final, tmp = self.location.path(name), self.location.path(temp_name)
+        conditional = replaces is not None
+        lock = _directory_lock(self.location.root) if conditional else contextlib.nullcontext()
+        with lock as locked:
+            if replaces is not None and _current_identity(final) != replaces.tag:
+                raise _conflict(final)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if replaces is not None and replaces.data is None:
+                _publish_new(tmp, final)
+            else:
+                os.replace(tmp, final)
             if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self.location.path(name))
-        if sync:
-            fd = os.open(self.location.root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                _sync_directory(self.location.root)
+            if locked:  # temp files left by commits that were killed (live ones hold the lock)
+                _remove_temp_files(self.location.root, f"{name}.tmp")
 
     @storage_op("read")
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
@@ -303,6 +376,85 @@ class LocalByteIO(ByteIO):
             with ThreadPoolExecutor(len(batches), thread_name_prefix="dcpb-read") as pool:
                 for fut in [pool.submit(run_all, b) for b in batches]:
                     fut.result()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size)
+
+
+def _current_identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        return _identity(os.stat(path))
+    except FileNotFoundError:
+        return None
+
+
+def _conflict(path: str) -> ConcurrentSaveError:
+    return ConcurrentSaveError(
+        f"{path}: another save committed here while this one was committing; this save did "
+        "not commit (the other one's checkpoint is in place)"
+    )
+
+
+def _publish_new(tmp: str, final: str) -> None:
+    """Move ``tmp`` to ``final`` unless ``final`` exists (then ``ConcurrentSaveError``)."""
+    try:
+        os.link(tmp, final)  # never replaces anything
+    except FileExistsError as e:
+        os.unlink(tmp)
+        raise _conflict(final) from e
+    except OSError as e:  # no hard links here: the (locked) check above must do
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)
+
+
+def _sync_directory(root: str) -> None:
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_temp_files(root: str, prefix: str) -> None:
+    for entry in os.listdir(root):
+        if entry.startswith(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, entry))
+
+
+@contextlib.contextmanager
+def _directory_lock(root: str) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on directory ``root``; yields False (no lock, best effort)
+    where the file system does not support it. Waits at most ``COMMIT_LOCK_TIMEOUT``."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        yield _flock(fd, root)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _flock(fd: int, root: str) -> bool:
+    deadline = time.monotonic() + COMMIT_LOCK_TIMEOUT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ConcurrentSaveError(
+                    f"{root}: another process held the commit lock of this directory for "
+                    f"{COMMIT_LOCK_TIMEOUT:.0f}s; nothing was committed"
+                ) from None
+            time.sleep(0.005)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            log.debug("no commit lock on %s (%s): committing without it", root, e)
+            return False
 
 
 class _FdCache:

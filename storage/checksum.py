@@ -2,10 +2,10 @@
 
 An item is an array (a tensor chunk of ``sizes`` elements, or an object's bytes) cut into
 boxes of ``tile`` elements, the last ones along each dimension shorter; tiles are numbered
-in C order and a tile's digest covers its elements in C order. Format 3 picks tiles from a
+in C order and a tile's digest covers its elements in C order. Format 4 picks tiles from a
 chunk's shape (``tensor_tiles``) so that a column slice of a 2-D chunk is verified without
-reading the rest of each row; format 2 cut each item's bytes into flat blocks, which is the
-grid ``flat_grid`` (and, where rows fit blocks, an equivalent grid over the elements).
+reading the rest of each row; formats 1 to 3 cut each item's bytes into flat blocks, which
+is the grid ``flat_grid`` (and, where rows fit blocks, an equivalent grid over the elements).
 Writer, reader and ``validate`` all hash and verify through this module.
 """
 
@@ -25,7 +25,7 @@ from dcpbridge.storage.errors import ChecksumMismatchError
 
 ALGORITHM = "xxh3_64"
 DEFAULT_BLOCK_SIZE = 1 << 20
-# Format 3 tiles: at most this many column groups on dim 1, each tile at least MIN_TILE bytes
+# Format 4 tiles: at most this many column groups on dim 1, each tile at least MIN_TILE bytes
 # and each row piece of a tile at least MIN_SEGMENT bytes (finer tiles cost more metadata than
 # the reads they save).
 MAX_COLUMN_GROUPS = 8
@@ -84,12 +84,12 @@ class Grid:
 
 
 def flat_grid(nbytes: int, block: int) -> Grid:
-    """Blocks of ``block`` bytes over an item's bytes (objects; every item of format 2)."""
+    """Blocks of ``block`` bytes over an item's bytes (objects; every item before format 4)."""
     return Grid((nbytes,), 1, (max(1, block),))
 
 
 def tensor_tiles(sizes: Sequence[int], itemsize: int, block: int) -> tuple[int, ...]:
-    """Format 3's tile for a chunk: up to ``MAX_COLUMN_GROUPS`` equal column groups on dim 1,
+    """Format 4's tile for a chunk: up to ``MAX_COLUMN_GROUPS`` equal column groups on dim 1,
     then filled from the innermost dimension outward to ``block`` / groups bytes."""
     sizes = tuple(sizes)
     nbytes = math.prod(sizes) * itemsize
@@ -117,8 +117,8 @@ def tensor_tiles(sizes: Sequence[int], itemsize: int, block: int) -> tuple[int, 
 
 @functools.lru_cache(maxsize=4096)
 def tensor_grid(sizes: tuple[int, ...], itemsize: int, block: int, *, tiled: bool) -> Grid:
-    """The grid of a tensor chunk: format 3's tiles, or format 2's flat blocks over its bytes
-    (cached: a checkpoint has few distinct chunk shapes)."""
+    """The grid of a tensor chunk: format 4's tiles, or the flat blocks over its bytes of
+    formats 1 to 3 (cached: a checkpoint has few distinct chunk shapes)."""
     nbytes = math.prod(sizes) * itemsize
     if nbytes == 0:
         return Grid(sizes, itemsize, (1,) * len(sizes))
@@ -188,7 +188,7 @@ def digests(grid: Grid, data: memoryview) -> list[str]:
 def item_digests(
     data: memoryview, sizes: Sequence[int] | None, dtype: torch.dtype | None, block: int
 ) -> tuple[str, ...]:
-    """The digests a save records for an item (format 3): ``data`` is its bytes in C order."""
+    """The digests a save records for an item (format 4): ``data`` is its bytes in C order."""
     return tuple(digests(item_grid(len(data), sizes, dtype, block), data))
 
 

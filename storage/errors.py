@@ -49,6 +49,11 @@ class StorageFileNotFoundError(StorageError, FileNotFoundError):
     """A storage operation found no file or object where it expected one."""
 
 
+class ConcurrentSaveError(CheckpointError):
+    """Another save committed to the same location while this one was committing; this one
+    did not commit (the other's checkpoint is there, whole)."""
+
+
 def is_storage_fault(exc: BaseException) -> bool:
     """Whether ``exc`` is an I/O failure of the storage layer (OS, fsspec, botocore, s3fs)."""
     if isinstance(exc, CheckpointError):

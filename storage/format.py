@@ -1,51 +1,95 @@
-"""The on-disk format: file names and the JSON metadata (commit) document, with no pickle."""
+"""The on-disk format: file names and the JSON metadata (commit) document, with no pickle.
+
+The document keeps the checkpoint-wide facts, the tensors' names, dtypes and shapes and the
+objects' names as plain JSON; large ones (version 3 and 4) store every item (chunk boxes,
+file, byte offset, size, rank, checksums) as packed columns (``dcpbridge.storage.table``),
+so a million chunks take a few MiB and decode in well under a second; small ones list one
+JSON object per item. Since version 4 a chunk's checksums cover tiles of its shape
+(``dcpbridge.storage.checksum``). Versions 1 to 3 still load; every layout ends in the same
+``ItemTable`` and the same validation.
+"""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import json
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 
-from dcpbridge.storage.checksum import item_grid
 from dcpbridge.storage.errors import CorruptCheckpointError, InvalidArgumentError, UnsafePathError
 from dcpbridge.storage.paths import MAX_PREFIXES, check_file_name
+from dcpbridge.storage.table import (
+    ITEM_ALIGN,
+    MAX_NDIM,
+    MAX_ROWS,
+    MAX_SIZE,
+    ChunkList,
+    ItemKey,
+    ItemTable,
+    StoredItem,
+    TensorHeader,
+    check_ranges,
+    check_table,
+    describe_item,
+    pack_column,
+    table_from_rows,
+    table_from_written,
+    unpack_column,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ITEM_ALIGN",
+    "MAX_NDIM",
+    "MAX_SIZE",
+    "METADATA_FILE",
+    "ItemKey",
+    "ItemTable",
+    "StorageIndex",
+    "StoredItem",
+    "check_stored_ranges",
+    "decode_metadata",
+    "describe_item",
+    "encode_metadata",
+    "rows_document",
+    "sign_document",
+]
 
 FORMAT_NAME = "dcpbridge"
-# 3: tensor chunks' checksums cover tiles chosen from their shape (storage/checksum.py);
-# 2: the document ends with a digest of itself. 1 and 2 (flat checksum blocks) still load.
-FORMAT_VERSION = 3
+# 4: a tensor chunk's checksums cover tiles chosen from its shape (storage/checksum.py), so
+#    a column slice verifies without reading whole rows; items as packed columns ("items"),
+#    or one JSON object per item in small documents.
+# 3: items as packed columns, flat checksum blocks. 2: one JSON object per item, and the
+#    document ends with a digest of itself. 1: version 2 without the digest. All load.
+FORMAT_VERSION = 4
+# Documents with at most this many items list one JSON object per item (easy to read by
+# eye); larger ones pack the items as columns.
+ROWS_AS_OBJECTS = 1024
 METADATA_FILE = "dcpbridge.json"
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]+)\.bin$")
 TEMP_METADATA_PREFIX = f"{METADATA_FILE}.tmp-"
-# Items start on 64-byte boundaries so staged reads can be viewed as any dtype.
-ITEM_ALIGN = 64
-# Largest dimension, offset or byte count a document may state (far below int64 overflow).
-MAX_SIZE = 1 << 62
-MAX_NDIM = 64
 MAX_WORLD_SIZE = 1 << 31
 DIGEST_ALGORITHM = "xxh3_128"
 CHECKSUM_ALGORITHMS = ("xxh3_64",)
 _DIGEST_KEY = "digest"
 _TRAILER = re.compile(rb',"digest":"([0-9a-z_]{1,16}):([0-9a-f]{1,128})"\}\Z')
 _SAVE_ID = re.compile(r"^[0-9a-f]{1,64}$")
-_HEX64 = re.compile(r"^[0-9a-f]{16}$")
+# The item columns of a packed document; each holds one value per row unless noted.
+_COLUMNS = ("offsets", "sizes", "file", "offset", "nbytes", "rank")  # offsets/sizes: per dim
 
 
 def data_file_name(rank: int, index: int, save_id: str) -> str:
@@ -56,39 +100,26 @@ def temp_metadata_name(save_id: str) -> str:
     return f"{TEMP_METADATA_PREFIX}{save_id}"
 
 
-ItemKey = tuple[str, "tuple[int, ...] | None"]
-
-
 def item_key(index: MetadataIndex) -> ItemKey:
     """Plain-tuple key of a DCP ``MetadataIndex`` (fqn, chunk offsets or None for objects)."""
     return index.fqn, None if index.offset is None else tuple(index.offset)
 
 
-@dataclass(frozen=True, slots=True)
-class StoredItem:
-    """Where one written item's bytes live, their block checksums and (tensors) chunk layout."""
-
-    file: str
-    offset: int
-    nbytes: int
-    rank: int
-    checksums: tuple[str, ...] | None = None
-    sizes: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
-
-
 @dataclass(slots=True)
 class StorageIndex:
-    """``Metadata.storage_data`` of a dcpbridge checkpoint: item locations plus format facts."""
+    """``Metadata.storage_data`` of a dcpbridge checkpoint: item locations plus format facts.
 
-    items: dict[ItemKey, StoredItem]
+    ``items`` is an ``ItemTable`` for decoded documents and fresh saves, or any mapping
+    (offline writers, other sources)."""
+
+    items: Mapping[ItemKey, StoredItem]
     save_id: str
     files: tuple[str, ...]
     checksum_algorithm: str | None = None
     checksum_block_size: int = 0
     world_size: int = 1
     created_unix: float = field(default_factory=time.time)
-    tiled_checksums: bool = True  # format 3 checksum tiles (False: format 2's flat blocks)
+    tiled_checksums: bool = True  # format 4 checksum tiles (False: the flat blocks of 1 to 3)
     prefixes: int = 1  # data files spread over this many hashed folders (paths.spread_dir)
 
     def get(self, index: MetadataIndex) -> StoredItem | None:
@@ -99,81 +130,198 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPES: dict[str, torch.dtype] = {}
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (as ``dtype_name`` writes it); refuses anything else."""
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is not None:
+        return dtype
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype) or dtype_name(dtype) != name or dtype.itemsize < 1:
         raise CorruptCheckpointError(f"unknown dtype {_show(name)}")
+    _DTYPES[name] = dtype
     return dtype
 
 
-def _item_json(item: StoredItem, out: dict[str, Any] | None = None) -> dict[str, Any]:
-    out = {} if out is None else out
-    out["file"] = item.file
-    out["offset"] = item.offset
-    out["nbytes"] = item.nbytes
-    out["rank"] = item.rank
-    if item.checksums is not None:
-        out["checksums"] = list(item.checksums)
-    return out
+# -- encoding -----------------------------------------------------------------------------------
+
+
+def item_table(metadata: Metadata, items: Mapping[ItemKey, StoredItem]) -> ItemTable:
+    """The item table of ``metadata`` whose chunks and objects are stored at ``items``."""
+    tensors, objects, rows, object_rows = [], [], [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            t = len(tensors)
+            tensors.append(TensorHeader(fqn, md.properties.dtype, tuple(md.size)))
+            for chunk in md.chunks:
+                offsets = tuple(chunk.offsets)
+                item = items.get((fqn, offsets))
+                if item is None:
+                    raise InvalidArgumentError(
+                        f"no stored bytes for tensor {fqn!r} chunk {list(offsets)}"
+                    )
+                rows.append((t, offsets, tuple(chunk.sizes), item))
+        else:
+            item = items.get((fqn, None))
+            if item is None:
+                raise InvalidArgumentError(f"no stored bytes for object {fqn!r}")
+            objects.append(fqn)
+            object_rows.append(item)
+    files = sorted({it.file for _, _, _, it in rows} | {it.file for it in object_rows})
+    checksums = any(it.checksums is not None for _, _, _, it in rows) or any(
+        it.checksums is not None for it in object_rows
+    )
+    return table_from_rows(tensors, objects, files, rows, object_rows, checksums=checksums)
+
+
+def written_table(
+    metadata: Metadata,
+    fqns: Sequence[str],
+    offsets: Sequence[Sequence[int] | None],
+    items: Sequence[StoredItem],
+    *,
+    checksums: bool,
+) -> ItemTable:
+    """The item table of ``metadata`` from what the writers report: ``fqns[i]`` at chunk
+    ``offsets[i]`` (None: an object) stored as ``items[i]``, in any order."""
+    tensors, objects = [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors.append(TensorHeader(fqn, md.properties.dtype, tuple(md.size)))
+        else:
+            objects.append(fqn)
+    files = sorted({it.file for it in items})
+    try:
+        return table_from_written(
+            tensors, objects, files, fqns, offsets, items, checksums=checksums
+        )
+    except KeyError as e:
+        raise InvalidArgumentError(
+            f"stored bytes for {e.args[0]!r}, which is not planned"
+        ) from None
 
 
 def encode_metadata(metadata: Metadata) -> bytes:
     """Serialize DCP ``Metadata`` whose ``storage_data`` is a ``StorageIndex`` to JSON bytes.
 
-    The document is validated exactly as a load would, so a save never commits metadata that
-    its own loader refuses, and it ends with its digest (see ``sign_document``).
+    The item table is validated exactly as a load would, so a save never commits metadata
+    that its own loader refuses, and the document ends with its digest (``sign_document``).
     """
     index = metadata.storage_data
     if not isinstance(index, StorageIndex):
         raise TypeError("metadata.storage_data must be a StorageIndex")
-    tensors: dict[str, Any] = {}
-    objects: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            chunks = []
-            for chunk in md.chunks:
-                offsets = tuple(chunk.offsets)
-                item = index.items.get((fqn, offsets))
-                if item is None:
-                    raise InvalidArgumentError(
-                        f"no stored bytes for tensor {fqn!r} chunk {list(offsets)}"
-                    )
-                chunks.append(
-                    _item_json(item, {"offsets": list(offsets), "sizes": list(chunk.sizes)})
-                )
-            tensors[fqn] = {
-                "dtype": dtype_name(md.properties.dtype),
-                "shape": list(md.size),
-                "chunks": chunks,
-            }
-        else:
-            item = index.items.get((fqn, None))
-            if item is None:
-                raise InvalidArgumentError(f"no stored bytes for object {fqn!r}")
-            objects[fqn] = _item_json(item)
-    doc = {
+    table = index.items
+    if not isinstance(table, ItemTable):
+        table = item_table(metadata, table)
+    _check_against(metadata, table)
+    block = index.checksum_block_size if index.checksum_algorithm else 0
+    doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if index.tiled_checksums else 2,
+        "version": FORMAT_VERSION,
         "save_id": index.save_id,
         "created_unix": index.created_unix,
         "world_size": index.world_size,
         "torch_version": torch.__version__,
         "checksum": (
-            {"algorithm": index.checksum_algorithm, "block_size": index.checksum_block_size}
-            if index.checksum_algorithm
-            else None
+            {"algorithm": index.checksum_algorithm, "block_size": block} if block else None
         ),
-        "files": list(index.files),
-        "tensors": tensors,
-        "objects": objects,
-        "planner_data": _jsonable(metadata.planner_data),
+        "files": list(table.files),
     } | ({"prefixes": index.prefixes} if index.prefixes > 1 else {})
+    table.tiled = index.tiled_checksums
+    if not table.tiled:  # flat blocks: what format 2 (rows) and 3 (columns) record
+        doc["version"] = 2 if len(table) <= ROWS_AS_OBJECTS else 3
     try:
-        _decode(doc)
+        _check_facts(_decode_facts(doc), table)
+        check_table(table, world_size=index.world_size, block=block)
     except CorruptCheckpointError as e:
         raise InvalidArgumentError(f"refusing to commit invalid metadata: {e}") from None
+    if len(table) <= ROWS_AS_OBJECTS:
+        doc.update(_item_objects(table, block))
+    else:
+        doc["tensors"] = {
+            "names": table.tensors,
+            "dtypes": [dtype_name(d) for d in table.dtypes],
+            "shapes": [list(s) for s in table.shapes],
+            "chunks": table.counts.tolist(),
+        }
+        doc["objects"] = table.objects
+        doc["items"] = _pack_items(table)
+    doc["planner_data"] = _jsonable(metadata.planner_data)
     return sign_document(doc)
+
+
+def _item_objects(table: ItemTable, block: int) -> dict[str, Any]:
+    """The ``tensors`` and ``objects`` sections of a version 2 document: one object per item."""
+
+    def item(row: int, out: dict[str, Any]) -> dict[str, Any]:
+        stored = table.stored(row, block)
+        out.update(file=stored.file, offset=stored.offset, nbytes=stored.nbytes)
+        out["rank"] = stored.rank
+        if stored.checksums is not None:
+            out["checksums"] = list(stored.checksums)
+        return out
+
+    tensors = {}
+    starts = table.starts.tolist()
+    for t, fqn in enumerate(table.tensors):
+        nd = len(table.shapes[t])
+        offsets = table.offsets[starts[t] : starts[t + 1], :nd].tolist()
+        sizes = table.sizes[starts[t] : starts[t + 1], :nd].tolist()
+        tensors[fqn] = {
+            "dtype": dtype_name(table.dtypes[t]),
+            "shape": list(table.shapes[t]),
+            "chunks": [
+                item(starts[t] + i, {"offsets": o, "sizes": s})
+                for i, (o, s) in enumerate(zip(offsets, sizes))
+            ],
+        }
+    base = table.tensor_rows
+    objects = {fqn: item(base + i, {}) for i, fqn in enumerate(table.objects)}
+    return {"tensors": tensors, "objects": objects}
+
+
+def _check_against(metadata: Metadata, table: ItemTable) -> None:
+    """The table stores exactly the tensors (with their dtypes, shapes and chunk counts) and
+    objects of ``metadata``."""
+    state = metadata.state_dict_metadata
+    names = [k for k, md in state.items() if isinstance(md, TensorStorageMetadata)]
+    if names != table.tensors or len(state) != len(names) + len(table.objects):
+        stored = set(table.tensors) | set(table.objects)
+        missing = sorted(set(state) - stored) or sorted(stored - set(state))
+        raise InvalidArgumentError(f"no stored bytes for {missing[:5]} (or stored unplanned)")
+    for t, fqn in enumerate(names):
+        md = state[fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        if md.properties.dtype != table.dtypes[t] or tuple(md.size) != table.shapes[t]:
+            raise InvalidArgumentError(f"tensor {fqn!r}: stored dtype or shape differs")
+        if len(md.chunks) != int(table.counts[t]):
+            raise InvalidArgumentError(
+                f"no stored bytes for some chunks of tensor {fqn!r}: {len(md.chunks)} "
+                f"planned, {int(table.counts[t])} written"
+            )
+    for fqn in table.objects:
+        if not isinstance(state.get(fqn), BytesStorageMetadata):
+            raise InvalidArgumentError(f"object {fqn!r} is stored but not planned")
+
+
+def _pack_items(table: ItemTable) -> dict[str, Any]:
+    """The table's rows as packed columns (offsets and sizes without padding)."""
+    ndims = table.ndims()
+    width = table.offsets.shape[1]
+    keep = np.arange(width)[None, :] < np.repeat(ndims, table.counts)[:, None]
+    columns = {
+        "offsets": pack_column(table.offsets[keep]),
+        "sizes": pack_column(table.sizes[keep]),
+        "file": pack_column(table.file),
+        "offset": pack_column(table.offset),
+        "nbytes": pack_column(table.nbytes),
+        "rank": pack_column(table.rank),
+    }
+    if table.checksums is not None:
+        columns["checksums"] = pack_column(table.checksums, compress=False)
+    return columns
 
 
 def sign_document(doc: Mapping[str, Any]) -> bytes:
@@ -220,12 +368,15 @@ def _jsonable(value: Any) -> Any:
     )
 
 
+# -- decoding -----------------------------------------------------------------------------------
+
+
 def decode_metadata(raw: bytes, *, where: str) -> Metadata:
     """Parse and fully validate a metadata document before anything is read or allocated.
 
-    Checks the digest (format 2), every field's type and range, that each tensor's chunks lie
-    inside it, are pairwise disjoint and cover it exactly, that byte sizes match shapes, and
-    that items of one file do not overlap. Errors name ``where`` and the bad entry.
+    Checks the digest (format >= 2), every field's type and range, that each tensor's chunks
+    lie inside it, are pairwise disjoint and cover it exactly, that byte sizes match shapes,
+    and that items of one file do not overlap. Errors name ``where`` and the bad entry.
     """
     try:
         doc = json.loads(raw)
@@ -244,7 +395,7 @@ def decode_metadata(raw: bytes, *, where: str) -> Metadata:
     try:
         if version >= 2 or _DIGEST_KEY in doc:
             _verify_digest(raw)
-        return _decode(doc)
+        return _decode(doc, version)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from None
     except UnsafePathError as e:
@@ -279,20 +430,16 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
+def _list(value: Any, what: str) -> list[Any]:
+    if type(value) is not list:
+        raise CorruptCheckpointError(f"{what} must be a JSON list, got {_show(value)}")
+    return value
+
+
 def _field(entry: dict[str, Any], name: str, what: str) -> Any:
     if name not in entry:
         raise CorruptCheckpointError(f"{what}: field {name!r} is missing")
     return entry[name]
-
-
-def _product(values: list[int], itemsize: int, what: str) -> int:
-    """``prod(values) * itemsize``, refused above ``MAX_SIZE`` (C code would overflow)."""
-    total = itemsize
-    for v in values:
-        total *= v
-        if total > MAX_SIZE:
-            raise CorruptCheckpointError(f"{what}: {values} elements are too many")
-    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,51 +447,13 @@ class _Facts:
     """Document-wide facts every item is checked against."""
 
     save_id: str
-    files: frozenset[str]
+    files: tuple[str, ...]
     world_size: int
     block: int
-    tiled: bool
-
-
-def _decode_item(
-    entry: Any,
-    what: str,
-    facts: _Facts,
-    sizes: tuple[int, ...] | None = None,
-    dtype: torch.dtype | None = None,
-) -> StoredItem:
-    entry = _dict(entry, what)
-    name = _field(entry, "file", what)
-    if not isinstance(name, str):
-        raise CorruptCheckpointError(f"{what}: file must be a string, got {_show(name)}")
-    check_file_name(name)
-    if name not in facts.files:
-        raise CorruptCheckpointError(f"{what}: file {name!r} is not among the checkpoint's files")
-    offset = _int(_field(entry, "offset", what), f"{what} offset")
-    if offset % ITEM_ALIGN:
-        raise CorruptCheckpointError(f"{what}: offset {offset} is not {ITEM_ALIGN}-byte aligned")
-    nbytes = _int(_field(entry, "nbytes", what), f"{what} nbytes")
-    rank = _int(_field(entry, "rank", what), f"{what} rank", 0, facts.world_size - 1)
-    checksums = entry.get("checksums")
-    if facts.block:
-        expected = item_grid(nbytes, sizes, dtype, facts.block, tiled=facts.tiled).count
-        if type(checksums) is not list or len(checksums) != expected:
-            raise CorruptCheckpointError(
-                f"{what}: {expected} block checksums expected, found {_show(checksums)}"
-            )
-        if not all(type(c) is str and _HEX64.match(c) for c in checksums):
-            raise CorruptCheckpointError(f"{what}: checksums must be 16 hex digits each")
-    elif checksums is not None:
-        raise CorruptCheckpointError(f"{what}: checksums recorded, but no checksum algorithm")
-    return StoredItem(
-        file=name,
-        offset=offset,
-        nbytes=nbytes,
-        rank=rank,
-        checksums=tuple(checksums) if checksums is not None else None,
-        sizes=sizes,
-        dtype=dtype,
-    )
+    algorithm: str | None
+    created: float
+    tiled: bool  # format 4 checksum tiles (else flat blocks)
+    prefixes: int
 
 
 def _decode_facts(doc: dict[str, Any]) -> _Facts:
@@ -356,7 +465,7 @@ def _decode_facts(doc: dict[str, Any]) -> _Facts:
     if type(created) not in (int, float) or not math.isfinite(created):
         raise CorruptCheckpointError(f"created_unix must be a number, got {_show(created)}")
     checksum = doc.get("checksum")
-    block = 0
+    block, algorithm = 0, None
     if checksum is not None:
         checksum = _dict(checksum, "checksum")
         algorithm = checksum.get("algorithm")
@@ -375,138 +484,175 @@ def _decode_facts(doc: dict[str, Any]) -> _Facts:
             raise CorruptCheckpointError(f"files: {name!r} is not a data file of save {save_id!r}")
     if len(set(files)) != len(files):
         raise CorruptCheckpointError("files: a file is listed twice")
-    return _Facts(save_id, frozenset(files), world_size, block, doc.get("version", 1) >= 3)
+    tiled = doc.get("version", 1) >= 4
+    prefixes = _int(doc.get("prefixes", 1), "prefixes", 1, MAX_PREFIXES)
+    return _Facts(
+        save_id, tuple(files), world_size, block, algorithm, float(created), tiled, prefixes
+    )
 
 
-def _decode(doc: dict[str, Any]) -> Metadata:
+def _check_facts(facts: _Facts, table: ItemTable) -> None:
+    if facts.files != table.files:
+        raise CorruptCheckpointError("files: the list differs from the item table's")
+
+
+def _decode(doc: dict[str, Any], version: int) -> Metadata:
     facts = _decode_facts(doc)
+    if version == 3 or (version >= 4 and "items" in doc):
+        table = _columns_table(doc, facts)
+    else:
+        from dcpbridge.storage.rows import rows_table
+
+        table = rows_table(doc, facts.files, facts.block, facts.world_size, tiled=facts.tiled)
+    table.tiled = facts.tiled
+    check_table(table, world_size=facts.world_size, block=facts.block)
+    table.block_size = facts.block
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    items: dict[ItemKey, StoredItem] = {}
-    tensors = _dict(_field(doc, "tensors", "document"), "tensors")
-    objects = _dict(_field(doc, "objects", "document"), "objects")
-    for fqn, entry in tensors.items():
-        state[fqn] = _decode_tensor(fqn, entry, facts, items)
-    for fqn, entry in objects.items():
-        if fqn in state:
-            raise CorruptCheckpointError(f"{fqn!r} is both a tensor and an object")
+    properties = {d: TensorProperties(dtype=d) for d in set(table.dtypes)}  # shared, read-only
+    for t, (fqn, dtype, shape) in enumerate(zip(table.tensors, table.dtypes, table.shapes)):
+        state[fqn] = TensorStorageMetadata(
+            properties[dtype], torch.Size(shape), ChunkList(table, t)
+        )  # type: ignore[arg-type]
+    for fqn in table.objects:
         state[fqn] = BytesStorageMetadata()
-        items[(fqn, None)] = _decode_item(entry, f"object {fqn!r}", facts)
-    _check_file_ranges(items)
-    checksum = doc.get("checksum") or {}
     index = StorageIndex(
-        items=items,
+        items=table,
         save_id=facts.save_id,
-        files=tuple(doc["files"]),
-        checksum_algorithm=checksum.get("algorithm"),
+        files=facts.files,
+        checksum_algorithm=facts.algorithm,
         checksum_block_size=facts.block,
         world_size=facts.world_size,
-        created_unix=float(doc.get("created_unix", 0.0)),
+        created_unix=facts.created,
         tiled_checksums=facts.tiled,
-        prefixes=_int(doc.get("prefixes", 1), "prefixes", 1, MAX_PREFIXES),
+        prefixes=facts.prefixes,
     )
     return Metadata(
         state_dict_metadata=state,
         planner_data=doc.get("planner_data"),
         storage_data=index,
-        version=f"{FORMAT_NAME}-{doc['version']}",
+        version=f"{FORMAT_NAME}-{version}",
     )
 
 
-def _decode_tensor(
-    fqn: str, entry: Any, facts: _Facts, items: dict[ItemKey, StoredItem]
-) -> TensorStorageMetadata:
-    what = f"tensor {fqn!r}"
-    entry = _dict(entry, what)
-    dtype = parse_dtype(_field(entry, "dtype", what))
-    shape = _ints(_field(entry, "shape", what), f"{what} shape")
-    numel = _product(shape, 1, f"{what} shape")
-    _product(shape, dtype.itemsize, f"{what} shape")
-    raw_chunks = _field(entry, "chunks", what)
-    if type(raw_chunks) is not list:
-        raise CorruptCheckpointError(f"{what}: chunks must be a list, got {_show(raw_chunks)}")
-    chunks: list[ChunkStorageMetadata] = []
-    for c in raw_chunks:
-        c = _dict(c, f"{what} chunk")
-        offsets = _ints(_field(c, "offsets", f"{what} chunk"), f"{what} chunk offsets", len(shape))
-        sizes = _ints(_field(c, "sizes", f"{what} chunk"), f"{what} chunk sizes", len(shape))
-        cwhat = f"{what} chunk {offsets}"
-        if any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
-            raise CorruptCheckpointError(f"{cwhat}: sizes {sizes} exceed shape {shape}")
-        key = (fqn, tuple(offsets))
-        if key in items:
-            raise CorruptCheckpointError(f"{cwhat} is recorded twice")
-        item = _decode_item(c, cwhat, facts, tuple(sizes), dtype)
-        expected = _product(sizes, dtype.itemsize, cwhat)
-        if item.nbytes != expected:
-            raise CorruptCheckpointError(
-                f"{cwhat}: {item.nbytes} bytes recorded, {expected} expected for sizes "
-                f"{sizes} of {dtype}"
-            )
-        chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-        items[key] = item
-    _check_tiling(what, shape, numel, chunks)
-    return TensorStorageMetadata(
-        properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=chunks
-    )
+def tensor_headers(
+    names: Sequence[Any], dtypes: Sequence[Any], shapes: Sequence[Any]
+) -> list[TensorHeader]:
+    """Validated tensor headers: string names, known dtypes, shapes of at most 2**62 bytes."""
+    out = []
+    for name, dtype_text, shape in zip(names, dtypes, shapes):
+        if type(name) is not str:
+            raise CorruptCheckpointError(f"tensor name {_show(name)} is not a string")
+        what = f"tensor {name!r}"
+        dtype = parse_dtype(dtype_text)
+        if type(shape) is not list or len(shape) > MAX_NDIM:
+            shape = _ints(shape, f"{what} shape")
+        if not all(type(v) is int and 0 <= v <= MAX_SIZE for v in shape):
+            _ints(shape, f"{what} shape")
+        n = math.prod(shape)
+        if n > MAX_SIZE or n * dtype.itemsize > MAX_SIZE:
+            raise CorruptCheckpointError(f"{what} shape: {shape} elements are too many")
+        out.append(TensorHeader(name, dtype, tuple(shape)))
+    return out
 
 
-def _check_tiling(
-    what: str, shape: list[int], numel: int, chunks: list[ChunkStorageMetadata]
-) -> None:
-    """Chunks (already inside ``shape``) must be pairwise disjoint and cover it exactly.
+def check_names(tensors: Sequence[str], objects: Sequence[str]) -> None:
+    """Every stored name appears once (a tensor and an object may not share one)."""
+    if len(set(tensors)) != len(tensors):
+        raise CorruptCheckpointError("a tensor is listed twice")
+    seen = set(tensors)
+    for fqn in objects:
+        if type(fqn) is not str:
+            raise CorruptCheckpointError(f"object name {_show(fqn)} is not a string")
+        if fqn in seen:
+            raise CorruptCheckpointError(f"{fqn!r} is both a tensor and an object")
+        seen.add(fqn)
 
-    A sweep along the dimension with the most distinct chunk starts: each chunk is compared
-    only with chunks still open at its start, so typical tilings cost O(n log n).
-    """
-    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes)]
-    covered = sum(math.prod(s) for _, s in boxes)
-    if boxes and shape:
-        d = max(range(len(shape)), key=lambda i: len({o[i] for o, _ in boxes}))
-        boxes.sort(key=lambda b: b[0][d])
-        open_: list[tuple[int, int]] = []  # (end along d, index into boxes)
-        for i, (off, size) in enumerate(boxes):
-            while open_ and open_[0][0] <= off[d]:
-                heapq.heappop(open_)
-            for _, j in open_:
-                o2, s2 = boxes[j]
-                if all(a < b + m and b < a + n for a, n, b, m in zip(off, size, o2, s2)):
-                    raise CorruptCheckpointError(
-                        f"{what}: chunks {list(o2)}+{list(s2)} and {list(off)}+{list(size)} overlap"
-                    )
-            heapq.heappush(open_, (off[d] + size[d], i))
-    elif len(boxes) > 1:  # 0-dim tensor: every chunk is the whole tensor
-        raise CorruptCheckpointError(f"{what}: {len(boxes)} chunks of a 0-dim tensor overlap")
-    if covered != numel:
+
+def _columns_table(doc: dict[str, Any], facts: _Facts) -> ItemTable:
+    """The item table of a packed document (types and ranges checked, meaning not yet)."""
+    section = _dict(_field(doc, "tensors", "document"), "tensors")
+    names = _list(_field(section, "names", "tensors"), "tensors names")
+    dtypes = _list(_field(section, "dtypes", "tensors"), "tensors dtypes")
+    shapes = _list(_field(section, "shapes", "tensors"), "tensors shapes")
+    counts = _list(_field(section, "chunks", "tensors"), "tensors chunks")
+    if not len(names) == len(dtypes) == len(shapes) == len(counts):
+        raise CorruptCheckpointError("tensors: names, dtypes, shapes and chunks differ in length")
+    if not all(type(c) is int and 0 <= c <= MAX_ROWS for c in counts):
+        raise CorruptCheckpointError("tensors chunks must be integers in [0, 2**28]")
+    headers = tensor_headers(names, dtypes, shapes)
+    objects = _list(_field(doc, "objects", "document"), "objects")
+    check_names(names, objects)
+    items = _dict(_field(doc, "items", "document"), "items")
+    expected = set(_COLUMNS) | ({"checksums"} if facts.block else set())
+    if set(items) != expected:
         raise CorruptCheckpointError(
-            f"{what}: chunks cover {covered} of {numel} elements (the checkpoint is incomplete)"
+            f"items: columns {sorted(items)} are not the expected {sorted(expected)}"
         )
+    cols = {k: unpack_column(items[k], f"items {k}", checksums=k == "checksums") for k in items}
+    count = np.array(counts, dtype=np.int64)
+    ndims = np.array([len(h.shape) for h in headers], dtype=np.int64)
+    tensor_rows = int(count.sum())
+    rows = tensor_rows + len(objects)
+    if rows > MAX_ROWS:
+        raise CorruptCheckpointError(f"{rows} stored items are too many (at most {MAX_ROWS})")
+    per_row = np.repeat(ndims, count)
+    values = int(per_row.sum())
+    for k in ("file", "offset", "nbytes", "rank"):
+        if len(cols[k]) != rows:
+            raise CorruptCheckpointError(f"items {k}: {len(cols[k])} values for {rows} items")
+    for k in ("offsets", "sizes"):
+        if len(cols[k]) != values:
+            raise CorruptCheckpointError(f"items {k}: {len(cols[k])} values, {values} expected")
+    width = int(ndims.max()) if ndims.size else 0
+    offsets = np.zeros((tensor_rows, width), dtype=np.int64)
+    sizes = np.ones((tensor_rows, width), dtype=np.int64)
+    if values:
+        keep = np.arange(width)[None, :] < per_row[:, None]
+        offsets[keep] = cols["offsets"]
+        sizes[keep] = cols["sizes"]
+    return ItemTable(
+        tensors=list(names),
+        dtypes=[h.dtype for h in headers],
+        shapes=[h.shape for h in headers],
+        counts=count,
+        objects=list(objects),
+        files=facts.files,
+        file=cols["file"],
+        offset=cols["offset"],
+        nbytes=cols["nbytes"],
+        rank=cols["rank"],
+        offsets=offsets,
+        sizes=sizes,
+        checksums=cols.get("checksums"),
+    )
 
 
-def _check_file_ranges(items: dict[ItemKey, StoredItem]) -> None:
-    """Items stored in one file must not share bytes."""
-    by_file: dict[str, list[tuple[int, int, ItemKey]]] = {}
-    for key, item in items.items():
-        if item.nbytes:
-            by_file.setdefault(item.file, []).append((item.offset, item.offset + item.nbytes, key))
-    for name, ranges in by_file.items():
-        ranges.sort()
-        for (_, end, a), (start, _, b) in itertools.pairwise(ranges):
-            if start < end:
-                raise CorruptCheckpointError(
-                    f"{name}: the bytes of {describe_item(a)} and {describe_item(b)} overlap"
-                )
+def rows_document(raw: bytes | Mapping[str, Any]) -> dict[str, Any]:
+    """A document (bytes or parsed) with one JSON object per item (version 2, or 4 when its
+    checksums are tiles).
 
-
-def describe_item(key: ItemKey) -> str:
-    """How errors name a stored item: ``tensor 'w' chunk [0, 4]`` or ``object 'o'``."""
-    fqn, offsets = key
-    return f"object {fqn!r}" if offsets is None else f"tensor {fqn!r} chunk {list(offsets)}"
+    For people and tests that read or craft items by hand (sign it with ``sign_document``).
+    """
+    doc = dict(json.loads(raw) if isinstance(raw, (bytes, bytearray, str)) else raw)
+    if "items" not in doc:
+        return doc
+    md = decode_metadata(sign_document(doc), where="document")
+    index = md.storage_data
+    assert isinstance(index.items, ItemTable)
+    doc.update(_item_objects(index.items, index.checksum_block_size))
+    doc["version"] = FORMAT_VERSION if index.tiled_checksums else 2
+    doc.pop("items", None)
+    doc.pop(_DIGEST_KEY, None)
+    return doc
 
 
 def check_stored_ranges(
     items: Mapping[ItemKey, StoredItem], sizes: Mapping[str, int], where: str
 ) -> None:
     """Every item's bytes must lie inside its data file (``sizes``: file name -> bytes)."""
+    if isinstance(items, ItemTable):
+        check_ranges(items, sizes, where, METADATA_FILE)
+        return
     for key, item in items.items():
         size = sizes.get(item.file)
         if size is None:

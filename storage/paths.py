@@ -60,8 +60,13 @@ def spread_dir(name: str, prefixes: int) -> str | None:
     return f"p{xxhash.xxh3_64_intdigest(name.encode()) % prefixes:0{width}x}"
 
 
-def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
-    """Turn a local path or fsspec URL plus its options into a ``Location``."""
+def resolve(
+    url: str | os.PathLike[str] | Location, storage_options: dict[str, Any] | None = None
+) -> Location:
+    """Turn a local path or fsspec URL plus its options into a ``Location`` (a ``Location``
+    is already resolved: it is returned as it is)."""
+    if isinstance(url, Location):
+        return url
     text = os.fspath(url)
     if not text:
         raise InvalidArgumentError("checkpoint location is empty")

@@ -90,7 +90,7 @@ def plan_chunk_read(
     """Plan the read of box ``offsets``+``lengths`` of a C-contiguous chunk of ``sizes``.
 
     With a ``grid`` the box is widened to its tiles' edges; a grid over the item's bytes
-    rather than its elements (format 2 chunks whose blocks cut rows) widens to the chunk.
+    rather than its elements (chunks of formats 1 to 3 whose blocks cut rows) widens to the chunk.
     """
     sizes, request = tuple(sizes), (tuple(offsets), tuple(lengths))
     if math.prod(lengths) == 0:

@@ -28,8 +28,8 @@ import s3fs.core
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
-from dcpbridge.storage.backends import ByteIO, RangeRead, Read, ScatterRead, storage_op
-from dcpbridge.storage.errors import InvalidArgumentError
+from dcpbridge.storage.backends import ByteIO, Committed, RangeRead, Read, ScatterRead, storage_op
+from dcpbridge.storage.errors import ConcurrentSaveError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class _BoundedFS:
     """An s3fs filesystem whose blocking calls each fail after ``timeout`` seconds (fsspec's
     ``sync`` takes the ``timeout`` and cancels the request); everything else passes through."""
 
-    _CALLS = frozenset(
+    _BOUNDED = frozenset(
         {"ls", "find", "exists", "info", "rm", "size", "cat_file", "cat_ranges", "pipe_file"}
     )
 
@@ -125,7 +125,7 @@ class _BoundedFS:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._fs, name)
-        if name not in self._CALLS:
+        if name not in self._BOUNDED:
             return attr
 
         @functools.wraps(attr)
@@ -160,12 +160,66 @@ class S3ByteIO(ByteIO):
         t = self.transfer.request_timeout
         return _wait(self.fs.loop, _bounded(self.fs._cat_file(path, max_concurrency=1), t, "GET"))
 
+    @storage_op("read")
+    def read_committed(self, name: str) -> Committed:
+        """One GET: the commit object's bytes and its ETag (for a conditional commit)."""
+        t = self.transfer.request_timeout
+        try:
+            got = _bounded(_get_with_etag(self.fs._fs, self.location.path(name)), t, "GET")
+            data, etag = _wait(self.fs.loop, got)
+        except FileNotFoundError:
+            return Committed(None)
+        return Committed(data, etag)
+
     @storage_op("commit")
-    def commit_file(self, name: str, data: bytes, temp_name: str, *, sync: bool) -> None:
-        """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix."""
+    def commit_file(
+        self,
+        name: str,
+        data: bytes,
+        temp_name: str,
+        *,
+        sync: bool,
+        replaces: Committed | None = None,
+    ) -> None:
+        """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix.
+
+        With ``replaces`` the PUT is conditional (``If-None-Match: *`` for a first commit,
+        else ``If-Match`` on the ETag read): if another commit landed since, the server
+        refuses it and ``ConcurrentSaveError`` is raised.
+        """
         path = self.location.path(name)
-        _request(self.fs._fs, "put_object", path, self.transfer.request_timeout, Body=data)
-        self.fs.invalidate_cache(path)
+        fs, timeout = self.fs._fs, self.transfer.request_timeout
+        condition: dict[str, str] = {}
+        if replaces is not None:
+            if replaces.data is None:
+                condition["IfNoneMatch"] = "*"
+            elif isinstance(replaces.tag, str):
+                condition["IfMatch"] = replaces.tag
+        try:
+            try:
+                _request(fs, "put_object", path, timeout, Body=data, **condition)
+            except OSError as e:
+                if not condition or _error_code(e) not in _UNSUPPORTED_CODES:
+                    raise
+                log.warning(
+                    "%s does not support conditional PUTs (%s): committing %s unconditionally",
+                    self.location.url,
+                    e,
+                    name,
+                )
+                _request(fs, "put_object", path, timeout, Body=data)
+        except OSError as e:
+            if not condition or _error_code(e) not in _CONFLICT_CODES:
+                raise
+            # A retried PUT whose first attempt landed is refused too: then the data is ours.
+            if self.read_committed(name).data != data:
+                raise ConcurrentSaveError(
+                    f"{self.location.url}: another save committed {name} while this one was "
+                    "committing; this save did not commit (the other one's checkpoint is in "
+                    "place)"
+                ) from e
+        finally:
+            self.fs.invalidate_cache(path)
 
     @storage_op("look up")
     def exists(self, name: str) -> bool:
@@ -237,6 +291,22 @@ async def _fetch_all(
 
 
 _SKIP_BUFFER = 1 << 20  # bytes between the parts of one GET are read through this and dropped
+
+
+# What S3 answers a conditional PUT that lost: 412, or 409 for a concurrent conditional write.
+_CONFLICT_CODES = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+# What a store that lacks conditional PUTs answers one (the commit then falls back to a plain PUT).
+_UNSUPPORTED_CODES = ("NotImplemented", "501")
+
+
+async def _get_with_etag(fs: Any, path: str) -> tuple[bytes, str]:
+    bucket, key = _split(fs, path)
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    body = resp["Body"]
+    try:
+        return await body.read(), resp["ETag"]
+    finally:
+        body.close()
 
 
 class ShortReadError(OSError):
@@ -458,3 +528,35 @@ class MultipartWriter:
             )
         except Exception as e:  # the bucket's lifecycle rules reap what we could not abort
             log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.path, e)
+
+
+def s3_storage_options(
+    base: dict[str, Any] | None = None,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    key: str | None = None,
+    secret: str | None = None,
+    token: str | None = None,
+    part_size: int | None = None,
+    concurrency: int | None = None,
+) -> dict[str, Any]:
+    """s3fs ``storage_options`` for these settings, on top of ``base`` (the one place that
+    knows s3fs's option names: endpoint and region in ``client_kwargs``, credentials as
+    ``key``/``secret``/``token``, part size as ``default_block_size``)."""
+    opts = dict(base or {})
+    client_kwargs = dict(opts.get("client_kwargs") or {})
+    if endpoint_url is not None:
+        client_kwargs["endpoint_url"] = endpoint_url
+    if region is not None:
+        client_kwargs["region_name"] = region
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+    for name, value in (("key", key), ("secret", secret), ("token", token)):
+        if value is not None:
+            opts[name] = value
+    if part_size is not None:
+        opts["default_block_size"] = part_size
+    if concurrency is not None:
+        opts["max_concurrency"] = concurrency
+    return opts

@@ -7,6 +7,9 @@ the gathered items with ``commit``. The result is indistinguishable from a ``sav
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 from collections.abc import Iterable, Mapping
 from typing import BinaryIO
 
@@ -16,11 +19,13 @@ from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, Metad
 from dcpbridge.storage import checksum
 from dcpbridge.storage.backends import ByteIO
 from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
-from dcpbridge.storage.format import ItemKey, StoredItem, data_file_name, item_key
+from dcpbridge.storage.format import DATA_FILE_RE, ItemKey, StoredItem, data_file_name, item_key
 from dcpbridge.storage.paths import Location
-from dcpbridge.storage.writer import CoalescingFile, new_save_id, publish
+from dcpbridge.storage.writer import CoalescingFile, committed_save_id, new_save_id, publish
 
-__all__ = ["StreamWriter", "commit", "new_save_id"]
+__all__ = ["StreamWriter", "commit", "discard_save", "new_save_id"]
+
+log = logging.getLogger(__name__)
 
 
 class StreamWriter:
@@ -28,6 +33,7 @@ class StreamWriter:
 
     Items are written in order, each starting on an aligned offset; a new file is started once
     the current one holds ``max_file_bytes``. ``items`` maps each written item to where it lives.
+    Leaving its ``with`` block with an exception removes every file it wrote (``abort``).
     """
 
     def __init__(
@@ -54,7 +60,7 @@ class StreamWriter:
         self._raw: BinaryIO | None = None
         self._out: CoalescingFile | None = None
         self._name = ""
-        self._files = 0
+        self.files: list[str] = []  # every data file this writer created, in order
 
     def write_item(
         self,
@@ -122,7 +128,7 @@ class StreamWriter:
         if exc_type is None:
             self.close()
         else:
-            self.discard()
+            self.abort()
 
     def discard(self) -> None:
         """Drop the open data file after a failure (object stores abort the upload)."""
@@ -131,14 +137,24 @@ class StreamWriter:
             abort = getattr(raw, "abort", None)
             abort() if abort is not None else raw.close()
 
+    def abort(self) -> None:
+        """After a failure: drop the open file and remove every file written (best effort)."""
+        try:
+            self.discard()
+            names, self.files = self.files, []
+            present = set(self._io.list_names())
+            self._io.remove([n for n in names if n in present])
+        except Exception as e:  # cleanup must not hide the failure being reported
+            log.warning("could not remove the files written to %s: %s", self.location.url, e)
+
     def _file_for_next_item(self) -> CoalescingFile:
         if self._out is not None and (
             self.max_file_bytes is None or self._out.pos < self.max_file_bytes
         ):
             return self._out
         self.close()
-        self._name = data_file_name(self.worker, self._files, self.save_id)
-        self._files += 1
+        self._name = data_file_name(self.worker, len(self.files), self.save_id)
+        self.files.append(self._name)
         self._raw = self._io.open_write(self.location.data_path(self._name))
         self._out = CoalescingFile(self._raw)
         return self._out
@@ -170,3 +186,27 @@ def commit(
         makedirs=True,
     )
     return metadata
+
+
+def discard_save(location: Location, save_id: str, *, remove_root: bool = False) -> None:
+    """Remove every data file of save ``save_id`` at ``location`` (all workers' files) unless
+    that save committed; with ``remove_root``, also the (then empty) local directory.
+    Best effort: a failure to clean up is logged, never raised over the original error."""
+    byteio = ByteIO.for_location(location)
+    try:
+        if committed_save_id(byteio) == save_id:
+            return
+        byteio.remove(
+            [
+                n
+                for n in byteio.list_names()
+                if (m := DATA_FILE_RE.match(n)) is not None and m.group(3) == save_id
+            ]
+        )
+        if remove_root and location.is_local:
+            with contextlib.suppress(OSError):  # not empty: someone else's files are there
+                os.rmdir(location.root)
+    except Exception as e:
+        log.warning(
+            "could not remove the files of failed save %s in %s: %s", save_id, location.url, e
+        )

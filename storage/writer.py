@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
@@ -9,6 +10,7 @@ import logging
 import math
 import os
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -27,12 +29,13 @@ from dcpbridge.storage.format import (
     METADATA_FILE,
     TEMP_METADATA_PREFIX,
     ItemKey,
+    ItemTable,
     StorageIndex,
     StoredItem,
     data_file_name,
     encode_metadata,
-    item_key,
     temp_metadata_name,
+    written_table,
 )
 from dcpbridge.storage.located import Located
 
@@ -91,11 +94,18 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
 
 
 class CoalescingFile:
-    """Writes many small items as few large writes; large items go straight through."""
+    """Writes many small items as few large writes; large items go straight through.
+
+    Small items are copied into one reused buffer (``copy_in`` takes a raw address, so a
+    tensor's bytes arrive with a single memmove and no Python objects per item).
+    """
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
-        self._buf = bytearray()
+        self._buf = bytearray(_COALESCE_BYTES + _SMALL_ITEM)
+        self._view = memoryview(self._buf)
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        self._fill = 0
         self.pos = 0
 
     def align(self) -> int:
@@ -106,19 +116,35 @@ class CoalescingFile:
         return self.pos
 
     def write(self, data: memoryview) -> None:
-        self.pos += len(data)
-        if len(data) < _SMALL_ITEM:
-            self._buf += data
-            if len(self._buf) >= _COALESCE_BYTES:
-                self.flush()
+        n = len(data)
+        self.pos += n
+        if n < _SMALL_ITEM:
+            self._view[self._fill : self._fill + n] = data
+            self._advance(n)
             return
         self.flush()
         _write_all(self._f, data)
 
+    def copy_in(self, address: int, n: int) -> memoryview:
+        """Append ``n`` (< ``_SMALL_ITEM``) bytes at ``address``; a view of the copy, valid
+        until the next call."""
+        start = self._fill
+        if n:
+            ctypes.memmove(self._addr + start, address, n)
+        self.pos += n
+        view = self._view[start : start + n]
+        self._advance(n)
+        return view
+
+    def _advance(self, n: int) -> None:
+        self._fill += n
+        if self._fill >= _COALESCE_BYTES:
+            self.flush()
+
     def flush(self) -> None:
-        if self._buf:
-            _write_all(self._f, memoryview(self._buf))
-            self._buf = bytearray()
+        if self._fill:
+            _write_all(self._f, self._view[: self._fill])
+            self._fill = 0
 
 
 def _write_all(f: BinaryIO, data: memoryview) -> None:
@@ -197,7 +223,9 @@ class FsspecCheckpointWriter(Located, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target = plan.storage_data
         if not isinstance(target, _RankTarget):
-            raise RuntimeError("plan has no storage target: prepare_global_plan did not run")
+            raise InvalidArgumentError(
+                "plan has no storage target: the writer's prepare_global_plan did not run"
+            )
         self._save_id = target.save_id
         self._written = set()
         buckets = split_into_files(plan.items, self.thread_count)
@@ -216,13 +244,10 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        items = {
-            item_key(r.index): r.storage_data for rank_results in results for r in rank_results
-        }
         publish(
             self._byteio,
             metadata,
-            items,
+            results_table(metadata, results, checksums=self.checksums),
             save_id=self._save_id,
             world_size=len(results),
             checksums=self.checksums,
@@ -263,32 +288,23 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         results: list[WriteResult] = []
         with self._byteio.open_write(self._loc.data_path(name)) as raw:
             out = CoalescingFile(raw)
+            block = self.checksum_block_size if self.checksums else 0
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
-                        raise TypeError(
+                        raise InvalidArgumentError(
                             f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}"
                         )
                     mv = data.getbuffer()
+                    start = out.align()
+                    out.write(mv)
                 else:
-                    mv = tensor_bytes(data)
-                expected = item_nbytes(item)
-                if item.tensor_data is not None and len(mv) != expected:
-                    raise InvalidArgumentError(
-                        f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
-                        f"data has {len(mv)} bytes, the plan expects {expected}"
-                    )
-                chunk = item.tensor_data
-                sizes = tuple(chunk.chunk.sizes) if chunk else None
-                dtype = chunk.properties.dtype if chunk else None
-                digests = (
-                    checksum.item_digests(mv, sizes, dtype, self.checksum_block_size)
-                    if self.checksums
-                    else None
-                )
-                start = out.align()
-                out.write(mv)
+                    start, mv = _write_tensor(out, item, data)
+                td = item.tensor_data
+                sizes = None if td is None else tuple(td.chunk.sizes)
+                dtype = None if td is None else td.properties.dtype
+                digests = checksum.item_digests(mv, sizes, dtype, block) if block else None
                 results.append(
                     WriteResult(
                         index=item.index,
@@ -310,10 +326,41 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         return results
 
 
+def _write_tensor(
+    out: CoalescingFile, item: WriteItem, data: torch.Tensor
+) -> tuple[int, memoryview]:
+    """Append a tensor item at the next aligned position: (position, the bytes written).
+
+    A small, plain, contiguous CPU tensor is copied straight from its memory into the
+    coalescing buffer; anything else goes through ``tensor_bytes``.
+    """
+    expected = item_nbytes(item)
+    start = out.align()
+    if (
+        expected < _SMALL_ITEM
+        and type(data) in _PLAIN
+        and data.device.type == "cpu"
+        and data.is_contiguous()
+        and data.numel() * data.element_size() == expected
+    ):
+        return start, out.copy_in(data.data_ptr(), expected)
+    mv = tensor_bytes(data)
+    if len(mv) != expected:
+        raise InvalidArgumentError(
+            f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
+            f"data has {len(mv)} bytes, the plan expects {expected}"
+        )
+    out.write(mv)
+    return start, mv
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def publish(
     byteio: ByteIO,
     metadata: Metadata,
-    items: dict[ItemKey, StoredItem],
+    items: Mapping[ItemKey, StoredItem],
     *,
     save_id: str,
     world_size: int,
@@ -324,30 +371,97 @@ def publish(
 ) -> None:
     """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
     the checkpoint it replaced."""
+    raw = encode_index(
+        metadata,
+        items,
+        save_id=save_id,
+        world_size=world_size,
+        checksums=checksums,
+        checksum_block_size=checksum_block_size,
+        prefixes=byteio.location.prefixes,
+    )
+    if makedirs:
+        byteio.makedirs()
+    current = byteio.read_committed(METADATA_FILE)
+    replaced = files_of(_document(current.data))
+    # Conditional: if another save committed since ``current`` was read, this one raises
+    # (and its caller removes its files) instead of replacing a commit it never saw.
+    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
+    remove_replaced_files(byteio, replaced, save_id)
+
+
+def _document(raw: bytes | None) -> dict[str, Any] | None:
+    """``raw`` as a JSON object, or None if absent or unreadable."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def encode_index(
+    metadata: Metadata,
+    items: Mapping[ItemKey, StoredItem],
+    *,
+    save_id: str,
+    world_size: int,
+    checksums: bool,
+    checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+    prefixes: int = 1,
+) -> bytes:
+    """The commit document of ``metadata`` with ``items`` (a mapping or an ``ItemTable``) as
+    its storage index (data files spread over ``prefixes`` folders)."""
+    files = (
+        items.files if isinstance(items, ItemTable) else sorted({i.file for i in items.values()})
+    )
     metadata.storage_data = StorageIndex(
         items=items,
         save_id=save_id,
-        files=tuple(sorted({it.file for it in items.values()})),
+        files=tuple(files),
         checksum_algorithm=checksum.ALGORITHM if checksums else None,
         checksum_block_size=checksum_block_size if checksums else 0,
         world_size=world_size,
-        prefixes=byteio.location.prefixes,
+        prefixes=prefixes,
     )
-    raw = encode_metadata(metadata)
-    if makedirs:
-        byteio.makedirs()
-    replaced = committed_files(byteio)
-    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync)
-    remove_replaced_files(byteio, replaced, save_id)
+    return encode_metadata(metadata)
+
+
+def results_table(
+    metadata: Metadata, results: list[list[WriteResult]], *, checksums: bool
+) -> ItemTable:
+    """Every rank's write results as the item table of ``metadata``."""
+    flat = [r for rank_results in results for r in rank_results]
+    indexes = [r.index for r in flat]
+    return written_table(
+        metadata,
+        [i.fqn for i in indexes],
+        [i.offset for i in indexes],
+        [r.storage_data for r in flat],
+        checksums=checksums,
+    )
+
+
+def index_results(
+    metadata: Metadata, results: list[list[WriteResult]], *, save_id: str, checksums: bool
+) -> bytes:
+    """The commit document of ``metadata`` for every rank's write ``results``."""
+    return encode_index(
+        metadata,
+        results_table(metadata, results, checksums=checksums),
+        save_id=save_id,
+        world_size=len(results),
+        checksums=checksums,
+    )
 
 
 def _committed_document(byteio: ByteIO) -> dict[str, Any] | None:
     """The JSON of the commit file at ``byteio``'s location, or None if absent or unreadable."""
     try:
-        doc = json.loads(byteio.read_file(byteio.location.path(METADATA_FILE)))
-    except (OSError, ValueError, RecursionError):
+        return _document(byteio.read_file(byteio.location.path(METADATA_FILE)))
+    except OSError:
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 def committed_save_id(byteio: ByteIO) -> str | None:
@@ -357,9 +471,8 @@ def committed_save_id(byteio: ByteIO) -> str | None:
     return save_id if isinstance(save_id, str) else None
 
 
-def committed_files(byteio: ByteIO) -> list[str]:
-    """Data files the location's current commit file names ([] if none or unreadable)."""
-    doc = _committed_document(byteio)
+def files_of(doc: dict[str, Any] | None) -> list[str]:
+    """Data files a commit document names ([] if none or malformed)."""
     files = doc.get("files") if doc is not None else None
     if not isinstance(files, list):
         return []
@@ -372,7 +485,8 @@ def _save_id_of(name: str) -> str | None:
 
 
 def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> None:
-    """After ``save_id`` committed: delete the files of the commit it replaced, and temp files.
+    """After ``save_id`` committed: delete the files of the commit it replaced (local temp
+    files of killed commits go in the commit itself, under its lock).
 
     Data files of other save ids are left alone: they may belong to a save to this location
     that is still running (deleting them would break its commit). A failed save removes its
@@ -381,7 +495,8 @@ def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> 
     try:
         names = set(byteio.list_names())
         stale = [n for n in replaced if n in names and _save_id_of(n) != save_id]
-        stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
+        if not byteio.location.is_local:  # no commit writes temp files there: all are stale
+            stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
         byteio.remove(sorted(set(stale)))
     except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
         log.warning("could not remove replaced files in %s: %s", byteio.location.url, e)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dcpbridge.launch import free_port
+from tests.s3_server import free_port
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 _ANSWERS = {
     "slowdown": ("503 Slow Down", "SlowDown", "Please reduce your request rate."),
     "internal": ("500 Internal Server Error", "InternalError", "We encountered an internal error."),
+    "notimplemented": ("501 Not Implemented", "NotImplemented", "A header is not implemented."),
 }
 
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.engine import api, collectives
+from dcpbridge.engine.cache import SAVE_CACHES
 from dcpbridge.storage import read_checkpoint_metadata, resolve
 from tests import layouts as L
+from tests.collective_counts import count_collectives
 from tests.dist_pool import Rank
 
 
@@ -115,7 +116,7 @@ def test_async_host_memory_is_flat(pool, tmp_path):
 
 
 def count_cached_saves(r: Rank, root: str) -> list[dict]:
-    api._SAVE_CACHES.clear()
+    SAVE_CACHES.clear()
     counts = []
     for i, structure in enumerate(["same", "same", "same", "changed"]):
         state = _state(r.rank, float(i))
@@ -123,11 +124,9 @@ def count_cached_saves(r: Rank, root: str) -> list[dict]:
             state["extra"] = db.ShardedTensor.from_rank_offsets(
                 "extra", torch.ones(2), (0, r.rank, 2)
             )
-        before = dict(collectives.CALLS)
-        db.save(state, os.path.join(root, str(i)), process_group=r.group)
-        counts.append(
-            {k: v - before.get(k, 0) for k, v in collectives.CALLS.items() if v != before.get(k, 0)}
-        )
+        with count_collectives() as calls:
+            db.save(state, os.path.join(root, str(i)), process_group=r.group)
+        counts.append(dict(calls))
         _check(r.rank, os.path.join(root, str(i)), float(i), r.group)
     return counts
 

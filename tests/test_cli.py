@@ -20,6 +20,7 @@ from dcpbridge.storage.backends import LocalByteIO, parts_of
 from dcpbridge.tools import cli
 from tests import layouts as L
 from tests.dist_pool import Rank
+from tests.s3_server import DEAD_ENDPOINT
 from tests.test_reshard import COMMON, save_layout
 
 _SCRIPT = shutil.which("dcpbridge", path=os.path.dirname(sys.executable))
@@ -96,7 +97,9 @@ def test_reshard_to_a_mesh_layout_one_chunk_per_target_box(pool, rows2, tmp_path
     layout = tmp_path / "layout.yaml"
     layout.write_text(LAYOUT)
     dst = str(tmp_path / "mesh4")
-    proc = run_cli("reshard", rows2, dst, "--layout", str(layout), "--slab-size", "100")
+    proc = run_cli(
+        "reshard", rows2, dst, "--layout", str(layout), "--slab-size", "100", "--progress"
+    )
     assert "5 tensors as 12 chunks for 4 target ranks, 4 objects" in proc.stdout
     assert "reshard" in proc.stderr and "B/s" in proc.stderr  # the progress bar
 
@@ -280,9 +283,8 @@ def test_memory_urls_and_a_config_job(rows2, tmp_path, capsys):
             capsys, "convert", "memory://cli-job/ck", hf, "--to", "safetensors"
         )
         assert code == 0, err
-        assert torch.equal(
-            load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))["w"], L.full("w")
-        )
+        assert sorted(os.listdir(hf)) == ["model.safetensors"]  # one shard: no index
+        assert torch.equal(load_file(os.path.join(hf, "model.safetensors"))["w"], L.full("w"))
         code, _, err = in_process(capsys, "reshard", "--config", str(cfg), "--job", "nope")
         assert code == 2 and "no job 'nope' (jobs: to-mem)" in err
     finally:
@@ -341,3 +343,165 @@ def test_commands_on_s3_urls_through_a_config_profile(
             back,
         )
         assert torch.equal(local[key], L.full(key))
+
+
+def test_version():
+    assert run_cli("--version").stdout.strip() == f"dcpbridge {db.__version__}"
+
+
+# The retry settings the README suggests for failing fast (S3 and other object stores).
+FAIL_FAST = "{connect_timeout: 2, read_timeout: 60, retries: {max_attempts: 3, mode: standard}}"
+
+
+def test_a_dead_endpoint_fails_in_one_line(tmp_path, monkeypatch):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "profiles:\n  dead:\n"
+        f"    endpoint_url: {DEAD_ENDPOINT}\n"
+        "    access_key_env: TEST_DEAD_KEY\n    secret_key_env: TEST_DEAD_SECRET\n"
+        f"    options: {{config_kwargs: {FAIL_FAST}}}\n"
+    )
+    monkeypatch.setenv("TEST_DEAD_KEY", "AKIDEXAMPLE")
+    monkeypatch.setenv("TEST_DEAD_SECRET", "not-a-secret")
+    args = ("inspect", "s3://bucket/ck", "--config", str(cfg), "--profile", "dead")
+    err = run_cli(*args, code=1).stderr
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("dcpbridge inspect: error: s3://bucket/ck: ")
+    assert "Could not connect" in err and "is the endpoint up?" in err
+    assert "Traceback" in run_cli(*args, "--debug", code=1).stderr
+    doc = json.loads(run_cli(*args, "--json", code=1).stdout)
+    assert doc["type"] == "StorageError" and doc["exit_status"] == 1
+    assert doc["error"].startswith("s3://bucket/ck: ")
+
+
+@pytest.mark.s3
+def test_s3_refusals_are_one_line(s3_server, tmp_path, monkeypatch):
+    bucket = s3_server.new_bucket()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "profiles:\n  wrong:\n"
+        f"    endpoint_url: {s3_server.endpoint_url}\n    region: us-east-1\n"
+        "    access_key_env: TEST_S3_ACCESS\n    secret_key_env: TEST_S3_WRONG\n"
+        f"    options: {{config_kwargs: {FAIL_FAST}}}\n"
+        "  right:\n"
+        f"    endpoint_url: {s3_server.endpoint_url}\n    region: us-east-1\n"
+        "    access_key_env: TEST_S3_ACCESS\n    secret_key_env: TEST_S3_SECRET\n"
+    )
+    monkeypatch.setenv("TEST_S3_ACCESS", s3_server.access_key)
+    monkeypatch.setenv("TEST_S3_SECRET", s3_server.secret_key)
+    monkeypatch.setenv("TEST_S3_WRONG", "wrong-secret")
+    conf = ("--config", str(cfg))
+    err = run_cli("inspect", f"s3://{bucket}/ck", "--profile", "wrong", *conf, code=1).stderr
+    assert err.count("\n") == 1 and f"s3://{bucket}/ck" in err, err
+    assert "check the credentials" in err and "not-a-secret" not in err
+    err = run_cli(
+        "inspect", "s3://no-such-bucket-x1/ck", "--profile", "right", *conf, code=1
+    ).stderr
+    assert err.count("\n") == 1 and "s3://no-such-bucket-x1/ck" in err, err
+
+
+def test_existing_destinations_need_force(rows2, tmp_path):
+    layout = tmp_path / "layout.yaml"
+    layout.write_text(LAYOUT)
+    dst = tmp_path / "taken"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    for args in (
+        ("convert", rows2, str(dst), "--to", "dcpbridge"),
+        ("convert", rows2, str(dst), "--to", "safetensors"),
+        ("reshard", rows2, str(dst), "--layout", str(layout)),
+    ):
+        err = run_cli(*args, code=2).stderr
+        assert f"the destination {dst} exists; pass --force to overwrite it" in err
+    assert os.listdir(dst) == ["keep.txt"]
+    pt = tmp_path / "model.pt"
+    pt.write_bytes(b"old")
+    run_cli("convert", rows2, str(pt), "--to", "torch", code=2)
+    run_cli("convert", rows2, str(pt), "--to", "torch", "--force", "--no-progress")
+    assert set(torch.load(pt, weights_only=True)) >= set(L.TENSORS)
+    run_cli("convert", rows2, str(dst), "--to", "dcpbridge", "--force")
+    assert db.load_tensors_metadata(str(dst))["w"].global_shape == (12, 8)
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory is no data to lose
+    run_cli("convert", rows2, str(empty), "--to", "safetensors", "--no-progress")
+
+
+def test_validate_checksums_shows_progress(rows2):
+    err = run_cli("validate", rows2, "--checksums", "--progress").stderr
+    assert "verify" in err and "100%" in err
+    assert "verify" not in run_cli("validate", rows2, "--checksums", "--no-progress").stderr
+
+
+def _tied_model_file(path: str) -> dict[str, torch.Tensor]:
+    """A torch.save of a state dict whose head shares the embedding's storage."""
+    emb = torch.randn(10, 4)
+    sd = {"embed.weight": emb, "norm.weight": torch.ones(4), "head.weight": emb}
+    torch.save(sd, path)
+    return sd
+
+
+def test_safetensors_tied_weights_single_file_and_shards(tmp_path):
+    src = str(tmp_path / "tied.pt")
+    sd = _tied_model_file(src)
+    one = tmp_path / "one"
+    out = run_cli("convert", src, str(one), "--to", "safetensors", "--no-progress").stdout
+    assert "tied weights written once: head.weight -> embed.weight" in out
+    assert sorted(os.listdir(one)) == ["model.safetensors"]
+    from safetensors import safe_open
+
+    with safe_open(str(one / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["embed.weight", "norm.weight"]
+        assert f.metadata() == {"format": "pt", "head.weight": "embed.weight"}
+    loaded = load_file(str(one / "model.safetensors"))
+    assert torch.equal(loaded["embed.weight"], sd["head.weight"])
+
+    many = tmp_path / "many"
+    run_cli("convert", src, str(many), "--to", "safetensors", "--max-shard-size", "40")
+    names = sorted(os.listdir(many))
+    assert names == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    with open(many / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert index["weight_map"] == {
+        "embed.weight": "model-00001-of-00002.safetensors",
+        "norm.weight": "model-00002-of-00002.safetensors",
+    }
+    assert index["metadata"]["total_size"] == 40 * 4 + 4 * 4
+    got = {k: v for n in names[:2] for k, v in load_file(str(many / n)).items()}
+    assert torch.equal(got["embed.weight"], sd["embed.weight"]) and "head.weight" not in got
+
+
+def test_a_failed_export_removes_what_it_wrote(tmp_path):
+    src = str(tmp_path / "odd.pt")
+    torch.save({"a": torch.ones(16), "z": torch.ones(2, dtype=torch.complex64)}, src)
+    dst = tmp_path / "out"
+    err = run_cli("convert", src, str(dst), "--to", "safetensors", "--max-shard-size", "8", code=1)
+    assert "safetensors cannot store dtype torch.complex64" in err.stderr
+    assert os.listdir(dst) == []  # shard 1 was written, then removed
+
+
+def test_transformers_from_pretrained_loads_the_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=64,
+        n_positions=8,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)  # lm_head.weight is tied to transformer.wte
+    src = str(tmp_path / "gpt2.pt")
+    torch.save(model.state_dict(), src)
+    hf = tmp_path / "hf"
+    run_cli("convert", src, str(hf), "--to", "safetensors", "--no-progress")
+    config.save_pretrained(str(hf))
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(hf))
+    want, got = model.state_dict(), back.state_dict()
+    assert set(want) == set(got)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert back.lm_head.weight.data_ptr() == back.transformer.wte.weight.data_ptr()

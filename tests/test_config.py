@@ -37,7 +37,10 @@ profiles:
     type: fsspec
     options: {}
 checkpoint:
-  async: true
+  every: 50
+  keep_last: 3
+  async: false
+  fully_parallel: true
   threads: 3
   checksums: false
   profile: minio
@@ -67,8 +70,13 @@ def test_full_config_parses_and_builds_s3_options(tmp_path, monkeypatch):
     (tmp_path / "layouts").mkdir()
     (tmp_path / "layouts" / "tp4.yaml").write_text("world_size: 4\n")
     cfg = load_config(_write(tmp_path, GOOD))
-    assert cfg.checkpoint.async_save and cfg.checkpoint.threads == 3
+    assert not cfg.checkpoint.async_save and cfg.checkpoint.threads == 3
     assert not cfg.checkpoint.checksums and cfg.checkpoint.fully_parallel
+    assert (cfg.checkpoint.every, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every) == (
+        50,
+        3,
+        None,
+    )
     assert cfg.jobs["tp2"].layout.world_size == 2
     assert cfg.jobs["tp2"].source_profile == "mem" and cfg.jobs["tp2"].destination_profile is None
     assert cfg.jobs["from-file"].layout.world_size == 4  # path relative to the config file
@@ -99,6 +107,8 @@ def test_full_config_parses_and_builds_s3_options(tmp_path, monkeypatch):
         ("profiles: {p: {type: s3, color: red}}", r"profiles\.p: unknown key\(s\) \['color'\]"),
         ("checkpoint: {threads: two}", "checkpoint.threads: expected int, got str"),
         ("checkpoint: {async: 1}", "checkpoint.async: expected bool, got int"),
+        ("checkpoint: {every: 0}", r"checkpoint\.every: must be >= 1"),
+        ("checkpoint: {keep_last: 1.5}", "checkpoint.keep_last: expected int, got float"),
         ("checkpoint: {profile: nope}", "checkpoint.profile: no storage profile 'nope'"),
         ("profiles: {p: {concurrency: 0}}", r"profiles\.p\.concurrency: must be >= 1"),
         ("profiles: {p: {multipart_part_size: 1MiB}}", "at least 5 MiB"),

@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
-from dcpbridge.engine import api, collectives
+from dcpbridge.engine.cache import SAVE_CACHES
 from dcpbridge.planners.distribution import Holding, distribute
 from tests import layouts as L
+from tests.collective_counts import count_collectives
 from tests.dist_pool import Rank
 
 
@@ -58,19 +59,17 @@ def _replicas(rank: int, fill: bool) -> dict:
 
 
 def fp_save_twice(r: Rank, root: str) -> list[dict]:
-    api._SAVE_CACHES.clear()
+    SAVE_CACHES.clear()
     counts = []
     for i in range(2):
-        before = dict(collectives.CALLS)
-        db.save(
-            _replicas(r.rank, True),
-            os.path.join(root, str(i)),
-            process_group=r.group,
-            fully_parallel=True,
-        )
-        counts.append(
-            {k: v - before.get(k, 0) for k, v in collectives.CALLS.items() if v != before.get(k, 0)}
-        )
+        with count_collectives() as calls:
+            db.save(
+                _replicas(r.rank, True),
+                os.path.join(root, str(i)),
+                process_group=r.group,
+                fully_parallel=True,
+            )
+        counts.append(dict(calls))
     return counts
 
 
@@ -103,13 +102,14 @@ def fp_load(r: Rank, path: str) -> tuple[int, int]:
     tmpl = _replicas(r.rank, False)
     tmpl[f"own{r.rank}"] = db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,))
     db.load(_replicas(r.rank, False), path, process_group=r.group)  # warm the metadata cache
-    before_io, before_p2p = _rchar(), collectives.CALLS["p2p"]
-    out = db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    before_io = _rchar()
+    with count_collectives() as calls:
+        out = db.load(tmpl, path, process_group=r.group, fully_parallel=True)
     nread = _rchar() - before_io
     for k, t in _model().items():
         assert torch.equal(out[k], t), k
     assert torch.equal(out[f"own{r.rank}"], L.full("vec"))
-    return nread, collectives.CALLS["p2p"] - before_p2p
+    return nread, calls["p2p"]
 
 
 def _save_model_and_vec(r: Rank, path: str) -> None:

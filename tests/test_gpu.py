@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dcpbridge as db
+from dcpbridge.engine.ownership import WriteOwners
 from dcpbridge.engine.staging import StagingArea, stage
 
 pytestmark = [
@@ -34,7 +35,7 @@ def test_gpu_shards_save_and_load_into_gpu_templates(tmp_path):
 def test_staging_uses_pinned_buffers_and_orders_the_training_stream():
     area = StagingArea(1)
     state = _gpu_state(3.0)
-    staged, buffers = stage(list(state.values()), area)
+    staged, buffers = stage(list(state.values()), area, WriteOwners(coordinator=True))
     assert buffers.flat.is_pinned() and buffers.events
     # the training stream's next kernel mutates the source; it must wait for the copy
     state["w"].data.mul_(0)

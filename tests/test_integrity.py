@@ -1,4 +1,4 @@
-"""Damaged or crafted checkpoints are refused, failed saves leave nothing, concurrent saves never mix.
+"""Damaged or crafted checkpoints are refused; failed saves leave nothing (faults: test_faults.py).
 
 The corruption trials damage a real two-rank checkpoint (tensors in several chunks from both
 ranks' files, ShardedObjects, common state) one way at a time; every trial must either load
@@ -9,7 +9,6 @@ allocate far more than the checkpoint holds.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import resource
@@ -23,12 +22,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dcpbridge as db
 from dcpbridge.storage.format import sign_document
 from tests import layouts as L
 from tests.dist_pool import Rank
+from tests.old_formats import rewrite_as
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -111,11 +110,8 @@ def original(pool, tmp_path_factory) -> Path:
 
 
 def _as_format_1(ck: Path) -> None:
-    """Rewrite the commit file as format 1 wrote it: no digest."""
-    doc = json.loads((ck / META).read_bytes())
-    del doc["digest"]
-    doc["version"] = 1
-    (ck / META).write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    """Rewrite the commit file as format 1 wrote it: no digest, flat checksum blocks."""
+    rewrite_as(ck, 1)
 
 
 # -- mutations ----------------------------------------------------------------------------------
@@ -528,9 +524,9 @@ CRAFTED: list[tuple[str, Callable[[dict[str, Any]], None], type[Exception], str]
     ),
     (
         "newer format",
-        lambda doc: doc.__setitem__("version", 4),
+        lambda doc: doc.__setitem__("version", 5),
         db.CorruptCheckpointError,
-        "format version 4 is newer than this dcpbridge reads",
+        "format version 5 is newer than this dcpbridge reads",
     ),
     (
         "version as a string",
@@ -616,7 +612,7 @@ def test_one_changed_byte_of_a_key_is_detected(original, tmp_path):
         shutil.rmtree(ck)
 
 
-# -- failed and concurrent saves ----------------------------------------------------------------
+# -- failed saves (concurrent saves and killed ranks: test_faults.py) ---------------------
 
 
 def save_with_full_disk_on_rank_1(r: Rank, path: str) -> str:
@@ -654,54 +650,6 @@ def test_failed_save_leaves_no_files_and_the_old_checkpoint(original, pool, tmp_
     assert _identical(db.load(_template(), str(ck)), _expected())
 
 
-def save_concurrently(r: Rank, path: str, rounds: int) -> list[str]:
-    """Ranks 0-1 (job A) and 2-3 (job B) save different states to one path at once."""
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    solo = dist.new_group([0])
-    job = r.rank // 2
-    mine = groups[job]
-    value = float(job + 1)
-    outcomes = []
-    for _ in range(rounds):
-        dist.barrier()
-        sd = {
-            "x": db.ShardedTensor.from_box(
-                "x", torch.full((4096,), value), (8192,), ((r.rank % 2) * 4096,)
-            ),
-            "job": job,
-        }
-        try:
-            db.save(sd, path, process_group=mine)
-            outcomes.append("saved")
-        except db.CheckpointError as e:  # the other job's cleanup may remove our temp file
-            outcomes.append(f"{type(e).__name__}: {e}")
-        dist.barrier()
-        if r.rank == 0:
-            out = db.load(
-                {"x": db.ShardedTensor.from_box("x", torch.zeros(8192), (8192,), (0,))},
-                path,
-                process_group=solo,
-            )
-            winner = out["job"]
-            assert torch.equal(out["x"], torch.full((8192,), float(winner + 1))), "mixed"
-            outcomes.append(f"loaded job {winner}")
-        dist.barrier()
-    return outcomes
-
-
-def test_concurrent_saves_to_one_path_never_mix(pool, tmp_path):
-    path = str(tmp_path / "ck")
-    results = pool.run(save_concurrently, 4, path, 6, default_group=True, timeout=120)
-    loads = [o for o in results[0] if o.startswith("loaded")]
-    assert len(loads) == 6
-    for outcomes in results:
-        assert all(o in ("saved", "loaded job 0", "loaded job 1") or "Error" in o for o in outcomes)
-    doc = json.loads((tmp_path / "ck" / META).read_bytes())
-    named = set(doc["files"])
-    assert all(doc["save_id"] in f for f in named)
-    assert named <= set(os.listdir(tmp_path / "ck"))
-
-
 def test_common_tensor_sized_by_the_document_is_checked_before_allocation(tmp_path):
     """A load allocates the common state's tensors by their recorded shape: only after every
     item was found inside its data file."""
@@ -722,3 +670,58 @@ def test_common_tensor_sized_by_the_document_is_checked_before_allocation(tmp_pa
     finally:
         tracemalloc.stop()
     assert peak < 8 << 20, f"{peak} bytes allocated before refusing"
+
+
+# -- one exception family: what users can get wrong outside a save or load ----------------------
+
+
+def test_full_state_dict_files_that_cannot_be_read_raise_checkpoint_errors(tmp_path):
+    """``load_state_dict`` (rank 0 reads a full state dict file): each failure names the file."""
+    missing = tmp_path / "missing.pt"
+    with pytest.raises(db.StorageFileNotFoundError, match=re.escape(str(missing))) as e:
+        db.load_state_dict(missing)
+    assert isinstance(e.value.__cause__, FileNotFoundError)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"metadata": {}}')  # no weight_map
+    with pytest.raises(db.CorruptCheckpointError, match=r"index\.json: not a readable.*KeyError"):
+        db.load_state_dict(index)
+    listed = tmp_path / "list.pt"
+    torch.save([torch.zeros(2)], listed)
+    with pytest.raises(db.InvalidArgumentError, match=r"list\.pt holds a list, not a state dict"):
+        db.load_state_dict(listed)
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"x": Path("/")}, pickled)  # needs a global that weights_only refuses
+    with pytest.raises(db.PickleRefusedError, match=r"pickled\.pt: holds objects"):
+        db.load_state_dict(pickled)
+    truncated = tmp_path / "truncated.pt"
+    torch.save({"x": torch.zeros(100)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    with pytest.raises(db.CorruptCheckpointError, match=r"truncated\.pt: not a readable"):
+        db.load_state_dict(truncated)
+
+
+def test_bad_arguments_raise_invalid_argument_errors(tmp_path):
+    """Arguments users pass wrong are ``InvalidArgumentError`` (still ``ValueError``)."""
+    from dcpbridge.engine.collectives import Group
+    from dcpbridge.mcore.sharding import _device_for
+
+    cases = [
+        (lambda: db.OptimizerConfig(lr=-1.0), "lr must be a finite number"),
+        (lambda: db.ParamKey(), "needs a name pattern"),
+        (lambda: db.async_save({}, tmp_path, max_in_flight=0), "max_in_flight must be >= 1"),
+        (lambda: db.TensorAwareStateDict.from_state_dict({}, algo="x"), "algo must be one of"),
+        (lambda: Group.resolve(object()), "torch.distributed is not initialized"),
+        (lambda: _device_for("x", {"": "no-such-device"}), "is not a device"),
+        (lambda: db.shard_broadcasted_state_dict({}, {}), "ranks other than 0"),
+    ]
+    for fn, needle in cases:
+        with pytest.raises(db.InvalidArgumentError, match=needle):
+            fn()
+
+
+def test_a_failed_param_group_dump_is_a_storage_error(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    target = tmp_path / "no-such-dir" / "groups.json"
+    with pytest.raises(db.StorageError, match=r"dump of param groups to .*groups\.json"):
+        db.get_optimizer(model, db.OptimizerConfig(), dump_param_groups_to=target)
+    assert not (tmp_path / "no-such-dir").exists()

@@ -80,8 +80,9 @@ def test_megatron_checkpoint_loads_into_another_layout(pool, megatron_ckpt):
         assert torch.equal(out[k], M.full(k)), k
 
 
-def bridge_save_torch_dist(r: Rank, path: str) -> None:
-    """2 ranks save in their own layout, in Megatron's format."""
+def bridge_save_torch_dist(r: Rank, path: str, background: bool) -> None:
+    """2 ranks save in their own layout, in Megatron's format (``background``: async_save,
+    with every tensor, the common state's too, changed as soon as it returns)."""
     state = _bridge_template(r)
     cols = slice(3 * r.rank, 3 * r.rank + 3)
     state["model"]["fc1"].data.copy_(M.full("decoder.fc1.weight")[:, cols])
@@ -89,15 +90,23 @@ def bridge_save_torch_dist(r: Rank, path: str) -> None:
     state["model"]["bias"].data.copy_(M.full("embedding.bias")[5 * r.rank : 5 * r.rank + 5])
     for i, obj in enumerate(state["rng"]):
         obj.data = {"seed": 1000 + 2 * r.rank + i}
-    state.update(iteration=42, note="bridge")
-    db.save(state, path, process_group=r.group, format="torch_dist")
+    state.update(iteration=42, note="bridge", scale=torch.full((3,), 0.5))
+    if not background:
+        db.save(state, path, process_group=r.group, format="torch_dist")
+        return
+    handle = db.async_save(state, path, process_group=r.group, format="torch_dist")
+    for t in (state["scale"], *(sh.data for sh in state["model"].values())):
+        t.fill_(-1)  # training goes on: the staged copies are unaffected
+    state["rng"][0].data["seed"] = -1
+    handle.result(timeout=60)
 
 
-def test_megatron_loads_a_torch_dist_checkpoint_written_by_dcpbridge(pool, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
+def test_megatron_loads_a_torch_dist_checkpoint_written_by_dcpbridge(pool, tmp_path, background):
     path = str(tmp_path / "bridge_torch_dist")
     os.makedirs(path)
     db.save({"old": db.ShardedTensor.from_box("old", torch.ones(2), (2,), (0,))}, path)
-    pool.run(bridge_save_torch_dist, 2, path)
+    pool.run(bridge_save_torch_dist, 2, path, background)
     names = set(os.listdir(path))
     assert "dcpbridge.json" not in names and not any(n.endswith(".bin") for n in names)
     with open(os.path.join(path, "metadata.json")) as f:
@@ -116,7 +125,8 @@ def test_megatron_loads_a_torch_dist_checkpoint_written_by_dcpbridge(pool, tmp_p
 
 def bridge_load_common(r: Rank, path: str) -> int:
     out = db.load(_bridge_template(r), path, process_group=r.group, allow_pickle=True)
-    assert out["note"] == "bridge"
+    assert out["note"] == "bridge" and torch.equal(out["scale"], torch.full((3,), 0.5))
+    assert out["rng"] == [{"seed": 1000 + 2 * r.rank + i} for i in range(2)]
     return out["iteration"]
 
 
@@ -171,5 +181,5 @@ def test_cli_on_a_megatron_checkpoint(megatron_ckpt, tmp_path, capsys):
     assert code == 0, err
     from safetensors.torch import load_file
 
-    loaded = load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))
+    loaded = load_file(os.path.join(hf, "model.safetensors"))
     assert all(torch.equal(loaded[k], M.full(k)) for k in M.SHAPES)

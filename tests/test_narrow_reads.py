@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from dcpbridge.storage import checksum
-from dcpbridge.storage.format import METADATA_FILE, sign_document
+from dcpbridge.storage.format import METADATA_FILE
 from tests.dist_pool import Rank
+from tests.old_formats import rewrite_as
 
 ROWS, COLS, TENSORS = 512, 4096, 3  # float32: each rank of 2 saves 1024 KiB rows x 2 MiB
 
@@ -55,26 +55,10 @@ def test_reshard_two_to_four_reads_only_what_it_needs_with_checksums(pool, tmp_p
     assert read == needed  # here the column groups of the checksum tiles fit the split exactly
 
 
-def _as_format_2(path: str) -> None:
-    """Rewrite a checkpoint's commit file as format 2 wrote it: flat 1 MiB checksum blocks."""
-    with open(os.path.join(path, METADATA_FILE), "rb") as f:
-        doc = json.loads(f.read())
-    block = doc["checksum"]["block_size"]
-    entries = [c for t in doc["tensors"].values() for c in t["chunks"]]
-    for entry in entries + list(doc["objects"].values()):
-        with open(os.path.join(path, entry["file"]), "rb") as f:
-            f.seek(entry["offset"])
-            data = memoryview(f.read(entry["nbytes"]))
-        entry["checksums"] = checksum.digests(checksum.flat_grid(len(data), block), data)
-    doc["version"] = 2
-    with open(os.path.join(path, METADATA_FILE), "wb") as f:
-        f.write(sign_document(doc))
-
-
 def test_format_2_checkpoints_still_load_and_verify(pool, tmp_path):
     path = str(tmp_path / "ck")
     pool.run(save_rows, 2, path)
-    _as_format_2(path)
+    rewrite_as(path, 2)
     assert db.load_tensors_metadata(path)  # the document is valid format 2
     read = sum(pool.run(load_split, 4, path, 1, True))
     assert read == 4 * TENSORS * ROWS * COLS * 4  # 1 MiB blocks of 64 whole rows: 4x the need

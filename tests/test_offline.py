@@ -222,12 +222,12 @@ def test_sources_read_dcp_safetensors_and_torch_files(pool, tmp_path):
         assert [(x.offsets, x.sizes) for x in plan if x.key == key] == [((0, 0), (12, 8))]
         source.close()
     dcp_source = open_source(dcp_dir, allow_pickle=True)
-    assert dcp_source.box_reads and dcp_source.object("step") == 4
+    assert dcp_source.reads_whole_chunks and dcp_source.object("step") == 4
     assert open_source(pt).common_state() == {"meta": {"epoch": 1}}
 
 
 def test_torch_dist_save_and_load_through_an_fsspec_url():
-    """format="torch_dist" on a URL goes through torch's FsspecWriter/FsspecReader."""
+    """format="torch_dist" on a URL: written through torch's FsspecWriter, read through ours."""
     fs = fsspec.filesystem("memory")
     url = "memory://torch-dist-url/ck"
     try:

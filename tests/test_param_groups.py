@@ -16,11 +16,11 @@ def test_param_key_identity_and_validation():
     assert db.ParamKey(name="*.bias").identity == "name=*.bias"
     assert db.ParamKey(name=["a*", "b"], attr="shared").identity == "name=a*|b;attr=shared"
     assert db.ParamKey(name="x", label="embeddings").identity == "embeddings"
-    with pytest.raises(ValueError, match="needs a name pattern"):
+    with pytest.raises(db.InvalidArgumentError, match="needs a name pattern"):
         db.ParamKey()
-    with pytest.raises(ValueError, match="needs a label"):
+    with pytest.raises(db.InvalidArgumentError, match="needs a label"):
         db.ParamKey(predicate=lambda n, p: p.ndim == 1)
-    with pytest.raises(ValueError, match="default"):
+    with pytest.raises(db.InvalidArgumentError, match="default"):
         db.ParamKey(name="x", label="default")
 
 
@@ -38,7 +38,7 @@ def test_param_key_identity_and_validation():
     ],
 )
 def test_config_validation(kwargs, needle):
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(db.InvalidArgumentError, match=needle):
         db.OptimizerConfig(**kwargs)
 
 
@@ -99,13 +99,13 @@ def test_model_chunks_share_parameters_once():
 
 def test_override_validation():
     key = db.ParamKey(name="x")
-    with pytest.raises(ValueError, match="unknown fields \\['learning_rate'\\]"):
+    with pytest.raises(db.InvalidArgumentError, match="unknown fields \\['learning_rate'\\]"):
         db.get_param_groups(Tower(), db.OptimizerConfig(), {key: {"learning_rate": 1.0}})
-    with pytest.raises(ValueError, match="one optimizer"):
+    with pytest.raises(db.InvalidArgumentError, match="one optimizer"):
         db.get_param_groups(Tower(), db.OptimizerConfig(), {key: {"optimizer": "sgd"}})
-    with pytest.raises(ValueError, match="min_lr must be"):
+    with pytest.raises(db.InvalidArgumentError, match="min_lr must be"):
         db.get_param_groups(Tower(), db.OptimizerConfig(min_lr=0.5, lr=1.0), {key: {"lr": 0.1}})
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(db.InvalidArgumentError, match="distinct"):
         db.get_param_groups(
             Tower(), db.OptimizerConfig(), {key: {}, db.ParamKey(name="y", label="name=x"): {}}
         )
@@ -113,7 +113,7 @@ def test_override_validation():
         db.ParamKey(predicate=lambda n, p: True, label="a"): {},
         db.ParamKey(predicate=lambda n, p: False, label="a"): {},
     }
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(db.InvalidArgumentError, match="distinct"):
         db.get_param_groups(Tower(), db.OptimizerConfig(), same_label)
     sgd = db.OptimizerConfig(optimizer="sgd", lr=0.3, sgd_momentum=0.5)
     groups = db.get_param_groups(Tower(), db.OptimizerConfig(optimizer="sgd"), {key: sgd})

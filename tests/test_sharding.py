@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcpbridge as db
-from dcpbridge.engine import collectives
 from dcpbridge.mcore.sharding import TensorInfo, _device_for, plan_broadcasts
 from dcpbridge.tools.layout import even_pieces
 from tests import layouts as L
+from tests.collective_counts import count_collectives
 from tests.dist_pool import Rank
 
 # -- planning (pure) ---------------------------------------------------------------------------
@@ -54,12 +54,12 @@ def test_device_map():
     assert _device_for("decoder.layers.10.w", dm) == torch.device("meta", 0)
     assert _device_for("x", None) == torch.device("cpu")
     assert _device_for("x", 1) == torch.device("cuda", 1)
-    with pytest.raises(ValueError, match="'disk'"):
+    with pytest.raises(db.InvalidArgumentError, match="'disk'"):
         _device_for("x", {"x": "disk"})
 
 
-def test_wrong_rank_raises_value_error():
-    with pytest.raises(ValueError, match="ranks other than 0"):
+def test_wrong_rank_raises_invalid_argument():
+    with pytest.raises(db.InvalidArgumentError, match="ranks other than 0"):
         db.shard_broadcasted_state_dict({}, {})
 
 
@@ -110,13 +110,15 @@ def _only_own_memory(t: torch.Tensor) -> bool:
 
 
 def _run_distribute(r: Rank, meta: dict) -> tuple[dict, db.DistributedKeys, int]:
-    before = collectives.CALLS["broadcast_tensor"]
     out: dict = {}
-    if r.rank == 0:
-        keys = db.broadcast_and_shard_state_dict(rank0_state(), meta, out, process_group=r.group)
-    else:
-        keys = db.shard_broadcasted_state_dict(meta, out, process_group=r.group)
-    return out, keys, collectives.CALLS["broadcast_tensor"] - before
+    with count_collectives() as calls:
+        if r.rank == 0:
+            keys = db.broadcast_and_shard_state_dict(
+                rank0_state(), meta, out, process_group=r.group
+            )
+        else:
+            keys = db.shard_broadcasted_state_dict(meta, out, process_group=r.group)
+    return out, keys, calls["broadcast_tensor"]
 
 
 DT_CASES = {"w": [Shard(0)], "emb": [Shard(1)], "b": [Replicate()], "mask": [Shard(0)]}
@@ -293,8 +295,9 @@ def test_dist_module_two_and_four_ranks(pool, tmp_path, fmt):
 def dist_module_strict(r: Rank, ckpt: str) -> tuple[str, list, list]:
     model = db.DistModule(Toy(), process_group=r.group)
     sd = db.load_state_dict(ckpt, process_group=r.group)
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(db.KeyMismatchError) as e:  # still nn.Module's RuntimeError
         model.load_state_dict(sd)
+    assert isinstance(e.value, RuntimeError)
     result = model.load_state_dict(sd, strict=False)
     assert torch.equal(model.proj.weight, toy_full()["proj.weight"])
     return str(e.value), result.missing_keys, result.unexpected_keys
@@ -346,7 +349,7 @@ def factory_on_rank1(r: Rank) -> str:
     meta: dict = {"w": torch.empty(7, 5, device="meta")}
     if r.rank == 1:
         meta["f"] = db.ShardedTensorFactory("f", torch.zeros(2), lambda *a: {}, lambda x: x)
-    with pytest.raises(TypeError) as e:
+    with pytest.raises(db.InvalidRequestError) as e:
         _run_distribute(r, meta)
     return str(e.value)
 
@@ -355,3 +358,19 @@ def test_template_error_on_one_rank_raises_on_every_rank(pool):
     messages = pool.run(factory_on_rank1, 2)
     assert messages[0] == messages[1]
     assert "rank 1" in messages[0] and "'f': a ShardedTensorFactory cannot be cut" in messages[0]
+
+
+def test_load_state_dict_accepts_a_checkpoint_directory(tmp_path):
+    """A dcpbridge checkpoint directory and a Hugging Face style safetensors directory read
+    like a file: every tensor whole, by key."""
+    sd = toy_full()
+    db.save(
+        {k: db.ShardedTensor.from_box(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in sd.items()},
+        str(tmp_path / "ck"),
+    )
+    got = db.load_state_dict(tmp_path / "ck")
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    (tmp_path / "hf").mkdir()
+    write_safetensors(str(tmp_path / "hf" / "model.safetensors"), sd)
+    got = db.load_state_dict(str(tmp_path / "hf"))
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)

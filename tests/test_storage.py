@@ -110,7 +110,7 @@ def test_metadata_is_json_and_cannot_point_outside_the_checkpoint(tmp_path):
     db.save({"w": db.ShardedTensor.from_box("w", torch.ones(4), (4,), (0,))}, str(tmp_path))
     meta = tmp_path / "dcpbridge.json"
     doc = json.loads(meta.read_text())
-    assert doc["format"] == "dcpbridge" and doc["version"] == 3
+    assert doc["format"] == "dcpbridge" and doc["version"] == 4
     doc["tensors"]["w"]["chunks"][0]["file"] = "../../etc/passwd"
     tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}
     meta.write_text(json.dumps(doc))  # edited without a matching digest

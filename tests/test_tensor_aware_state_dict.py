@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
-from dcpbridge.engine import collectives
-from dcpbridge.engine import fully_parallel as fp
+from dcpbridge.engine.ownership import shard_id
 from dcpbridge.mcore.restore_plan import Manifest, ShardMeta, plan_restore
 from dcpbridge.planners.distribution import Holding, distribute
 from tests import layouts as L
+from tests.collective_counts import count_collectives
 from tests.dist_pool import Rank
 from tests.test_errors import _expect
 from tests.test_fully_parallel import _model, _replicas
@@ -42,11 +42,6 @@ class LocalManager:
         state.insert_tensors(torch.load(os.path.join(self.dir, "tensors.pt"), weights_only=True))
         state.restore_tensor_device()
         return state
-
-
-def _calls_since(before: dict[str, int]) -> dict[str, int]:
-    now = collectives.CALLS
-    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 def _sample() -> dict:
@@ -151,9 +146,13 @@ def test_cpu_copies_are_snapshots_and_the_hollow_state_pickles():
 
 
 def test_bad_arguments_are_clear_errors():
-    assert "fully_parallel" in _expect(lambda: TASD.from_state_dict({}, algo="x"), ValueError)
+    assert "fully_parallel" in _expect(
+        lambda: TASD.from_state_dict({}, algo="x"), db.InvalidArgumentError
+    )
     state, _ = TASD.from_state_dict(_sample())
-    msg = _expect(lambda: state.to_state_dict(_template(), exchange_algo="gather"), ValueError)
+    msg = _expect(
+        lambda: state.to_state_dict(_template(), exchange_algo="gather"), db.InvalidArgumentError
+    )
     assert "'broadcast', 'p2p'" in msg
     no_data = {"w": db.ShardedTensor.from_box("w", torch.zeros(2), (2,), (0,))}
     no_data["w"].data = None
@@ -227,29 +226,29 @@ def _dp_state(rank: int, fill: bool) -> dict:
 
 def dp_round_trip(r: Rank, root: str, exchange_algo: str) -> dict:
     calls = {}
-    before = dict(collectives.CALLS)
-    state, distribution = TASD.from_state_dict(
-        _dp_state(r.rank, True), parallelization_group=r.group
-    )
-    calls["build"] = _calls_since(before)
-    kept = {fp.shard_id(s): s.numel * 4 for s in state.shards if isinstance(s, db.ShardedTensor)}
-    before = dict(collectives.CALLS)
-    again, same = TASD.from_state_dict(
-        _dp_state(r.rank, True), parallelization_group=r.group, cached_metadata=distribution
-    )
-    calls["cached"] = _calls_since(before)
+    with count_collectives() as counted:
+        state, distribution = TASD.from_state_dict(
+            _dp_state(r.rank, True), parallelization_group=r.group
+        )
+    calls["build"] = dict(counted)
+    kept = {shard_id(s): s.numel * 4 for s in state.shards if isinstance(s, db.ShardedTensor)}
+    with count_collectives() as counted:
+        again, same = TASD.from_state_dict(
+            _dp_state(r.rank, True), parallelization_group=r.group, cached_metadata=distribution
+        )
+    calls["cached"] = dict(counted)
     assert same is distribution
-    assert [fp.shard_id(s) for s in again.shards if isinstance(s, db.ShardedTensor)] == list(kept)
+    assert [shard_id(s) for s in again.shards if isinstance(s, db.ShardedTensor)] == list(kept)
     LocalManager(root, r.rank).save(state)
     del state, again
     gc.collect()
     restored = LocalManager(root, r.rank).load()
     template = _dp_state(r.rank, False)
-    before = dict(collectives.CALLS)
-    out = restored.to_state_dict(
-        template, exchange_algo=exchange_algo, parallelization_group=r.group
-    )
-    calls["restore"] = _calls_since(before)
+    with count_collectives() as counted:
+        out = restored.to_state_dict(
+            template, exchange_algo=exchange_algo, parallelization_group=r.group
+        )
+    calls["restore"] = dict(counted)
     for k, t in _model().items():
         assert torch.equal(out[k], t), k
         assert out[k] is template[k].data  # filled in place
@@ -302,7 +301,7 @@ def tp_dp_round_trip(r: Rank, root: str) -> dict:
     state, distribution = TASD.from_state_dict(
         _tp_dp_state(tp, dp, True), parallelization_group=group
     )
-    kept = sorted(fp.shard_id(s) for s in state.shards)
+    kept = sorted(shard_id(s) for s in state.shards)
     LocalManager(root, r.rank).save(state)
     del state
     restored = LocalManager(root, r.rank).load()
@@ -349,7 +348,7 @@ def failure_case(r: Rank, case: str) -> object:
             lambda: TASD.from_state_dict(
                 other, parallelization_group=g, cached_metadata=distribution
             ),
-            ValueError,
+            db.InvalidArgumentError,
         )
     algo = "atomic" if case.startswith("duplicate") else "fully_parallel"
     state, _ = TASD.from_state_dict(_w_state(r.rank), algo=algo, parallelization_group=g)
@@ -360,15 +359,15 @@ def failure_case(r: Rank, case: str) -> object:
             db.ShardingValidationError,
         )
     if case == "duplicate_unvalidated":  # each rank uses its own copy: nothing is sent
-        before = dict(collectives.CALLS)
-        out = state.to_state_dict(
-            template,
-            algo="fully_parallel",
-            validate_access_integrity=False,
-            parallelization_group=g,
-        )
+        with count_collectives() as counted:
+            out = state.to_state_dict(
+                template,
+                algo="fully_parallel",
+                validate_access_integrity=False,
+                parallelization_group=g,
+            )
         assert torch.equal(out["w"], L.full("w"))
-        return _calls_since(before)
+        return dict(counted)
     if case == "hollow" and r.rank == 1:
         state.pop_tensors()
     if case == "dtype" and r.rank == 3:

@@ -21,10 +21,11 @@ import os
 from typing import Any
 
 from dcpbridge.dist_checkpointing.strategies import LoadStrategy, SaveStrategy
-from dcpbridge.engine import api
+from dcpbridge.engine import load as engine_load
+from dcpbridge.engine import save as engine_save
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.strict import StrictHandling
-from dcpbridge.errors import CheckpointError
+from dcpbridge.errors import CheckpointError, InvalidArgumentError
 from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.storage import resolve
 from dcpbridge.tools import metadata
@@ -95,14 +96,15 @@ def save(
     backend, parallel = _strategy(sharded_strategy, "sharded_strategy")
     if content_metadata is not None:
         sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
-    kwargs = {**parallel, "validate_access_integrity": validate_access_integrity, **options}
+    kwargs = {
+        **parallel,
+        "validate_access_integrity": validate_access_integrity,
+        "format": backend or "dcpbridge",
+        **options,
+    }
     if async_sharded_save:
-        if backend == "torch_dist":
-            raise CheckpointError(
-                "async_sharded_save writes dcpbridge's format only; save torch_dist synchronously"
-            )
-        return api.async_save(sharded_state_dict, checkpoint_dir, **kwargs)
-    api.save(sharded_state_dict, checkpoint_dir, format=backend or "dcpbridge", **kwargs)
+        return engine_save.async_save(sharded_state_dict, checkpoint_dir, **kwargs)
+    engine_save.save(sharded_state_dict, checkpoint_dir, **kwargs)
     return None
 
 
@@ -119,7 +121,9 @@ def load(
     return shape (``dcpbridge.engine.strict``). Any sharded format dcpbridge reads loads."""
     _, parallel = _strategy(sharded_strategy, "sharded_strategy")
     _common_strategy(common_strategy)
-    return api.load(sharded_state_dict, checkpoint_dir, strict=strict, **{**parallel, **options})
+    return engine_load.load(
+        sharded_state_dict, checkpoint_dir, strict=strict, **{**parallel, **options}
+    )
 
 
 def load_common_state_dict(checkpoint_dir: PathLike, **options: Any) -> StateDict:
@@ -160,7 +164,7 @@ def load_content_metadata(
     ``preloaded_state_dict`` (a loaded state dict) is given."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
-            raise ValueError("pass checkpoint_dir or preloaded_state_dict")
+            raise InvalidArgumentError("pass checkpoint_dir or preloaded_state_dict")
         preloaded_state_dict = load_common_state_dict(checkpoint_dir, **options)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 

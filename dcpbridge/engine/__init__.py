@@ -1,1 +1,1 @@
-"""Save and load: the DCP-protocol engine, collectives, fully-parallel distribution, staging and async save."""
+"""Save and load: DCP's steps (drive) over failure-carrying collectives (protocol), who writes and reads what (ownership), fully-parallel hand-off, staging and async save."""

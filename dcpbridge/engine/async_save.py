@@ -11,12 +11,15 @@ import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group, StoreGroup
 from dcpbridge.engine.staging import BufferSet, StagingArea
+from dcpbridge.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +56,8 @@ class AsyncSaveHandle:
 class AsyncSaver:
     """The background machinery of one process group."""
 
-    _by_group: dict[int, AsyncSaver] = {}
-    _lock = threading.Lock()
+    _by_group: PerGroup[AsyncSaver] = PerGroup()  # forgotten with their process group
+    _every: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # drained at exit
 
     def __init__(self, group: Group, max_in_flight: int) -> None:
         self.group = StoreGroup.for_group(group, "async-save")
@@ -64,18 +67,16 @@ class AsyncSaver:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="dcpb-async-save", daemon=True)
         self._thread.start()
+        AsyncSaver._every.add(self)
 
     @classmethod
     def for_group(cls, group: Group, max_in_flight: int) -> AsyncSaver:
         """The saver of ``group`` (created collectively on first use by every member)."""
         if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        with cls._lock:
-            saver = cls._by_group.get(id(group.pg))
-            if saver is None:
-                saver = cls._by_group[id(group.pg)] = AsyncSaver(group, max_in_flight)
-            saver.area.max_sets = max(saver.area.max_sets, max_in_flight)
-            saver.max_in_flight = max_in_flight
+            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        saver = cls._by_group.get(group, "async-save", lambda: AsyncSaver(group, max_in_flight))
+        saver.area.max_sets = max(saver.area.max_sets, max_in_flight)
+        saver.max_in_flight = max_in_flight
         return saver
 
     def wait_for_capacity(self) -> None:
@@ -127,5 +128,5 @@ class AsyncSaver:
 @atexit.register
 def _wait_for_saves_at_exit() -> None:
     """Finish outstanding saves before the interpreter exits, so the last checkpoint lands."""
-    for saver in list(AsyncSaver._by_group.values()):
+    for saver in list(AsyncSaver._every):
         saver.drain()

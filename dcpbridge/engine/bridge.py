@@ -20,6 +20,7 @@ from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
 from dcpbridge.planners import ShardedSavePlanner
+from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.walk import Leaf, ObjPath, set_path
 
 COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
@@ -35,8 +36,9 @@ class BridgeSavePlanner(ShardedSavePlanner):
         table: dict[str, Any],
         *,
         validate: bool = True,
+        owners: WhoWrites | None = None,
     ) -> None:
-        super().__init__(validate=validate)
+        super().__init__(validate=validate, owners=owners)
         self._shards, self._objects, self._table = shards, objects, table
 
     def leaves(self) -> Iterator[Leaf]:

@@ -1,17 +1,49 @@
-"""The one place dcpbridge calls torch.distributed: counted object collectives on one group."""
+"""The one place dcpbridge calls torch.distributed: object and tensor collectives on one group."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import pickle
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-# Collectives actually issued, by name (tests use it to prove caching skips exchanges).
-CALLS: Counter[str] = Counter()
+from dcpbridge.errors import CheckpointError, CollectiveError, InvalidArgumentError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def _exchanging(group: Group, op: str) -> Iterator[None]:
+    """Raise a failed exchange (a peer died, timed out or left) as ``CollectiveError``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (RuntimeError, OSError) as e:  # torch's DistError family and socket errors
+        raise CollectiveError(
+            f"rank {group.rank} of {group.size}: {op} with the other ranks failed (a rank "
+            f"died, hung past the process group's timeout or left): {type(e).__name__}: {e}"
+        ) from e
+
+
+def collective(op: str) -> Callable[[F], F]:
+    """Run a ``Group`` method inside ``_exchanging``, naming the exchange ``op``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: Group, *args: Any, **kwargs: Any) -> Any:
+            with _exchanging(self, op):
+                return fn(self, *args, **kwargs)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -28,14 +60,14 @@ class Group:
         """``process_group``, the default group, or one process when distributed is not up."""
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "a process_group was given but torch.distributed is not initialized"
                 )
             return Group(None, 0, 1, 0)
         pg = process_group or dist.group.WORLD
         rank = dist.get_rank(pg)
         if rank < 0:
-            raise ValueError("this process is not a member of the given process_group")
+            raise InvalidArgumentError("this process is not a member of the given process_group")
         return Group(pg, rank, dist.get_world_size(pg), dist.get_global_rank(pg, 0))
 
     @property
@@ -46,42 +78,43 @@ class Group:
     def distributed(self) -> bool:
         return self.pg is not None and self.size > 1
 
+    @collective("gather")
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on the coordinator (None elsewhere)."""
         if not self.distributed:
             return [obj]
-        CALLS["gather"] += 1
         out: list[Any] | None = [None] * self.size if self.is_coordinator else None
         dist.gather_object(obj, out, dst=self.coordinator, group=self.pg)
         return out
 
+    @collective("scatter")
     def scatter(self, objs: list[Any] | None) -> Any:
         """Rank ``i`` receives ``objs[i]`` from the coordinator."""
         if not self.distributed:
             assert objs is not None
             return objs[0]
-        CALLS["scatter"] += 1
         out: list[Any] = [None]
         dist.scatter_object_list(out, objs, src=self.coordinator, group=self.pg)
         return out[0]
 
+    @collective("broadcast")
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""
         if not self.distributed:
             return obj
-        CALLS["broadcast"] += 1
         box = [obj]
         dist.broadcast_object_list(box, src=self.coordinator, group=self.pg)
         return box[0]
 
+    @collective("all_gather")
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
-        CALLS["all_gather"] += 1
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    @collective("broadcast_tensor")
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` (contiguous, same byte size everywhere) with group rank ``src``'s.
 
@@ -90,10 +123,10 @@ class Group:
         if not self.distributed or tensor.numel() == 0:
             return
         data = _as_bytes(tensor, "broadcast_tensor needs a contiguous tensor")
-        CALLS["broadcast_tensor"] += 1
         root = dist.get_global_rank(self.pg, src) if src else self.coordinator
         dist.broadcast(data, src=root, group=self.pg)
 
+    @collective("exchange")
     def exchange(
         self,
         sends: list[tuple[torch.Tensor, int, int]],
@@ -105,7 +138,6 @@ class Group:
         """
         if not (sends or recvs):
             return
-        CALLS["p2p"] += 1
         ops = [
             dist.P2POp(dist.isend, _as_bytes(t), dist.get_global_rank(self.pg, dst), self.pg, tag)
             for t, dst, tag in sends
@@ -130,9 +162,10 @@ class Group:
 def _as_bytes(
     t: torch.Tensor, error: str = "point-to-point transfers need contiguous tensors"
 ) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 view; raises ValueError(``error``) if ``t`` is not contiguous."""
+    """``t``'s bytes as a flat uint8 view; raises ``InvalidArgumentError(error)`` if ``t`` is
+    not contiguous."""
     if not t.is_contiguous():
-        raise ValueError(error)
+        raise InvalidArgumentError(error)
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -153,13 +186,14 @@ class StoreGroup(Group):
 
     @staticmethod
     def for_group(group: Group, purpose: str) -> Group:
-        """A store-backed twin of ``group`` (``group`` itself when there is nothing to sync).
+        """A store-backed twin of ``group`` (one process alone when there is nothing to sync).
 
         Its key prefix depends only on ``purpose``, the member ranks and how many twins for
-        them this process made before, so every member derives the same one unaided.
+        them this process made before, so every member derives the same one unaided. It
+        holds no reference to ``group``'s process group.
         """
         if not group.distributed:
-            return group
+            return Group(None, group.rank, group.size, group.coordinator)
         store = dist.distributed_c10d._get_default_store()
         ranks = tuple(dist.get_process_group_ranks(group.pg))
         serial = StoreGroup._created[(purpose, ranks)]
@@ -179,8 +213,8 @@ class StoreGroup(Group):
             for n in [*names, f"{key}/readers"]:
                 self._store.delete_key(n)
 
+    @collective("gather")
     def gather(self, obj: Any) -> list[Any] | None:
-        CALLS["gather"] += 1
         key = self._next("gather")
         if not self.is_coordinator:
             self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
@@ -190,8 +224,8 @@ class StoreGroup(Group):
             self._store.delete_key(f"{key}/{r}")
         return out
 
+    @collective("scatter")
     def scatter(self, objs: list[Any] | None) -> Any:
-        CALLS["scatter"] += 1
         key = self._next("scatter")
         if self.is_coordinator:
             assert objs is not None
@@ -202,8 +236,8 @@ class StoreGroup(Group):
         self._store.delete_key(f"{key}/{self.rank}")
         return value
 
+    @collective("broadcast")
     def broadcast(self, obj: Any) -> Any:
-        CALLS["broadcast"] += 1
         key = self._next("broadcast")
         if self.is_coordinator:
             self._store.set(f"{key}/value", pickle.dumps(obj))
@@ -212,11 +246,14 @@ class StoreGroup(Group):
         self._done(key, [f"{key}/value"])
         return obj
 
+    @collective("broadcast_tensor")
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
-        raise TypeError("a StoreGroup carries objects only; broadcast tensors on a process group")
+        raise InvalidArgumentError(
+            "a StoreGroup carries objects only; broadcast tensors on a process group"
+        )
 
+    @collective("all_gather")
     def all_gather(self, obj: Any) -> list[Any]:
-        CALLS["all_gather"] += 1
         key = self._next("all_gather")
         self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
         out = [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.size)]

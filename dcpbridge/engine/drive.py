@@ -1,160 +1,31 @@
-"""Drives planners and storage through DCP's save/load protocol, raising failures on every rank.
+"""Drives planners and storage through DCP's save/load steps, over failure-carrying collectives.
 
-The steps and their order are DCP's (``state_dict_saver``/``state_dict_loader``); the
-differences are that any rank's failure is re-raised on every rank as an ordinary
-``Exception`` naming the rank, and that plans travel without the items the coordinator does
-not change (load plans, and save plans on the way back).
+The steps and their order are DCP's (``state_dict_saver``/``state_dict_loader``); every
+collective is a step of ``dcpbridge.engine.protocol``, so any rank's failure is raised on
+every rank. Plans travel without the items the coordinator does not change (load plans, and
+save plans on the way back), and a save whose structure every rank voted unchanged reuses
+the cached plan instead of exchanging it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
-import pickle
-import traceback
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from dcpbridge.engine import protocol, stats
+from dcpbridge.engine.cache import CacheEntry, Reuse, SaveCache
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import CheckpointError, DistributedCheckpointError
-from dcpbridge.storage.writer import new_save_id
-
-T = TypeVar("T")
+from dcpbridge.errors import CollectiveError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's exception, in a form that survives pickling between processes."""
-
-    rank: int
-    step: str
-    exc: BaseException | None
-    type_name: str
-    message: str
-    trace: str
-
-    @staticmethod
-    def capture(rank: int, step: str, exc: BaseException) -> Failure:
-        try:
-            pickle.loads(pickle.dumps(exc))
-            portable: BaseException | None = exc
-        except Exception:
-            portable = None
-        trace = "" if isinstance(exc, CheckpointError) else "".join(traceback.format_exception(exc))
-        return Failure(rank, step, portable, type(exc).__name__, str(exc), trace)
-
-
-def attempt(rank: int, step: str, fn: Callable[[], T]) -> T | Failure:
-    try:
-        return fn()
-    except Exception as e:
-        return Failure.capture(rank, step, e)
-
-
-def raise_failures(failures: list[Failure], own: Any = None, *, world_size: int) -> None:
-    """Raise one exception describing every failed rank (same type if all failed alike)."""
-    if not failures:
-        return
-    if world_size == 1 and len(failures) == 1 and failures[0].exc is not None:
-        raise failures[0].exc
-    by_message: dict[tuple[str, str], list[Failure]] = {}
-    for f in failures:
-        by_message.setdefault((f.type_name, f.message), []).append(f)
-    lines = []
-    for (type_name, message), fs in by_message.items():
-        ranks = sorted({f.rank for f in fs})
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-        prefix = "" if isinstance(fs[0].exc, CheckpointError) else f"{type_name}: "
-        lines.append(f"{who}: {prefix}{message}")
-    traces = [f"--- rank {f.rank} traceback ---\n{f.trace}" for f in failures if f.trace][:2]
-    text = "\n".join(lines + traces)
-    types = {type(f.exc) for f in failures}
-    error: BaseException = DistributedCheckpointError(text)
-    if len(types) == 1 and failures[0].exc is not None:
-        with contextlib.suppress(Exception):
-            error = type(failures[0].exc)(text)
-    raise error from (own.exc if isinstance(own, Failure) else None)
-
-
-def _coordinate(
-    group: Group, local: Any, global_step: Callable[[list[Any]], list[Any]], step: str
-) -> Any:
-    """Gather ``local`` results, run ``global_step`` on the coordinator, scatter its replies.
-
-    If any rank failed, or the global step raises, every rank receives the failures.
-    """
-    gathered = group.gather(local)
-    replies = None
-    if gathered is not None:
-        failures = [x for x in gathered if isinstance(x, Failure)]
-        if not failures:
-            try:
-                replies = global_step(gathered)
-            except Exception as e:
-                failures = [Failure.capture(group.rank, step, e)]
-        if failures:
-            replies = [failures] * group.size
-    reply = group.scatter(replies)
-    if isinstance(reply, list) and reply and all(isinstance(f, Failure) for f in reply):
-        raise_failures(reply, local, world_size=group.size)
-    return reply
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """What a full save of one sharded structure decided (replaced whole, never mutated).
-
-    ``structure`` fingerprints the shards, ``planner_data`` is the coordinator's planner reply
-    to this rank, ``metadata`` the validated global metadata (coordinator only), ``extra`` a
-    caller's own decision for the same structure (e.g. the fully-parallel writer assignment).
-    """
-
-    structure: int
-    planner_data: Any
-    metadata: Metadata | None
-    extra: Any = None
-
-
-@dataclass
-class SaveCache:
-    """The last full save's decisions, reused while every rank's structure is unchanged."""
-
-    entry: CacheEntry | None = None
-
-
-@dataclass(frozen=True)
-class Reuse:
-    """Agreement of all ranks to reuse ``entry`` for a new save named ``save_id``."""
-
-    save_id: str
-    entry: CacheEntry
-
-
-def agree_to_reuse(group: Group, cache: SaveCache, structure: int | None) -> Reuse | None:
-    """Whether every rank's structure still matches its cached entry (one tiny all_gather).
-
-    Every rank votes on every save, even with an empty cache, so the decision is collective
-    even when background saves fill the caches of different ranks at different times. The
-    vote replaces the plan gather, validation and scatter, and any exchange whose result is
-    cached in ``entry.extra``.
-    """
-    entry = cache.entry
-    same = entry is not None and structure is not None and structure == entry.structure
-    votes = group.all_gather((same, new_save_id()))
-    if not all(v for v, _ in votes):
-        return None
-    assert entry is not None
-    return Reuse(votes[0][1], entry)
-
 
 SavePrepare = Callable[[], tuple[Any, SavePlanner, StorageWriter]]
 LoadPrepare = Callable[[], tuple[Any, LoadPlanner, StorageReader]]
@@ -167,21 +38,24 @@ def run_save(
     *,
     structure: int | None = None,
     reuse: Reuse | None = None,
-    extra: Any = None,
+    owners: Any = None,
 ) -> Metadata | None:
     """Plan, validate, write and commit; returns the metadata on the coordinator.
 
-    ``prepare`` builds (state dict, planner, writer) inside the first protected step, so a
-    rank that fails there fails every rank instead of leaving them in a collective. With
-    ``reuse`` (from ``agree_to_reuse``) the plan exchange and the whole-checkpoint validation
-    are skipped: the cached answer is reused under the new save id. A successful full save
-    of ``structure`` replaces ``cache``'s entry (with ``extra`` attached).
+    ``prepare`` builds (state dict, planner, writer) inside the first step, so a rank that
+    fails there fails every rank. With ``reuse`` (from ``cache.agree_to_reuse``) the plan
+    exchange and the whole-checkpoint validation are skipped: the cached answer is reused
+    under the new save id. A successful full save of ``structure`` replaces ``cache``'s
+    entry (with ``owners`` attached).
     """
     planner: SavePlanner
     writer: StorageWriter | None = None
+    local: SavePlan
+    metadata: Metadata | None = None
+    reply: tuple[Any, Any] | None = None
 
-    def local_step() -> SavePlan:
-        nonlocal planner, writer
+    def plan_locally() -> SavePlan:
+        nonlocal planner, writer, local
         state_dict, planner, writer = prepare()
         planner.set_up_planner(
             state_dict=state_dict,
@@ -189,57 +63,67 @@ def run_save(
             is_coordinator=group.is_coordinator,
         )
         writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
-        return writer.prepare_local_plan(planner.create_local_plan())
+        local = writer.prepare_local_plan(planner.create_local_plan())
+        return local
 
-    def save_writer() -> Any:
+    def plan_globally(plans: list[SavePlan]) -> list[tuple[Any, Any]]:
+        nonlocal metadata
         assert writer is not None
-        return writer
+        plans, metadata = planner.create_global_plan(plans)
+        plans = writer.prepare_global_plan(plans)
+        return [(p.storage_data, p.planner_data) for p in plans]
 
-    local = attempt(group.rank, "plan", local_step)
-    metadata: Metadata | None = None
-    reply: tuple[Any, Any] | None = None
-    if reuse is not None:
-        # Every rank voted its structure unchanged: no plan exchange. A rank whose local
-        # planning failed reports it through the results gather below.
-        if not isinstance(local, Failure):
-            storage_data = save_writer().storage_data_for(group.rank, reuse.save_id)
-            reply = (storage_data, reuse.entry.planner_data)
+    started = time.perf_counter()
+    if reuse is None:
+        reply = protocol.decide(group, "plan", plan_locally, plan_globally)
+    else:  # every rank voted its structure unchanged: no plan exchange
         metadata = copy.copy(reuse.entry.metadata)
-    else:
 
-        def global_step(plans: list[SavePlan]) -> list[Any]:
-            nonlocal metadata
-            plans, metadata = planner.create_global_plan(plans)
-            plans = save_writer().prepare_global_plan(plans)
-            return [(p.storage_data, p.planner_data) for p in plans]
+    committed = wrote = False
+    planned = written = started
 
-        reply = _coordinate(group, local, global_step, "plan")
+    def write() -> list[Any]:
+        nonlocal reply, wrote
+        if reply is None:  # reused: plan locally, re-targeted at the new save id
+            plan_locally()
+            assert reuse is not None and writer is not None
+            storage_data = writer.storage_data_for(group.rank, reuse.save_id)  # type: ignore[attr-defined]
+            reply = (storage_data, reuse.entry.planner_data)
+        assert writer is not None
+        plan = dataclasses.replace(local, storage_data=reply[0], planner_data=reply[1])
+        nonlocal planned, written
+        planned = time.perf_counter()
+        results = writer.write_data(planner.finish_plan(plan), planner).wait()
+        written = time.perf_counter()
+        wrote = True
+        return results
 
-    def write_step() -> list[Any]:
-        assert isinstance(local, SavePlan) and reply is not None
-        storage_data, planner_data = reply
-        plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
-        return save_writer().write_data(planner.finish_plan(plan), planner).wait()
+    def finish(results: list[Any]) -> None:
+        nonlocal committed
+        assert writer is not None and metadata is not None
+        writer.finish(metadata=metadata, results=results)
+        committed = True
+        phases = {"plan": planned - started, "write": written - planned}
+        phases["commit"] = time.perf_counter() - written
+        url = str(getattr(writer, "checkpoint_id", "?"))
+        stats.report("saved", url, phases, lambda: stats.written(results))
 
-    results = local if isinstance(local, Failure) else attempt(group.rank, "write", write_step)
-    gathered = group.gather(results)
-    outcome: list[Failure] | None = None
-    if gathered is not None:
-        outcome = [x for x in gathered if isinstance(x, Failure)]
-        if not outcome:
-            try:
-                assert metadata is not None
-                save_writer().finish(metadata=metadata, results=gathered)
-            except Exception as e:
-                outcome = [Failure.capture(group.rank, "commit", e)]
-    outcome = group.broadcast(outcome)
-    if outcome:
+    try:
+        protocol.commit(group, "write", write, finish)
+    except CollectiveError:
+        # A rank is gone. The coordinator knows it did not commit; any other rank cannot tell
+        # (a slow coordinator may still commit with its files), so it keeps what it wrote
+        # unless its own write failed, which no commit can include.
+        if (group.is_coordinator and not committed) or not wrote:
+            abort_save(writer)
+        raise
+    except Exception:
         abort_save(writer)
-        raise_failures(outcome, results, world_size=group.size)
+        raise
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
     if cache is not None and reuse is None and structure is not None and reusable:
         assert reply is not None
-        cache.entry = CacheEntry(structure, reply[1], metadata, extra)
+        cache.entry = CacheEntry(structure, reply[1], metadata, owners)
     return metadata
 
 
@@ -260,33 +144,39 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     Returns what ``prepare`` built (state dict, planner, reader), now filled.
     """
     prepared: tuple[Any, LoadPlanner, StorageReader]
+    local: LoadPlan
+    reader_metadata: Metadata | None = None
 
-    def local_step() -> LoadPlan:
-        nonlocal prepared
+    def plan_locally() -> LoadPlan:
+        nonlocal prepared, local, reader_metadata
         prepared = prepare()
         state_dict, planner, reader = prepared
-        metadata = reader.read_metadata()
+        metadata = reader_metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, group.is_coordinator)
         reader.set_up_storage_reader(metadata, group.is_coordinator)
-        return reader.prepare_local_plan(planner.create_local_plan())
+        local = reader.prepare_local_plan(planner.create_local_plan())
+        return dataclasses.replace(local, items=[])
 
-    local = attempt(group.rank, "plan", local_step)
-    sent = dataclasses.replace(local, items=[]) if isinstance(local, LoadPlan) else local
-
-    def global_step(plans: list[LoadPlan]) -> list[Any]:
+    def plan_globally(plans: list[LoadPlan]) -> list[tuple[Any, Any]]:
         _, planner, reader = prepared
         plans = reader.prepare_global_plan(planner.create_global_plan(plans))
         return [(p.storage_data, p.planner_data) for p in plans]
 
-    storage_data, planner_data = _coordinate(group, sent, global_step, "plan")
-    assert isinstance(local, LoadPlan)
+    started = time.perf_counter()
+    storage_data, planner_data = protocol.decide(group, "plan", plan_locally, plan_globally)
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
-    def read_step() -> None:
-        _, planner, reader = prepared
-        reader.read_data(planner.finish_plan(plan), planner).wait()
+    final = plan
 
-    done = attempt(group.rank, "read", read_step)
-    statuses = group.all_gather(done)
-    raise_failures([s for s in statuses if isinstance(s, Failure)], done, world_size=group.size)
+    def read() -> None:
+        nonlocal final
+        _, planner, reader = prepared
+        final = planner.finish_plan(plan)
+        reader.read_data(final, planner).wait()
+
+    planned = time.perf_counter()
+    protocol.agree(group, "read", read)
+    url = str(getattr(prepared[2], "checkpoint_id", "?"))
+    phases = {"plan": planned - started, "read": time.perf_counter() - planned}
+    stats.report("loaded", url, phases, lambda: (stats.read_bytes(final, reader_metadata), 0))
     return prepared

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from dcpbridge.engine.ownership import WriteOwners
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
-from dcpbridge.planners import is_main_replica
 
 _ALIGN = 64
 
@@ -84,15 +84,11 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], int]:
     return spans, pos
 
 
-def stage(shards: list[Any], area: StagingArea) -> tuple[list[Any], BufferSet]:
-    """Staged copies of ``shards``: main-replica tensors in host buffers, objects deep-copied.
-
-    Shards other saves would not write keep their metadata only (``data=None``).
-    """
+def stage(shards: list[Any], area: StagingArea, owners: WriteOwners) -> tuple[list[Any], BufferSet]:
+    """Staged copies of ``shards``: the tensors this rank writes (per ``owners``) in host
+    buffers, its objects deep-copied; shards it does not write keep their metadata only."""
     writes = [
-        s
-        for s in shards
-        if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id) and s.numel > 0
+        s for s in shards if isinstance(s, ShardedTensor) and owners.writes(s) and s.numel > 0
     ]
     spans, total = _layout([s.data for s in writes])
     buffers = area.acquire(total)
@@ -123,7 +119,7 @@ def stage(shards: list[Any], area: StagingArea) -> tuple[list[Any], BufferSet]:
         if isinstance(s, ShardedTensor):
             staged.append(dataclasses.replace(s, data=views.get(id(s))))
         elif isinstance(s, ShardedObject):
-            data = copy.deepcopy(s.data) if is_main_replica(s.replica_id) else None
+            data = copy.deepcopy(s.data) if owners.writes(s) else None
             staged.append(dataclasses.replace(s, data=data))
         else:
             staged.append(s)

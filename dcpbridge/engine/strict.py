@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcpbridge.errors import (
     CheckpointError,
+    InvalidArgumentError,
     KeyMismatchError,
     MissingKeysError,
     ShapeMismatchError,
@@ -131,7 +132,9 @@ def parse_strict(strict: Any) -> Policy:
     value = strict.value if isinstance(strict, enum.Enum) else strict
     policy = _POLICIES.get(value.lower()) if isinstance(value, str) else None
     if policy is None:
-        raise ValueError(f"strict must be one of {', '.join(STRICT_VALUES)}; got {strict!r}")
+        raise InvalidArgumentError(
+            f"strict must be one of {', '.join(STRICT_VALUES)}; got {strict!r}"
+        )
     return policy
 
 

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from dcpbridge.engine.collectives import Group
+from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.mcore.optimizer import GROUP_KEY
+from dcpbridge.storage.errors import storage_faults
 
 DEFAULT_GROUP = "default"
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -49,11 +51,13 @@ class ParamKey:
         object.__setattr__(self, "name", _as_tuple(self.name))
         object.__setattr__(self, "attr", _as_tuple(self.attr))
         if not (self.name or self.attr or self.predicate):
-            raise ValueError("ParamKey needs a name pattern, an attr or a predicate")
+            raise InvalidArgumentError("ParamKey needs a name pattern, an attr or a predicate")
         if self.predicate is not None and not self.label:
-            raise ValueError("a ParamKey with a predicate needs a label (its stable identity)")
+            raise InvalidArgumentError(
+                "a ParamKey with a predicate needs a label (its stable identity)"
+            )
         if self.identity == DEFAULT_GROUP:
-            raise ValueError(f"{DEFAULT_GROUP!r} is the default group's identity")
+            raise InvalidArgumentError(f"{DEFAULT_GROUP!r} is the default group's identity")
 
     def matches(self, name: str, param: nn.Parameter) -> bool:
         return (
@@ -96,20 +100,22 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise InvalidArgumentError(
+                f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"
+            )
         for name in ("lr", "weight_decay", "adam_eps", "sgd_momentum"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.adam_eps <= 0:
-            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps!r}")
+            raise InvalidArgumentError(f"adam_eps must be > 0, got {self.adam_eps!r}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+            raise InvalidArgumentError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+                raise InvalidArgumentError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.sgd_nesterov and self.sgd_momentum <= 0:
-            raise ValueError("sgd_nesterov needs sgd_momentum > 0")
+            raise InvalidArgumentError("sgd_nesterov needs sgd_momentum > 0")
 
     def group_options(self) -> dict[str, Any]:
         """The torch.optim param-group entries this config sets."""
@@ -133,10 +139,10 @@ def _override(config: OptimizerConfig, key: ParamKey, value: Override) -> Optimi
         fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
         unknown = sorted(set(value) - fields)
         if unknown:
-            raise ValueError(f"override for {key.identity!r}: unknown fields {unknown}")
+            raise InvalidArgumentError(f"override for {key.identity!r}: unknown fields {unknown}")
         new = dataclasses.replace(config, **value)
     if new.optimizer != config.optimizer:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"override for {key.identity!r} asks for optimizer {new.optimizer!r}; one "
             f"optimizer ({config.optimizer!r}) serves every group"
         )
@@ -168,7 +174,7 @@ def get_param_groups(
     configs = [config] + [_override(config, key, value) for key, value in keys]
     identities = [DEFAULT_GROUP] + [key.identity for key, _ in keys]
     if len(set(identities)) != len(identities):
-        raise ValueError(f"ParamKey identities must be distinct, got {identities}")
+        raise InvalidArgumentError(f"ParamKey identities must be distinct, got {identities}")
     groups = [
         {"params": [], "param_names": [], **cfg.group_options(), GROUP_KEY: identity}
         for cfg, identity in zip(configs, identities)
@@ -211,6 +217,11 @@ def _dump(groups: list[dict[str, Any]], path: str) -> None:
     path = path.replace("{rank}", str(rank))
     mapping = {n: g[GROUP_KEY] for g in groups for n in g["param_names"]}
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(mapping, f, indent=1)
-    os.replace(tmp, path)
+    with storage_faults(f"dump of param groups to {path}"):
+        try:
+            with open(tmp, "w") as f:
+                json.dump(mapping, f, indent=1)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcpbridge.engine.fully_parallel import ShardId
+from dcpbridge.engine.ownership import ShardId
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners import (
     DTypeMismatchError,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -29,12 +30,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.drive import Failure, attempt, raise_failures
-from dcpbridge.errors import ShapeMismatchError
+from dcpbridge.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidRequestError,
+    KeyMismatchError,
+    PickleRefusedError,
+    ShapeMismatchError,
+)
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.model.state import HOLE, fill_holes, map_leaves
 from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage.errors import storage_error
 from dcpbridge.tools.formats import load_torch_file
 
 if TYPE_CHECKING:
@@ -116,14 +126,14 @@ def _source(path: str, leaf: Any) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(leaf, ShardedTensor):
         return leaf.key, leaf.global_shape
     if isinstance(leaf, (ShardedTensorFactory, ShardedObject)):
-        raise TypeError(
+        raise InvalidRequestError(
             f"{path!r}: a {type(leaf).__name__} cannot be cut from a full tensor; apply "
             "factories (dcpbridge.model.state.apply_factories) or leave objects out of the template"
         )
     if isinstance(leaf, DTensor):
         bad = [p for p in leaf.placements if not isinstance(p, (Shard, Replicate))]
         if bad:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{path!r}: DTensor placements {bad} cannot be loaded from a full tensor "
                 "(only Shard and Replicate)"
             )
@@ -179,11 +189,8 @@ def _distribute(
         sources = [_source(path, leaf) for path, leaf in leaves]
         return sources, _header(state_dict) if state_dict is not None else None
 
-    local = attempt(group.rank, "plan", local_step)
-    gathered = group.all_gather(local)
-    raise_failures([g for g in gathered if isinstance(g, Failure)], local, world_size=group.size)
-    assert not isinstance(local, Failure)
-    sources = local[0]
+    gathered = protocol.agree(group, "plan", local_step)
+    sources = gathered[group.rank][0]
     header = gathered[0][1]
     plan = plan_broadcasts([dict(g[0]) for g in gathered], header)
     if plan.errors:
@@ -226,7 +233,7 @@ def broadcast_and_shard_state_dict(
     in ``sharded_state_dict`` (see the module docstring for what each leaf becomes)."""
     group = Group.resolve(process_group)
     if group.rank != 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"broadcast_and_shard_state_dict runs on rank 0 only (this is rank {group.rank}); "
             "other ranks call shard_broadcasted_state_dict"
         )
@@ -242,7 +249,7 @@ def shard_broadcasted_state_dict(
     """Every other rank's half: receive rank 0's tensors and keep this rank's shards."""
     group = Group.resolve(process_group)
     if group.rank == 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             "shard_broadcasted_state_dict runs on ranks other than 0; rank 0 calls "
             "broadcast_and_shard_state_dict with the full state dict"
         )
@@ -272,18 +279,50 @@ def _as_device(d: DeviceLike) -> torch.device:
     if isinstance(d, int):
         return torch.device("cuda", d)
     if d in ("disk", "meta"):
-        raise ValueError(f"device_map value {d!r} is not supported; use a real device")
-    return torch.device(d)
+        raise InvalidArgumentError(f"device_map value {d!r} is not supported; use a real device")
+    try:
+        return torch.device(d)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"device_map value {d!r} is not a device: {e}") from e
 
 
-def _read_file(path: str) -> dict[str, Any]:
+def _read_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
+    """The state dict in ``path``; every failure is a ``CheckpointError`` naming the file."""
+    try:
+        return _read_state_file(path, allow_pickle)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise storage_error(path, e) from e
+    except pickle.UnpicklingError as e:
+        raise PickleRefusedError(
+            f"{path}: holds objects that safe (weights_only) loading refuses: {e}"
+        ) from e
+    except Exception as e:  # a damaged index, safetensors header or torch.save archive
+        raise CorruptCheckpointError(
+            f"{path}: not a readable state dict file: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _read_state_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
+    if os.path.isdir(path):  # a checkpoint directory of any format: every tensor, whole
+        from dcpbridge.tools.sources import open_source
+
+        source = open_source(path, allow_pickle=allow_pickle)
+        try:
+            return {
+                k: source.read(k, (0,) * len(t.shape), t.shape)
+                for k, t in sorted(source.tensors.items())
+            }
+        finally:
+            source.close()
     if path.endswith(".index.json"):
         with open(path) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
         out: dict[str, Any] = {}
         folder = os.path.dirname(path)
         for name in dict.fromkeys(weight_map.values()):
-            out.update(_read_file(os.path.join(folder, name)))
+            out.update(_read_state_file(os.path.join(folder, name)))
         return out
     if path.endswith(".safetensors"):
         from safetensors import safe_open
@@ -292,7 +331,7 @@ def _read_file(path: str) -> dict[str, Any]:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
     obj = load_torch_file(path, weights_only=True)
     if not isinstance(obj, Mapping):
-        raise TypeError(f"{path} holds a {type(obj).__name__}, not a state dict")
+        raise InvalidArgumentError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return dict(obj)
 
 
@@ -301,35 +340,36 @@ def load_state_dict(
     device_map: DeviceMap = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """Every rank calls it; only rank 0 (global, or of ``process_group``) reads
-    ``checkpoint_file`` (torch.save, ``.safetensors`` or a ``*.index.json`` of shards) and gets
-    its state dict, the others get ``{}``.
+    ``checkpoint_file`` (torch.save, ``.safetensors`` or a ``*.index.json`` of shards, or a
+    checkpoint directory of any format: its tensors, whole) and gets its state dict, the
+    others get ``{}``. ``allow_pickle`` is for DCP / torch_dist directories (pickled metadata).
 
     ``device_map`` places entries as accelerate does: one device for all, or a dict from
     module prefix to device (longest prefix wins). A read failure raises on every rank.
     """
     group = Group.resolve(process_group)
     path = os.fspath(checkpoint_file)
-    result: Any = {}
-    if group.rank == 0:
 
-        def read() -> dict[str, Any]:
-            sd = _read_file(path)
-            return {
-                k: v.to(_device_for(k, device_map)) if isinstance(v, torch.Tensor) else v
-                for k, v in sd.items()
-            }
+    def read() -> dict[str, Any]:
+        sd = _read_file(path, allow_pickle)
+        return {
+            k: v.to(_device_for(k, device_map)) if isinstance(v, torch.Tensor) else v
+            for k, v in sd.items()
+        }
 
-        result = attempt(0, "read", read)
-    failure = group.broadcast(result if isinstance(result, Failure) else None)
-    if failure is not None:
-        raise_failures([failure], result, world_size=group.size)
-    return result if group.rank == 0 else {}
+    return protocol.on_coordinator(group, "read", read) or {}
 
 
 # ---------------------------------------------------------------------------------------------
 # Module wrapper.
+
+
+class ModuleKeysError(KeyMismatchError, RuntimeError):
+    """A strict ``DistModule.load_state_dict`` found missing or unexpected keys (still the
+    ``RuntimeError`` that ``nn.Module.load_state_dict`` raises)."""
 
 
 class DistModule(nn.Module):
@@ -378,7 +418,7 @@ class DistModule(nn.Module):
                 parts.append("Unexpected key(s) in state_dict: " + ", ".join(map(repr, unexpected)))
             if missing:
                 parts.append("Missing key(s) in state_dict: " + ", ".join(map(repr, missing)))
-            raise RuntimeError(
+            raise ModuleKeysError(
                 f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t"
                 + "\n\t".join(parts)
             )

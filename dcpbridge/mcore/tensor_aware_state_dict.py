@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcpbridge.engine import fully_parallel as fp
-from dcpbridge.engine.api import split_for_save, structure_of
+from dcpbridge.engine import ownership, protocol
+from dcpbridge.engine.cache import structure_of
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import HollowStateError, InvalidShardError
+from dcpbridge.engine.ownership import shard_id
+from dcpbridge.engine.save import split_for_save
+from dcpbridge.errors import HollowStateError, InvalidArgumentError, InvalidShardError
 from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
 from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.model.state import (
@@ -37,6 +39,7 @@ from dcpbridge.model.state import (
     map_leaves,
 )
 from dcpbridge.planners import StrictMode
+from dcpbridge.planners.distribution import Holding
 
 ALGOS = ("fully_parallel", "atomic")
 EXCHANGE_ALGOS = ("broadcast", "p2p")
@@ -103,13 +106,13 @@ class TensorAwareStateDict:
             if error is not None:
                 raise error
             if cached_metadata.structure != structure_of(shards, group):
-                raise ValueError(
+                raise InvalidArgumentError(
                     "cached_metadata was computed for other shards or another "
                     "parallelization group; call from_state_dict without it"
                 )
             distribution = cached_metadata
         else:
-            keepers = fp.writers(group, error or shards, only_main=False)
+            keepers = ownership.assign(group, lambda: _held(error, shards), only_main=False)
             distribution = ShardDistribution(keepers, structure_of(shards, group))
         kept = [copy.copy(s) for s in shards if _keeps(s, distribution.keepers, group.rank)]
         return cls(common, kept, algo), distribution
@@ -241,10 +244,10 @@ class TensorAwareStateDict:
         """
         algo = _check_algo(self.algo if algo is None else algo)
         if exchange_algo not in EXCHANGE_ALGOS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"exchange_algo must be one of {EXCHANGE_ALGOS}, got {exchange_algo!r}"
             )
-        strict = StrictMode(strict)
+        strict = _strict_mode(strict)
         local_only = algo == "atomic"
         group = Group.resolve(parallelization_group)
         nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
@@ -270,7 +273,8 @@ class TensorAwareStateDict:
                 raise mine
             manifests = {group.rank: mine}
         else:
-            manifests = dict(enumerate(fp.exchange_holdings(group, mine)))
+            everyone = protocol.agree(group, "restore exchange", lambda: _mine(mine))
+            manifests = dict(enumerate(everyone))
         plan = plan_restore(manifests, local_only=local_only)
         plan.check(validate=validate_access_integrity and not local_only, strict=strict)
         sources = self._sources(group, plan, requests, exchange_algo)
@@ -282,7 +286,7 @@ class TensorAwareStateDict:
             if x.numel == 0:
                 x.init_data()
                 return x.data
-            src = sources.get(fp.shard_id(x))
+            src = sources.get(shard_id(x))
             if src is None:
                 return HOLE  # missing, with strict="return_all"
             if x.data is None:
@@ -304,12 +308,12 @@ class TensorAwareStateDict:
         sources: dict[ShardId, torch.Tensor] = {}
         for s in self._tensor_shards():
             assert s.data is not None
-            sources.setdefault(fp.shard_id(s), s.data)
+            sources.setdefault(shard_id(s), s.data)
         if not plan.transfers:
             return sources
         device = group.tensor_device
         into = {
-            fp.shard_id(s): s.data
+            shard_id(s): s.data
             for s in requests
             if isinstance(s, ShardedTensor) and _receivable(s.data, device)
         }
@@ -351,19 +355,44 @@ def _broadcast_all(
 
 def _check_algo(algo: str) -> str:
     if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+        raise InvalidArgumentError(f"algo must be one of {ALGOS}, got {algo!r}")
     return algo
+
+
+def _strict_mode(strict: Any) -> StrictMode:
+    try:
+        return StrictMode(strict)
+    except ValueError as e:
+        names = ", ".join(m.value for m in StrictMode)
+        raise InvalidArgumentError(f"strict must be one of {names}; got {strict!r}") from e
 
 
 def _is_object(x: Any) -> bool:
     return isinstance(x, ShardedObject)
 
 
+def _held(error: BaseException | None, shards: list[Any]) -> list[Holding]:
+    """What this rank holds for the keepers' exchange (or its failure, raised in it)."""
+    if error is not None:
+        raise error
+    return [
+        Holding(shard_id(s), s.numel * s.dtype.itemsize)
+        for s in shards
+        if isinstance(s, ShardedTensor) and s.numel > 0
+    ]
+
+
+def _mine(manifest: Manifest | BaseException) -> Manifest:
+    if isinstance(manifest, BaseException):
+        raise manifest
+    return manifest
+
+
 def _keeps(s: Any, keepers: dict[ShardId, int], rank: int) -> bool:
     """Whether this rank keeps ``s`` (objects always; empty tensors never: nothing to keep)."""
     if not isinstance(s, ShardedTensor):
         return True
-    return s.numel > 0 and keepers.get(fp.shard_id(s)) == rank
+    return s.numel > 0 and keepers.get(shard_id(s)) == rank
 
 
 def _receivable(t: torch.Tensor | None, device: torch.device) -> bool:

@@ -5,7 +5,7 @@ One walk over the user's state dict (DCP's flattening rules) sorts each leaf:
   become dcpbridge shards; factories are built; non-persistent objects are skipped;
 - DTensors and torch ShardedTensors become ShardedTensors under their dotted path;
 - plain tensors become whole-tensor ShardedTensors under their path, held by every rank
-  (``replica_id`` = rank, so exactly one writes: rank 0, or the fully-parallel choice);
+  (who writes them is ``dcpbridge.engine.ownership``'s answer, as for every shard);
 - any other value is common state, stored one entry per key (plain DCP's layout);
 - anything else carrying sharding is refused by name.
 On load, the same walk remembers how to put each loaded value back where the template had it.
@@ -35,6 +35,7 @@ from dcpbridge.planners.protocol import LeafKind, leaf_kind
 from dcpbridge.planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
 
 Shard = ShardedTensor | ShardedObject
+_LEAF_TYPES = frozenset({ShardedTensor, ShardedObject, torch.Tensor, torch.nn.Parameter})
 
 
 def own_tensor(value: Any) -> ShardedTensor:
@@ -68,16 +69,15 @@ def own_object(value: Any) -> ShardedObject:
     )
 
 
-def _boxes(path: str, value: Any, kind: LeafKind, replica: int) -> list[ShardedTensor]:
-    """ShardedTensors of a DTensor / torch ShardedTensor / plain tensor leaf; a plain
-    tensor is held by every rank, with ``replica`` as its replica id."""
+def _boxes(path: str, value: Any, kind: LeafKind) -> list[ShardedTensor]:
+    """ShardedTensors of a DTensor / torch ShardedTensor / plain tensor leaf."""
     return [
         ShardedTensor.from_box(
             b.key,
             b.data,
             b.global_shape,
             b.global_offset,
-            replica_id=replica if kind == "tensor" else b.replica_id,
+            replica_id=b.replica_id,
         )
         for b in tensor_boxes(path, value, kind)
     ]
@@ -140,8 +140,8 @@ class SaveParts:
         return out
 
 
-def for_save(tree: Any, rank: int) -> SaveParts:
-    """Sort ``tree``'s leaves for a save by the rank ``rank`` of its group."""
+def for_save(tree: Any) -> SaveParts:
+    """Sort ``tree``'s leaves for a save."""
     if not isinstance(tree, Mapping):
         raise SerializationError(f"a state dict must be a mapping, got {type(tree).__name__}")
     parts = SaveParts()
@@ -157,7 +157,7 @@ def for_save(tree: Any, rank: int) -> SaveParts:
             parts.shards.append(own_object(value))
         elif kind in ("dtensor", "torch_sharded", "tensor"):
             key = check_key(leaf.path)
-            parts.shards.extend(_boxes(key, value, kind, rank))
+            parts.shards.extend(_boxes(key, value, kind))
             if kind == "tensor":
                 parts.plain[key] = value
                 parts.paths[key] = leaf.obj_path
@@ -172,6 +172,8 @@ def for_save(tree: Any, rank: int) -> SaveParts:
 
 
 def _find_empty(node: Any, path: ObjPath, out: list[ObjPath]) -> None:
+    if type(node) in _LEAF_TYPES:  # shards and tensors hold no dicts: skip the ABC checks
+        return
     if isinstance(node, Mapping):
         if not node and path:
             out.append(path)
@@ -263,7 +265,7 @@ def for_load(tree: Any) -> LoadParts:
             parts._slots[id(value)] = _one_slot(shard)
         elif kind in ("dtensor", "torch_sharded", "tensor"):
             key = check_key(leaf.path)
-            shards = _boxes(key, value, kind, 0)
+            shards = _boxes(key, value, kind)
             parts.shards.extend(shards)
             if kind == "tensor":
                 parts.plain_tensors[key] = shards[0]

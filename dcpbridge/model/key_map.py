@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.model.intake import own_tensor
 from dcpbridge.model.mapping import ShardedTensor, ShardedTensorFactory
 from dcpbridge.planners.leaves import tensor_boxes
@@ -33,7 +34,7 @@ _OPTIMIZER_STATE = re.compile(r"(optimizer\.state\.[^.]+\.)(.+)")
 def _fields(pattern: str) -> list[str]:
     names = _PLACEHOLDER.findall(pattern)
     if len(set(names)) != len(names):
-        raise ValueError(f"key pattern {pattern!r} repeats a placeholder")
+        raise InvalidArgumentError(f"key pattern {pattern!r} repeats a placeholder")
     return names
 
 
@@ -59,7 +60,7 @@ class _Rule:
         t, c = _fields(template), _fields(checkpoint)
         only_t, only_c = [n for n in t if n not in c], [n for n in c if n not in t]
         if len(only_t) + len(only_c) > 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"key map rule {template!r} -> {checkpoint!r}: at most one placeholder may "
                 f"appear on one side only (one stacked axis), got {only_t + only_c}"
             )
@@ -176,7 +177,7 @@ class KeyMap:
             if mapped is None:
                 return leaf.value
             if len(mapped) != 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"key map: factory {factory.key!r} builds {leaf.value.key!r}, which a rule "
                     "splits into several keys; factories can only be re-keyed one to one"
                 )

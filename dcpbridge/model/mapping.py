@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import InvalidShardError
-from dcpbridge.planners.protocol import ReplicaId, is_main_replica
+from dcpbridge.planners.distribution import is_main_replica
+from dcpbridge.planners.protocol import ReplicaId
 
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
@@ -36,6 +37,16 @@ __all__ = [
 ]
 
 COMMON_KEY = "__common__"
+_ZEROS = tuple((0,) * n for n in range(9))
+
+
+def _int_tuple(values: Any) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints (torch.Size and tuples of ints pass unchanged)."""
+    if type(values) is tuple and all(type(v) is int for v in values):
+        return values
+    return tuple(map(int, values))
+
+
 _RESERVED = frozenset({COMMON_KEY})
 
 
@@ -80,11 +91,11 @@ class ShardedTensor:
     flattened_range: slice | None = None
 
     def __post_init__(self) -> None:
-        self.local_shape = tuple(int(s) for s in self.local_shape)
-        self.global_shape = tuple(int(s) for s in self.global_shape)
-        self.global_offset = tuple(int(s) for s in self.global_offset)
+        self.local_shape = _int_tuple(self.local_shape)
+        self.global_shape = _int_tuple(self.global_shape)
+        self.global_offset = _int_tuple(self.global_offset)
         if self.axis_fragmentations is not None:
-            self.axis_fragmentations = tuple(int(f) for f in self.axis_fragmentations)
+            self.axis_fragmentations = _int_tuple(self.axis_fragmentations)
         self.validate()
 
     def validate(self) -> None:
@@ -102,7 +113,7 @@ class ShardedTensor:
                 raise InvalidShardError(
                     f"{what}: data dtype {self.data.dtype} != dtype {self.dtype}"
                 )
-            if tuple(self.data.shape) != self.local_shape:
+            if self.data.shape != self.local_shape:
                 raise InvalidShardError(
                     f"{what}: data shape {tuple(self.data.shape)} != local_shape {self.local_shape}"
                 )
@@ -115,7 +126,25 @@ class ShardedTensor:
                 f"{what}: global_shape {self.global_shape} and global_offset {self.global_offset} "
                 f"must have {ndim} dims ({p} prepended + local shape {self.local_shape})"
             )
-        sizes = (1,) * p + self.local_shape
+        sizes = (1,) * p + self.local_shape if p else self.local_shape
+        if (
+            self.global_offset == self._zeros(ndim)
+            and sizes == self.global_shape
+            and min(sizes, default=0) >= 0
+        ):
+            pass  # the whole tensor (the common case): nothing to check per axis
+        else:
+            self._check_fits(what, sizes)
+        frags = self.axis_fragmentations
+        if frags is None:
+            return
+        self._check_fragments(what, frags, sizes, ndim)
+
+    @staticmethod
+    def _zeros(ndim: int) -> tuple[int, ...]:
+        return _ZEROS[ndim] if ndim < len(_ZEROS) else (0,) * ndim
+
+    def _check_fits(self, what: str, sizes: tuple[int, ...]) -> None:
         for d, (o, s, n) in enumerate(zip(self.global_offset, sizes, self.global_shape)):
             if min(o, s, n) < 0 or o + s > n:
                 raise InvalidShardError(
@@ -123,9 +152,11 @@ class ShardedTensor:
                     f"size {n} (global_shape {self.global_shape}, global_offset "
                     f"{self.global_offset}, local_shape {self.local_shape})"
                 )
-        frags = self.axis_fragmentations
-        if frags is None:
-            return
+
+    def _check_fragments(
+        self, what: str, frags: tuple[int, ...], sizes: tuple[int, ...], ndim: int
+    ) -> None:
+        p = self.prepend_axis_num
         if len(frags) != ndim or any(f < 1 for f in frags):
             raise InvalidShardError(
                 f"{what}: axis_fragmentations {frags} must have {ndim} entries >= 1"

@@ -18,7 +18,14 @@ from typing import Any, NoReturn
 from dcpbridge.errors import CheckpointError
 from dcpbridge.tools import config as config_mod
 from dcpbridge.tools import layout as layout_mod
-from dcpbridge.tools.config import Config, ConfigError, load_config, parse_size, storage_options
+from dcpbridge.tools.config import (
+    Config,
+    ConfigError,
+    is_url,
+    load_config,
+    parse_size,
+    resolve_storage_options,
+)
 from dcpbridge.tools.layout import Layout, LayoutError, load_layout, whole_tensors
 from dcpbridge.tools.report import human_bytes
 
@@ -61,12 +68,25 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="read pickled metadata/objects (DCP, torch_dist, torch files); trusted input only",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def _add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: once a run has lasted a second)",
+    )
 
 
 def _add_transfer(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src-profile", metavar="NAME", help="storage profile for SRC")
     p.add_argument("--dst-profile", metavar="NAME", help="storage profile for DST")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--force", action="store_true", help="overwrite DST if it exists (refused otherwise)"
+    )
+    _add_progress(p)
     p.add_argument(
         "--slab-size",
         default="64MiB",
@@ -84,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     parser.add_argument("--config", metavar="FILE", help="configuration file (see below)")
+    parser.add_argument("--version", action="version", version=f"dcpbridge {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
@@ -111,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("--checksums", action="store_true", help="read all data and verify checksums")
     _add_common(p)
+    _add_progress(p)
 
     p = sub.add_parser(
         "reshard",
@@ -161,37 +183,62 @@ def build_parser() -> argparse.ArgumentParser:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
 def _options(cfg: Config, url: str, *names: str | None) -> dict[str, Any] | None:
     """Storage options for ``url``: the first profile named (or the file's default)."""
-    if not _is_url(url):
-        return None
-    name = next((n for n in names if n), None) or cfg.checkpoint.profile
-    return storage_options(cfg.profile(name)) if name else None
+    return resolve_storage_options(None, next((n for n in names if n), None), cfg, url=url)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dcpbridge")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 @contextlib.contextmanager
-def _progress(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+def _progress(
+    total: int, desc: str, wanted: bool | None, *, rank: int = 0
+) -> Iterator[Callable[[int], None]]:
+    """A tqdm bar on stderr (rank 0 only): forced on or off by ``--[no-]progress``, else shown
+    once a run has lasted a second, so short runs stay quiet."""
     from tqdm import tqdm
 
+    auto = wanted is None
     bar = tqdm(
         total=total,
         desc=desc,
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        disable=not enabled,
+        disable=rank != 0 or wanted is False,
         file=sys.stderr,
         mininterval=0.5,
+        delay=1.0 if auto else 0.0,
         dynamic_ncols=True,
     )
     try:
         yield bar.update
     finally:
         bar.close()
+
+
+def _refuse_existing(url: str, options: dict[str, Any] | None, force: bool) -> None:
+    """Refuse to write over an existing file or non-empty directory unless ``force``."""
+    if force:
+        return
+    from dcpbridge.storage import resolve
+    from dcpbridge.storage.errors import storage_faults
+
+    location = resolve(url, options)
+    with storage_faults(f"{url}: look up"):
+        location.fs.invalidate_cache(location.root)
+        if not location.fs.exists(location.root):
+            return
+        taken = location.fs.isfile(location.root) or bool(location.fs.ls(location.root))
+    if taken:
+        raise UsageError(f"the destination {url} exists; pass --force to overwrite it")
 
 
 def _size(text: str | None, what: str) -> int | None:
@@ -268,7 +315,7 @@ def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
     try:
         found = report.structure(source, report.file_sizes(source))
         if args.checksums and not found.problems:
-            with _progress(report.count_bytes(source), "verify", sys.stderr.isatty()) as bar:
+            with _progress(_bytes_to_verify(source), "verify", args.progress) as bar:
                 report.verify_data(source, found, bar)
         line = report.summary_line(source, found)
     finally:
@@ -282,6 +329,18 @@ def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
         return 1
     print(f"OK: {source.location.url} ({line})")
     return 0
+
+
+def _bytes_to_verify(source: Any) -> int:
+    """What ``validate --checksums`` reads: every stored item of a dcpbridge checkpoint
+    (objects too), every tensor chunk of other formats."""
+    from dcpbridge.storage import StorageIndex
+    from dcpbridge.tools import report
+
+    index = getattr(getattr(source, "metadata", None), "storage_data", None)
+    if isinstance(index, StorageIndex):
+        return sum(item.nbytes for item in index.items.values())
+    return report.count_bytes(source)
 
 
 def _layout_or_default(path: str | None) -> Layout:
@@ -300,24 +359,25 @@ def _run_reshard(
     from dcpbridge.tools.reshard import assign, plan_work, reshard
 
     def norm(u: str) -> str:
-        return u.rstrip("/") if _is_url(u) else os.path.abspath(u)
+        return u.rstrip("/") if is_url(u) else os.path.abspath(u)
 
     if norm(src) == norm(dst):
         raise UsageError(f"the destination {dst} is the source itself")
     slab = _size(args.slab_size, "--slab-size") or 0
+    dst_options = _options(cfg, dst, dst_profile, args.profile)
+    _refuse_existing(dst, dst_options, args.force)
     group = _group()
     source = _open(args, cfg, src, src_profile)
     try:
         work = plan_work(source, layout)
         total = sum(w.nbytes for w in assign(work, group.size)[group.rank])
         desc = f"worker {group.rank}/{group.size}" if group.size > 1 else "reshard"
-        show = not args.no_progress and group.rank == 0
-        with _progress(total, desc, show) as bar:
+        with _progress(total, desc, args.progress, rank=group.rank) as bar:
             result = reshard(
                 source,
                 dst,
                 layout,
-                storage_options=_options(cfg, dst, dst_profile, args.profile),
+                storage_options=dst_options,
                 group=group,
                 checksums=cfg.checkpoint.checksums and not args.no_checksums,
                 slab_bytes=slab,
@@ -383,11 +443,12 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
     from dcpbridge.tools.export import export_safetensors, export_torch
 
     slab = _size(args.slab_size, "--slab-size") or 0
-    source = _open(args, cfg, args.source, args.src_profile)
     options = _options(cfg, args.destination, args.dst_profile, args.profile)
+    _refuse_existing(args.destination, options, args.force)
+    source = _open(args, cfg, args.source, args.src_profile)
     try:
         total = sum(t.nbytes for t in source.tensors.values())
-        with _progress(total, f"to {args.to}", not args.no_progress) as bar:
+        with _progress(total, f"to {args.to}", args.progress) as bar:
             if args.to == "safetensors":
                 result = export_safetensors(
                     source,
@@ -411,6 +472,9 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
         f"wrote {result.destination}: {result.tensors} tensors, "
         f"{human_bytes(result.bytes_written)} in {len(result.files)} file(s)"
     )
+    if result.aliases:
+        tied = ", ".join(f"{a} -> {k}" for a, k in sorted(result.aliases.items())[:5])
+        print(f"note: tied weights written once: {tied}")
     if result.skipped:
         print(
             f"note: safetensors holds tensors only; skipped {len(result.skipped)} object(s): "
@@ -425,6 +489,52 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Config], int]] = {
     "reshard": cmd_reshard,
     "convert": cmd_convert,
 }
+
+
+_HINTS = (
+    (
+        ("403", "Forbidden", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"),
+        "check the credentials and the bucket policy",
+    ),
+    (("NoSuchBucket", "bucket does not exist"), "the bucket does not exist"),
+    (
+        ("Could not connect", "Connection refused", "ConnectError", "Cannot connect"),
+        "is the endpoint up? (the README suggests retry settings that fail fast)",
+    ),
+    (("timed out", "Timeout", "TimeoutError"), "the endpoint did not answer in time"),
+)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for a storage or network failure (URL and cause), the message otherwise."""
+    text = str(e) or type(e).__name__
+    if not isinstance(e, CheckpointError) or isinstance(e, OSError):
+        if not isinstance(e, CheckpointError):
+            text = f"{type(e).__name__}: {text}"
+        text = " ".join(text.split())
+        chain = " ".join(str(c) for c in _causes(e))
+        hint = next((h for keys, h in _HINTS if any(k in text or k in chain for k in keys)), None)
+        if hint and hint not in text:
+            text = f"{text}; {hint}"
+    return text
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    seen = {id(e)}
+    while (e := e.__cause__ or e.__context__) is not None and id(e) not in seen:  # type: ignore[assignment]
+        seen.add(id(e))
+        yield e
+
+
+def _report(args: argparse.Namespace, e: BaseException, code: int) -> None:
+    message = describe_error(e)
+    if getattr(args, "debug", False):
+        log.error("%s failed", args.command, exc_info=e)
+    if getattr(args, "json", False):
+        doc = {"error": message, "type": type(e).__name__, "exit_status": code}
+        print(json.dumps(doc))
+    else:
+        print(f"dcpbridge {args.command}: error: {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,12 +553,13 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     except (UsageError, ConfigError, LayoutError) as e:
         code = 2
-        print(f"dcpbridge {args.command}: error: {e}", file=sys.stderr)
-    except (CheckpointError, FileNotFoundError, OSError, ValueError) as e:
+        _report(args, e, code)
+    except KeyboardInterrupt:
+        code = 130
+        print(f"dcpbridge {args.command}: interrupted", file=sys.stderr)
+    except Exception as e:  # storage, network, bad checkpoints: one line, --debug for more
         code = 1
-        if args.verbose:
-            log.exception("failed")
-        print(f"dcpbridge {args.command}: error: {e}", file=sys.stderr)
+        _report(args, e, code)
     if _STARTED_GROUP:
         _leave_group(code)
     return code

@@ -16,12 +16,15 @@ messages and logs never contain credential values.
         multipart_part_size: 64MiB      # s3fs block size of multipart uploads
         concurrency: 8                  # s3fs max_concurrency per file
         options: {}                     # extra, non-secret fsspec options
-    checkpoint:                         # defaults, read by load_config().checkpoint
-      async: false                      # training code: save in the background
-      fully_parallel: true              # training code: spread replicated shards' writes
-      threads: 2                        # writer threads (data files) per rank
-      checksums: true                   # record checksums (the CLI's default too)
-      profile: null                     # profile for URLs when none is named (CLI too)
+    checkpoint:                         # defaults of CheckpointManager and the CLI
+      every: 1                          # CheckpointManager: save every N steps
+      keep_last: null                   # CheckpointManager: keep the newest N (null: all)
+      keep_every: null                  # CheckpointManager: also keep multiples of N
+      async: true                       # CheckpointManager: save in the background
+      fully_parallel: false             # CheckpointManager: spread replicated shards' writes
+      threads: 2                        # writer threads (data files) per rank (manager, CLI)
+      checksums: true                   # record checksums (manager, CLI)
+      profile: null                     # profile for URLs when none is named (API and CLI)
     jobs:
       to-tp4:                           # dcpbridge reshard --config FILE --job to-tp4
         source: s3://bucket/ckpt/iter_1000
@@ -35,12 +38,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dcpbridge.errors import CheckpointError
-from dcpbridge.tools.layout import Layout, LayoutError, load_layout, parse_layout, read_yaml
+from dcpbridge.tools.layout import Layout, LayoutError, load_layout, parse_layout
+from dcpbridge.tools.schema import Doc, read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +93,18 @@ class StorageProfile:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class CheckpointDefaults:
-    """Checkpoint settings the CLI applies unless told otherwise."""
+    """The one set of checkpoint defaults: CheckpointManager and the CLI apply them unless
+    told otherwise (``db.save`` / ``db.load`` take explicit arguments, and ``profile``)."""
 
-    async_save: bool = False
+    every: int = 1
+    """CheckpointManager: save when ``step % every == 0``."""
+    keep_last: int | None = None
+    """CheckpointManager: keep the newest N complete checkpoints (None: keep all)."""
+    keep_every: int | None = None
+    """CheckpointManager: also keep every step that is a multiple of N."""
+    async_save: bool = True
     """Save in the background (``async`` in the file)."""
-    fully_parallel: bool = True
+    fully_parallel: bool = False
     """Spread the writing of replicated shards over their holders."""
     threads: int = 2
     """Writer threads (data files) per rank."""
@@ -155,56 +167,8 @@ class StorageOptions(dict):
 # -- parsing ---------------------------------------------------------------------------------
 
 
-class _Doc:
-    """Typed access to one mapping of the file; every error names the file and key path."""
-
-    def __init__(self, doc: Any, where: str, path: str) -> None:
-        if doc is None:
-            doc = {}
-        if not isinstance(doc, Mapping):
-            raise self._error(where, path, f"expected a mapping, got {type(doc).__name__}")
-        self.doc, self.where, self.path = doc, where, path
-
-    @staticmethod
-    def _error(where: str, path: str, message: str) -> ConfigError:
-        return ConfigError(f"{where}: {path}: {message}" if path else f"{where}: {message}")
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def error(self, name: str, message: str) -> ConfigError:
-        return self._error(self.where, self.key(name), message)
-
-    def only(self, allowed: set[str]) -> None:
-        unknown = sorted(str(k) for k in self.doc if k not in allowed)
-        if unknown:
-            raise self._error(
-                self.where,
-                self.path,
-                f"unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}",
-            )
-
-    def get(self, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-        value = self.doc.get(name, default)
-        if value is None:
-            return default
-        ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _tuple(kind))
-        if not ok:
-            want = " or ".join(t.__name__ for t in _tuple(kind))
-            raise self.error(name, f"expected {want}, got {type(value).__name__}")
-        return value
-
-    def required(self, name: str, kind: type) -> Any:
-        if self.doc.get(name) is None:
-            raise self.error(name, "is required")
-        return self.get(name, kind)
-
-    def sub(self, name: str) -> _Doc:
-        return _Doc(self.doc.get(name), self.where, self.key(name))
-
-
-def _tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
+def _doc(doc: Any, where: str, path: str = "") -> Doc:
+    return Doc(doc, where, path, ConfigError)
 
 
 def parse_size(value: int | str, what: str) -> int:
@@ -218,14 +182,14 @@ def parse_size(value: int | str, what: str) -> int:
     return int(m.group(1)) * _UNITS[unit]
 
 
-def _env_name(d: _Doc, name: str) -> str | None:
+def _env_name(d: Doc, name: str) -> str | None:
     value = d.get(name, str)
     if value is not None and not _ENV_NAME.match(value):
         raise d.error(name, "must be the NAME of an environment variable, not a credential")
     return value
 
 
-def _profile(name: str, d: _Doc) -> StorageProfile:
+def _profile(name: str, d: Doc) -> StorageProfile:
     d.only(
         {
             "type",
@@ -272,21 +236,32 @@ def _profile(name: str, d: _Doc) -> StorageProfile:
     )
 
 
-def _checkpoint(d: _Doc) -> CheckpointDefaults:
-    d.only({"async", "fully_parallel", "threads", "checksums", "profile"})
-    threads = d.get("threads", int, 2)
-    if threads < 1:
-        raise d.error("threads", "must be >= 1")
+def _positive(d: Doc, name: str, default: int | None) -> int | None:
+    value = d.get(name, int, default)
+    if value is not None and value < 1:
+        raise d.error(name, "must be >= 1")
+    return value
+
+
+def _checkpoint(d: Doc) -> CheckpointDefaults:
+    d.only(
+        {"every", "keep_last", "keep_every", "async", "fully_parallel", "threads", "checksums"}
+        | {"profile"}
+    )
+    base = CheckpointDefaults()
     return CheckpointDefaults(
-        async_save=d.get("async", bool, False),
-        fully_parallel=d.get("fully_parallel", bool, True),
-        threads=threads,
-        checksums=d.get("checksums", bool, True),
+        every=_positive(d, "every", base.every),
+        keep_last=_positive(d, "keep_last", None),
+        keep_every=_positive(d, "keep_every", None),
+        async_save=d.get("async", bool, base.async_save),
+        fully_parallel=d.get("fully_parallel", bool, base.fully_parallel),
+        threads=_positive(d, "threads", base.threads),
+        checksums=d.get("checksums", bool, base.checksums),
         profile=d.get("profile", str),
     )
 
 
-def _job(name: str, d: _Doc, base_dir: str) -> ReshardJob:
+def _job(name: str, d: Doc, base_dir: str) -> ReshardJob:
     d.only({"source", "destination", "layout", "profile", "source_profile", "destination_profile"})
     layout_doc = d.doc.get("layout")
     try:
@@ -311,7 +286,7 @@ def _job(name: str, d: _Doc, base_dir: str) -> ReshardJob:
 
 def parse_config(doc: Any, where: str = "<config>", base_dir: str = ".") -> Config:
     """Validate a configuration mapping (as read from YAML)."""
-    root = _Doc(doc, where, "")
+    root = _doc(doc, where)
     root.only({"profiles", "checkpoint", "jobs"})
     profiles_doc = root.sub("profiles")
     profiles = {str(k): _profile(str(k), profiles_doc.sub(str(k))) for k in profiles_doc.doc}
@@ -341,14 +316,34 @@ def config_path(explicit: str | os.PathLike[str] | None = None) -> str | None:
     return default if os.path.exists(default) else None
 
 
+_CACHE: dict[str, tuple[tuple[int, int], Config]] = {}
+_CACHE_LOCK = threading.Lock()
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
-    """Read and validate the configuration file in effect (an empty Config if there is none)."""
+    """The configuration file in effect, validated (an empty Config if there is none).
+
+    Read once: later calls return the parsed file while its size and mtime are unchanged.
+    """
     where = config_path(path)
     if where is None:
         return Config()
+    try:
+        st = os.stat(where)
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    with _CACHE_LOCK:
+        hit = _CACHE.get(where)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
     doc = read_yaml(where, "configuration file", ConfigError)
     log.debug("dcpbridge configuration from %s", where)
-    return parse_config(doc, where, os.path.dirname(os.path.abspath(where)))
+    config = parse_config(doc, where, os.path.dirname(os.path.abspath(where)))
+    if stamp is not None:
+        with _CACHE_LOCK:
+            _CACHE[where] = (stamp, config)
+    return config
 
 
 def _credential(profile: StorageProfile, attr: str) -> str | None:
@@ -366,40 +361,49 @@ def _credential(profile: StorageProfile, attr: str) -> str | None:
 
 def storage_options(profile: StorageProfile) -> StorageOptions:
     """fsspec ``storage_options`` for ``profile`` (credentials read from the environment now)."""
-    opts = StorageOptions(profile.options)
     if profile.type != "s3":
-        return opts
-    client_kwargs = dict(opts.get("client_kwargs") or {})
-    if profile.endpoint_url is not None:
-        client_kwargs["endpoint_url"] = profile.endpoint_url
-    if profile.region is not None:
-        client_kwargs["region_name"] = profile.region
-    if client_kwargs:
-        opts["client_kwargs"] = client_kwargs
-    for option, attr in (
-        ("key", "access_key_env"),
-        ("secret", "secret_key_env"),
-        ("token", "session_token_env"),
-    ):
-        value = _credential(profile, attr)
-        if value is not None:
-            opts[option] = value
-    if profile.multipart_part_size is not None:
-        opts["default_block_size"] = profile.multipart_part_size
-    if profile.concurrency is not None:
-        opts["max_concurrency"] = profile.concurrency
-    return opts
+        return StorageOptions(profile.options)
+    from dcpbridge.storage.s3 import s3_storage_options
+
+    return StorageOptions(
+        s3_storage_options(
+            profile.options,
+            endpoint_url=profile.endpoint_url,
+            region=profile.region,
+            key=_credential(profile, "access_key_env"),
+            secret=_credential(profile, "secret_key_env"),
+            token=_credential(profile, "session_token_env"),
+            part_size=profile.multipart_part_size,
+            concurrency=profile.concurrency,
+        )
+    )
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` names remote storage (profiles apply to URLs, not local paths)."""
+    text = os.fspath(location)
+    return "://" in text and not text.startswith("file://")
 
 
 def resolve_storage_options(
     storage_options_: dict[str, Any] | None,
-    profile: str | None,
+    profile: str | None = None,
     config: Config | None = None,
+    *,
+    url: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any] | None:
-    """Explicit options on top of those of ``profile`` (read from the configuration in effect)."""
+    """The storage options of one location, for the API and the CLI alike: explicit options
+    on top of those of ``profile``, else of the configuration's ``checkpoint.profile``.
+    Callers pass the ``url``: a local path takes no profile (only explicit options)."""
+    if url is not None and not is_url(url):  # profiles describe remote storage only
+        return storage_options_
+    cfg = config
+    if profile is None and url is not None:
+        cfg = cfg if cfg is not None else load_config()
+        profile = cfg.checkpoint.profile
     if profile is None:
         return storage_options_
-    cfg = config if config is not None else load_config()
+    cfg = cfg if cfg is not None else load_config()
     opts = storage_options(cfg.profile(profile))
     opts.update(storage_options_ or {})
     return opts

@@ -1,8 +1,13 @@
 """Export any checkpoint to single-file formats, streaming (one slab in memory at a time).
 
-- Hugging Face style safetensors: ``model-0000i-of-0000n.safetensors`` shards of at most
-  ``max_shard_bytes`` (a larger tensor gets a shard of its own) and
-  ``model.safetensors.index.json``, written last. Tensors only.
+- Hugging Face style safetensors: one ``model.safetensors`` (no index) when everything fits in
+  ``max_shard_bytes``, else ``model-0000i-of-0000n.safetensors`` shards (a larger tensor gets a
+  shard of its own) and ``model.safetensors.index.json``, written last. Tensors only. Tied
+  weights (one storage under several names, as in a ``torch.save`` of a model whose head
+  shares the input embedding) are written once, under the first name in the file's order (the
+  one ``transformers`` keeps and re-ties from on load); each dropped name is recorded in the
+  shard's ``__metadata__`` as ``{dropped: kept}``, as ``safetensors.torch.save_model`` does.
+  A failed export removes the files it wrote.
 - One ``torch.save`` file: ``{key: tensor}`` plus the objects by key and the common state's
   top-level entries. The file is laid out by ``torch.save`` without data
   (``torch.serialization.skip_data``), then each tensor's bytes are written in place, and the
@@ -12,14 +17,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
 import zipfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,8 +38,10 @@ from dcpbridge.storage.backends import ByteIO
 from dcpbridge.storage.writer import CoalescingFile
 from dcpbridge.tools.formats import SAFETENSORS_INDEX
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
-from dcpbridge.tools.sources import SAFETENSORS_DTYPES, Source, TensorInfo
+from dcpbridge.tools.sources import SAFETENSORS_DTYPES, Source, TensorInfo, _TorchFileSource
 
+log = logging.getLogger(__name__)
+SAFETENSORS_SINGLE = "model.safetensors"
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
@@ -43,6 +52,7 @@ class ExportResult:
     tensors: int
     bytes_written: int
     skipped: list[str]
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def _whole(source: Source, key: str, slab_bytes: int):
@@ -63,10 +73,15 @@ def plan_shards(tensors: list[TensorInfo], max_shard_bytes: int) -> list[list[Te
     return shards
 
 
-def safetensors_header(tensors: list[TensorInfo]) -> tuple[bytes, list[TensorInfo]]:
-    """The header (length prefix included, padded to 8 bytes) and the tensors in data order."""
+def safetensors_header(
+    tensors: list[TensorInfo], aliases: dict[str, str] | None = None
+) -> tuple[bytes, list[TensorInfo]]:
+    """The header (length prefix included, padded to 8 bytes) and the tensors in data order;
+    ``aliases`` (dropped name -> kept name) of tensors in this shard go to ``__metadata__``."""
     ordered = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.key))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    here = {t.key for t in tensors}
+    tied = {a: k for a, k in sorted((aliases or {}).items()) if k in here}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **tied}}
     pos = 0
     for t in ordered:
         name = _SAFETENSORS_NAMES.get(t.dtype)
@@ -83,6 +98,37 @@ def safetensors_header(tensors: list[TensorInfo]) -> tuple[bytes, list[TensorInf
     return struct.pack("<Q", len(raw)) + raw, ordered
 
 
+def tied_aliases(source: Source) -> dict[str, str]:
+    """Names sharing one storage (same bytes, shape and dtype) with an earlier name in the
+    file's order: alias -> kept name. Only ``torch.save`` files keep storage identity."""
+    if not isinstance(source, _TorchFileSource):
+        return {}
+    first: dict[tuple[Any, ...], str] = {}
+    aliases = {}
+    for key, t in source.values.items():
+        if t.numel() == 0:
+            continue
+        identity = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            t.shape,
+            t.stride(),
+            t.dtype,
+        )
+        if identity in first:
+            aliases[key] = first[identity]
+        else:
+            first[identity] = key
+    return aliases
+
+
+def safetensors_names(shards: int) -> list[str]:
+    """``model.safetensors`` for one shard, else ``model-0000i-of-0000n.safetensors``."""
+    if shards == 1:
+        return [SAFETENSORS_SINGLE]
+    return [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+
+
 def export_safetensors(
     source: Source,
     destination: str | os.PathLike[str],
@@ -92,31 +138,61 @@ def export_safetensors(
     slab_bytes: int = DEFAULT_SLAB_BYTES,
     on_bytes: Callable[[int], None] | None = None,
 ) -> ExportResult:
-    """Write ``source``'s tensors as Hugging Face style sharded safetensors in ``destination``."""
+    """Write ``source``'s tensors as Hugging Face style safetensors in ``destination``."""
     location = resolve(destination, storage_options)
     byteio = ByteIO.for_location(location)
     byteio.makedirs()
-    shards = plan_shards([source.tensors[k] for k in sorted(source.tensors)], max_shard_bytes)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    aliases = tied_aliases(source)
+    kept = [source.tensors[k] for k in sorted(source.tensors) if k not in aliases]
+    shards = plan_shards(kept, max_shard_bytes) if kept else [[]]
+    names = safetensors_names(len(shards))
     weight_map: dict[str, str] = {}
     total = 0
-    for name, shard in zip(names, shards):
-        head, ordered = safetensors_header(shard)
-        with byteio.open_write(location.path(name)) as raw:
-            out = CoalescingFile(raw)
-            out.write(memoryview(head))
-            for t in ordered:
-                for part in counted(_whole(source, t.key, slab_bytes), on_bytes):
-                    out.write(part)
-                weight_map[t.key] = name
-                total += t.nbytes
-            out.flush()
-            byteio.sync(raw)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    raw_index = json.dumps(index, indent=2).encode()
-    byteio.commit_file(SAFETENSORS_INDEX, raw_index, f"{SAFETENSORS_INDEX}.tmp", sync=True)
+    written: list[str] = []
+    try:
+        for name, shard in zip(names, shards):
+            head, ordered = safetensors_header(shard, aliases)
+            written.append(name)
+            with byteio.open_write(location.path(name)) as raw:
+                out = CoalescingFile(raw)
+                out.write(memoryview(head))
+                for t in ordered:
+                    for part in counted(_whole(source, t.key, slab_bytes), on_bytes):
+                        out.write(part)
+                    weight_map[t.key] = name
+                    total += t.nbytes
+                out.flush()
+                byteio.sync(raw)
+        if len(names) > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            raw_index = json.dumps(index, indent=2).encode()
+            written.append(SAFETENSORS_INDEX)
+            byteio.commit_file(SAFETENSORS_INDEX, raw_index, f"{SAFETENSORS_INDEX}.tmp", sync=True)
+    except BaseException:
+        _remove_quietly(byteio, [*written, f"{SAFETENSORS_INDEX}.tmp"])
+        raise
+    files = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
+    _remove_quietly(byteio, _stale_exports(byteio, files))  # an earlier export (--force)
     skipped = sorted(source.objects)
-    return ExportResult(location.url, [*names, SAFETENSORS_INDEX], len(weight_map), total, skipped)
+    return ExportResult(location.url, files, len(weight_map), total, skipped, aliases)
+
+
+def _stale_exports(byteio: ByteIO, keep: list[str]) -> list[str]:
+    """Safetensors files of an earlier export at the destination that this one did not write."""
+    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+    names = byteio.list_names()
+    return [n for n in names if n not in keep and (pattern.match(n) or n == SAFETENSORS_INDEX)]
+
+
+def _remove_quietly(byteio: ByteIO, names: list[str]) -> None:
+    try:
+        present = set(byteio.list_names())
+        byteio.remove([n for n in names if n in present])
+    except Exception as e:  # the export's own outcome is what the caller must see
+        log.warning("could not remove %s in %s: %s", names, byteio.location.url, e)
 
 
 def _torch_layout(source: Source) -> dict[str, Any]:

@@ -1,9 +1,12 @@
-"""Which checkpoint format a location holds, and how DCP-protocol loads read each one.
+"""How a checkpoint is opened: once, into a ``Checkpoint`` that knows its format and reads its bytes.
 
-Formats: dcpbridge (``dcpbridge.json``), plain DCP (pickled ``.metadata`` + ``.distcp``),
-Megatron-Core ``torch_dist`` (DCP plus ``metadata.json`` and ``common.pt``; each
-ShardedObject stored as a one-element list), and single files (``torch.save``, safetensors)
-that only the conversion tools read.
+``open_checkpoint`` resolves the URL and detects the format once; the handle owns the
+location and its byte I/O and serves every reader: DCP-protocol loads (``reader``), the
+offline tools (``dcpbridge.tools.sources``), and each format's conventions (torch_dist's
+objects stored as one-element lists and its ``common.pt``). Formats: dcpbridge
+(``dcpbridge.json``), plain DCP (pickled ``.metadata`` + ``.distcp``), Megatron-Core
+``torch_dist`` (DCP plus ``metadata.json`` and ``common.pt``), and single files
+(``torch.save``, safetensors) that only the conversion tools read.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcpbridge.errors import (
@@ -29,11 +31,10 @@ from dcpbridge.errors import (
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.planners import load_object
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
-from dcpbridge.storage.backends import ByteIO
-from dcpbridge.storage.paths import fsspec_options
-from dcpbridge.storage.reader import diagnose_missing_metadata
+from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage.reader import diagnose_missing_metadata, read_object_bytes
+from dcpbridge.tools.dcp_files import DCP_METADATA, DcpFileReader, stored_place
 
-DCP_METADATA = ".metadata"
 MEGATRON_CONFIG = "metadata.json"
 MEGATRON_COMMON = "common.pt"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -81,8 +82,8 @@ def _file_format(location: Location) -> Format:
     return Format.TORCH
 
 
-def _megatron_backend(location: Location) -> str:
-    raw = ByteIO.for_location(location).read_file(location.path(MEGATRON_CONFIG))
+def _megatron_backend(location: Location, files: ByteIO) -> str:
+    raw = files.read_file(location.path(MEGATRON_CONFIG))
     try:
         backend = json.loads(raw).get("sharded_backend")
     except (ValueError, AttributeError):
@@ -92,16 +93,16 @@ def _megatron_backend(location: Location) -> str:
     return str(backend)
 
 
-def detect(location: Location) -> Format:
+def detect(location: Location, files: ByteIO | None = None) -> Format:
     """The format stored at ``location``; raises if it holds none (naming what it found)."""
-    byteio = ByteIO.for_location(location)
+    byteio = files or ByteIO.for_location(location)
     if byteio.exists(METADATA_FILE):
         return Format.DCPBRIDGE
     if _is_file(location):
         return _file_format(location)
     names = set(byteio.list_names())
     if MEGATRON_CONFIG in names:
-        backend = _megatron_backend(location)
+        backend = _megatron_backend(location, byteio)
         if backend != "torch_dist":
             raise NotACheckpointError(
                 f"{location.url} is a Megatron-Core checkpoint with the {backend!r} backend; "
@@ -137,34 +138,80 @@ def refuse_pickled_metadata(location: Location, fmt: Format) -> PickleRefusedErr
     )
 
 
-def dcp_reader(location: Location, storage_options: dict[str, Any] | None) -> StorageReader:
-    """torch's own reader for a plain DCP / torch_dist directory (local or any fsspec URL)."""
-    if location.is_local:
-        return FileSystemReader(location.root)
-    return FsspecReader(location.url, **fsspec_options(storage_options))
-
-
 @dataclass
-class LoadSource:
-    """A checkpoint opened for a DCP-protocol load: its reader and its format's conventions."""
+class Checkpoint:
+    """A checkpoint opened once: where it is, its format, and the byte I/O every read uses."""
 
     location: Location
     format: Format
-    reader: StorageReader
+    files: ByteIO
+    storage_options: dict[str, Any] | None = None
     allow_pickle: bool = False
 
-    def objects(self, loaded: dict[str, Any]) -> dict[str, Any]:
+    def reader(self, *, thread_count: int = 4, verify_checksums: bool = True) -> StorageReader:
+        """A DCP ``StorageReader`` of this checkpoint (refusing pickled metadata unless allowed)."""
+        if self.format == Format.DCPBRIDGE:
+            return FsspecCheckpointReader(
+                self.location,  # type: ignore[arg-type]  (resolved already)
+                storage_options=self.storage_options,
+                thread_count=thread_count,
+                verify_checksums=verify_checksums,
+            )
+        if not self.format.pickled_metadata:
+            raise NotACheckpointError(
+                f"{self.location.url} is a single {self.format.description}, not a sharded "
+                "checkpoint; turn it into one with `dcpbridge convert SRC DST --to dcpbridge`"
+            )
+        if not self.allow_pickle:
+            raise refuse_pickled_metadata(self.location, self.format)
+        return DcpFileReader(self.location, self.files, thread_count=thread_count)
+
+    def loaded_objects(self, loaded: dict[str, Any]) -> dict[str, Any]:
         """Loaded objects by storage key, unwrapped from torch_dist's one-element lists."""
         if self.format != Format.TORCH_DIST:
             return loaded
         return {k: unwrap_megatron_object(k, v) for k, v in loaded.items()}
 
     def common_state(self, objects: dict[str, Any]) -> Any:
-        """The checkpoint's common state as one object: the ``__common__`` object of older
-        dcpbridge saves, or Megatron's ``common.pt``; None where entries are stored by key."""
+        """The common state as one object: the ``__common__`` object of older dcpbridge
+        saves, or Megatron's ``common.pt``; None where entries are stored by key."""
         if self.format != Format.TORCH_DIST:
             return objects.get(COMMON_KEY)
-        return read_megatron_common(self.location, allow_pickle=self.allow_pickle)
+        return self.read_common()
+
+    def read_common(self) -> Any:
+        """``common.pt`` of a torch_dist checkpoint (safe loading unless ``allow_pickle``)."""
+        return load_object(
+            io.BytesIO(self.common_bytes()),
+            allow_pickle=self.allow_pickle,
+            what=self.location.path(MEGATRON_COMMON),
+        )
+
+    def common_bytes(self) -> bytes:
+        try:
+            return self.files.read_file(self.location.path(MEGATRON_COMMON))
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(
+                f"{self.location.url}: {MEGATRON_COMMON} is missing"
+            ) from None
+
+    def object_bytes(self, metadata: Metadata, key: str) -> bytes:
+        """Object ``key`` as ``torch.save`` bytes, the way a dcpbridge checkpoint stores it."""
+        if self.format == Format.DCPBRIDGE:
+            return read_object_bytes(self.location, metadata, key)
+        if self.format == Format.TORCH_DIST and key == COMMON_KEY:
+            return self.common_bytes()
+        info = stored_place(self.location, metadata, MetadataIndex(key))
+        path = self.location.path(str(info.relative_path))
+        buf = memoryview(bytearray(int(info.length)))
+        self.files.fetch([RangeRead(path, int(info.offset), buf)], threads=1)
+        blob = bytes(buf)
+        if self.format != Format.TORCH_DIST:
+            return blob
+        value = load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")
+        buf = io.BytesIO()
+        torch.save(unwrap_megatron_object(key, value), buf)
+        return buf.getvalue()
 
 
 def unwrap_megatron_object(key: str, value: Any) -> Any:
@@ -186,42 +233,13 @@ def load_torch_file(path: str, *, weights_only: bool) -> Any:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
 
 
-def read_megatron_common(location: Location, *, allow_pickle: bool) -> Any:
-    """``common.pt`` of a torch_dist checkpoint (safe loading unless ``allow_pickle``)."""
-    path = location.path(MEGATRON_COMMON)
-    try:
-        raw = ByteIO.for_location(location).read_file(path)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{location.url}: {MEGATRON_COMMON} is missing") from None
-    return load_object(io.BytesIO(raw), allow_pickle=allow_pickle, what=path)
-
-
-def open_for_load(
-    checkpoint_dir: str | os.PathLike[str],
+def open_checkpoint(
+    url: str | os.PathLike[str],
     *,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
-    thread_count: int = 4,
-    verify_checksums: bool = True,
-) -> LoadSource:
-    """The reader for ``checkpoint_dir`` in whatever format it holds (call it inside the
-    protocol's first step, where a failure reaches every rank)."""
-    location = resolve(checkpoint_dir, storage_options)
-    fmt = detect(location)
-    if fmt == Format.DCPBRIDGE:
-        reader: StorageReader = FsspecCheckpointReader(
-            checkpoint_dir,
-            storage_options=storage_options,
-            thread_count=thread_count,
-            verify_checksums=verify_checksums,
-        )
-    elif fmt.pickled_metadata:
-        if not allow_pickle:
-            raise refuse_pickled_metadata(location, fmt)
-        reader = dcp_reader(location, storage_options)
-    else:
-        raise NotACheckpointError(
-            f"{location.url} is a single {fmt.description}, not a sharded checkpoint; "
-            "turn it into one with `dcpbridge convert SRC DST --to dcpbridge`"
-        )
-    return LoadSource(location, fmt, reader, allow_pickle)
+) -> Checkpoint:
+    """Open the checkpoint or file at ``url``: resolve it and detect its format, once."""
+    location = resolve(url, storage_options)
+    files = ByteIO.for_location(location)
+    return Checkpoint(location, detect(location, files), files, storage_options, allow_pickle)

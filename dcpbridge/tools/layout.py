@@ -30,9 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from dcpbridge.errors import CheckpointError
+from dcpbridge.tools.schema import Doc, read_yaml
 
 Shape = tuple[int, ...]
 
@@ -151,132 +150,98 @@ class Layout:
 # -- parsing ---------------------------------------------------------------------------------
 
 
-def _fail(where: str, path: str, message: str) -> LayoutError:
-    return LayoutError(f"{where}: {path}: {message}")
-
-
-def _int(value: Any, where: str, path: str, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(where, path, f"expected an integer, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise _fail(where, path, f"must be >= {minimum}, got {value}")
-    return value
-
-
-def _keys(doc: Any, allowed: set[str], where: str, path: str) -> Mapping[str, Any]:
-    if not isinstance(doc, Mapping):
-        raise _fail(where, path, f"expected a mapping, got {type(doc).__name__}")
-    unknown = sorted(str(k) for k in doc if k not in allowed)
-    if unknown:
-        raise _fail(where, path, f"unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
-    return doc
-
-
-def _names(value: Any, where: str, path: str) -> tuple[str, ...]:
+def _names(doc: Doc, value: Any, path: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items or not all(isinstance(v, str) for v in items):
-        raise _fail(where, path, "expected a string or a non-empty list of strings")
+        raise doc.fail("expected a string or a non-empty list of strings", path)
     return tuple(items)
 
 
-def _parse_rule(doc: Any, where: str, path: str, world_size: int, mesh: dict[str, int]) -> Rule:
-    doc = _keys(doc, {"match", "split", "replicate", "rank"}, where, path)
-    if "match" not in doc:
-        raise _fail(where, path, "missing 'match' (a glob or a list of globs)")
-    patterns = _names(doc["match"], where, f"{path}.match")
-    has_split, replicate = "split" in doc, doc.get("replicate", False)
+def _parse_split(d: Doc, spec: Any, path: str, world_size: int, mesh: dict[str, int]) -> AxisSplit:
+    s = d.item(spec, path).only({"axis", "parts", "over"})
+    if "axis" not in s.doc:
+        raise s.fail("missing 'axis'")
+    axis = s.integer("axis")
+    if "over" not in s.doc:
+        return AxisSplit(axis, s.integer("parts", world_size, minimum=1))
+    if not mesh:
+        raise s.error("over", "'over' needs a 'mesh' in the layout")
+    over = _names(s, s.doc["over"], s.key("over"))
+    bad = [n for n in over if n not in mesh]
+    if bad:
+        raise s.error("over", f"unknown mesh dimension(s) {bad}")
+    parts = math.prod(mesh[n] for n in over)
+    if "parts" in s.doc and s.integer("parts") != parts:
+        raise s.error("parts", f"must equal the size of {list(over)} ({parts})")
+    return AxisSplit(axis, parts, over)
+
+
+def _parse_rule(d: Doc, world_size: int, mesh: dict[str, int]) -> Rule:
+    d.only({"match", "split", "replicate", "rank"})
+    if "match" not in d.doc:
+        raise d.fail("missing 'match' (a glob or a list of globs)")
+    patterns = _names(d, d.doc["match"], d.key("match"))
+    has_split, replicate = "split" in d.doc, d.doc.get("replicate", False)
     if not isinstance(replicate, bool):
-        raise _fail(where, f"{path}.replicate", "expected true or false")
+        raise d.error("replicate", "expected true or false")
     if has_split == replicate:
-        raise _fail(where, path, "give exactly one of 'split' or 'replicate: true'")
+        raise d.fail("give exactly one of 'split' or 'replicate: true'")
     if replicate:
-        owner = _int(doc.get("rank", 0), where, f"{path}.rank", minimum=0)
+        owner = d.integer("rank", 0, minimum=0)
         if owner >= world_size:
-            raise _fail(where, f"{path}.rank", f"{owner} is not a rank of world_size {world_size}")
+            raise d.error("rank", f"{owner} is not a rank of world_size {world_size}")
         return Rule(patterns, (), owner)
-    if "rank" in doc:
-        raise _fail(where, f"{path}.rank", "only replicated rules name an owner rank")
-    specs = doc["split"] if isinstance(doc["split"], list) else [doc["split"]]
-    splits = []
-    for i, spec in enumerate(specs):
-        sp = f"{path}.split[{i}]"
-        spec = _keys(spec, {"axis", "parts", "over"}, where, sp)
-        if "axis" not in spec:
-            raise _fail(where, sp, "missing 'axis'")
-        axis = _int(spec["axis"], where, f"{sp}.axis")
-        if "over" in spec:
-            if not mesh:
-                raise _fail(where, f"{sp}.over", "'over' needs a 'mesh' in the layout")
-            over = _names(spec["over"], where, f"{sp}.over")
-            bad = [n for n in over if n not in mesh]
-            if bad:
-                raise _fail(where, f"{sp}.over", f"unknown mesh dimension(s) {bad}")
-            parts = math.prod(mesh[n] for n in over)
-            if "parts" in spec and _int(spec["parts"], where, f"{sp}.parts") != parts:
-                raise _fail(where, f"{sp}.parts", f"must equal the size of {list(over)} ({parts})")
-            splits.append(AxisSplit(axis, parts, over))
-        else:
-            parts = _int(spec.get("parts", world_size), where, f"{sp}.parts", minimum=1)
-            splits.append(AxisSplit(axis, parts))
+    if "rank" in d.doc:
+        raise d.error("rank", "only replicated rules name an owner rank")
+    specs = d.doc["split"] if isinstance(d.doc["split"], list) else [d.doc["split"]]
+    splits = [
+        _parse_split(d, spec, f"{d.key('split')}[{i}]", world_size, mesh)
+        for i, spec in enumerate(specs)
+    ]
     if len({bool(s.over) for s in splits}) > 1:
-        raise _fail(where, f"{path}.split", "use either 'over' or 'parts' on every axis, not both")
+        raise d.error("split", "use either 'over' or 'parts' on every axis, not both")
     used = [n for s in splits for n in s.over]
     if len(set(used)) != len(used):
-        raise _fail(where, f"{path}.split", "a mesh dimension is used twice")
-    if not splits[0].over and math.prod(s.parts for s in splits) > world_size:
-        raise _fail(
-            where,
-            f"{path}.split",
-            f"{math.prod(s.parts for s in splits)} parts need more than world_size {world_size} ranks",
-        )
+        raise d.error("split", "a mesh dimension is used twice")
+    cells = math.prod(s.parts for s in splits)
+    if not splits[0].over and cells > world_size:
+        raise d.error("split", f"{cells} parts need more than world_size {world_size} ranks")
     return Rule(patterns, tuple(splits))
 
 
 def parse_layout(doc: Any, where: str = "<layout>") -> Layout:
     """Validate a layout mapping; errors name ``where`` and the offending key."""
-    doc = _keys(doc, {"world_size", "mesh", "rules", "default"}, where, "layout")
+    if not isinstance(doc, Mapping):
+        raise LayoutError(f"{where}: layout: expected a mapping, got {type(doc).__name__}")
+    d = Doc(doc, where, "", LayoutError, label="layout")
+    d.only({"world_size", "mesh", "rules", "default"})
     mesh: dict[str, int] = {}
-    if "mesh" in doc:
-        raw = doc["mesh"]
-        if not isinstance(raw, Mapping):
-            raise _fail(where, "mesh", f"expected a mapping, got {type(raw).__name__}")
-        for name, size in raw.items():
+    if "mesh" in d.doc:
+        m = d.sub("mesh")
+        for name in m.doc:
             if not isinstance(name, str):
-                raise _fail(where, "mesh", "dimension names must be strings")
-            mesh[name] = _int(size, where, f"mesh.{name}", minimum=1)
+                raise m.fail("dimension names must be strings")
+            mesh[name] = m.integer(name, minimum=1)
         if not mesh:
-            raise _fail(where, "mesh", "must name at least one dimension")
-    if "world_size" in doc:
-        world_size = _int(doc["world_size"], where, "world_size", minimum=1)
+            raise m.fail("must name at least one dimension")
+    if "world_size" in d.doc:
+        world_size = d.integer("world_size", minimum=1)
         if mesh and math.prod(mesh.values()) != world_size:
-            raise _fail(
-                where, "mesh", f"sizes multiply to {math.prod(mesh.values())}, not {world_size}"
-            )
+            raise d.error("mesh", f"sizes multiply to {math.prod(mesh.values())}, not {world_size}")
     elif mesh:
         world_size = math.prod(mesh.values())
     else:
-        raise _fail(where, "layout", "missing 'world_size' (or a 'mesh')")
-    default = doc.get("default", "replicate")
+        raise d.fail("missing 'world_size' (or a 'mesh')")
+    default = d.doc.get("default", "replicate")
     if default not in ("replicate", "error"):
-        raise _fail(where, "default", "expected 'replicate' or 'error'")
-    rules_doc = doc.get("rules", [])
+        raise d.error("default", "expected 'replicate' or 'error'")
+    rules_doc = d.doc.get("rules", [])
     if not isinstance(rules_doc, list):
-        raise _fail(where, "rules", f"expected a list, got {type(rules_doc).__name__}")
+        raise d.error("rules", f"expected a list, got {type(rules_doc).__name__}")
     rules = tuple(
-        _parse_rule(r, where, f"rules[{i}]", world_size, mesh) for i, r in enumerate(rules_doc)
+        _parse_rule(d.item(r, f"rules[{i}]"), world_size, mesh) for i, r in enumerate(rules_doc)
     )
     return Layout(world_size, rules, tuple(mesh.items()), default, where)
-
-
-def read_yaml(path: str, what: str, error: type[Exception]) -> Any:
-    """The document in YAML file ``path``; ``error`` names the file when it cannot be read."""
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except OSError as e:
-        raise error(f"cannot read {what} {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise error(f"{path}: not valid YAML: {e}") from None
 
 
 def load_layout(path: str | os.PathLike[str]) -> Layout:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpbridge.errors import CheckpointError
+from dcpbridge.errors import CheckpointError, InvalidArgumentError
 from dcpbridge.model.mapping import (
     COMMON_KEY,
     ShardedObject,
@@ -33,7 +33,7 @@ from dcpbridge.storage import METADATA_FILE, StorageIndex, read_checkpoint_metad
 from dcpbridge.storage.backends import ByteIO
 from dcpbridge.storage.format import encode_metadata, temp_metadata_name
 from dcpbridge.tools.config import resolve_storage_options
-from dcpbridge.tools.formats import Format, detect, open_for_load, read_megatron_common
+from dcpbridge.tools.formats import Format, detect, open_checkpoint
 
 PathLike = str | os.PathLike[str]
 
@@ -47,9 +47,9 @@ def read_metadata(
 ) -> Metadata:
     """The DCP metadata of a dcpbridge, torch_dist or plain DCP checkpoint (pickled metadata of
     the latter two only with ``allow_pickle``)."""
-    options = resolve_storage_options(storage_options, profile)
-    source = open_for_load(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
-    return source.reader.read_metadata()
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
+    return checkpoint.reader().read_metadata()
 
 
 def tensors_metadata(metadata: Metadata) -> dict[str, ShardedTensor]:
@@ -119,7 +119,7 @@ def load_plain_tensors(
 
     A collective ``load`` over ``process_group``: every rank reads every tensor.
     """
-    from dcpbridge.engine.api import load
+    from dcpbridge.engine.load import load
 
     keep = ("storage_options", "profile", "allow_pickle")
     options = {k: v for k, v in load_options.items() if k in keep}
@@ -137,18 +137,15 @@ def load_common(
 ) -> StateDict:
     """The common (non-sharded) state of a dcpbridge or torch_dist checkpoint ({} for plain
     DCP, which has none), read in this process alone."""
-    options = resolve_storage_options(storage_options, profile)
-    location = resolve(checkpoint_dir, options)
-    fmt = detect(location)
-    if fmt == Format.TORCH_DIST:
-        return read_megatron_common(location, allow_pickle=allow_pickle)
-    if fmt == Format.DCP:
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
+    if checkpoint.format == Format.TORCH_DIST:
+        return checkpoint.read_common()
+    if checkpoint.format == Format.DCP:
         return {}
-    from dcpbridge.engine.api import load_common_state_dict
+    from dcpbridge.engine.load import common_state_of
 
-    return load_common_state_dict(
-        checkpoint_dir, storage_options=options, allow_pickle=allow_pickle
-    )
+    return common_state_of(checkpoint, allow_pickle=allow_pickle)
 
 
 def is_sharded_checkpoint(
@@ -177,8 +174,12 @@ def remove_sharded_tensors(
     the same checkpoint in flight. Warns and changes nothing when no key matches (as Megatron).
     """
     if not key_prefix:
-        raise ValueError("key_prefix must be a non-empty string (it would remove everything)")
-    location = resolve(checkpoint_dir, resolve_storage_options(storage_options, profile))
+        raise InvalidArgumentError(
+            "key_prefix must be a non-empty string (it would remove everything)"
+        )
+    location = resolve(
+        checkpoint_dir, resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    )
     fmt = detect(location)
     if fmt != Format.DCPBRIDGE:
         raise CheckpointError(

@@ -13,7 +13,7 @@ from dcpbridge.storage import StorageIndex
 from dcpbridge.storage.backends import ByteIO
 from dcpbridge.storage.delivery import verify_stored_items
 from dcpbridge.tools.formats import MEGATRON_COMMON, Format
-from dcpbridge.tools.sources import Source, _ProtocolSource
+from dcpbridge.tools.sources import ProtocolSource, Source
 
 
 def human_bytes(n: float) -> str:
@@ -78,7 +78,7 @@ def structure(source: Source, sizes: dict[str, int]) -> Findings:
     if source.format == Format.TORCH_DIST and MEGATRON_COMMON not in sizes:
         found.problems.append(f"{MEGATRON_COMMON} (the common state) is missing")
     if source.format == Format.DCPBRIDGE:
-        listed = set(source.facts.get("files", []))
+        listed = set(source.header.get("files", []))
         stray = sorted(n for n in sizes if n.endswith(".bin") and n not in listed)
         if stray:
             found.notes.append(
@@ -116,7 +116,7 @@ def verify_data(
 def _verify_checksums(
     source: Source, found: Findings, on_bytes: Callable[[int], None] | None
 ) -> None:
-    assert isinstance(source, _ProtocolSource)
+    assert isinstance(source, ProtocolSource)
     index = source.metadata.storage_data
     assert isinstance(index, StorageIndex)
     if not index.checksum_algorithm or not index.checksum_block_size:
@@ -133,7 +133,7 @@ def _verify_checksums(
 
 def describe(source: Source, sizes: dict[str, int], found: Findings) -> dict[str, Any]:
     """A JSON-able description: format facts, files, tensors with their chunks, objects."""
-    facts = dict(source.facts)
+    facts = dict(source.header)
     created = facts.get("created_unix")
     tensors = {}
     for key in sorted(source.tensors):

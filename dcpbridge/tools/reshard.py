@@ -25,16 +25,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.drive import Failure, attempt, raise_failures
+from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.planners.boxes import Shape
 from dcpbridge.storage import Location, StoredItem, resolve
 from dcpbridge.storage.format import ItemKey
-from dcpbridge.storage.stream import StreamWriter, commit, new_save_id
+from dcpbridge.storage.stream import StreamWriter, commit, discard_save, new_save_id
 from dcpbridge.storage.writer import tensor_bytes
 from dcpbridge.tools.layout import Layout
 from dcpbridge.tools.sources import Source
 
-Shape = tuple[int, ...]
 DEFAULT_SLAB_BYTES = 64 << 20
 
 
@@ -95,7 +96,7 @@ def box_bytes(
 ) -> Iterator[memoryview]:
     """The bytes of a box of ``key`` in C order, read slab by slab (one read for box sources)."""
     itemsize = source.tensors[key].dtype.itemsize
-    if source.box_reads:
+    if source.reads_whole_chunks:
         budget = max(budget, math.prod(sizes) * itemsize)
     for o, s in slabs(offsets, sizes, itemsize, budget):
         yield tensor_bytes(source.read(key, o, s))
@@ -208,23 +209,29 @@ def reshard(
     """Write ``source`` to ``destination`` as a dcpbridge checkpoint in ``layout``.
 
     Every rank of ``group`` (one process if None) calls it with the same arguments; ``work``
-    is ``plan_work(source, layout)`` when the caller has it already.
+    is ``plan_work(source, layout)`` when the caller has it already. A failure on any rank
+    raises on every rank and removes every file the reshard wrote (and the destination
+    directory if the reshard created it).
     """
     group = group or Group(None, 0, 1, 0)
     started = time.perf_counter()
 
-    def plan() -> tuple[Location, list[WorkItem]]:
+    location: Location
+    fresh = False
+
+    def plan() -> tuple[str | None, bool]:
+        nonlocal location, work
         location = resolve(destination, storage_options)
         if _same_place(location, source.location):
-            raise ValueError(f"the destination {location.url} is the source checkpoint itself")
-        return location, work if work is not None else plan_work(source, layout)
+            raise InvalidArgumentError(
+                f"the destination {location.url} is the source checkpoint itself"
+            )
+        created = location.is_local and not os.path.exists(location.root)  # before any write
+        work = work if work is not None else plan_work(source, layout)
+        return (new_save_id() if group.is_coordinator else None), created
 
-    planned = attempt(group.rank, "plan", plan)
-    statuses = group.all_gather(planned if isinstance(planned, Failure) else None)
-    raise_failures([s for s in statuses if s is not None], planned, world_size=group.size)
-    assert not isinstance(planned, Failure)
-    location, work = planned
-    save_id = group.broadcast(new_save_id() if group.is_coordinator else None)
+    save_id, fresh = protocol.agree(group, "plan", plan)[0]
+    assert work is not None
     mine = assign(work, group.size)[group.rank]
 
     def run() -> dict[ItemKey, StoredItem]:
@@ -236,34 +243,35 @@ def reshard(
             sync_files=sync_files,
             max_file_bytes=max_file_bytes,
         )
-        try:
+        with writer:  # a failure removes this worker's files
             return write_items(source, writer, mine, slab_bytes=slab_bytes, on_bytes=on_bytes)
-        finally:
-            writer.close()
 
-    written = attempt(group.rank, "write", run)
-    gathered = group.gather(written)
-    outcome: list[Failure] | None = None
-    if gathered is not None:
-        outcome = [g for g in gathered if isinstance(g, Failure)]
-        if not outcome:
-            try:
-                items = {k: v for part in gathered for k, v in part.items()}
-                planner_data = source.facts.get("planner_data")
-                commit(
-                    location,
-                    target_state(source, work),
-                    items,
-                    save_id=save_id,
-                    world_size=layout.world_size,
-                    checksums=checksums,
-                    planner_data=planner_data if isinstance(planner_data, dict) else None,
-                    sync=sync_files,
-                )
-            except Exception as e:
-                outcome = [Failure.capture(group.rank, "commit", e)]
-    outcome = group.broadcast(outcome)
-    raise_failures(outcome or [], written, world_size=group.size)
+    committed = False
+
+    def publish(written: list[dict[ItemKey, StoredItem]]) -> None:
+        nonlocal committed
+        assert work is not None
+        planner_data = source.header.get("planner_data")
+        commit(
+            location,
+            target_state(source, work),
+            {k: v for part in written for k, v in part.items()},
+            save_id=save_id,
+            world_size=layout.world_size,
+            checksums=checksums,
+            planner_data=planner_data if isinstance(planner_data, dict) else None,
+            sync=sync_files,
+        )
+        committed = True
+
+    try:
+        protocol.commit(group, "write", run, publish)
+    except Exception:
+        # The coordinator has gathered every worker (or lost one): remove all of this
+        # reshard's files unless it committed them.
+        if group.is_coordinator and not committed:
+            discard_save(location, save_id, remove_root=fresh)
+        raise
     return ReshardResult(
         destination=location.url,
         world_size=layout.world_size,

@@ -2,9 +2,10 @@
 
 ``open_source`` reads metadata only. ``Source.read`` returns one box of a tensor through the
 same load planner as ``dcpbridge.load``: dcpbridge checkpoints and safetensors files fetch just
-the box's byte ranges; plain DCP and torch_dist data go through torch's reader, which loads
-whole stored chunks (so callers read those box by box, see ``box_reads``); ``torch.save``
-files are memory-mapped.
+the box's byte ranges; plain DCP and torch_dist files store whole chunks as ``torch.save``
+blobs, which are read whole (so callers read those box by box, see ``reads_whole_chunks``);
+``torch.save`` files are memory-mapped. Every format is opened once by
+``dcpbridge.tools.formats.open_checkpoint``, whose handle also reads the objects.
 """
 
 from __future__ import annotations
@@ -37,19 +38,15 @@ from dcpbridge.model.state import HOLE, extract, fill_holes
 from dcpbridge.planners import ShardedLoadPlanner, load_object
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
-from dcpbridge.storage.backends import ByteIO
-from dcpbridge.storage.reader import read_object_bytes
+from dcpbridge.tools.dcp_files import stored_place
 from dcpbridge.tools.formats import (
     MEGATRON_COMMON,
     MEGATRON_CONFIG,
     SAFETENSORS_INDEX,
+    Checkpoint,
     Format,
-    dcp_reader,
-    detect,
     load_torch_file,
-    read_megatron_common,
-    refuse_pickled_metadata,
-    unwrap_megatron_object,
+    open_checkpoint,
 )
 
 Shape = tuple[int, ...]
@@ -110,15 +107,26 @@ class ObjectInfo:
 
 @dataclass
 class Source:
-    """A checkpoint opened for reading without a process group."""
+    """A checkpoint opened for reading without a process group: what it stores, box by box."""
 
-    location: Location
-    format: Format
+    checkpoint: Checkpoint
     tensors: dict[str, TensorInfo]
     objects: dict[str, ObjectInfo]
-    facts: dict[str, Any] = field(default_factory=dict)
-    box_reads: bool = False
-    allow_pickle: bool = False
+    header: dict[str, Any] = field(default_factory=dict)  # what the checkpoint says of itself
+    # A read loads whole stored chunks (torch's DCP files): read each box at once, not in slabs.
+    reads_whole_chunks: bool = False
+
+    @property
+    def location(self) -> Location:
+        return self.checkpoint.location
+
+    @property
+    def format(self) -> Format:
+        return self.checkpoint.format
+
+    @property
+    def allow_pickle(self) -> bool:
+        return self.checkpoint.allow_pickle
 
     def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
         """Elements ``offsets``+``sizes`` of tensor ``key`` (a new or memory-mapped tensor)."""
@@ -139,8 +147,8 @@ class Source:
         pass
 
 
-class _ProtocolSource(Source):
-    """Reads boxes with ``ShardedLoadPlanner`` and a DCP storage reader set up once."""
+class ProtocolSource(Source):
+    """Reads boxes with ``ShardedLoadPlanner`` and the checkpoint's DCP reader, set up once."""
 
     reader: StorageReader
     metadata: Metadata
@@ -161,32 +169,12 @@ class _ProtocolSource(Source):
         self.reader.read_data(planner.create_local_plan(), planner).wait()
         return out
 
-
-class _DcpbridgeSource(_ProtocolSource):
     def object_bytes(self, key: str) -> bytes:
-        return read_object_bytes(self.location, self.metadata, key)
-
-
-class _DcpSource(_ProtocolSource):
-    """Plain DCP and Megatron torch_dist directories (torch's reader, pickled metadata)."""
-
-    def object_bytes(self, key: str) -> bytes:
-        if self.format == Format.TORCH_DIST and key == COMMON_KEY:
-            return ByteIO.for_location(self.location).read_file(self.location.path(MEGATRON_COMMON))
-        info = self.objects[key]
-        assert info.file is not None and info.offset is not None and info.nbytes is not None
-        path = self.location.path(info.file)
-        blob = self.location.fs.cat_file(path, start=info.offset, end=info.offset + info.nbytes)
-        if self.format != Format.TORCH_DIST:
-            return blob
-        value = load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")
-        buf = io.BytesIO()
-        torch.save(unwrap_megatron_object(key, value), buf)
-        return buf.getvalue()
+        return self.checkpoint.object_bytes(self.metadata, key)
 
     def common_state(self) -> Any:
         if self.format == Format.TORCH_DIST:
-            return read_megatron_common(self.location, allow_pickle=self.allow_pickle)
+            return self.checkpoint.read_common()
         return super().common_state()
 
 
@@ -242,8 +230,8 @@ def _chunks_by_fqn(metadata: Metadata, where: Callable[[MetadataIndex], ChunkInf
     return out
 
 
-def _open_dcpbridge(location: Location, options: dict[str, Any] | None, verify: bool) -> Source:
-    reader = FsspecCheckpointReader(location.url, storage_options=options, verify_checksums=verify)
+def _open_dcpbridge(checkpoint: Checkpoint, verify: bool) -> Source:
+    reader = checkpoint.reader(verify_checksums=verify)
     metadata = reader.read_metadata()
     index = metadata.storage_data
     assert isinstance(index, StorageIndex)
@@ -259,7 +247,7 @@ def _open_dcpbridge(location: Location, options: dict[str, Any] | None, verify: 
             objects[fqn] = ObjectInfo(
                 fqn, *((it.nbytes, it.rank, it.file, it.offset) if it else ())
             )
-    facts = {
+    header = {
         "format_version": int(str(metadata.version).rsplit("-", 1)[-1]),
         "save_id": index.save_id,
         "world_size": index.world_size,
@@ -269,31 +257,21 @@ def _open_dcpbridge(location: Location, options: dict[str, Any] | None, verify: 
         "files": list(index.files),
         "planner_data": metadata.planner_data,
     }
-    src = _DcpbridgeSource(
-        location, Format.DCPBRIDGE, _chunks_by_fqn(metadata, where), objects, facts
-    )
+    src = ProtocolSource(checkpoint, _chunks_by_fqn(metadata, where), objects, header)
     src.bind(reader, metadata)
     return src
 
 
-def _open_dcp(
-    location: Location, fmt: Format, options: dict[str, Any] | None, allow_pickle: bool
-) -> Source:
-    if not allow_pickle:
-        raise refuse_pickled_metadata(location, fmt)
-    reader = dcp_reader(location, options)
+def _open_dcp(checkpoint: Checkpoint) -> Source:
+    location = checkpoint.location
+    reader = checkpoint.reader()
     metadata = reader.read_metadata()
     storage = metadata.storage_data or {}
 
     def place(mi: MetadataIndex) -> tuple[str | None, int | None, int | None, int | None]:
-        info = storage.get(mi)
-        if info is None:
+        if mi not in storage:
             return None, None, None, None
-        if getattr(info, "transform_descriptors", None):
-            raise NotACheckpointError(
-                f"{location.url}: {mi.fqn!r} is stored with transforms "
-                f"{list(info.transform_descriptors)}, which dcpbridge does not read"
-            )
+        info = stored_place(location, metadata, mi)
         m = _DISTCP.match(os.path.basename(str(info.relative_path)))
         rank = int(m.group(1)) if m else None
         return str(info.relative_path), int(info.offset), int(info.length), rank
@@ -308,15 +286,15 @@ def _open_dcp(
             file, offset, length, rank = place(MetadataIndex(fqn))
             objects[fqn] = ObjectInfo(fqn, length, rank, file, offset)
     files = sorted({str(i.relative_path) for i in storage.values()})
-    facts: dict[str, Any] = {"files": files, "format_version": getattr(metadata, "version", None)}
-    if fmt == Format.TORCH_DIST:
-        common = int(location.fs.size(location.path(MEGATRON_COMMON)))
+    header: dict[str, Any] = {"files": files, "format_version": getattr(metadata, "version", None)}
+    if checkpoint.format == Format.TORCH_DIST:
+        common = checkpoint.files.file_size(location.path(MEGATRON_COMMON))
         objects[COMMON_KEY] = ObjectInfo(COMMON_KEY, common, file=MEGATRON_COMMON)
-        facts["megatron_config"] = json.loads(
-            ByteIO.for_location(location).read_file(location.path(MEGATRON_CONFIG))
+        header["megatron_config"] = json.loads(
+            checkpoint.files.read_file(location.path(MEGATRON_CONFIG))
         )
-    src = _DcpSource(location, fmt, _chunks_by_fqn(metadata, where), objects, facts, box_reads=True)
-    src.allow_pickle = allow_pickle
+    tensors = _chunks_by_fqn(metadata, where)
+    src = ProtocolSource(checkpoint, tensors, objects, header, reads_whole_chunks=True)
     src.bind(reader, metadata)
     return src
 
@@ -340,14 +318,14 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
     return header, 8 + size
 
 
-def _open_safetensors(location: Location, options: dict[str, Any] | None) -> Source:
-    byteio = ByteIO.for_location(location)
+def _open_safetensors(checkpoint: Checkpoint) -> Source:
+    location, byteio = checkpoint.location, checkpoint.files
     if byteio.exists(SAFETENSORS_INDEX):
         index = json.loads(byteio.read_file(location.path(SAFETENSORS_INDEX)))
         names = sorted(set(index.get("weight_map", {}).values()))
         folder = location
     elif location.root.endswith(".safetensors"):
-        folder = resolve(_parent_url(location), options)
+        folder = resolve(_parent_url(location), checkpoint.storage_options)
         names = [location.root.rstrip("/").rsplit("/", 1)[-1]]
     else:
         names = sorted(n for n in byteio.list_names() if n.endswith(".safetensors"))
@@ -388,13 +366,18 @@ def _open_safetensors(location: Location, options: dict[str, Any] | None) -> Sou
         state_dict_metadata=dict(state),
         storage_data=StorageIndex(items=items, save_id="safetensors", files=tuple(names)),
     )
-    reader = FsspecCheckpointReader(folder.url, storage_options=options, verify_checksums=False)
-    src = _DcpbridgeSource(location, Format.SAFETENSORS, tensors, {}, {"files": names})
+    reader = FsspecCheckpointReader(
+        folder,  # type: ignore[arg-type]  (resolved already)
+        storage_options=checkpoint.storage_options,
+        verify_checksums=False,
+    )
+    src = ProtocolSource(checkpoint, tensors, {}, {"files": names})
     src.bind(reader, metadata)
     return src
 
 
-def _open_torch_file(location: Location, allow_pickle: bool) -> Source:
+def _open_torch_file(checkpoint: Checkpoint) -> Source:
+    location, allow_pickle = checkpoint.location, checkpoint.allow_pickle
     scratch = None
     path = location.root
     if not location.is_local:  # memory-map a local copy
@@ -432,8 +415,8 @@ def _open_torch_file(location: Location, allow_pickle: bool) -> Source:
     }
     common = fill_holes(rest) if rest is not HOLE else {}
     objects = {COMMON_KEY: ObjectInfo(COMMON_KEY)} if common else {}
-    src = _TorchFileSource(location, Format.TORCH, tensors, objects, {"files": [location.root]})
-    src.values, src.common, src.scratch, src.allow_pickle = values, common, scratch, allow_pickle
+    src = _TorchFileSource(checkpoint, tensors, objects, {"files": [location.root]})
+    src.values, src.common, src.scratch = values, common, scratch
     return src
 
 
@@ -445,12 +428,11 @@ def open_source(
     verify_checksums: bool = True,
 ) -> Source:
     """Open the checkpoint or file at ``url`` (any supported format), reading metadata only."""
-    location = resolve(url, storage_options)
-    fmt = detect(location)
-    if fmt == Format.DCPBRIDGE:
-        return _open_dcpbridge(location, storage_options, verify_checksums)
-    if fmt.pickled_metadata:
-        return _open_dcp(location, fmt, storage_options, allow_pickle)
-    if fmt == Format.SAFETENSORS:
-        return _open_safetensors(location, storage_options)
-    return _open_torch_file(location, allow_pickle)
+    checkpoint = open_checkpoint(url, storage_options=storage_options, allow_pickle=allow_pickle)
+    if checkpoint.format == Format.DCPBRIDGE:
+        return _open_dcpbridge(checkpoint, verify_checksums)
+    if checkpoint.format.pickled_metadata:
+        return _open_dcp(checkpoint)
+    if checkpoint.format == Format.SAFETENSORS:
+        return _open_safetensors(checkpoint)
+    return _open_torch_file(checkpoint)

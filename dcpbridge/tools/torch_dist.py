@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
 from dcpbridge.storage import METADATA_FILE, Location, resolve
@@ -77,7 +78,7 @@ class TorchDistWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.location.url:
-            raise ValueError("TorchDistWriter is bound to one checkpoint location")
+            raise InvalidArgumentError("TorchDistWriter is bound to one checkpoint location")
         self.inner.reset(None)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

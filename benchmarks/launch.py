@@ -1,6 +1,6 @@
-"""Run a function on N local gloo processes and collect the results (demos, benchmarks).
+"""Run a function on N local gloo processes and collect the results (benchmarks).
 
-Production jobs use torchrun; this exists so ``make demo`` and the benchmarks need no launcher.
+Production jobs use torchrun; this exists so the benchmarks need no launcher.
 Results travel as ``torch.save`` bytes: tensors sent through queues as shared memory break once
 the sending process exits.
 """

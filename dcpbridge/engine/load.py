@@ -1,0 +1,186 @@
+"""``load`` with Megatron-Core's meaning, from any sharded format, plus the one-process readers.
+
+A load sorts the template (``dcpbridge.model.intake.for_load``), with ``fully_parallel``
+splits it into boxes this rank reads and boxes it receives (``dcpbridge.engine.ownership``),
+opens the checkpoint once (``dcpbridge.tools.formats.open_checkpoint``) inside DCP's first
+load step, and hands the result back in the template's structure.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.storage import StorageReader
+
+from dcpbridge.engine import fully_parallel as fp
+from dcpbridge.engine.bridge import BridgeLoadPlanner
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.drive import run_load
+from dcpbridge.engine.gc_pause import gc_paused
+from dcpbridge.engine.ownership import read_owners
+from dcpbridge.engine.save import parallel_group
+from dcpbridge.engine.strict import Policy, decide, load_result, parse_strict
+from dcpbridge.model.intake import LoadParts, for_load
+from dcpbridge.model.mapping import ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.planners import StrictMode
+from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata, resolve
+from dcpbridge.tools.config import resolve_storage_options
+from dcpbridge.tools.formats import Checkpoint, Format, open_checkpoint
+from dcpbridge.tools.metadata import tensors_metadata
+
+PathLike = str | os.PathLike[str]
+
+
+@gc_paused
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    strict: StrictMode | str | Any = StrictMode.RAISE_MISSING,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+    allow_dtype_cast: bool = False,
+    verify_checksums: bool = True,
+    thread_count: int = 4,
+    fully_parallel: bool = False,
+    parallelization_group: dist.ProcessGroup | None = None,
+    profile: str | None = None,
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
+    """Load into a template state dict, in any parallel layout, from any format it reads.
+
+    Tensor-like leaves are requests, filled in place: dcpbridge's and Megatron-Core's
+    ShardedTensors (returned as their tensors), DTensors, torch ShardedTensors and plain
+    tensors (returned as the same objects). ShardedObjects are replaced by their objects,
+    factories merged, LocalNonpersistentObjects unwrapped. Plain values are common state, as
+    in Megatron: the result holds the checkpoint's whole common state, template values replaced
+    by the stored ones. ``strict`` takes dcpbridge's and Megatron's policies
+    (``dcpbridge.engine.strict``); ``"return_all"`` returns Megatron's ``(state_dict, missing,
+    unexpected)``. With ``fully_parallel``, a box several ranks of ``parallelization_group``
+    need is read from storage by one of them and sent to the others. Plain DCP and
+    Megatron-Core torch_dist directories load too, with ``allow_pickle=True`` (their metadata
+    is a pickle); ``profile`` names a storage profile of the configuration file.
+    """
+    group = Group.resolve(process_group)
+    return _load(
+        sharded_state_dict,
+        checkpoint_dir,
+        group,
+        strict=parse_strict(strict),
+        storage_options=resolve_storage_options(storage_options, profile, url=checkpoint_dir),
+        allow_pickle=allow_pickle,
+        allow_dtype_cast=allow_dtype_cast,
+        verify_checksums=verify_checksums,
+        thread_count=thread_count,
+        parallel=parallel_group(fully_parallel, parallelization_group, group),
+    )
+
+
+def _load(
+    template: ShardedStateDict,
+    checkpoint_dir: PathLike | Checkpoint,
+    group: Group,
+    *,
+    strict: Policy,
+    storage_options: dict[str, Any] | None,
+    allow_pickle: bool,
+    allow_dtype_cast: bool = False,
+    verify_checksums: bool = True,
+    thread_count: int = 4,
+    parallel: Group | None = None,
+) -> Any:
+    parts = LoadParts(template)
+    error: BaseException | None = None  # raised inside the first load step, on every rank
+    try:
+        parts = for_load(template)
+    except Exception as e:
+        error = e
+    share = None
+    if parallel is not None:
+        try:
+            owners = read_owners(parallel, lambda: _or_raise(error, parts.shards))
+            share = fp.share_load(parallel.rank, owners, parts.shards)
+        except Exception as e:  # raised on ``parallel`` only: carried to the whole group
+            error = error or e
+
+    checkpoint: Checkpoint | None = None
+
+    def prepare() -> tuple[Any, BridgeLoadPlanner, StorageReader]:
+        nonlocal checkpoint
+        _or_raise(error, None)
+        if isinstance(checkpoint_dir, Checkpoint):  # already opened by the caller
+            checkpoint = checkpoint_dir
+        else:
+            checkpoint = open_checkpoint(
+                checkpoint_dir, storage_options=storage_options, allow_pickle=allow_pickle
+            )
+        reader = checkpoint.reader(thread_count=thread_count, verify_checksums=verify_checksums)
+        if isinstance(reader, FsspecCheckpointReader):  # the planner may allocate
+            reader.check_ranges()  # common tensors by their recorded sizes
+        planner = BridgeLoadPlanner(
+            parts,
+            share.read if share else parts.shards,
+            legacy_common=checkpoint.format == Format.TORCH_DIST,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast,
+        )
+        return None, planner, reader
+
+    _, planner, _ = run_load(prepare, group)
+    assert isinstance(planner, BridgeLoadPlanner) and checkpoint is not None
+    if share is not None and parallel is not None:
+        fp.hand_off(parallel, share)
+    blob = checkpoint.common_state(planner.values)  # older checkpoints' one common object
+    objects = checkpoint.loaded_objects(planner.shard_objects())
+    result, late = planner.result(objects, blob)
+    if late:  # plain tensors the common blob of an older checkpoint lacks
+        planner.requested_not_stored |= late
+        late_error = decide(strict, late, ()).error
+        if late_error is not None:
+            raise late_error
+    return load_result(planner, result)
+
+
+def _or_raise(error: BaseException | None, value: Any) -> Any:
+    if error is not None:
+        raise error
+    return value
+
+
+def load_tensors_metadata(
+    checkpoint_dir: PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    profile: str | None = None,
+) -> dict[str, ShardedTensor]:
+    """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    return tensors_metadata(read_checkpoint_metadata(resolve(checkpoint_dir, options)))
+
+
+def load_common_state_dict(
+    checkpoint_dir: PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+    profile: str | None = None,
+) -> StateDict:
+    """The checkpoint's common (non-sharded) state, read in this process alone."""
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
+    return common_state_of(checkpoint, allow_pickle=allow_pickle)
+
+
+def common_state_of(checkpoint: Checkpoint, *, allow_pickle: bool = False) -> StateDict:
+    """The common state of an opened dcpbridge checkpoint, read in this process alone."""
+    return _load(
+        {},
+        checkpoint,
+        Group(None, 0, 1, 0),
+        strict=parse_strict("raise_missing"),
+        storage_options=None,
+        allow_pickle=allow_pickle,
+    )

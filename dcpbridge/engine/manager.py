@@ -1,0 +1,420 @@
+"""``CheckpointManager``: a training loop's checkpoints (interval, retention, resume, preemption).
+
+Checkpoints live in ``root/step_00000100`` style directories (local disk, S3 or any fsspec URL).
+A step is complete only once its commit file (``dcpbridge.json``, written last by the storage
+layer) exists: ``latest_step`` / ``all_steps`` see complete steps only, and the directories of
+saves that never committed are removed after the next successful save. Retention runs only
+after a commit and never removes the newest complete checkpoint. Deleting a checkpoint removes
+its commit file first, so a half-deleted directory never looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import signal
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from dcpbridge.engine import load as load_mod
+from dcpbridge.engine import protocol
+from dcpbridge.engine import save as save_mod
+from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.collectives import Group
+from dcpbridge.errors import InvalidArgumentError, NotACheckpointError
+from dcpbridge.storage import METADATA_FILE, Location, resolve
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.errors import storage_faults
+from dcpbridge.tools.config import Config, load_config, resolve_storage_options
+
+log = logging.getLogger("dcpbridge")
+
+_STEP_DIR = re.compile(r"^step_(\d{1,18})$")
+SIDECAR = "manager.json"
+"""Per-step file of the manager (the step's metrics), written before the save commits."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step_00000100``: zero-padded so that names sort like steps."""
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """Which complete checkpoints survive: the newest ``keep_last`` (None: all), multiples of
+    ``keep_every``, the ``keep_best`` best by ``best_metric``, and always the newest one."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_mode: str = "min"
+
+    def keep(self, steps: Iterable[int], metric: Mapping[int, float | None]) -> set[int]:
+        """The steps to keep among the complete ``steps`` (``metric``: step -> value)."""
+        ordered = sorted(set(steps))
+        if not ordered:
+            return set()
+        if self.keep_last is None and self.keep_best is None:
+            return set(ordered)
+        kept = {ordered[-1]}
+        if self.keep_last is not None:
+            kept.update(ordered[-self.keep_last :] if self.keep_last else [])
+        if self.keep_every is not None:
+            kept.update(s for s in ordered if s % self.keep_every == 0)
+        if self.keep_best is not None:
+            sign = 1.0 if self.best_mode == "min" else -1.0
+            ranked = [
+                (sign * v, -s)
+                for s in ordered
+                if (v := metric.get(s)) is not None and not math.isnan(v)
+            ]
+            kept.update(-s for _, s in sorted(ranked)[: self.keep_best])
+        return kept
+
+
+class CheckpointManager:
+    """Save every ``every`` steps under ``root``, keep some, resume from the newest complete one.
+
+    Every rank of ``process_group`` makes the same calls (``save``, ``load``, ``wait``,
+    ``close``, ``should_stop``). Arguments left as None take the configuration file's
+    ``checkpoint:`` defaults (``dcpbridge.tools.config.CheckpointDefaults``); storage options
+    come from ``storage_options`` over ``profile`` (or the file's default profile).
+
+    With ``async_save``, ``save`` returns once the state is staged in host memory; the next
+    saving ``save``, ``wait``, ``load`` or ``close`` first waits for that commit and raises its
+    failure, on every rank (and then starts nothing). Retention and the removal of uncommitted
+    directories run on the group's rank 0 after a commit; a failure to delete is logged, never
+    raised (the new checkpoint is safe).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        every: int | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool | None = None,
+        storage_options: dict[str, Any] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        fully_parallel: bool | None = None,
+        *,
+        profile: str | None = None,
+        config: Config | str | os.PathLike[str] | None = None,
+    ) -> None:
+        cfg = config if isinstance(config, Config) else load_config(config)
+        defaults = cfg.checkpoint
+        self.every = _positive("every", defaults.every if every is None else every)
+        if keep_last is None and keep_best is None:
+            keep_last = defaults.keep_last
+        keep_every = defaults.keep_every if keep_every is None else keep_every
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None:
+                _positive(name, value)
+        if keep_best is not None:
+            _positive("keep_best", keep_best)
+            if not best_metric:
+                raise InvalidArgumentError("keep_best needs best_metric (the name of a metric)")
+        if best_mode not in ("min", "max"):
+            raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        self.retention = Retention(keep_last, keep_every, keep_best, best_mode)
+        self.best_metric = best_metric
+        self.async_save = defaults.async_save if async_save is None else async_save
+        self.fully_parallel = defaults.fully_parallel if fully_parallel is None else fully_parallel
+        self.threads, self.checksums = defaults.threads, defaults.checksums
+        self.root = os.fspath(root)
+        if not self.root:
+            raise InvalidArgumentError("CheckpointManager needs a root directory or URL")
+        self.storage_options = resolve_storage_options(storage_options, profile, cfg, url=self.root)
+        self.process_group = process_group
+        self._group = Group.resolve(process_group)
+        self._pending: tuple[int, AsyncSaveHandle] | None = None
+        self._metrics: dict[int, float | None] = {}
+        self._signals: dict[int, Any] = {}  # signal -> the handler it replaced
+        self._state_fn: Callable[[], tuple[int, Any]] | None = None
+        self._received: int | None = None
+        self._stop = False
+        self._final_saved = False
+
+    # -- locations ----------------------------------------------------------------------------
+
+    def step_url(self, step: int) -> str:
+        """Where checkpoint ``step`` lives."""
+        return f"{self.root.rstrip('/')}/{step_dir_name(step)}"
+
+    def _location(self, step: int | None = None) -> Location:
+        return resolve(self.root if step is None else self.step_url(step), self.storage_options)
+
+    def _scan(self) -> tuple[list[int], list[int]]:
+        """(complete steps, steps without a commit), ascending; a storage fault raises."""
+        names = ByteIO.for_location(self._location()).list_names()
+        steps = sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
+        complete, partial = [], []
+        for step in steps:
+            committed = ByteIO.for_location(self._location(step)).exists(METADATA_FILE)
+            (complete if committed else partial).append(step)
+        return complete, partial
+
+    def all_steps(self) -> list[int]:
+        """The complete checkpoints, ascending (a save of this manager in flight is waited for
+        first; its failure is raised by the next ``save``/``wait``/``close``)."""
+        if self._pending is not None:
+            self._pending[1]._done.wait()
+        return self._scan()[0]
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        force: bool = False,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Save ``state`` as ``step`` when ``step % every == 0`` (or ``force``, or a signal of
+        ``save_on_signal`` arrived on any rank); True if it saved."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        preempted = self._agree_on_signal() if self._signals else False
+        if preempted and self._final_saved:
+            return False
+        if not (force or preempted or step % self.every == 0):
+            return False
+        self._finish_pending()
+        self._prepare(step, metrics)
+        url = self.step_url(step)
+        options = dict(
+            process_group=self.process_group,
+            storage_options=self.storage_options,
+            fully_parallel=self.fully_parallel,
+            thread_count=self.threads,
+            checksums=self.checksums,
+        )
+        if self.async_save and not preempted:
+            self._pending = (step, save_mod.async_save(state, url, **options))
+            return True
+        save_mod.save(state, url, **options)
+        log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
+        self._after_commit()
+        self._settle()
+        if preempted:
+            self._final_saved = True
+        return True
+
+    def _prepare(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """Rank 0 clears leftovers of a killed save of ``step`` and records its metrics; the
+        outcome reaches every rank before anyone writes."""
+
+        def run() -> None:
+            value = self._metric(metrics)
+            location = self._location(step)
+            byteio = ByteIO.for_location(location)
+            if not byteio.exists(METADATA_FILE) and byteio.list_names():
+                _remove_dir(location)
+            byteio.makedirs()
+            doc = {"step": step, "metrics": _plain_metrics(metrics)}
+            raw = json.dumps(doc, sort_keys=True).encode()
+            byteio.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
+            self._metrics[step] = value
+
+        protocol.on_coordinator(self._group, "prepare", run)
+
+    def _metric(self, metrics: Mapping[str, Any] | None) -> float | None:
+        if self.retention.keep_best is None:
+            return None
+        if not metrics or self.best_metric not in metrics:
+            raise InvalidArgumentError(
+                f"keep_best ranks checkpoints by {self.best_metric!r}: pass "
+                f"save(..., metrics={{{self.best_metric!r}: value}})"
+            )
+        return float(metrics[self.best_metric])
+
+    def _finish_pending(self) -> bool:
+        """Wait for the background save; raise its failure (every rank) or run retention.
+        True if a save was waited for."""
+        if self._pending is None:
+            return False
+        step, handle = self._pending
+        self._pending = None
+        handle.result()
+        log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
+        self._after_commit()
+        return True
+
+    def _settle(self) -> None:
+        """Every rank waits until rank 0's retention is done, so all see the same steps."""
+        self._group.broadcast(None)
+
+    def _after_commit(self) -> None:
+        """Rank 0: apply retention and remove uncommitted step directories."""
+        if not self._group.is_coordinator:
+            return
+        try:
+            complete, partial = self._scan()
+            metric = {s: self._stored_metric(s) for s in complete} if self.best_metric else {}
+            keep = self.retention.keep(complete, metric)
+            for step in [s for s in complete if s not in keep] + partial:
+                _remove_dir(self._location(step))
+                self._metrics.pop(step, None)
+        except Exception as e:  # the new checkpoint is committed: leftovers only waste space
+            log.warning("dcpbridge: retention in %s failed: %s", self.root, e)
+
+    def _stored_metric(self, step: int) -> float | None:
+        """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None)."""
+        if step not in self._metrics:
+            value = None
+            try:
+                location = self._location(step)
+                doc = json.loads(ByteIO.for_location(location).read_file(location.path(SIDECAR)))
+                raw = doc["metrics"][self.best_metric]
+                if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+                    value = float(raw)
+            except (OSError, ValueError, KeyError, TypeError):
+                value = None
+            self._metrics[step] = value
+        return self._metrics[step]
+
+    def wait(self) -> None:
+        """Block until the pending background save is committed (raises its failure)."""
+        if self._finish_pending():
+            self._settle()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, template: Any, step: int | None = None, **kwargs: Any) -> Any:
+        """Load ``step`` (default: the newest complete one, as rank 0 sees it) into
+        ``template``, in any layout or world size; ``kwargs`` go to ``dcpbridge.load``."""
+        self._finish_pending()
+        chosen = self._agree_on_step(step)
+        kwargs.setdefault("storage_options", self.storage_options)
+        return load_mod.load(
+            template, self.step_url(chosen), process_group=self.process_group, **kwargs
+        )
+
+    def _agree_on_step(self, step: int | None) -> int:
+        def choose() -> int:
+            complete = self._scan()[0]
+            if step is None and not complete:
+                raise NotACheckpointError(f"{self.root}: no complete checkpoint (step_*) to load")
+            if step is not None and step not in complete:
+                raise NotACheckpointError(
+                    f"{self.step_url(step)}: no complete checkpoint of step {step} "
+                    f"(complete steps: {complete[-5:]})"
+                )
+            return complete[-1] if step is None else step
+
+        size = self._group.size
+        return protocol.decide(
+            self._group, "choose step", lambda: None, lambda _: [choose()] * size
+        )
+
+    # -- preemption ---------------------------------------------------------------------------
+
+    def save_on_signal(
+        self, signum: int = signal.SIGTERM, state_fn: Callable[[], tuple[int, Any]] | None = None
+    ) -> None:
+        """Write one final checkpoint when ``signum`` arrives (e.g. a scheduler's SIGTERM).
+
+        The handler only records the signal. The next ``save`` or ``should_stop`` call agrees
+        on it across ranks (one tiny all_gather per call, so every rank must make the same
+        calls): if any rank received it, every rank saves together, ``save`` with its own
+        state, ``should_stop`` with ``state_fn() -> (step, state)``, and ``should_stop`` then
+        returns True on every rank. Call it from the main thread.
+        """
+        if signum not in self._signals:
+            self._signals[signum] = signal.signal(signum, self._on_signal)
+        if state_fn is not None:
+            self._state_fn = state_fn
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._received = signum
+
+    def _agree_on_signal(self) -> bool:
+        if not self._stop:
+            self._stop = any(self._group.all_gather(self._received is not None))
+            if self._stop:
+                log.warning("dcpbridge: stop signal received; writing a final checkpoint")
+        return self._stop
+
+    def should_stop(self) -> bool:
+        """Whether a ``save_on_signal`` signal arrived on any rank (collective); the first
+        time it is True, the final checkpoint of ``state_fn()`` is written first (unless a
+        ``save`` already wrote it). Without ``save_on_signal`` it is False, with no collective."""
+        if not self._signals or not self._agree_on_signal():
+            return False
+        if not self._final_saved:
+            if self._state_fn is None:
+                raise InvalidArgumentError("should_stop needs save_on_signal(..., state_fn)")
+            step, state = self._state_fn()
+            self.save(step, state, force=True)
+        return True
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its failure) and restore signal handlers."""
+        try:
+            if self._finish_pending():
+                self._settle()
+        finally:
+            for signum, previous in self._signals.items():
+                signal.signal(signum, previous)
+            self._signals.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the original error behind a save failure
+            try:
+                self.close()
+            except Exception as e:
+                log.warning("dcpbridge: pending checkpoint failed too: %s", e)
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    out = {}
+    for name, value in (metrics or {}).items():
+        try:
+            out[str(name)] = float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"metric {name!r} must be a number (or a one-element tensor), got "
+                f"{type(value).__name__}"
+            ) from None
+    return out
+
+
+def _remove_dir(location: Location) -> None:
+    """Delete a step directory: its commit file first, so it never looks complete half-gone."""
+    byteio = ByteIO.for_location(location)
+    if byteio.exists(METADATA_FILE):
+        byteio.remove([METADATA_FILE])
+    with storage_faults(f"{location.url}: remove"):
+        location.fs.invalidate_cache(location.root)
+        with contextlib.suppress(FileNotFoundError):  # an object store's empty "directory"
+            location.fs.rm(location.root, recursive=True)
+        location.fs.invalidate_cache(location.root)

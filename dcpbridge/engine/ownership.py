@@ -1,0 +1,126 @@
+"""Who writes each item of a save, and who reads each box of a fully-parallel load.
+
+For one save structure the answer is a ``WriteOwners`` map, computed once (with
+``fully_parallel``: one exchange of shard sizes over the parallelization group) and cached
+with that structure (``dcpbridge.engine.cache``). The save planner, staging and the
+torch_dist path all ask it; ``replica_id``s are never rewritten. ``ReadOwners`` answers the
+same for the boxes of a fully-parallel load. The decisions themselves are the pure functions
+of ``dcpbridge.planners.distribution``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dcpbridge.engine import protocol
+from dcpbridge.engine.collectives import Group
+from dcpbridge.model.mapping import ShardedTensor
+from dcpbridge.planners.distribution import Holding, distribute, holders, is_main_replica
+from dcpbridge.planners.protocol import chunk_sizes
+
+ShardId = tuple[str, tuple[int, ...]]
+BoxId = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+def shard_id(sh: ShardedTensor) -> ShardId:
+    """A tensor shard's identity across ranks: its key and global offset."""
+    return sh.key, tuple(sh.global_offset)
+
+
+def box_id(sh: ShardedTensor) -> BoxId:
+    """A requested box's identity across ranks: key, global offset and size."""
+    return sh.key, tuple(sh.global_offset), chunk_sizes(sh)
+
+
+def _tensors(shards: list[Any]) -> list[ShardedTensor]:
+    return [s for s in shards if isinstance(s, ShardedTensor) and s.numel > 0]
+
+
+def _nbytes(sh: ShardedTensor) -> int:
+    return sh.numel * sh.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class WriteOwners:
+    """Who writes each item of one save structure, as seen from one rank.
+
+    A tensor shard the parallelization group spread (``assigned``) is written by the group
+    rank it was assigned to; a plain tensor of the common state (``common_tensors``) and the
+    common values by the coordinator; any other shard by its main replica.
+    """
+
+    coordinator: bool
+    common_tensors: frozenset[str] = frozenset()
+    assigned: Mapping[ShardId, int] | None = None
+    parallel_rank: int = 0
+
+    def writes(self, shard: Any) -> bool:
+        """Whether this rank writes ``shard``."""
+        if self.assigned is not None and isinstance(shard, ShardedTensor):
+            writer = self.assigned.get(shard_id(shard))
+            if writer is not None:
+                return writer == self.parallel_rank
+        return self.writes_alone(shard)
+
+    def writes_alone(self, shard: Any) -> bool:
+        """Whether this rank writes ``shard`` when no group spreads the writes."""
+        if isinstance(shard, ShardedTensor) and shard.key in self.common_tensors:
+            return self.coordinator
+        return is_main_replica(shard.replica_id)
+
+    def writes_common(self) -> bool:
+        """Whether this rank writes the common state."""
+        return self.coordinator
+
+
+def assign(
+    group: Group, holdings: Callable[[], list[Holding]], *, only_main: bool = True
+) -> dict[ShardId, int]:
+    """The group rank that writes (or keeps) each shard some member holds (collective: every
+    member's ``holdings()`` are exchanged; a member whose call raises fails them all).
+
+    With ``only_main=False``, every shard some member holds gets one, so the group alone
+    holds a full copy of its members' state (node-local checkpoints need that).
+    """
+    everyone = protocol.agree(group, "fully-parallel exchange", holdings)
+    return distribute(everyone, only_main=only_main)
+
+
+def write_owners(
+    group: Group, parallel: Group | None, shards: list[Any], common_tensors: Any = ()
+) -> WriteOwners:
+    """The ``WriteOwners`` of a save on ``group`` (collective over ``parallel``, if given)."""
+    owners = WriteOwners(group.is_coordinator, frozenset(common_tensors))
+    if parallel is None:
+        return owners
+
+    def held() -> list[Holding]:
+        return [Holding(shard_id(s), _nbytes(s), owners.writes_alone(s)) for s in _tensors(shards)]
+
+    assigned = assign(parallel, held)
+    return dataclasses.replace(owners, assigned=assigned, parallel_rank=parallel.rank)
+
+
+@dataclass(frozen=True)
+class ReadOwners:
+    """Which group rank reads each box several members of a fully-parallel load need."""
+
+    reader: dict[BoxId, int]
+    wanted_by: dict[BoxId, list[int]]
+
+    def others(self, box: BoxId, rank: int) -> list[int]:
+        """The members other than ``rank`` that need ``box``."""
+        return [r for r in self.wanted_by[box] if r != rank]
+
+
+def read_owners(group: Group, shards: Callable[[], list[Any]]) -> ReadOwners:
+    """The ``ReadOwners`` of a load's template ``shards()`` on ``group`` (collective)."""
+
+    def wanted() -> list[Holding]:
+        return [Holding(box_id(s), _nbytes(s)) for s in _tensors(shards())]
+
+    everyone = protocol.agree(group, "fully-parallel exchange", wanted)
+    return ReadOwners(distribute(everyone, only_main=False), holders(everyone))

@@ -1,0 +1,286 @@
+"""``save`` and ``async_save``: sort the state, vote on the cache, ask who writes, then drive DCP.
+
+A save runs in two halves. ``plan_save`` takes the collective decisions (one vote on reusing
+the cached plan; with ``fully_parallel``, the writers of replicated shards) on the caller's
+process group. ``write_planned`` builds the format's planner and writer and drives DCP's
+steps (``dcpbridge.engine.drive``); ``async_save`` runs that half in the background, after
+staging what this rank writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter
+
+from dcpbridge.engine import stats
+from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
+from dcpbridge.engine.bridge import BridgeSavePlanner
+from dcpbridge.engine.cache import Reuse, SaveCache, agree_to_reuse, save_cache, structure_of
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.drive import run_save
+from dcpbridge.engine.gc_pause import gc_paused
+from dcpbridge.engine.ownership import WriteOwners, write_owners
+from dcpbridge.engine.staging import stage
+from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.model.intake import SaveParts, for_save, normalize
+from dcpbridge.model.mapping import ShardedStateDict
+from dcpbridge.model.state import (
+    HOLE,
+    apply_factories,
+    extract,
+    fill_holes,
+    is_nonpersistent,
+    is_sharded,
+    leaves,
+)
+from dcpbridge.planners.leaves import refuse
+from dcpbridge.planners.protocol import leaf_kind
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage import FsspecCheckpointWriter
+from dcpbridge.tools.config import resolve_storage_options
+from dcpbridge.tools.torch_dist import TorchDistSavePlanner, TorchDistWriter
+
+PathLike = str | os.PathLike[str]
+FORMATS = ("dcpbridge", "torch_dist")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How ``save`` and ``async_save`` write; each field is a keyword argument of both."""
+
+    storage_options: dict[str, Any] | None = None  # fsspec options (endpoint, credentials)
+    profile: str | None = None  # a storage profile of the configuration file
+    validate_access_integrity: bool = True  # check the shards tile every tensor exactly once
+    fully_parallel: bool = False  # spread replicated shards' writes over the group
+    parallelization_group: dist.ProcessGroup | None = None  # for fully_parallel (default: all)
+    thread_count: int = 2  # writer threads per rank
+    sync_files: bool = True  # fsync data files before the commit
+    checksums: bool = True  # xxh3 block checksums (format "dcpbridge")
+    format: str = "dcpbridge"  # or "torch_dist", which Megatron-Core's load reads
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise InvalidArgumentError(
+                f"format must be 'dcpbridge' or 'torch_dist', got {self.format!r}"
+            )
+        if not isinstance(self.thread_count, int) or self.thread_count < 1:
+            raise InvalidArgumentError(f"thread_count must be >= 1, got {self.thread_count!r}")
+
+
+def parallel_group(
+    fully_parallel: bool, parallelization_group: dist.ProcessGroup | None, group: Group
+) -> Group | None:
+    """The group that spreads writes or reads (None without ``fully_parallel``)."""
+    if not fully_parallel:
+        return None
+    return Group.resolve(parallelization_group) if parallelization_group is not None else group
+
+
+@dataclass
+class PlannedSave:
+    """A save after its collective decisions: what to write, who writes it, and a local
+    failure met after them (raised inside the first step of the write, on every rank)."""
+
+    parts: SaveParts = field(default_factory=SaveParts)
+    structure: int | None = None
+    reuse: Reuse | None = None
+    owners: WriteOwners | None = None
+    common: Any = None  # the nested common state for torch_dist's common.pt
+    error: BaseException | None = None
+
+    @property
+    def shards(self) -> list[Any]:
+        return self.parts.shards
+
+
+def plan_save(
+    group: Group, cache: SaveCache, sharded_state_dict: ShardedStateDict, options: SaveOptions
+) -> PlannedSave:
+    """Sort the state and take the collective decisions; a failure raises on every rank."""
+    parallel = parallel_group(options.fully_parallel, options.parallelization_group, group)
+    planned = PlannedSave()
+
+    def sort() -> int:
+        parts = for_save(sharded_state_dict)
+        if options.format == "torch_dist":  # plain tensors go to common.pt, not to shards
+            parts.shards = [s for s in parts.shards if s.key not in parts.plain]
+        planned.parts = parts
+        planned.structure = structure_of(parts.shards, parallel, parts.common_layout())
+        return planned.structure
+
+    planned.reuse = agree_to_reuse(group, cache, sort)
+    if planned.reuse is not None:
+        planned.owners = planned.reuse.entry.owners
+    else:
+        common_tensors = () if options.format == "torch_dist" else planned.parts.plain
+        try:
+            planned.owners = write_owners(group, parallel, planned.shards, common_tensors)
+        except Exception as e:  # raised on ``parallel`` only: carried to the whole group
+            planned.error = e
+    if options.format == "torch_dist" and group.is_coordinator:
+        planned.common = planned.parts.nested_common()
+    return planned
+
+
+def _planner_and_writer(
+    planned: PlannedSave, checkpoint_dir: PathLike, options: SaveOptions
+) -> tuple[Any, SavePlanner, StorageWriter]:
+    """(state dict, planner, writer) of ``options.format``; re-raises a carried failure."""
+    if planned.error is not None:
+        raise planned.error
+    storage_options = resolve_storage_options(
+        options.storage_options, options.profile, url=checkpoint_dir
+    )
+    validate, parts = options.validate_access_integrity, planned.parts
+    if options.format == "torch_dist":
+        writer: StorageWriter = TorchDistWriter(
+            checkpoint_dir,
+            planned.common,
+            storage_options=storage_options,
+            thread_count=options.thread_count,
+            sync_files=options.sync_files,
+        )
+        planner: SavePlanner = TorchDistSavePlanner(validate=validate, owners=planned.owners)
+        return {"shards": parts.shards}, planner, writer
+    writer = FsspecCheckpointWriter(
+        checkpoint_dir,
+        storage_options=storage_options,
+        thread_count=options.thread_count,
+        sync_files=options.sync_files,
+        checksums=options.checksums,
+    )
+    planner = BridgeSavePlanner(
+        parts.shards, parts.objects, parts.common_table(), validate=validate, owners=planned.owners
+    )
+    return None, planner, writer
+
+
+def write_planned(
+    group: Group,
+    cache: SaveCache,
+    planned: PlannedSave,
+    checkpoint_dir: PathLike,
+    options: SaveOptions,
+) -> None:
+    """Plan, validate, write and commit ``planned`` (collective over ``group``)."""
+    run_save(
+        lambda: _planner_and_writer(planned, checkpoint_dir, options),
+        group,
+        cache,
+        structure=planned.structure,
+        reuse=planned.reuse,
+        owners=planned.owners,
+    )
+
+
+def _options(given: dict[str, Any], caller: str) -> SaveOptions:
+    unknown = sorted(set(given) - set(SaveOptions.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"{caller}() got unexpected keyword argument(s) {unknown}")
+    return SaveOptions(**given)
+
+
+@gc_paused
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> None:
+    """Save a sharded state dict; every rank of ``process_group`` calls it.
+
+    ShardedTensors and ShardedObjects are written by their main replica only, factories are
+    built first, LocalNonpersistentObjects are skipped, and everything else is common state
+    written once by the group's rank 0. With ``fully_parallel``, each shard held by several
+    ranks of ``parallelization_group`` (default: ``process_group``) is written by one of them,
+    balancing bytes. The checkpoint is committed (``dcpbridge.json`` published) only after
+    every rank's data is durable and the sharding validated. ``options`` are the fields of
+    ``SaveOptions``: ``format="torch_dist"`` writes a Megatron-Core torch_dist checkpoint
+    instead (no checksums); ``profile`` names a storage profile of the configuration file.
+    """
+    opts = _options(options, "save")
+    group = Group.resolve(process_group)
+    cache = save_cache(group, opts.validate_access_integrity, opts.format)
+    planned = plan_save(group, cache, sharded_state_dict, opts)
+    write_planned(group, cache, planned, checkpoint_dir, opts)
+
+
+@gc_paused
+def async_save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    max_in_flight: int = 1,
+    **options: Any,
+) -> AsyncSaveHandle:
+    """``save`` (same ``options``, any format) that returns once the data is staged in host
+    memory; the rest runs behind.
+
+    The caller may modify its tensors as soon as this returns. The small decisions taken
+    before planning (cache vote, fully-parallel writers) are collective and run here; writing
+    and the commit run on a background thread whose exchanges never touch the caller's
+    process groups. Failures surface on every rank at ``handle.result()`` (or ``wait()``),
+    or else at the async_save that has to wait for that save because ``max_in_flight`` saves
+    are outstanding (that call raises and starts nothing). A failed save never commits.
+    """
+    opts = _options(options, "async_save")
+    group = Group.resolve(process_group)
+    saver = AsyncSaver.for_group(group, max_in_flight)
+    saver.wait_for_capacity()
+    target = os.fspath(checkpoint_dir)
+    cache = save_cache(group, opts.validate_access_integrity, opts.format)
+    try:
+        planned = plan_save(group, cache, sharded_state_dict, opts)
+    except Exception as e:  # raised alike on every rank: reported where each waits
+        return saver.submit(target, _raiser(e), None)
+    buffers = None
+    try:
+        if planned.error is not None:
+            raise planned.error
+        assert planned.owners is not None
+        owners = planned.owners
+        shards, buffers = stats.timed(
+            "staged",
+            target,
+            lambda: stage(planned.shards, saver.area, owners),
+            lambda out: stats.tensor_bytes(out[0]),
+        )
+        planned.parts = planned.parts.staged(shards)
+        planned.common = copy.deepcopy(planned.common)  # common.pt's tensors too
+    except Exception as e:  # this rank's alone: carried into the write's first step
+        planned.error = e
+
+    def job() -> None:
+        write_planned(saver.group, cache, planned, checkpoint_dir, opts)
+
+    return saver.submit(target, job, buffers)
+
+
+def _raiser(error: BaseException) -> Any:
+    def job() -> None:
+        raise error
+
+    return job
+
+
+def split_for_save(sharded_state_dict: ShardedStateDict) -> tuple[Any, list[Any]]:
+    """(common state, shards) in Megatron's split: factories built, non-persistent objects
+    dropped, Megatron-Core's own types taken as dcpbridge's; sharded data that would be
+    pickled in the common state (DTensors, ...) is refused."""
+    tree = apply_factories(normalize(sharded_state_dict))
+    _, tree = extract(tree, is_nonpersistent)
+    sharded, common = extract(tree, is_sharded)
+    common = fill_holes(common) if common is not HOLE else {}
+    for leaf in iter_leaves(common):
+        kind = leaf_kind(leaf.value)
+        if kind not in ("object", "tensor"):
+            raise refuse(leaf.path, leaf.value, kind)
+    return common, leaves(sharded)

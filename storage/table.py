@@ -1,0 +1,754 @@
+"""Stored items as columns: the commit document's item table, checked with array operations.
+
+One row per stored item: the chunks of every tensor (tensor by tensor, each tensor's chunks
+sorted by offsets), then the objects. Where an item lives (file, byte offset, size, writing
+rank, block checksums) and, for chunks, the box it holds are arrays, so building, encoding,
+decoding and validating a million chunks costs array operations, not Python objects. The
+table is also the ``StorageIndex.items`` mapping the reader queries; a ``StoredItem`` is
+made only for the items a load asks for.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import heapq
+import itertools
+import math
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+from dcpbridge.storage.checksum import tensor_grid
+from dcpbridge.storage.errors import CorruptCheckpointError
+from dcpbridge.storage.tiling import disjointness, products
+
+ItemKey = tuple[str, "tuple[int, ...] | None"]
+
+# Largest dimension, offset or byte count a document may state (far below int64 overflow).
+MAX_SIZE = 1 << 62
+MAX_NDIM = 64
+# Rows and checksums a table may hold: a bound on what a document can make a load allocate.
+MAX_ROWS = 1 << 28
+ITEM_ALIGN = 64
+_WIDTHS = ("<u1", "<u2", "<u4", "<u8")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredItem:
+    """Where one written item's bytes live, their block checksums and (tensors) chunk layout."""
+
+    file: str
+    offset: int
+    nbytes: int
+    rank: int
+    checksums: tuple[str, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+
+
+def describe_item(key: ItemKey) -> str:
+    """How errors name a stored item: ``tensor 'w' chunk [0, 4]`` or ``object 'o'``."""
+    fqn, offsets = key
+    return f"object {fqn!r}" if offsets is None else f"tensor {fqn!r} chunk {list(offsets)}"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- columns ------------------------------------------------------------------------------------
+
+
+def pack_column(values: np.ndarray, *, compress: bool = True) -> dict[str, Any]:
+    """A JSON-embeddable column: the narrowest little-endian width, zlib'd, base64 text."""
+    top = int(values.max()) if values.size else 0
+    width = next(w for w in _WIDTHS if top <= np.iinfo(np.dtype(w)).max)
+    data = np.ascontiguousarray(values, dtype=np.dtype(width)).tobytes()
+    if compress:
+        data = zlib.compress(data, 1)
+    return {
+        "type": width,
+        "count": int(values.size),
+        "zlib": compress,
+        "data": base64.b64encode(data).decode("ascii"),
+    }
+
+
+def unpack_column(entry: Any, what: str, *, checksums: bool = False) -> np.ndarray:
+    """The int64 values of a packed column (uint64 for ``checksums``), refused unless every
+    field is well-formed and the data decodes to exactly ``count`` values in range."""
+    if type(entry) is not dict or set(entry) != {"type", "count", "zlib", "data"}:
+        raise CorruptCheckpointError(f"{what}: not a packed column ({_show(entry)})")
+    width, count, packed, text = entry["type"], entry["count"], entry["zlib"], entry["data"]
+    if width not in _WIDTHS or (checksums and width != "<u8"):
+        raise CorruptCheckpointError(f"{what}: unknown column type {_show(width)}")
+    if type(count) is not int or not 0 <= count <= MAX_ROWS * (MAX_NDIM if not checksums else 1):
+        raise CorruptCheckpointError(f"{what}: column count {_show(count)} is not valid")
+    if type(packed) is not bool or type(text) is not str:
+        raise CorruptCheckpointError(f"{what}: column fields have the wrong types")
+    expected = count * np.dtype(width).itemsize
+    try:
+        raw = base64.b64decode(text, validate=True)
+        if packed:
+            inflate = zlib.decompressobj()
+            raw = inflate.decompress(raw, expected + 1)
+            if not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
+                raise CorruptCheckpointError(f"{what}: column data does not hold {count} values")
+    except (binascii.Error, zlib.error, ValueError) as e:
+        raise CorruptCheckpointError(f"{what}: column data is not valid: {e}") from None
+    if len(raw) != expected:
+        raise CorruptCheckpointError(f"{what}: column data does not hold {count} values")
+    values = np.frombuffer(raw, dtype=np.dtype(width))
+    if checksums:
+        return values.astype(np.uint64)
+    if width == "<u8" and values.size and values.max() > MAX_SIZE:
+        raise CorruptCheckpointError(
+            f"{what}: value {int(values.max())} exceeds {MAX_SIZE} (at most 2**62)"
+        )
+    return values.astype(np.int64)
+
+
+def hex_to_ints(digests: Sequence[str]) -> np.ndarray:
+    """16-digit hex digests (``xxh3_64_hexdigest``) as uint64 values."""
+    return np.frombuffer(bytes.fromhex("".join(digests)), dtype=">u8").astype(np.uint64)
+
+
+def ints_to_hex(values: np.ndarray) -> tuple[str, ...]:
+    text = values.astype(">u8").tobytes().hex()
+    return tuple(text[i : i + 16] for i in range(0, len(text), 16))
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ItemTable(Mapping[ItemKey, StoredItem]):
+    """Every stored item of a checkpoint as columns; a read-only mapping key -> StoredItem.
+
+    ``offsets``/``sizes`` hold the boxes of the tensor rows, padded to the widest tensor's
+    dims (offset 0, size 1); ``checksums`` the block checksums of all rows, in row order.
+    """
+
+    tensors: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    counts: np.ndarray  # chunks per tensor
+    objects: list[str]
+    files: tuple[str, ...]
+    file: np.ndarray  # per row: index into ``files``
+    offset: np.ndarray
+    nbytes: np.ndarray
+    rank: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    checksums: np.ndarray | None = None
+    block_size: int = 0  # checksum block size the ``StoredItem``s are made for
+    tiled: bool = True  # chunks' checksums cover tiles of their shape (format 4), else blocks
+    _starts: np.ndarray | None = field(default=None, repr=False)
+    _sum_starts: np.ndarray | None = field(default=None, repr=False)
+    _tensor_ids: dict[str, int] | None = field(default=None, repr=False)
+    _object_rows: dict[str, int] | None = field(default=None, repr=False)
+    _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
+    _hex: tuple[str, ...] | None = field(default=None, repr=False)
+    _hex_starts: list[int] = field(default_factory=list, repr=False)
+    _bounds: list[int] | None = field(default=None, repr=False)
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    @property
+    def tensor_rows(self) -> int:
+        return int(self.offsets.shape[0])
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Row where each tensor's chunks start (one more entry: the first object row)."""
+        if self._starts is None:
+            self._starts = np.zeros(len(self.tensors) + 1, dtype=np.int64)
+            np.cumsum(self.counts, out=self._starts[1:])
+        return self._starts
+
+    def row_tensor(self) -> np.ndarray:
+        """The tensor index of every tensor row."""
+        return np.repeat(np.arange(len(self.tensors), dtype=np.int64), self.counts)
+
+    def ndims(self) -> np.ndarray:
+        return np.fromiter(map(len, self.shapes), dtype=np.int64, count=len(self.shapes))
+
+    def blocks(self, block: int) -> np.ndarray:
+        """Checksums each row has for ``block`` (at least one, even when empty): flat blocks
+        of its bytes, or for a chunk of a tiled table the tiles of its shape."""
+        counts = np.maximum(1, -(-self.nbytes // block))
+        nt = self.tensor_rows
+        if not self.tiled or not nt:
+            return counts
+        # Rows of one chunk shape and dtype share a grid: compute it once per distinct one.
+        tid = self.row_tensor()
+        itemsize = np.array([d.itemsize for d in self.dtypes], dtype=np.int64)[tid]
+        ndim = self.ndims()[tid]
+        keys = np.column_stack([itemsize, ndim, self.sizes])
+        distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
+        grids = np.fromiter(
+            (
+                tensor_grid(tuple(k[2 : 2 + k[1]]), k[0], block, tiled=True).count
+                for k in distinct.tolist()
+            ),
+            dtype=np.int64,
+            count=len(distinct),
+        )
+        counts[:nt] = grids[inverse.reshape(-1)]
+        return counts
+
+    def sum_starts(self, block: int) -> np.ndarray:
+        if self._sum_starts is None:
+            self._sum_starts = np.zeros(len(self.nbytes) + 1, dtype=np.int64)
+            np.cumsum(self.blocks(block), out=self._sum_starts[1:])
+        return self._sum_starts
+
+    def tensor_id(self, fqn: str) -> int | None:
+        if self._tensor_ids is None:
+            self._tensor_ids = {name: i for i, name in enumerate(self.tensors)}
+        return self._tensor_ids.get(fqn)
+
+    def chunk_offsets(self, row: int, ndim: int) -> tuple[int, ...]:
+        return tuple(self.offsets[row, :ndim].tolist())
+
+    def key(self, row: int) -> ItemKey:
+        if row >= self.tensor_rows:
+            return self.objects[row - self.tensor_rows], None
+        t = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return self.tensors[t], self.chunk_offsets(row, len(self.shapes[t]))
+
+    def find(self, key: ItemKey) -> int | None:
+        """The row of ``key`` (fqn, chunk offsets or None for an object), or None."""
+        fqn, offsets = key
+        if offsets is None:
+            if self._object_rows is None:
+                base = self.tensor_rows
+                self._object_rows = {name: base + i for i, name in enumerate(self.objects)}
+            return self._object_rows.get(fqn)
+        t = self.tensor_id(fqn)
+        if t is None:
+            return None
+        return self.find_chunk(t, tuple(offsets))
+
+    def find_chunk(self, t: int, offsets: tuple[int, ...]) -> int | None:
+        """The row of tensor ``t``'s chunk at ``offsets``, or None."""
+        if self._bounds is None:
+            self._bounds = self.starts.tolist()
+        lo, hi = self._bounds[t], self._bounds[t + 1]
+        ndim = len(self.shapes[t])
+        if hi - lo == 1:
+            return lo if self.chunk_offsets(lo, ndim) == offsets else None
+        rows = self._chunk_rows.get(t)
+        if rows is None:
+            block = self.offsets[lo:hi, :ndim].tolist()
+            rows = self._chunk_rows[t] = {tuple(o): lo + i for i, o in enumerate(block)}
+        return rows.get(offsets)
+
+    def stored(self, row: int, block: int = 0, t: int | None = None) -> StoredItem:
+        """The ``StoredItem`` of ``row`` (``block``: the checksum block size, if any; ``t``:
+        the row's tensor, if known)."""
+        sums = None
+        if self.checksums is not None:
+            if self._hex is None:
+                self._hex = ints_to_hex(self.checksums)
+                self._hex_starts = self.sum_starts(block).tolist()
+            starts = self._hex_starts
+            sums = self._hex[starts[row] : starts[row + 1]]
+        sizes = dtype = None
+        if row < self.tensor_rows:
+            if t is None:
+                t = int(np.searchsorted(self.starts, row, side="right")) - 1
+            sizes = tuple(self.sizes[row, : len(self.shapes[t])].tolist())
+            dtype = self.dtypes[t]
+        return StoredItem(
+            self.files[int(self.file[row])],
+            int(self.offset[row]),
+            int(self.nbytes[row]),
+            int(self.rank[row]),
+            sums,
+            sizes,
+            dtype,
+        )
+
+    # -- Mapping ----------------------------------------------------------------------------
+
+    def __getitem__(self, key: ItemKey) -> StoredItem:
+        item = self.get(key)
+        if item is None:
+            raise KeyError(key)
+        return item
+
+    def get(self, key: ItemKey, default: Any = None) -> Any:  # type: ignore[override]
+        fqn, offsets = key
+        if offsets is None:
+            row = self.find(key)
+            return default if row is None else self.stored(row, self.block_size)
+        t = self.tensor_id(fqn)
+        row = None if t is None else self.find_chunk(t, tuple(offsets))
+        return default if row is None else self.stored(row, self.block_size, t)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and len(key) == 2 and self.find(key) is not None  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[ItemKey]:
+        return (self.key(row) for row in range(len(self.nbytes)))
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    # -- chunks of one tensor, as DCP's metadata lists them --------------------------------
+
+    def chunk_list(self, t: int) -> ChunkList:
+        return ChunkList(self, t)
+
+
+class ChunkList(Sequence[ChunkStorageMetadata]):
+    """DCP ``TensorStorageMetadata.chunks`` of one tensor, made on first use from the table."""
+
+    def __init__(self, table: ItemTable, t: int) -> None:
+        self.table, self.t = table, t
+        self._made: list[ChunkStorageMetadata] | None = None
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        starts = self.table.starts
+        return int(starts[self.t]), int(starts[self.t + 1])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, sizes) of this tensor's chunks, ``(n, ndim)`` int64 each."""
+        lo, hi = self.rows
+        nd = len(self.table.shapes[self.t])
+        return self.table.offsets[lo:hi, :nd], self.table.sizes[lo:hi, :nd]
+
+    def box(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) of chunk ``i`` as tuples."""
+        row = int(self.table.starts[self.t]) + i
+        nd = len(self.table.shapes[self.t])
+        return (
+            tuple(self.table.offsets[row, :nd].tolist()),
+            tuple(self.table.sizes[row, :nd].tolist()),
+        )
+
+    def _all(self) -> list[ChunkStorageMetadata]:
+        if self._made is None:
+            offsets, sizes = (a.tolist() for a in self.arrays())
+            self._made = [
+                ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in zip(offsets, sizes)
+            ]
+        return self._made
+
+    def __len__(self) -> int:
+        return int(self.table.counts[self.t])
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._made is None and isinstance(i, int):
+            n = len(self)
+            if not -n <= i < n:
+                raise IndexError(i)
+            lo, _ = self.rows
+            nd = len(self.table.shapes[self.t])
+            row = lo + (i % n)
+            return ChunkStorageMetadata(
+                torch.Size(self.table.offsets[row, :nd].tolist()),
+                torch.Size(self.table.sizes[row, :nd].tolist()),
+            )
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[ChunkStorageMetadata]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, ChunkList)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
+# -- building -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TensorHeader:
+    """A tensor's entry in the table's header: name, dtype and global shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def table_from_rows(
+    tensors: Sequence[TensorHeader],
+    objects: Sequence[str],
+    files: Sequence[str],
+    tensor_rows: Sequence[tuple[int, tuple[int, ...], tuple[int, ...], StoredItem]],
+    object_rows: Sequence[StoredItem],
+    *,
+    checksums: bool,
+    tiled: bool = True,
+) -> ItemTable:
+    """A table from rows ``(tensor index, offsets, sizes, item)`` in any order, and the
+    objects' items in ``objects`` order. Each tensor's chunks end up sorted by offsets."""
+    ndim = [len(h.shape) for h in tensors]
+    width = max(ndim, default=0)
+    order = sorted(range(len(tensor_rows)), key=lambda i: (tensor_rows[i][0], tensor_rows[i][1]))
+    rows = [tensor_rows[i] for i in order]
+    pad_o = [(*r[1], *(0,) * (width - len(r[1]))) for r in rows]
+    pad_s = [(*r[2], *(1,) * (width - len(r[2]))) for r in rows]
+    items = [r[3] for r in rows] + list(object_rows)
+    return _assemble(
+        tensors,
+        np.bincount(np.array([r[0] for r in rows], dtype=np.int64), minlength=len(tensors))
+        if rows
+        else np.zeros(len(tensors), dtype=np.int64),
+        objects,
+        files,
+        np.array(pad_o, dtype=np.int64).reshape(len(rows), width),
+        np.array(pad_s, dtype=np.int64).reshape(len(rows), width),
+        items,
+        checksums=checksums,
+        tiled=tiled,
+    )
+
+
+def _assemble(
+    tensors: Sequence[TensorHeader],
+    counts: np.ndarray,
+    objects: Sequence[str],
+    files: Sequence[str],
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    items: Sequence[StoredItem],
+    *,
+    checksums: bool,
+    tiled: bool,
+) -> ItemTable:
+    file_ids = {name: i for i, name in enumerate(files)}
+    n = len(items)
+    sums = None
+    if checksums:
+        sums = hex_to_ints(list(itertools.chain.from_iterable(it.checksums or () for it in items)))
+    return ItemTable(
+        tensors=[h.name for h in tensors],
+        dtypes=[h.dtype for h in tensors],
+        shapes=[tuple(h.shape) for h in tensors],
+        counts=counts.astype(np.int64),
+        objects=list(objects),
+        files=tuple(files),
+        file=np.fromiter((file_ids[it.file] for it in items), dtype=np.int64, count=n),
+        offset=np.fromiter((it.offset for it in items), dtype=np.int64, count=n),
+        nbytes=np.fromiter((it.nbytes for it in items), dtype=np.int64, count=n),
+        rank=np.fromiter((it.rank for it in items), dtype=np.int64, count=n),
+        offsets=offsets,
+        sizes=sizes,
+        checksums=sums,
+        tiled=tiled,
+    )
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def check_table(table: ItemTable, *, world_size: int, block: int) -> None:
+    """Refuse a table unless every row is consistent (see ``format.decode_metadata``).
+
+    Types and value ranges are the decoder's job (columns hold only integers in range);
+    this checks what rows mean: files, alignment, ranks, checksum counts, each chunk inside
+    its tensor with the byte size of its box, chunks of a tensor pairwise disjoint and
+    covering it, and items of one file never sharing bytes.
+    """
+    rows = len(table.nbytes)
+    nt = table.tensor_rows
+    if rows > MAX_ROWS:
+        raise CorruptCheckpointError(f"{rows} stored items are too many (at most {MAX_ROWS})")
+    if int(table.counts.sum()) != nt or rows != nt + len(table.objects):
+        raise CorruptCheckpointError("the item table's row counts do not add up")
+
+    def first(mask: np.ndarray) -> int | None:
+        hits = np.flatnonzero(mask)
+        return int(hits[0]) if hits.size else None
+
+    def name(row: int) -> str:
+        return describe_item(table.key(row))
+
+    if (row := first(table.file >= len(table.files))) is not None:
+        raise CorruptCheckpointError(
+            f"{name(row)}: file #{int(table.file[row])} is not among the checkpoint's files"
+        )
+    if (row := first(table.offset % ITEM_ALIGN != 0)) is not None:
+        raise CorruptCheckpointError(
+            f"{name(row)}: offset {int(table.offset[row])} is not {ITEM_ALIGN}-byte aligned"
+        )
+    if (row := first(table.rank >= world_size)) is not None:
+        raise CorruptCheckpointError(
+            f"{name(row)} rank must be an integer in [0, {world_size - 1}], "
+            f"got {int(table.rank[row])}"
+        )
+    if nt:
+        _check_geometry(table, name)
+    _check_checksum_counts(table, block, name)
+    _check_file_ranges(table, name)
+
+
+def _check_checksum_counts(table: ItemTable, block: int, name: Any) -> None:
+    if not block:
+        if table.checksums is not None:
+            raise CorruptCheckpointError("checksums recorded, but no checksum algorithm")
+        return
+    if table.checksums is None:
+        raise CorruptCheckpointError("no block checksums recorded")
+    have = len(table.checksums)
+    need = table.blocks(block)
+    if need.size and int(need.max()) > have:
+        row = int(np.argmax(need > have))
+        raise CorruptCheckpointError(
+            f"{name(row)}: {int(need[row])} block checksums expected, found {have} in all"
+        )
+    starts = table.sum_starts(block)
+    if int(starts[-1]) != have:
+        # name the first row whose checksums cannot line up
+        raise CorruptCheckpointError(
+            f"{int(starts[-1])} block checksums expected for {len(need)} items, found {have}"
+        )
+
+
+def _check_geometry(table: ItemTable, name: Any) -> None:
+    nt, width = table.tensor_rows, table.offsets.shape[1]
+    tid = table.row_tensor()
+    ndims = table.ndims()
+    shapes = np.ones((len(table.tensors), width), dtype=np.int64)
+    for t, shape in enumerate(table.shapes):
+        shapes[t, : len(shape)] = shape
+    shape_rows = shapes[tid]
+    outside = ((table.sizes > shape_rows) | (table.offsets > shape_rows - table.sizes)).any(axis=1)
+    if (row := _first(outside)) is not None:
+        t, nd = int(tid[row]), int(ndims[tid[row]])
+        raise CorruptCheckpointError(
+            f"{name(row)}: sizes {table.sizes[row, :nd].tolist()} exceed shape "
+            f"{list(table.shapes[t])}"
+        )
+    itemsize = np.array([d.itemsize for d in table.dtypes], dtype=np.int64)[tid]
+    numel, over = products(table.sizes, MAX_SIZE)
+    nbytes, over2 = products(np.stack([numel, itemsize], axis=1), MAX_SIZE)
+    if (row := _first(over | over2)) is not None:
+        raise CorruptCheckpointError(
+            f"{name(row)}: {table.sizes[row].tolist()} elements are too many"
+        )
+    if (row := _first(table.nbytes[:nt] != nbytes)) is not None:
+        t = int(tid[row])
+        raise CorruptCheckpointError(
+            f"{name(row)}: {int(table.nbytes[row])} bytes recorded, {int(nbytes[row])} expected "
+            f"for sizes {table.sizes[row, : int(ndims[t])].tolist()} of {table.dtypes[t]}"
+        )
+    _check_distinct_keys(table, tid, numel, name)
+    _check_tiling(table, tid, numel)
+
+
+def _first(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if hits.size else None
+
+
+def _check_distinct_keys(table: ItemTable, tid: np.ndarray, numel: np.ndarray, name: Any) -> None:
+    """No two chunks of a tensor at the same offsets (non-empty ones would also overlap)."""
+    empty = numel == 0
+    if not empty.any():
+        return
+    marked = np.zeros(len(table.tensors), dtype=bool)
+    marked[tid[empty]] = True
+    suspects = marked[tid]
+    rows = np.flatnonzero(suspects)
+    keys = np.column_stack([tid[rows], table.offsets[rows]])
+    order = np.lexsort(keys.T[::-1])
+    same = (keys[order][1:] == keys[order][:-1]).all(axis=1)
+    if same.any():
+        row = int(rows[order][1:][same][0])
+        raise CorruptCheckpointError(f"{name(row)} is recorded twice")
+
+
+def _check_tiling(table: ItemTable, tid: np.ndarray, numel: np.ndarray) -> None:
+    """Each tensor's non-empty chunks pairwise disjoint and covering it exactly."""
+    tensors = len(table.tensors)
+    full = [math.prod(s) for s in table.shapes]
+    nonempty = numel > 0
+    status = disjointness(tid[nonempty], table.offsets[nonempty], table.sizes[nonempty], tensors)
+    ok = status == 0
+    counted = np.where(nonempty & ok[tid], numel, 0)
+    running = np.zeros(len(counted) + 1, dtype=np.int64)
+    np.cumsum(counted, out=running[1:])  # may wrap; each tensor's difference is exact
+    starts = table.starts
+    sums = running[starts[1:]] - running[starts[:-1]]
+    for t in np.flatnonzero(~ok | (sums != np.array(full, dtype=np.int64))):
+        t = int(t)
+        what = f"tensor {table.tensors[t]!r}"
+        if not ok[t]:  # overlapping, or a tiling the array check cannot decide: sweep it
+            lo, hi = int(table.starts[t]), int(table.starts[t + 1])
+            nd = len(table.shapes[t])
+            sweep_tiling(what, table.shapes[t], table.offsets[lo:hi, :nd], table.sizes[lo:hi, :nd])
+            continue
+        raise CorruptCheckpointError(
+            f"{what}: chunks cover {int(sums[t])} of {full[t]} elements (the checkpoint is "
+            "incomplete)"
+        )
+
+
+def sweep_tiling(what: str, shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> None:
+    """The exact check for one tensor: a sweep along the dimension with the most distinct
+    chunk starts; each chunk is compared only with chunks still open at its start."""
+    boxes = [(tuple(o), tuple(s)) for o, s in zip(offsets.tolist(), sizes.tolist()) if math.prod(s)]
+    numel = math.prod(shape)
+    covered = sum(math.prod(s) for _, s in boxes)
+    if boxes and len(shape):
+        d = max(range(len(shape)), key=lambda i: len({o[i] for o, _ in boxes}))
+        boxes.sort(key=lambda b: b[0][d])
+        open_: list[tuple[int, int]] = []
+        for i, (off, size) in enumerate(boxes):
+            while open_ and open_[0][0] <= off[d]:
+                heapq.heappop(open_)
+            for _, j in open_:
+                o2, s2 = boxes[j]
+                if all(a < b + m and b < a + n for a, n, b, m in zip(off, size, o2, s2)):
+                    raise CorruptCheckpointError(
+                        f"{what}: chunks {list(o2)}+{list(s2)} and {list(off)}+{list(size)} overlap"
+                    )
+            heapq.heappush(open_, (off[d] + size[d], i))
+    elif len(boxes) > 1:  # 0-dim tensor: every chunk is the whole tensor
+        raise CorruptCheckpointError(f"{what}: {len(boxes)} chunks of a 0-dim tensor overlap")
+    if covered != numel:
+        raise CorruptCheckpointError(
+            f"{what}: chunks cover {covered} of {numel} elements (the checkpoint is incomplete)"
+        )
+
+
+def _check_file_ranges(table: ItemTable, name: Any) -> None:
+    """Items stored in one file must not share bytes."""
+    rows = np.flatnonzero(table.nbytes > 0)
+    if rows.size < 2:
+        return
+    order = rows[np.lexsort((table.offset[rows], table.file[rows]))]
+    f, start, size = table.file[order], table.offset[order], table.nbytes[order]
+    clash = (f[1:] == f[:-1]) & (start[1:] - start[:-1] < size[:-1])
+    if clash.any():
+        i = int(np.argmax(clash))
+        a, b = int(order[i]), int(order[i + 1])
+        raise CorruptCheckpointError(
+            f"{table.files[int(f[i])]}: the bytes of {name(a)} and {name(b)} overlap"
+        )
+
+
+def check_ranges(
+    table: ItemTable, sizes: Mapping[str, int], where: str, metadata_file: str
+) -> None:
+    """Every item's bytes must lie inside its data file (``sizes``: file name -> bytes)."""
+    file_sizes = np.array([sizes.get(f, -1) for f in table.files], dtype=np.int64)
+    have = file_sizes[table.file] if table.file.size else table.file
+    if (row := _first(have < 0)) is not None:
+        raise CorruptCheckpointError(
+            f"{where}: data file {table.files[int(table.file[row])]} of "
+            f"{describe_item(table.key(row))}, named in {metadata_file}, is missing"
+        )
+    bad = (table.offset > have) | (table.nbytes > have - table.offset)
+    if (row := _first(bad)) is not None:
+        start, n = int(table.offset[row]), int(table.nbytes[row])
+        raise CorruptCheckpointError(
+            f"{where}: {metadata_file} places {describe_item(table.key(row))} at bytes "
+            f"{start}..{start + n} of {table.files[int(table.file[row])]}, which has only "
+            f"{int(have[row])} bytes (a truncated file or damaged metadata)"
+        )
+
+
+def table_from_written(
+    tensors: Sequence[TensorHeader],
+    objects: Sequence[str],
+    files: Sequence[str],
+    fqns: Sequence[str],
+    offsets: Sequence[Sequence[int] | None],
+    items: Sequence[StoredItem],
+    *,
+    checksums: bool,
+) -> ItemTable:
+    """A table from what writers report: item ``i`` is ``fqns[i]`` at chunk ``offsets[i]``
+    (None for an object), stored as ``items[i]``, in any order. Each column is one pass over
+    the items and the rows are put in order as arrays, so a million items stay cheap.
+
+    Raises ``KeyError`` naming an item whose tensor or object is not in the header.
+    """
+    tids = {h.name: i for i, h in enumerate(tensors)}
+    oids = {name: len(tids) + i for i, name in enumerate(objects)}
+    n = len(items)
+    slot = np.fromiter(
+        (tids[f] if o is not None else oids[f] for f, o in zip(fqns, offsets)),
+        dtype=np.int64,
+        count=n,
+    )
+    is_chunk = slot < len(tids)
+    chunk_rows = np.flatnonzero(is_chunk)
+    width = max((len(h.shape) for h in tensors), default=0)
+    nt = len(chunk_rows)
+    box_o = np.zeros((nt, width), dtype=np.int64)
+    box_s = np.ones((nt, width), dtype=np.int64)
+    if nt and width:
+        picked = [offsets[i] for i in chunk_rows.tolist()] if nt != n else offsets
+        chosen = [items[i] for i in chunk_rows.tolist()] if nt != n else items
+        lens = np.fromiter(map(len, picked), dtype=np.int64, count=nt)  # type: ignore[arg-type]
+        total = int(lens.sum())
+        keep = np.arange(width)[None, :] < lens[:, None]
+        box_o[keep] = np.fromiter(
+            itertools.chain.from_iterable(picked),
+            dtype=np.int64,
+            count=total,  # type: ignore[arg-type]
+        )
+        box_s[keep] = np.fromiter(
+            itertools.chain.from_iterable(it.sizes or () for it in chosen),
+            dtype=np.int64,
+            count=total,
+        )
+    keys = np.zeros((n, width), dtype=np.int64)
+    keys[chunk_rows] = box_o
+    order = np.lexsort((*keys.T[::-1], slot))  # tensors' chunks by offsets, then objects
+    file_ids = {name: i for i, name in enumerate(files)}
+    sums = None
+    if checksums:
+        counts = np.fromiter((len(it.checksums or ()) for it in items), dtype=np.int64, count=n)
+        flat = hex_to_ints(list(itertools.chain.from_iterable(it.checksums or () for it in items)))
+        sums = flat[_ragged_order(counts, order)]
+    return ItemTable(
+        tensors=[h.name for h in tensors],
+        dtypes=[h.dtype for h in tensors],
+        shapes=[tuple(h.shape) for h in tensors],
+        counts=np.bincount(slot[is_chunk], minlength=len(tensors)).astype(np.int64),
+        objects=list(objects),
+        files=tuple(files),
+        file=np.fromiter((file_ids[it.file] for it in items), dtype=np.int64, count=n)[order],
+        offset=np.fromiter((it.offset for it in items), dtype=np.int64, count=n)[order],
+        nbytes=np.fromiter((it.nbytes for it in items), dtype=np.int64, count=n)[order],
+        rank=np.fromiter((it.rank for it in items), dtype=np.int64, count=n)[order],
+        offsets=box_o[_positions(chunk_rows, order[:nt])],
+        sizes=box_s[_positions(chunk_rows, order[:nt])],
+        checksums=sums,
+    )
+
+
+def _positions(chunk_rows: np.ndarray, ordered: np.ndarray) -> np.ndarray:
+    """Index into the chunk-only arrays of each ordered chunk row."""
+    where = np.empty(int(chunk_rows.max()) + 1 if chunk_rows.size else 0, dtype=np.int64)
+    where[chunk_rows] = np.arange(len(chunk_rows))
+    return where[ordered]
+
+
+def _ragged_order(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Indices that gather the ragged segments (``counts`` long each) in ``order``."""
+    starts = np.cumsum(counts) - counts
+    lens = counts[order]
+    total = int(lens.sum())
+    new_starts = np.cumsum(lens) - lens
+    return np.arange(total, dtype=np.int64) + np.repeat(starts[order] - new_starts, lens)

@@ -1,0 +1,53 @@
+"""Count the collectives dcpbridge issues, by wrapping ``Group``'s methods for a test's duration."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dcpbridge.engine.collectives import Group, StoreGroup
+
+
+def _issues(method: str, group: Group, args: tuple[Any, ...]) -> bool:
+    """Whether this call reaches torch.distributed (or the store) at all."""
+    if method == "exchange":
+        return bool(args[0] or args[1])
+    if method == "broadcast_tensor":
+        return group.distributed and args[0].numel() > 0
+    return group.distributed
+
+
+_NAMES = {"exchange": "p2p"}
+_METHODS = ("gather", "scatter", "broadcast", "all_gather", "broadcast_tensor", "exchange")
+
+
+def _counting(method: str, original: Callable[..., Any], calls: Counter[str]) -> Any:
+    @functools.wraps(original)
+    def counted(self: Group, *args: Any, **kwargs: Any) -> Any:
+        if _issues(method, self, args):
+            calls[_NAMES.get(method, method)] += 1
+        return original(self, *args, **kwargs)
+
+    return counted
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter[str]]:
+    """Within the block, count every collective issued, by method (``exchange`` as ``p2p``)."""
+    calls: Counter[str] = Counter()
+    saved = [
+        (cls, m, cls.__dict__[m])
+        for cls in (Group, StoreGroup)
+        for m in _METHODS
+        if m in cls.__dict__
+    ]
+    for cls, method, original in saved:
+        setattr(cls, method, _counting(method, original, calls))
+    try:
+        yield calls
+    finally:
+        for cls, method, original in saved:
+            setattr(cls, method, original)
