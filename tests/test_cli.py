@@ -75,7 +75,7 @@ def rows2(pool, tmp_path_factory) -> str:
 
 def test_inspect_json_lists_chunks_ranks_files(rows2):
     doc = json.loads(run_cli("inspect", rows2, "--json").stdout)
-    assert doc["format"] == "dcpbridge" and doc["format_version"] == 3
+    assert doc["format"] == "dcpbridge" and doc["format_version"] == 4
     assert doc["complete"] and doc["problems"] == [] and doc["world_size"] == 2
     assert doc["checksum"] == {"algorithm": "xxh3_64", "block_size": 1 << 20}
     w = doc["tensors"]["w"]

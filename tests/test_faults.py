@@ -111,10 +111,10 @@ def _install_pause(phase: str, signal_file: str) -> None:
         backends.os = PausingOs()  # type: ignore[assignment]
         original_request = s3._request
 
-        def request(fs: Any, method: str, path: str, **kwargs: Any) -> Any:
+        def request(fs: Any, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
             if method == "put_object" and path.endswith(META):
                 _pause(signal_file)
-            return original_request(fs, method, path, **kwargs)
+            return original_request(fs, method, path, *args, **kwargs)
 
         s3._request = request
     elif phase == "cleanup":  # the commit landed; the replaced files are not removed yet
