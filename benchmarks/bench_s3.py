@@ -386,7 +386,7 @@ def _gets(proxy: Any, loads: list[Loads], who: str) -> int:
 def issue17_case(rounds: int, quick: bool) -> list[str]:
     """The issue-17 rows: dcpbridge, s3torchconnector (if installed) and raw s3fs loads of
     2,000 x 64 KiB (1 process and 2 ranks) and 16 x 32 MiB, with GET counts, in one run."""
-    from dcpbridge.launch import run
+    from benchmarks.launch import run
     from tests.s3_proxy import FaultProxy
 
     scrub_aws_environment()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,18 +99,26 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
 
 
-def fp_load(r: Rank, path: str) -> tuple[int, int]:
-    tmpl = _replicas(r.rank, False)
-    tmpl[f"own{r.rank}"] = db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,))
+def fp_load(r: Rank, path: str) -> tuple[int, int, int]:
+    def template() -> dict[str, Any]:
+        tmpl = _replicas(r.rank, False)
+        tmpl[f"own{r.rank}"] = db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,))
+        return tmpl
+
+    def check(out: dict[str, Any]) -> None:
+        for k, t in _model().items():
+            assert torch.equal(out[k], t), k
+        assert torch.equal(out[f"own{r.rank}"], L.full("vec"))
+
     db.load(_replicas(r.rank, False), path, process_group=r.group)  # warm the metadata cache
     before_io = _rchar()
     with count_collectives() as calls:
-        out = db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+        out = db.load(template(), path, process_group=r.group, fully_parallel=True)
     nread = _rchar() - before_io
-    for k, t in _model().items():
-        assert torch.equal(out[k], t), k
-    assert torch.equal(out[f"own{r.rank}"], L.full("vec"))
-    return nread, calls["p2p"]
+    check(out)
+    with count_collectives() as again:  # same boxes: the read owners are reused
+        check(db.load(template(), path, process_group=r.group, fully_parallel=True))
+    return nread, calls["p2p"], calls["all_gather"] - again["all_gather"]
 
 
 def _save_model_and_vec(r: Rank, path: str) -> None:
@@ -126,11 +135,12 @@ def test_fully_parallel_load_reads_each_box_once(pool, tmp_path):
     results = pool.run(fp_load, 4, path)
     model_bytes = sum(t.numel() * 4 for t in _model().values())
     vec_bytes = 10 * 4
-    total = sum(n for n, _ in results)
+    total = sum(n for n, _, _ in results)
     # every model tensor read once in the group; 'vec' is needed by all 4 ranks: read once too
     assert model_bytes + vec_bytes <= total <= model_bytes + vec_bytes + 4 * 8192
-    assert max(n for n, _ in results) <= 1.5 * model_bytes / 4
-    assert all(p2p == 1 for _, p2p in results)
+    assert max(n for n, _, _ in results) <= 1.5 * model_bytes / 4
+    assert all(p2p == 1 for _, p2p, _ in results)
+    assert all(saved == 1 for _, _, saved in results)  # no exchange of boxes the second time
 
 
 def tp_dp_save_and_load(r: Rank, root: str) -> None:

@@ -4,8 +4,9 @@ For one save structure the answer is a ``WriteOwners`` map, computed once (with
 ``fully_parallel``: one exchange of shard sizes over the parallelization group) and cached
 with that structure (``dcpbridge.engine.cache``). The save planner, staging and the
 torch_dist path all ask it; ``replica_id``s are never rewritten. ``ReadOwners`` answers the
-same for the boxes of a fully-parallel load. The decisions themselves are the pure functions
-of ``dcpbridge.planners.distribution``.
+same for the boxes of a fully-parallel load, kept per process group while every rank's
+template is unchanged. The decisions themselves are the pure functions of
+``dcpbridge.planners.distribution``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcpbridge.engine import protocol
+from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners.distribution import Holding, distribute, holders, is_main_replica
@@ -116,11 +118,33 @@ class ReadOwners:
         return [r for r in self.wanted_by[box] if r != rank]
 
 
+@dataclass(frozen=True)
+class _KnownReads:
+    """The last ``ReadOwners`` of a group and the fingerprint of this rank's boxes then."""
+
+    boxes: int
+    owners: ReadOwners
+
+
+_READS: PerGroup[list[_KnownReads]] = PerGroup()
+
+
 def read_owners(group: Group, shards: Callable[[], list[Any]]) -> ReadOwners:
-    """The ``ReadOwners`` of a load's template ``shards()`` on ``group`` (collective)."""
+    """The ``ReadOwners`` of a load's template ``shards()`` on ``group`` (collective).
 
-    def wanted() -> list[Holding]:
-        return [Holding(box_id(s), _nbytes(s)) for s in _tensors(shards())]
+    A load whose boxes on every rank are those of the previous load on this group reuses its
+    answer after one small vote; otherwise the boxes are exchanged and distributed again.
+    """
+    known = _READS.get(group, "read owners", list)
+    wanted: list[Holding] = []
 
-    everyone = protocol.agree(group, "fully-parallel exchange", wanted)
-    return ReadOwners(distribute(everyone, only_main=False), holders(everyone))
+    def vote() -> bool:
+        wanted[:] = [Holding(box_id(s), _nbytes(s)) for s in _tensors(shards())]
+        return bool(known) and known[0].boxes == hash(tuple(wanted))
+
+    if all(protocol.agree(group, "fully-parallel reads", vote)):
+        return known[0].owners
+    everyone = protocol.agree(group, "fully-parallel exchange", lambda: wanted)
+    owners = ReadOwners(distribute(everyone, only_main=False), holders(everyone))
+    known[:] = [_KnownReads(hash(tuple(wanted)), owners)]
+    return owners
