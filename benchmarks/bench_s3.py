@@ -42,7 +42,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 import dcpbridge as db
 from benchmarks.common import table
 from dcpbridge.storage.s3 import S3Transfer
-from tests.s3_server import REGION, run_seaweedfs, scrub_aws_environment
+from tests.support.s3_server import REGION, run_seaweedfs, scrub_aws_environment
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 MiB = 1 << 20
@@ -387,7 +387,7 @@ def issue17_case(rounds: int, quick: bool) -> list[str]:
     """The issue-17 rows: dcpbridge, s3torchconnector (if installed) and raw s3fs loads of
     2,000 x 64 KiB (1 process and 2 ranks) and 16 x 32 MiB, with GET counts, in one run."""
     from benchmarks.launch import run
-    from tests.s3_proxy import FaultProxy
+    from tests.support.s3_proxy import FaultProxy
 
     scrub_aws_environment()
     cases = [

@@ -8,10 +8,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.backends import Backend, clear_memory_store, local_backend, memory_backend, s3_backend
-from tests.dist_pool import WorkerPool
-from tests.s3_proxy import FaultProxy
-from tests.s3_server import S3Server, run_seaweedfs, scrub_aws_environment
+from tests.support.backends import (
+    Backend,
+    clear_memory_store,
+    local_backend,
+    memory_backend,
+    s3_backend,
+)
+from tests.support.dist_pool import WorkerPool
+from tests.support.s3_proxy import FaultProxy
+from tests.support.s3_server import S3Server, run_seaweedfs, scrub_aws_environment
 
 warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
 

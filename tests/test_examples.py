@@ -30,8 +30,17 @@ def torchrun(script: str, *args: str, env: dict[str, str] | None = None) -> str:
         timeout=240,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
+    if proc.returncode != 0 and _gloo_exit_race(proc.stderr) and "checkpoints [" in proc.stdout:
+        return proc.stdout  # the job finished; only torch's interpreter exit aborted (below)
     assert proc.returncode == 0, f"{script} {args} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
+
+
+def _gloo_exit_race(stderr: str) -> bool:
+    """torch 2.13's gloo race at interpreter exit: a finished collective's work, freed by the
+    process group's worker thread while Python finalizes, aborts the process after the job
+    completed (also seen with plain DCP loads of FSDP2 models, about 1 run in 10 here)."""
+    return "terminate called without an active exception" in stderr and "exitcode: -6" in stderr
 
 
 def _final(out: str) -> str:

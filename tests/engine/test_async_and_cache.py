@@ -1,0 +1,168 @@
+"""Async save (staging, background commit, failures), plan caching and metadata caching."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dcpbridge as db
+from dcpbridge.engine.cache import SAVE_CACHES
+from dcpbridge.storage import read_checkpoint_metadata, resolve
+from tests.support import layouts as L
+from tests.support.collective_counts import count_collectives
+from tests.support.dist_pool import Rank
+
+
+def _state(rank: int, scale: float) -> dict:
+    w = L.full("w").chunk(2)[rank].clone() * scale
+    return {
+        "w": db.ShardedTensor.from_rank_offsets("w", w, (0, rank, 2)),
+        "rng": db.ShardedObject("rng", {"seed": int(scale)}, (2,), (rank,)),
+        "iteration": int(scale),
+    }
+
+
+def _check(rank: int, path: str, scale: float, group) -> None:
+    tmpl = _state(rank, 0.0)
+    tmpl["rng"] = db.ShardedObject("rng", None, (2,), (rank,))
+    out = db.load(tmpl, path, process_group=group)
+    assert torch.equal(out["w"], L.full("w").chunk(2)[rank] * scale)
+    assert out["rng"] == {"seed": int(scale)} and out["iteration"] == int(scale)
+
+
+def async_twice(r: Rank, root: str) -> None:
+    first = _state(r.rank, 1.0)
+    h1 = db.async_save(first, os.path.join(root, "a"), process_group=r.group)
+    first["w"].data.mul_(100)  # training goes on: the staged copy is unaffected
+    first["rng"].data["seed"] = -1
+    h2 = db.async_save(_state(r.rank, 2.0), os.path.join(root, "b"), process_group=r.group)
+    assert h1.done()  # max_in_flight=1: the second call waited for the first
+    h2.result(timeout=60)
+    _check(r.rank, os.path.join(root, "a"), 1.0, r.group)
+    _check(r.rank, os.path.join(root, "b"), 2.0, r.group)
+
+
+def test_async_save_stages_then_commits_in_background(pool, tmp_path):
+    pool.run(async_twice, 2, str(tmp_path))
+
+
+def test_async_save_single_process(tmp_path):
+    state = _state(0, 3.0)
+    state["w"] = db.ShardedTensor.from_box("w", L.full("w").clone() * 3, (12, 8), (0, 0))
+    state["rng"] = db.ShardedObject("rng", {"seed": 3}, (1,), (0,))
+    handle = db.async_save(state, str(tmp_path))
+    state["w"].data.zero_()
+    handle.result(timeout=60)
+    out = db.load(
+        {"w": db.ShardedTensor.from_box("w", torch.zeros(12, 8), (12, 8), (0, 0))}, str(tmp_path)
+    )
+    assert torch.equal(out["w"], L.full("w") * 3) and out["iteration"] == 3
+
+
+def async_failing(r: Rank, root: str) -> tuple[str, str, bool]:
+    state = _state(r.rank, 1.0)
+    if r.rank == 1:
+        state["bad"] = db.ShardedObject("bad", lambda: 0, (1,), (0,))
+    handle = db.async_save(state, os.path.join(root, "bad"), process_group=r.group)
+    with pytest.raises(db.SerializationError) as first:
+        handle.result(timeout=60)
+    # unobserved, a failure surfaces at the next async_save, which then starts nothing
+    h = db.async_save(state, os.path.join(root, "bad2"), process_group=r.group)
+    good = os.path.join(root, "good")
+    with pytest.raises(db.SerializationError) as second:
+        db.async_save(_state(r.rank, 2.0), good, process_group=r.group)
+    assert h.done()
+    db.async_save(_state(r.rank, 2.0), good, process_group=r.group).result(60)
+    return (
+        str(first.value),
+        str(second.value),
+        os.path.exists(os.path.join(root, "bad", "dcpbridge.json")),
+    )
+
+
+def test_async_failure_surfaces_on_every_rank_and_never_commits(pool, tmp_path):
+    (a1, a2, c0), (b1, b2, c1) = pool.run(async_failing, 2, str(tmp_path))
+    assert a1 == b1 and "rank 1" in a1 and "'bad/shard_0_1'" in a1
+    assert a2 == b2
+    assert not c0 and not c1
+    assert not os.path.exists(tmp_path / "bad2" / "dcpbridge.json")
+    assert os.path.exists(tmp_path / "good" / "dcpbridge.json")  # the next save still works
+
+
+def async_memory(r: Rank, root: str, saves: int) -> list[int]:
+    """RSS after each of ``saves`` async saves of a 64 MiB state into the same directory."""
+    tensor = torch.randn(16 << 20)  # 64 MiB
+    rss = []
+    for i in range(saves):
+        tensor[0] = i
+        state = {"t": db.ShardedTensor.from_box("t", tensor, tuple(tensor.shape), (0,))}
+        db.async_save(state, root, process_group=r.group).result(timeout=120)
+        with open("/proc/self/status") as f:
+            rss.append(next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS")))
+    tmpl = {
+        "t": db.ShardedTensor.from_box("t", torch.empty_like(tensor), tuple(tensor.shape), (0,))
+    }
+    out = db.load(tmpl, root, process_group=r.group)
+    assert out["t"][0] == saves - 1 and torch.equal(out["t"], tensor)
+    return rss
+
+
+def test_async_host_memory_is_flat(pool, tmp_path):
+    rss = pool.run(async_memory, 1, str(tmp_path), 12)[0]
+    steady = rss[2:]  # after the staging buffer exists
+    assert max(steady) - min(steady) < 32 << 20, [r >> 20 for r in rss]
+
+
+def count_cached_saves(r: Rank, root: str) -> list[dict]:
+    SAVE_CACHES.clear()
+    counts = []
+    for i, structure in enumerate(["same", "same", "same", "changed"]):
+        state = _state(r.rank, float(i))
+        if structure == "changed":
+            state["extra"] = db.ShardedTensor.from_rank_offsets(
+                "extra", torch.ones(2), (0, r.rank, 2)
+            )
+        with count_collectives() as calls:
+            db.save(state, os.path.join(root, str(i)), process_group=r.group)
+        counts.append(dict(calls))
+        _check(r.rank, os.path.join(root, str(i)), float(i), r.group)
+    return counts
+
+
+def test_plan_cache_skips_the_plan_exchange(pool, tmp_path):
+    counts = pool.run(count_cached_saves, 2, str(tmp_path))
+    first, second, third, changed = counts[0]
+    full = {"all_gather": 1, "gather": 2, "scatter": 1, "broadcast": 1}  # vote + plan + commit
+    assert first == changed == full
+    assert second == third == {"all_gather": 1, "gather": 1, "broadcast": 1}  # vote + commit
+    assert counts[0] == counts[1]
+
+
+def test_reader_metadata_cache_is_invalidated_by_a_resave(tmp_path):
+    path = str(tmp_path)
+    db.save({"a": db.ShardedTensor.from_box("a", torch.ones(3), (3,), (0,))}, path)
+    loc = resolve(path)
+    first = read_checkpoint_metadata(loc)
+    assert read_checkpoint_metadata(loc) is first
+    db.save({"b": db.ShardedTensor.from_box("b", torch.ones(3), (3,), (0,))}, path)
+    second = read_checkpoint_metadata(loc)
+    assert second is not first and "b" in second.state_dict_metadata
+
+
+def asymmetric_factory(r: Rank, path: str) -> str:
+    def build(key, data, replica_id):
+        if r.rank == 1:
+            raise RuntimeError("factory exploded on rank 1")
+        return {"x": db.ShardedTensor.from_rank_offsets(key, data, (0, r.rank, 2))}
+
+    f = db.ShardedTensorFactory("f", torch.ones(2), build, lambda d: d["x"])
+    with pytest.raises(RuntimeError) as info:  # the user's own exception type, on every rank
+        db.save({"f": f}, path, process_group=r.group)
+    return str(info.value)
+
+
+def test_a_rank_failing_before_any_collective_fails_all(pool, tmp_path):
+    a, b = pool.run(asymmetric_factory, 2, str(tmp_path / "x"), timeout=60)
+    assert a == b and "rank 1" in a and "factory exploded on rank 1" in a

@@ -1,0 +1,357 @@
+"""CheckpointManager on real gloo groups: interval, retention, resume in another world size,
+async failures, a rank killed mid-save, preemption signals, local disk and S3."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import textwrap
+
+import pytest
+import torch
+
+import dcpbridge as db
+from dcpbridge.engine.manager import SIDECAR, Retention
+from dcpbridge.storage import FsspecCheckpointWriter
+from tests.support import layouts as L
+from tests.support.backends import Backend, local_backend, s3_backend
+from tests.support.dist_pool import Rank, RankFailure
+
+SHAPE = (12, 8)
+
+
+def weights(step: int) -> torch.Tensor:
+    """The global weight after ``step`` training steps (elementwise, so any sharding agrees)."""
+    w = L.full("w").clone()
+    for s in range(1, step + 1):
+        w.mul_(0.5).add_(s)
+    return w
+
+
+def rows(w: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return w.chunk(size)[rank].clone()
+
+
+def state(w_local: torch.Tensor, rank: int, size: int, step: int) -> dict:
+    return {
+        "w": db.ShardedTensor.from_rank_offsets("w", w_local, (0, rank, size)),
+        "rng": db.ShardedObject("rng", {"rank": rank, "step": step}, (size,), (rank,)),
+        "step": step,
+    }
+
+
+def template(rank: int, size: int, rng: bool = False) -> dict:
+    """What a rank loads; ``rng`` (a per-rank ShardedObject) only in the saving world size."""
+    local = torch.zeros(SHAPE).chunk(size)[rank].clone()
+    out: dict = {"w": db.ShardedTensor.from_rank_offsets("w", local, (0, rank, size))}
+    if rng:
+        out["rng"] = db.ShardedObject("rng", None, (size,), (rank,))
+    return out
+
+
+def train(r: Rank, root: str, opts: dict, start: int, stop: int, kwargs: dict) -> dict:
+    """Steps ``start+1..stop`` from ``root``'s newest checkpoint (or from scratch)."""
+    mgr = db.CheckpointManager(root, storage_options=opts, process_group=r.group, **kwargs)
+    w = rows(weights(0), r.rank, r.size)
+    if start:
+        assert mgr.latest_step() == start
+        out = mgr.load(template(r.rank, r.size))
+        assert out["step"] == start
+        w = out["w"]
+    saved = []
+    for step in range(start + 1, stop + 1):
+        w.mul_(0.5).add_(step)
+        if mgr.save(step, state(w, r.rank, r.size, step)):
+            saved.append(step)
+    mgr.close()
+    assert torch.equal(w, rows(weights(stop), r.rank, r.size))
+    return {"saved": saved, "steps": mgr.all_steps()}
+
+
+def check(r: Rank, root: str, opts: dict, step: int | None) -> int:
+    """Load ``step`` (default newest) bit-exact; returns the loaded step."""
+    mgr = db.CheckpointManager(root, storage_options=opts, process_group=r.group, async_save=False)
+    out = mgr.load(template(r.rank, r.size, rng=r.size == 2), step)
+    got = out["step"]
+    assert r.size != 2 or out["rng"] == {"rank": r.rank, "step": got}
+    assert torch.equal(out["w"], rows(weights(got), r.rank, r.size))
+    mgr.close()
+    return got
+
+
+def step_dirs(backend: Backend, run: str = "run") -> list[str]:
+    """Step directories holding at least one file (object stores may list empty prefixes)."""
+    marker = f"/{run}/"
+    found = {p.split(marker, 1)[1].split("/", 1)[0] for p in backend.everything() if marker in p}
+    return sorted(n for n in found if n.startswith("step_"))
+
+
+def files_in(backend: Backend, step_dir: str, run: str = "run") -> list[str]:
+    marker = f"/{run}/{step_dir}/"
+    return sorted(p.split(marker, 1)[1] for p in backend.everything() if marker in p)
+
+
+def _run_ten_steps(pool, backend: Backend) -> None:
+    root = backend.url("run")
+    results = pool.run(train, 2, root, backend.storage_options, 0, 10, {"every": 2, "keep_last": 2})
+    assert results[0] == results[1] == {"saved": [2, 4, 6, 8, 10], "steps": [8, 10]}
+    assert step_dirs(backend) == ["step_00000008", "step_00000010"]
+    assert pool.run(check, 2, root, backend.storage_options, None) == [10, 10]
+    assert pool.run(check, 2, root, backend.storage_options, 8) == [8, 8]
+
+
+def test_ten_steps_every_two_keep_last_two_leaves_8_and_10(pool, tmp_path):
+    _run_ten_steps(pool, local_backend(tmp_path))
+
+
+@pytest.mark.s3
+def test_ten_steps_on_s3(pool, s3_server):
+    _run_ten_steps(pool, s3_backend(s3_server))
+
+
+def test_resume_on_another_world_size_continues_bit_exact(pool, tmp_path):
+    root = str(tmp_path / "run")
+    kwargs = {"every": 3, "keep_last": 1}
+    first = pool.run(train, 2, root, {}, 0, 6, kwargs)
+    assert first[0] == {"saved": [3, 6], "steps": [6]}
+    second = pool.run(train, 3, root, {}, 6, 10, kwargs)  # 2 ranks -> 3 ranks
+    assert second[0] == {"saved": [9], "steps": [9]}
+    assert pool.run(check, 4, root, {}, None, default_group=True) == [9] * 4  # -> 4 ranks
+
+
+def test_retention_policy():
+    steps = [2, 4, 6, 8, 10, 12]
+    assert Retention().keep(steps, {}) == set(steps)
+    assert Retention(keep_last=2).keep(steps, {}) == {10, 12}
+    assert Retention(keep_last=1, keep_every=4).keep(steps, {}) == {4, 8, 12}
+    loss = {2: 0.5, 4: 0.1, 6: float("nan"), 8: 0.3, 10: None, 12: 0.9}
+    assert Retention(keep_best=2).keep(steps, loss) == {4, 8, 12}  # the newest always stays
+    assert Retention(keep_best=1, best_mode="max").keep(steps, loss) == {12}
+    assert Retention(keep_last=1, keep_best=1).keep(steps, {2: 0.0, 4: 0.0}) == {
+        4,
+        12,
+    }  # tie: newer
+    assert Retention(keep_last=3).keep([], {}) == set()
+
+
+def keep_every_and_best(r: Rank, root: str) -> list[int]:
+    mgr = db.CheckpointManager(
+        root,
+        every=1,
+        keep_last=1,
+        keep_every=4,
+        keep_best=2,
+        best_metric="loss",
+        process_group=r.group,
+    )
+    losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 0.5, 6: 2.0, 7: 9.0, 8: 8.0, 9: 7.0}
+    w = rows(weights(0), r.rank, r.size)
+    for step, loss in losses.items():
+        # ranks see different local losses: rank 0's value is the one recorded
+        mgr.save(step, state(w, r.rank, r.size, step), metrics={"loss": loss + r.rank * 10})
+    mgr.close()
+    with pytest.raises(db.InvalidArgumentError, match="keep_best ranks checkpoints by 'loss'"):
+        mgr.save(10, state(w, r.rank, r.size, 10))
+    return mgr.all_steps()
+
+
+def test_keep_every_and_keep_best_across_restarts(pool, tmp_path):
+    root = str(tmp_path / "run")
+    # newest (9), multiples of 4 (4, 8), best two by loss (5: 0.5, 2: 1.0)
+    assert pool.run(keep_every_and_best, 2, root) == [[2, 4, 5, 8, 9]] * 2
+    # a new manager reads the recorded metrics back from each step's sidecar
+    mgr = db.CheckpointManager(root, keep_best=1, best_metric="loss", keep_last=1, async_save=False)
+    w = weights(0)
+    mgr.save(10, state(w, 0, 1, 10), metrics={"loss": 100.0})
+    assert mgr.all_steps() == [5, 10]
+
+
+def async_failure(r: Rank, root: str) -> tuple[str, list[int]]:
+    mgr = db.CheckpointManager(root, every=2, process_group=r.group, async_save=True)
+    w = rows(weights(0), r.rank, r.size)
+    assert mgr.save(2, state(w, r.rank, r.size, 2))
+    bad = state(w, r.rank, r.size, 4)
+    if r.rank == 1:
+        bad["oops"] = db.ShardedObject("oops", lambda: 0, (1,), (0,))
+    assert mgr.save(4, bad)  # staged; the failure happens in the background
+    assert not mgr.save(5, state(w, r.rank, r.size, 5))  # not a saving step: nothing waits
+    with pytest.raises(db.SerializationError) as info:
+        mgr.save(6, state(w, r.rank, r.size, 6))  # raises the failure of step 4, saves nothing
+    steps = mgr.all_steps()
+    assert mgr.save(6, state(w, r.rank, r.size, 6))
+    mgr.close()
+    return str(info.value), steps + mgr.all_steps()
+
+
+def test_async_failure_raises_on_every_rank_at_the_next_call(pool, tmp_path):
+    root = str(tmp_path / "run")
+    (a, steps0), (b, steps1) = pool.run(async_failure, 2, root)
+    assert a == b and "rank 1" in a and "oops" in a
+    assert steps0 == steps1 == [2, 2, 6]
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000006"]  # step 4 removed
+
+
+def _die_while_writing(rank: int) -> None:
+    """Fault injection: this rank's writer writes its data, then the process is SIGKILLed."""
+    original = FsspecCheckpointWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        original(self, plan, planner).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == 1:
+        FsspecCheckpointWriter.write_data = write_then_die
+
+
+def killed_mid_save(r: Rank, root: str, opts: dict) -> None:
+    mgr = db.CheckpointManager(
+        root, every=2, storage_options=opts, process_group=r.group, async_save=False
+    )
+    w = rows(weights(0), r.rank, r.size)
+    for step in range(1, 7):
+        w.mul_(0.5).add_(step)
+        if step == 6:
+            _die_while_writing(r.rank)
+        mgr.save(step, state(w, r.rank, r.size, step))
+
+
+def resave(r: Rank, root: str, opts: dict) -> list[int]:
+    mgr = db.CheckpointManager(
+        root, every=2, storage_options=opts, process_group=r.group, async_save=False
+    )
+    out = mgr.load(template(r.rank, r.size))
+    w = out["w"]
+    for step in (5, 6):
+        w.mul_(0.5).add_(step)
+        mgr.save(step, state(w, r.rank, r.size, step))
+    return mgr.all_steps()
+
+
+def _kill_mid_save(pool, backend: Backend) -> None:
+    root, opts = backend.url("run"), backend.storage_options
+    try:
+        with pytest.raises(RankFailure, match="worker died"):
+            pool.run(killed_mid_save, 2, root, opts, timeout=60)
+    finally:
+        pool.kill()  # the survivors' process group is broken: start afresh
+    assert step_dirs(backend) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert any(n.endswith(".bin") for n in files_in(backend, "step_00000006"))  # data, no commit
+    mgr = db.CheckpointManager(root, storage_options=opts, async_save=False)
+    assert mgr.all_steps() == [2, 4] and mgr.latest_step() == 4  # ...but not complete
+    assert pool.run(check, 2, root, opts, None) == [4, 4]
+    out = mgr.load(template(0, 1))  # one process reads it too
+    assert torch.equal(out["w"], weights(4))
+    # the next save replaces the dead save's directory and only complete steps remain
+    assert pool.run(resave, 2, root, opts) == [[2, 4, 6]] * 2
+    names = files_in(backend, "step_00000006")
+    assert "dcpbridge.json" in names and SIDECAR in names
+    save_ids = {n.split(".")[1] for n in names if n.endswith(".bin")}
+    assert len(save_ids) == 1  # the dead save's files are gone
+    assert pool.run(check, 2, root, opts, None) == [6, 6]
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_step(pool, tmp_path):
+    _kill_mid_save(pool, local_backend(tmp_path))
+
+
+@pytest.mark.s3
+def test_a_rank_killed_mid_save_on_s3(pool, s3_server):
+    _kill_mid_save(pool, s3_backend(s3_server))
+
+
+def preempted(r: Rank, root: str, signal_at: int, via_should_stop: bool) -> tuple[int, int]:
+    previous = signal.getsignal(signal.SIGUSR2)
+    mgr = db.CheckpointManager(root, every=4, process_group=r.group)
+    w = rows(weights(0), r.rank, r.size)
+    step = 0
+
+    def final() -> tuple[int, dict]:
+        return step, state(w, r.rank, r.size, step)
+
+    mgr.save_on_signal(signal.SIGUSR2, final)
+    for step in range(1, 20):
+        w.mul_(0.5).add_(step)
+        if r.rank == 1 and step == signal_at and not via_should_stop:
+            os.kill(os.getpid(), signal.SIGUSR2)  # the scheduler signals one rank only
+        mgr.save(step, state(w, r.rank, r.size, step))
+        if r.rank == 1 and step == signal_at and via_should_stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        if mgr.should_stop():
+            break
+    mgr.close()
+    assert signal.getsignal(signal.SIGUSR2) == previous  # close restored the handler
+    return step, mgr.latest_step()
+
+
+@pytest.mark.parametrize("via_should_stop", [False, True])
+def test_a_signal_on_one_rank_saves_on_all_and_stops(pool, tmp_path, via_should_stop):
+    root = str(tmp_path / "run")
+    assert pool.run(preempted, 2, root, 6, via_should_stop) == [(6, 6)] * 2
+    assert pool.run(check, 2, root, {}, None) == [6, 6]
+    assert pool.run(check, 2, root, {}, 4) == [4, 4]
+
+
+def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), every=1, async_save=False)
+    assert mgr.latest_step() is None and mgr.all_steps() == []
+    with pytest.raises(db.NotACheckpointError, match="no complete checkpoint"):
+        mgr.load({})
+    mgr.save(3, {"w": torch.ones(2)})
+    (root / "step_00000007").mkdir()
+    (root / "step_00000007" / "__0_0.ab12.bin").write_bytes(b"x" * 10)  # a dead save's data
+    (root / "notes").mkdir()  # not a step: left alone
+    assert mgr.all_steps() == [3]
+    mgr.save(4, {"w": torch.ones(2)})
+    assert sorted(os.listdir(root)) == ["notes", "step_00000003", "step_00000004"]
+    with pytest.raises(db.NotACheckpointError, match="step 7"):
+        mgr.load({}, step=7)
+
+
+def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        textwrap.dedent(
+            """
+            checkpoint: {every: 3, keep_last: 1, async: false, checksums: false}
+            """
+        )
+    )
+    monkeypatch.setenv("DCPBRIDGE_CONFIG", str(cfg))
+    mgr = db.CheckpointManager(str(tmp_path / "run"))
+    assert (mgr.every, mgr.retention.keep_last, mgr.async_save, mgr.checksums) == (
+        3,
+        1,
+        False,
+        False,
+    )
+    for step in range(1, 8):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    assert mgr.all_steps() == [6]
+    explicit = db.CheckpointManager(str(tmp_path / "run"), every=5, keep_last=2)
+    assert (explicit.every, explicit.retention.keep_last) == (5, 2)
+    with pytest.raises(db.InvalidArgumentError, match="every must be a positive int"):
+        db.CheckpointManager(str(tmp_path), every=0)
+    with pytest.raises(db.InvalidArgumentError, match="keep_best needs best_metric"):
+        db.CheckpointManager(str(tmp_path), keep_best=1)
+
+
+def test_saves_and_loads_report_what_they_did(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dcpbridge")
+    w = torch.randn(256, 256)
+    state = {"w": db.ShardedTensor.from_box("w", w, (256, 256), (0, 0)), "it": 1}
+    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=True)
+    mgr.save(1, state)
+    mgr.close()
+    mgr.load({"w": db.ShardedTensor.from_box("w", torch.zeros(256, 256), (256, 256), (0, 0))})
+    events = {r.dcpbridge["event"]: r.dcpbridge for r in caplog.records if hasattr(r, "dcpbridge")}
+    assert set(events) == {"staged", "saved", "loaded"}
+    saved, loaded = events["saved"], events["loaded"]
+    assert saved["url"] == mgr.step_url(1) and saved["files"] >= 1
+    assert saved["bytes"] >= w.numel() * 4 and set(saved["seconds"]) == {"plan", "write", "commit"}
+    assert events["staged"]["bytes"] == w.numel() * 4
+    assert loaded["bytes"] == w.numel() * 4 and set(loaded["seconds"]) == {"plan", "read"}
+    assert any(
+        "dcpbridge saved" in r.getMessage() and "GB/s" in r.getMessage() for r in caplog.records
+    )

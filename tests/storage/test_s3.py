@@ -1,0 +1,297 @@
+"""The S3 backend against a real S3 server: multipart uploads, ranged reads, retries, options."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpbridge as db
+from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage.paths import resolve
+from dcpbridge.storage.s3 import MultipartWriter, S3ByteIO, S3Transfer
+from tests.support.s3_server import DEAD_ENDPOINT
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MiB = 1 << 20
+
+
+# -- configuration (no server needed) -------------------------------------------------------
+
+
+def test_transfer_settings_come_from_s3fs_options():
+    plain = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert S3Transfer.from_fs(plain) == S3Transfer()
+    tuned = fsspec.filesystem(
+        "s3", default_block_size=8 * MiB, max_concurrency=3, skip_instance_cache=True
+    )
+    assert S3Transfer.from_fs(tuned) == S3Transfer(part_size=8 * MiB, concurrency=3)
+    with pytest.raises(ValueError, match="between 5 MiB and 5 GiB"):
+        S3Transfer(part_size=MiB)
+    with pytest.raises(ValueError, match="max_concurrency"):
+        S3Transfer(concurrency=0)
+
+
+def test_part_sizes_grow_so_ten_thousand_parts_cover_any_object():
+    t = S3Transfer(part_size=5 * MiB)
+    assert [t.part_size_for(n) for n in (1, 1000, 1001, 2001)] == [
+        5 * MiB,
+        5 * MiB,
+        10 * MiB,
+        20 * MiB,
+    ]
+    assert sum(t.part_size_for(n) for n in range(1, 10_001)) > 4 << 40  # S3 max: 5 TiB
+    assert S3Transfer(part_size=64 * MiB).part_size_for(10_000) == 5 << 30  # S3 max part
+    fixed = S3Transfer(part_size=5 * MiB, fixed_part_size=True)
+    assert fixed.part_size_for(9999) == 5 * MiB
+
+
+def test_s3_urls_get_the_s3_backend():
+    assert isinstance(ByteIO.for_location(resolve("s3://bucket/ck")), S3ByteIO)
+    assert not isinstance(ByteIO.for_location(resolve("memory://ck")), S3ByteIO)
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bucket(s3_server) -> str:
+    return s3_server.new_bucket()
+
+
+def _fs(s3_server, *, private: bool = False, **options: Any) -> Any:
+    """An s3fs instance for the server; ``private`` ones can carry spies without leaking."""
+    return fsspec.filesystem(
+        "s3", skip_instance_cache=private, **s3_server.storage_options(**options)
+    )
+
+
+def _spy_concurrency(monkeypatch, fs: Any, method: str) -> dict[str, int]:
+    """Record how many ``method`` requests ``fs`` has in flight at once (at most)."""
+    seen = {"now": 0, "max": 0, "calls": 0}
+    real = fs._call_s3
+
+    async def call(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name != method:
+            return await real(name, *args, **kwargs)
+        seen["now"] += 1
+        seen["calls"] += 1
+        seen["max"] = max(seen["max"], seen["now"])
+        try:
+            await asyncio.sleep(0.01)  # let the others start
+            return await real(name, *args, **kwargs)
+        finally:
+            seen["now"] -= 1
+
+    monkeypatch.setattr(fs, "_call_s3", call)
+    return seen
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("size", "parts"),
+    [(0, 0), (1000, 0), (5 * MiB - 1, 0), (5 * MiB, 1), (5 * MiB + 1, 2), (17 * MiB + 123, 4)],
+)
+def test_multipart_writer_round_trips_any_size(s3_server, bucket, size, parts):
+    fs = _fs(s3_server)
+    data = os.urandom(size)
+    with MultipartWriter(fs, f"{bucket}/obj", S3Transfer(part_size=5 * MiB, concurrency=2)) as f:
+        pos = 0
+        for step in (777_777, 3 * MiB, 6 * MiB, 1, 10 * MiB):  # odd writes across part edges
+            f.write(memoryview(data)[pos : pos + step])
+            pos += step
+        f.write(data[pos:])
+    assert fs.cat_file(f"{bucket}/obj") == data
+    etag = s3_server.client().head_object(Bucket=bucket, Key="obj")["ETag"].strip('"')
+    assert etag.endswith(f"-{parts}") if parts else "-" not in etag  # single PUT below a part
+    assert s3_server.multipart_uploads(bucket) == []
+
+
+@pytest.mark.s3
+def test_parts_upload_concurrently_within_the_bound(s3_server, bucket, monkeypatch):
+    fs = _fs(s3_server, private=True)
+    seen = _spy_concurrency(monkeypatch, fs, "upload_part")
+    data = os.urandom(40 * MiB)
+    with MultipartWriter(fs, f"{bucket}/obj", S3Transfer(part_size=5 * MiB, concurrency=3)) as f:
+        f.write(data)
+    assert seen["calls"] == 8 and seen["max"] == 3
+    assert fs.cat_file(f"{bucket}/obj") == data
+
+
+@pytest.mark.s3
+def test_ranged_reads_run_concurrently_within_the_bound(s3_server, bucket, monkeypatch):
+    data = os.urandom(24 * MiB)
+    fs = _fs(s3_server, private=True, default_block_size=5 * MiB, max_concurrency=4)
+    fs.pipe_file(f"{bucket}/ck/blob", data)
+    byteio = ByteIO.for_location(resolve(f"s3://{bucket}/ck", fs.storage_options))
+    seen = _spy_concurrency(monkeypatch, byteio.fs, "get_object")
+    outs = [memoryview(bytearray(n)) for n in (12 * MiB, 11 * MiB, 3)]
+    done: list[int] = []
+    reads = [
+        RangeRead(f"{bucket}/ck/blob", start, out, lambda i=i: done.append(i))
+        for i, (start, out) in enumerate(zip((0, 12 * MiB, 24 * MiB - 3), outs))
+    ]
+    byteio.fetch(reads, threads=1)
+    assert sorted(done) == [0, 1, 2]
+    assert b"".join([outs[0], outs[1]]) == data[: 23 * MiB] and outs[2] == data[-3:]
+    assert seen["calls"] == 3 + 3 + 1 and seen["max"] == 4  # 5 MiB pieces, 4 in flight
+
+
+@pytest.mark.s3
+def test_failed_write_aborts_the_upload_and_keeps_the_old_object(s3_server, bucket):
+    fs = _fs(s3_server)
+    fs.pipe_file(f"{bucket}/obj", b"old")
+
+    def write_then_fail() -> None:
+        with MultipartWriter(fs, f"{bucket}/obj", S3Transfer(part_size=5 * MiB)) as f:
+            f.write(os.urandom(12 * MiB))  # two parts are on their way
+            assert s3_server.multipart_uploads(bucket) == ["obj"]
+            raise RuntimeError("producer failed")
+
+    with pytest.raises(RuntimeError, match="producer failed"):
+        write_then_fail()
+    assert s3_server.multipart_uploads(bucket) == []
+    assert fs.cat_file(f"{bucket}/obj") == b"old"
+
+
+# -- retries --------------------------------------------------------------------------------
+
+RETRIES = {"retries": {"max_attempts": 4, "mode": "standard"}}
+
+
+def _state(n: int, fill: bool = True) -> dict[str, db.ShardedTensor]:
+    torch.manual_seed(0)
+    big = torch.randn(3 * MiB) if fill else torch.zeros(3 * MiB)  # 12 MiB: 3 parts of 5 MiB
+    return {f"t{n}": db.ShardedTensor.from_box("big", big, tuple(big.shape), (0,))}
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("kind", ["slowdown", "internal", "reset"])
+def test_transient_failures_are_retried_by_botocore(s3_server, s3_proxy, bucket, kind, caplog):
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url, default_block_size=5 * MiB, config_kwargs=RETRIES
+    )
+    url = f"s3://{bucket}/ck"
+    put = s3_proxy.inject("PUT", "partNumber=2", kind, times=2)
+    get = s3_proxy.inject("GET", "ck/__0_0", kind, times=2)
+    caplog.set_level(logging.DEBUG, logger="botocore.retries.standard")
+    db.save(_state(0), url, storage_options=options)
+    out = db.load(_state(0, fill=False), url, storage_options=options)
+    assert torch.equal(out["t0"], _state(0)["t0"].data)
+    assert put.hits == get.hits == 2
+    assert sum("partNumber=2" in r for r in s3_proxy.requests) >= 3  # the part went up again
+    assert "Retry needed" in caplog.text  # botocore's standard retry mode did it
+    assert s3_server.multipart_uploads(bucket) == []
+
+
+@pytest.mark.s3
+def test_persistent_failure_fails_the_save_cleanly(s3_server, s3_proxy, bucket):
+    url = f"s3://{bucket}/ck"
+    direct = s3_server.storage_options(default_block_size=5 * MiB)
+    db.save(_state(0), url, storage_options=direct)
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url,
+        default_block_size=5 * MiB,
+        config_kwargs={"retries": {"max_attempts": 0, "mode": "standard"}},  # s3fs still retries
+    )
+    s3_proxy.inject("PUT", "partNumber=2", "slowdown", times=1000)
+    with pytest.raises(OSError, match=r"uploading part 2 of .*/ck/__0_0\..*\.bin failed"):
+        db.save(_state(1), url, storage_options=options)
+    assert s3_server.multipart_uploads(bucket) == []
+    out = db.load(_state(0, fill=False), url, storage_options=direct)  # the old one is intact
+    assert torch.equal(out["t0"], _state(0)["t0"].data)
+
+
+# -- storage options ------------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_storage_options_survive_reset_and_dcp(s3_server, bucket):
+    options = s3_server.storage_options(config_kwargs=RETRIES)
+    writer = FsspecCheckpointWriter(storage_options=options)
+    reader = FsspecCheckpointReader(storage_options=options)
+    for first, second in [("a", "b"), ("b", "a")]:
+        for io in (writer, reader):
+            io.reset(f"s3://{bucket}/{first}")
+            io.reset(f"s3://{bucket}/{second}")
+            fs = io.location.fs
+            assert fs.client_kwargs["endpoint_url"] == s3_server.endpoint_url
+            assert fs.key == s3_server.access_key and fs.config_kwargs == RETRIES
+    # plain DCP hands the checkpoint id to reset(): the endpoint and keys must stay
+    sd = {"w": torch.arange(10.0), "step": 3}
+    dcp.save(sd, checkpoint_id=f"s3://{bucket}/dcp", storage_writer=writer)
+    out = {"w": torch.zeros(10), "step": 0}
+    dcp.load(out, checkpoint_id=f"s3://{bucket}/dcp", storage_reader=reader)
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 3
+    assert s3_server.keys(bucket)[-1] == "dcp/dcpbridge.json"
+
+
+def test_environment_points_nowhere_without_options():
+    """A client that lost its options finds no credentials and a dead endpoint, never AWS."""
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+
+    assert not [k for k in os.environ if k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_SESSION"))]
+    fast = {"connect_timeout": 1, "retries": {"max_attempts": 0}}
+    with pytest.raises(NoCredentialsError):
+        fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs=fast).ls("some-bucket")
+    keyed = fsspec.filesystem(
+        "s3", key="k", secret="s", skip_instance_cache=True, config_kwargs=fast
+    )
+    with pytest.raises(EndpointConnectionError, match=re.escape(DEAD_ENDPOINT)):
+        keyed.ls("some-bucket")
+
+
+@pytest.mark.s3
+def test_small_reads_and_listing_see_other_writers(s3_server, bucket):
+    """One GET per small file (empty ones too); listings are never served from a stale cache."""
+    options = s3_server.storage_options()
+    byteio = ByteIO.for_location(resolve(f"s3://{bucket}/ck", options))
+    assert byteio.list_names() == [] and not byteio.exists("a")
+    other = _fs(s3_server, private=True)  # another process, in effect
+    other.pipe({f"{bucket}/ck/a": b"", f"{bucket}/ck/b": b"xyz"})
+    assert byteio.exists("a") and byteio.list_names() == ["a", "b"]
+    assert (
+        byteio.read_file(f"{bucket}/ck/a") == b"" and byteio.read_file(f"{bucket}/ck/b") == b"xyz"
+    )
+    other.rm(f"{bucket}/ck/a")
+    assert not byteio.exists("a") and byteio.list_names() == ["b"]
+
+
+# -- many small tensors: coalesced reads ----------------------------------------------------
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("verify", [True, False])
+def test_small_tensors_load_in_few_coalesced_gets(s3_server, s3_proxy, bucket, verify):
+    """2,000 tensors of 16 KiB: adjacent chunks of a file come back in one ranged GET each
+    (bounded in size), straight into their tensors, bit-exact, checksums on or off."""
+    url = f"s3://{bucket}/ck"
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(4096, generator=g) for _ in range(2000)]
+
+    def state(data: list[torch.Tensor]) -> dict[str, db.ShardedTensor]:
+        return {
+            f"t{i}": db.ShardedTensor.from_box(f"t{i}", t, (4096,), (0,))
+            for i, t in enumerate(data)
+        }
+
+    db.save(state(tensors), url, storage_options=s3_server.storage_options(), thread_count=2)
+    options = s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url)
+    out = db.load(
+        state([torch.empty(4096) for _ in tensors]),
+        url,
+        storage_options=options,
+        verify_checksums=verify,
+    )
+    assert all(torch.equal(out[f"t{i}"].data, t) for i, t in enumerate(tensors))
+    data_gets = [r for r in s3_proxy.requests if r.startswith("GET ") and ".bin" in r]
+    assert 2 <= len(data_gets) <= 40, data_gets  # 32 MiB in 2 files: 16 MiB requests at most

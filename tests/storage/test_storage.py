@@ -1,0 +1,161 @@
+"""Storage classes on their own and inside plain torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpbridge as db
+from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
+from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.storage.format import sign_document
+from tests.support import layouts as L
+from tests.support.dist_pool import Rank
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _dcp_save_with_our_planner(r: Rank, path: str) -> None:
+    sd = {"model": {"w": L.shard("w", L.boxes("rows2", "w", r.rank)[0])}, "step": 3}
+    dcp.save(
+        sd,
+        storage_writer=dcp.FileSystemWriter(path),
+        planner=ShardedSavePlanner(),
+        process_group=r.group,
+    )
+
+
+def _dcp_load_with_our_planner(r: Rank, path: str) -> None:
+    box = L.boxes("cols4", "w", r.rank)[0]
+    sd = {"model": {"w": L.template("w", box)}, "step": 0}
+    dcp.load(
+        sd,
+        storage_reader=dcp.FileSystemReader(path),
+        planner=ShardedLoadPlanner(),
+        process_group=r.group,
+    )
+    assert torch.equal(sd["model"]["w"].data, L.expected("w", box))
+    assert sd["step"] == 3
+
+
+def test_planners_plug_into_plain_dcp(pool, tmp_path):
+    path = str(tmp_path / "dcp")
+    pool.run(_dcp_save_with_our_planner, 2, path)
+    assert os.path.exists(os.path.join(path, ".metadata"))  # DCP's own format
+    pool.run(_dcp_load_with_our_planner, 4, path)
+
+
+def test_storage_plugs_into_plain_dcp_with_default_planners(tmp_path):
+    sd = {"a": torch.randn(5, 7), "b": {"x": 1, "y": torch.ones(3, dtype=torch.bfloat16)}}
+    dcp.save(sd, storage_writer=FsspecCheckpointWriter(str(tmp_path)))
+    out = {"a": torch.zeros(5, 7), "b": {"x": 0, "y": torch.zeros(3, dtype=torch.bfloat16)}}
+    dcp.load(out, storage_reader=FsspecCheckpointReader(str(tmp_path)))
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"]["y"], sd["b"]["y"])
+    assert out["b"]["x"] == 1
+
+
+def _save_rows(path: str, rows: int = 64, cols: int = 8192) -> torch.Tensor:
+    full = torch.randn(rows, cols)
+    sd = {
+        f"p{i}": db.ShardedTensor.from_rank_offsets("w", full.chunk(2)[i].clone(), (0, i, 2))
+        for i in range(2)
+    }
+    dcp.save(sd, storage_writer=FsspecCheckpointWriter(path), planner=ShardedSavePlanner())
+    return full
+
+
+@pytest.mark.parametrize(("dim", "verify"), [(0, True), (0, False), (1, False), (1, True)])
+def test_reader_fetches_only_the_needed_bytes(tmp_path, dim, verify):
+    full = _save_rows(str(tmp_path))
+    piece = full.chunk(4, dim=dim)[1]
+    offset = (16, 0) if dim == 0 else (0, 2048)
+    req = {"w": db.ShardedTensor.from_box("w", torch.zeros_like(piece), tuple(full.shape), offset)}
+    reader = FsspecCheckpointReader(str(tmp_path), verify_checksums=verify)
+    dcp.load(req, storage_reader=reader, planner=ShardedLoadPlanner())
+    assert torch.equal(req["w"].data, piece)
+    needed = piece.numel() * 4
+    if not verify:
+        assert reader.bytes_read == needed
+    elif dim == 0:  # rows 16..31 lie in one row of checksum tiles (rows 0..31) of chunk 0
+        assert reader.bytes_read == 1 << 20
+    else:  # columns 2048..4095 are whole column groups of tiles: verified, nothing more read
+        assert reader.bytes_read == needed
+
+
+def test_flipped_byte_is_caught_and_names_file_and_key(tmp_path):
+    _save_rows(str(tmp_path))
+    doc = json.loads((tmp_path / "dcpbridge.json").read_text())
+    chunk = doc["tensors"]["w"]["chunks"][1]
+    with open(tmp_path / chunk["file"], "r+b") as f:
+        f.seek(chunk["offset"] + 12345)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(64, 8192), (64, 8192), (0, 0))}
+    with pytest.raises(db.ChecksumMismatchError) as info:
+        db.load(tmpl, str(tmp_path))
+    assert (
+        chunk["file"] in str(info.value)
+        and "'w'" in str(info.value)
+        and "block 3 (elements [0, 3072]+[32, 1024]" in str(info.value)
+    )
+    db.load(tmpl, str(tmp_path), verify_checksums=False)  # explicitly unchecked: loads
+
+
+def test_metadata_is_json_and_cannot_point_outside_the_checkpoint(tmp_path):
+    db.save({"w": db.ShardedTensor.from_box("w", torch.ones(4), (4,), (0,))}, str(tmp_path))
+    meta = tmp_path / "dcpbridge.json"
+    doc = json.loads(meta.read_text())
+    assert doc["format"] == "dcpbridge" and doc["version"] == 4
+    doc["tensors"]["w"]["chunks"][0]["file"] = "../../etc/passwd"
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}
+    meta.write_text(json.dumps(doc))  # edited without a matching digest
+    with pytest.raises(db.CorruptCheckpointError, match="metadata digest"):
+        db.load(tmpl, str(tmp_path))
+    meta.write_bytes(sign_document(doc))  # a digest that matches: the path is still refused
+    with pytest.raises(db.UnsafePathError, match=r"\.\./\.\./etc/passwd"):
+        db.load(tmpl, str(tmp_path))
+
+
+def test_plain_dcp_checkpoint_is_named_as_such(tmp_path):
+    dcp.save({"a": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    with pytest.raises(db.NotACheckpointError, match=r"plain torch\.distributed\.checkpoint"):
+        db.load_tensors_metadata(str(tmp_path))
+
+
+class _Exploit:
+    """Unpickling this runs code: a checkpoint load must never do that unasked."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_loading_never_executes_pickles_unless_allowed(tmp_path):
+    marker = tmp_path / "pwned"
+    path = str(tmp_path / "ck")
+    db.save({"evil": db.ShardedObject("evil", _Exploit(str(marker)), (1,), (0,))}, path)
+    with pytest.raises(db.PickleRefusedError, match="allow_pickle=True"):
+        db.load({"evil": db.ShardedObject("evil", None, (1,), (0,))}, path)
+    assert not marker.exists()
+
+
+def test_keys_cannot_place_files_outside_the_checkpoint(tmp_path):
+    path = tmp_path / "ck"
+    sd = {
+        "a": db.ShardedTensor.from_box("../../escape", torch.ones(4), (4,), (0,)),
+        "b": db.ShardedObject("/etc/passwd", 1, (1,), (0,)),
+    }
+    db.save(sd, str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert all(p.parent == path for p in path.rglob("*"))
+    out = db.load(
+        {"a": db.ShardedTensor.from_box("../../escape", torch.zeros(4), (4,), (0,))}, str(path)
+    )
+    assert torch.equal(out["a"], torch.ones(4))

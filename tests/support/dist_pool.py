@@ -1,0 +1,190 @@
+"""A pool of gloo worker processes, spawned once and reused to run test bodies on N ranks.
+
+Each worker joins a world of ``size`` ranks and pre-creates sub-groups of the first
+1..size ranks, so a test can run on 2 or 3 ranks (a sub-group) or on all of them (the
+default group). Results come back as ``torch.save`` bytes (tensors sent through pipes as
+shared memory break once the sender exits). A test that exceeds its timeout kills the pool,
+which the next test respawns, so one hung collective cannot stall the session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import importlib
+import io
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from tests.support.s3_server import free_port
+
+
+@dataclass(frozen=True)
+class Rank:
+    """What a test body learns about where it runs."""
+
+    rank: int
+    size: int
+    group: Any  # the sub-group of the first ``size`` ranks; None means the default group
+
+
+class RankFailure(AssertionError):
+    """One or more ranks of a pooled test raised or hung."""
+
+
+def _dumps(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung rank, on demand
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401  (must precede init_process_group)
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=120),
+    )
+    groups = {n: dist.new_group(list(range(n))) for n in range(1, size + 1)}
+    conn.send(("ready", rank))
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        module, name, args, nprocs, default_group = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            group = None if default_group else groups[nprocs]
+            value = fn(Rank(rank, nprocs, group), *args)
+            conn.send(("ok", _dumps(value)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    conn.close()
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    os._exit(0)
+
+
+class WorkerPool:
+    """``size`` spawned gloo ranks that run test functions on demand."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._logdir = tempfile.mkdtemp(prefix="dcpb-pool-")
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            log = os.path.join(self._logdir, f"rank{rank}.log")
+            p = ctx.Process(target=_worker, args=(rank, self.size, port, child, log), daemon=True)
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        deadline = time.monotonic() + 120
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                self.kill()
+                raise RuntimeError(f"pool worker {rank} did not start:\n{self._log_tail(rank)}")
+            conn.recv()
+
+    def _log_tail(self, rank: int, lines: int = 30) -> str:
+        try:
+            with open(os.path.join(self._logdir, f"rank{rank}.log")) as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        nprocs: int,
+        *args: Any,
+        timeout: float = 60.0,
+        default_group: bool = False,
+    ) -> list[Any]:
+        """Run ``fn(Rank, *args)`` on ranks ``0..nprocs-1``; return their results in rank order."""
+        if not 1 <= nprocs <= self.size:
+            raise ValueError(f"nprocs must be in 1..{self.size}")
+        if default_group and nprocs != self.size:
+            raise ValueError("the default group spans all pool ranks")
+        if not self._procs:
+            self._start()
+        task = (fn.__module__, fn.__qualname__, args, nprocs, default_group)
+        for conn in self._conns[:nprocs]:
+            conn.send(task)
+        pending = {conn: rank for rank, conn in enumerate(self._conns[:nprocs])}
+        results: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    results[rank] = conn.recv()
+                except EOFError:
+                    results[rank] = ("error", f"worker died:\n{self._log_tail(rank)}")
+                if (
+                    results[rank][0] == "error"
+                ):  # the others get a grace period, not the full timeout
+                    deadline = min(deadline, time.monotonic() + 20)
+        hung = sorted(pending.values())
+        stacks = ""
+        if hung:
+            for rank in hung:
+                with contextlib.suppress(OSError):
+                    os.kill(self._procs[rank].pid, signal.SIGUSR1)
+            time.sleep(1)
+            stacks = "\n".join(f"--- rank {r} stacks ---\n{self._log_tail(r, 60)}" for r in hung)
+            self.kill()  # a rank is stuck (e.g. in a collective): start afresh next time
+        errors = {r: v for r, (status, v) in results.items() if status == "error"}
+        if errors or hung:
+            parts = [f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())]
+            if hung:
+                parts.append(f"--- ranks {hung} did not finish within {timeout:.0f}s ---\n{stacks}")
+            raise RankFailure("\n".join(parts))
+        return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(nprocs)]
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs, self._conns = [], []
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+        shutil.rmtree(self._logdir, ignore_errors=True)
