@@ -196,9 +196,20 @@ def main(argv: list[str]) -> int:
         f.write(LAYOUT_TP4)
     tp4, hf = os.path.join(root, "tp4"), os.path.join(root, "hf")
     cli("inspect", ckpt)
-    cli("reshard", ckpt, tp4, "--layout", layout, "--no-progress")
+    # --force: a second ``make demo`` replaces the outputs of the first
+    cli("reshard", ckpt, tp4, "--layout", layout, "--no-progress", "--force")
     cli("validate", "--checksums", tp4)
-    cli("convert", tp4, hf, "--to", "safetensors", "--max-shard-size", "256KB", "--no-progress")
+    cli(
+        "convert",
+        tp4,
+        hf,
+        "--to",
+        "safetensors",
+        "--max-shard-size",
+        "256KB",
+        "--no-progress",
+        "--force",
+    )
     print(f"\n  {hf}: {sorted(os.listdir(hf))}")
     return 0
 
