@@ -218,6 +218,19 @@ def verify(
             _mismatch(index, got, expected, what, span)
 
 
+def verify_whole(
+    grid: Grid, data: memoryview, expected: Sequence[str], *, what: str | Callable[[], str]
+) -> None:
+    """``verify`` of a whole item whose bytes (C order) are ``data``; an item of one tile
+    (most small tensors) costs one hash and no array."""
+    if len(expected) == 1 and grid.nbytes == len(data) and grid.count == 1:
+        got = xxhash.xxh3_64_hexdigest(data)
+        if got != expected[0]:
+            _mismatch(0, got, expected, what, "the item")
+        return
+    verify(grid, data, (0,) * len(grid.sizes), grid.sizes, expected, what=what)
+
+
 def _mismatch(
     index: int, got: str, expected: Sequence[str], what: str | Callable[[], str], span: str
 ) -> None:

@@ -21,7 +21,7 @@ from torch.futures import Future
 
 from dcpbridge.storage import checksum
 from dcpbridge.storage.backends import ByteIO
-from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, read_bytes, run_jobs
+from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, WholeJob, read_bytes, run_jobs
 from dcpbridge.storage.delivery import byte_view as _byte_view
 from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
 from dcpbridge.storage.format import (
@@ -214,6 +214,18 @@ class FsspecCheckpointReader(Located, StorageReader):
             if block
             else None
         )
+
+        def describe() -> str:
+            offsets = list(item.storage_index.offset or ())
+            return f"tensor {item.storage_index.fqn!r} chunk {offsets} in {stored.file}"
+
+        def commit(t: torch.Tensor) -> None:
+            planner.commit_tensor(item, t)
+
+        if item.lengths == sizes and stored.nbytes and not any(item.storage_offsets):
+            view = _byte_view(dest)  # the whole chunk into plain memory: no plan, no staging
+            if view is not None and len(view) == stored.nbytes:
+                return WholeJob(stored, view, dest, commit, grid, describe)
         plan = plan_chunk_read(
             sizes,
             dtype.itemsize,
@@ -225,12 +237,4 @@ class FsspecCheckpointReader(Located, StorageReader):
         if not plan.pieces:
             planner.commit_tensor(item, dest)
             return None
-
-        def describe() -> str:
-            offsets = list(item.storage_index.offset or ())
-            return f"tensor {item.storage_index.fqn!r} chunk {offsets} in {stored.file}"
-
-        def commit(t: torch.Tensor) -> None:
-            planner.commit_tensor(item, t)
-
         return TensorJob(stored, plan, dest, commit, stored.checksums if grid else None, describe)
