@@ -6,6 +6,8 @@ a staging buffer. Ranges of all jobs in a batch are coalesced into requests (``r
 a request fills its members' buffers in order, so joined reads still land straight in their
 destinations. When a job's last range landed it is verified (``checksum.verify``), copied
 into the destination if staged, and handed over. Staging memory is bounded by batching.
+A request for a whole stored chunk into plain memory (most reads of a same-layout load) is a
+``WholeJob``: no plan, no staging, whole items of a file read back to back by one request.
 """
 
 from __future__ import annotations
