@@ -71,6 +71,14 @@ def _read_item(
 
 
 Box = tuple[Shape, Shape]
+_ZERO_SIZES: dict[int, torch.Size] = {}
+
+
+def _zeros(ndim: int) -> torch.Size:
+    z = _ZERO_SIZES.get(ndim)
+    if z is None:
+        z = _ZERO_SIZES[ndim] = torch.Size((0,) * ndim)
+    return z
 
 
 class ChunkIndex:
@@ -330,6 +338,15 @@ def _plan_box(
         dest.views.append(view)
         return
     out.dests[dest_key] = _Dest([view], md.properties.dtype)
+    chunks = md.chunks
+    if isinstance(chunks, ChunkList) and chunks.holds(offsets, sizes):
+        # The request is a stored chunk (the same layout as at save): read it whole; stored
+        # chunks are disjoint and inside the stored shape, so it covers the request.
+        zeros = _zeros(len(sizes))
+        out.items.append(
+            ReadItem(LoadItemType.TENSOR, dest_key, zeros, dest_key, zeros, torch.Size(sizes))
+        )
+        return
     index = indexes.get(fqn)
     if index is None:
         index = indexes[fqn] = ChunkIndex(md.chunks)
@@ -446,6 +463,8 @@ class ShardedLoadPlanner(LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         dest = self._local.dests[read_item.dest_index]
+        if tensor is dest.views[0] and len(dest.views) == 1:
+            return  # read in place (resolve_tensor's whole view)
         first = _narrow(dest.views[0], read_item.dest_offsets, read_item.lengths)
         if tensor.data_ptr() != first.data_ptr() or tensor.dtype != first.dtype:
             first.copy_(tensor)

@@ -6,6 +6,8 @@ a staging buffer. Ranges of all jobs in a batch are coalesced into requests (``r
 a request fills its members' buffers in order, so joined reads still land straight in their
 destinations. When a job's last range landed it is verified (``checksum.verify``), copied
 into the destination if staged, and handed over. Staging memory is bounded by batching.
+A request for a whole stored chunk into plain memory (most reads of a same-layout load) is a
+``WholeJob``: no plan, no staging, whole items of a file read back to back by one request.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ STAGING_BUDGET = 256 << 20
 Slot = tuple["Job", int, memoryview]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def byte_view(t: torch.Tensor) -> memoryview | None:
     """Writable bytes of ``t`` if it is a plain, dense, contiguous CPU tensor, else None.
 
@@ -41,15 +46,9 @@ def byte_view(t: torch.Tensor) -> memoryview | None:
     is filled through torch (``copy_``) from a staging buffer instead. The view aliases
     ``t``'s memory; callers keep ``t`` alive while using it.
     """
-    if (
-        type(t) not in (torch.Tensor, torch.nn.Parameter)
-        or t.layout != torch.strided
-        or t.device.type != "cpu"
-        or t.is_meta
-        or not t.is_contiguous()
-    ):
-        return None
-    n = t.numel() * t.element_size()
+    if not (type(t) in _PLAIN and t.is_cpu and t.layout == torch.strided and t.is_contiguous()):
+        return None  # (a meta tensor is not is_cpu)
+    n = t.nbytes
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
@@ -159,6 +158,33 @@ class TensorJob(Job):
         self.commit(self.dest)
 
 
+class WholeJob(Job):
+    """Reads a whole stored chunk straight into ``view``, the bytes of ``dest`` (same box and
+    dtype), verifies it with one hash per tile and hands ``dest`` over: the path of most reads,
+    so it allocates nothing and plans nothing per item."""
+
+    def __init__(
+        self,
+        stored: StoredItem,
+        view: memoryview,
+        dest: torch.Tensor,
+        commit: Callable[[torch.Tensor], None],
+        grid: checksum.Grid | None,
+        describe: Callable[[], str],
+    ) -> None:
+        self.file, self.base, self.staged_bytes = stored.file, stored.offset, 0
+        self.stored, self.view, self.dest, self.commit = stored, view, dest, commit
+        self.grid, self.describe = grid, describe
+
+    def open(self) -> list[tuple[int, int, memoryview]]:
+        return [(0, len(self.view), self.view)]
+
+    def landed(self, index: int) -> None:  # one range: it is the last
+        if self.grid is not None and self.stored.checksums is not None:
+            checksum.verify_whole(self.grid, self.view, self.stored.checksums, what=self.describe)
+        self.commit(self.dest)
+
+
 class BytesJob(Job):
     """Reads a stored object's bytes, verifies them and hands them to ``deliver``."""
 
@@ -213,7 +239,14 @@ def run_jobs(
     budget: int = STAGING_BUDGET,
 ) -> int:
     """Fetch, verify and hand over every job; returns the bytes requested from storage."""
+    whole = [job for job in jobs if type(job) is WholeJob]
     fetched = 0
+    if whole:
+        reads, fetched = _whole_reads(whole, path, tuning)
+        byteio.fetch(reads, threads)
+        if len(whole) == len(jobs):
+            return fetched
+        jobs = [job for job in jobs if type(job) is not WholeJob]
     for batch in _batches(jobs, budget):
         ranges: list[tuple[str, int, int, Slot]] = []
         for job in batch:
@@ -238,6 +271,46 @@ def run_jobs(
             reads.append(ScatterRead(path(req.file), req.start, parts, done))
         byteio.fetch(reads, threads)
     return fetched
+
+
+def _whole_reads(
+    jobs: list[WholeJob], path: Callable[[str], str], tuning: ReadTuning
+) -> tuple[list[ScatterRead], int]:
+    """Requests that read whole items of one file back to back (at most ``merge_gap`` bytes
+    apart, at most ``max_request`` bytes each) straight into their targets; and their bytes."""
+    jobs = sorted(jobs, key=lambda j: (j.file, j.base))
+    gap, most = tuning.merge_gap, tuning.max_request
+    reads: list[ScatterRead] = []
+    fetched, i, n = 0, 0, len(jobs)
+    while i < n:
+        first = jobs[i]
+        file, start = first.file, first.base
+        pos = start + len(first.view)
+        parts: list[memoryview | int] = [first.view]
+        members = [first]
+        i += 1
+        while i < n:
+            job = jobs[i]
+            end = job.base + len(job.view)
+            if job.file != file or not pos <= job.base <= pos + gap or end - start > most:
+                break
+            if job.base > pos:
+                parts.append(job.base - pos)
+            parts.append(job.view)
+            members.append(job)
+            pos = end
+            i += 1
+        fetched += pos - start
+        reads.append(ScatterRead(path(file), start, parts, _all_landed(members)))
+    return reads, fetched
+
+
+def _all_landed(jobs: list[WholeJob]) -> Callable[[], None]:
+    def done() -> None:
+        for job in jobs:
+            job.landed(0)
+
+    return done
 
 
 def _landed(slots: list[Slot]) -> Callable[[], None]:

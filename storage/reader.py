@@ -21,7 +21,7 @@ from torch.futures import Future
 
 from dcpbridge.storage import checksum
 from dcpbridge.storage.backends import ByteIO
-from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, read_bytes, run_jobs
+from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, WholeJob, read_bytes, run_jobs
 from dcpbridge.storage.delivery import byte_view as _byte_view
 from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
 from dcpbridge.storage.format import (
@@ -140,15 +140,16 @@ class FsspecCheckpointReader(Located, StorageReader):
         tuning = ReadTuning.for_location(self._loc)
         self._check_ranges(plan)
         jobs: list[Job] = []
+        index = self._index
         for item in plan.items:
             job = (
                 self._bytes_job(item, planner)
                 if item.type == LoadItemType.BYTE_IO
-                else self._tensor_job(item, planner, tuning)
+                else self._tensor_job(item, planner, tuning, index)
             )
             if job is not None:
                 jobs.append(job)
-        prefixes = self._index.prefixes
+        prefixes = index.prefixes
         path = functools.cache(lambda name: self._loc.data_path(name, prefixes))
         self.bytes_read += run_jobs(jobs, self._byteio, path, tuning, self.thread_count)
         fut: Future[None] = Future()
@@ -162,8 +163,8 @@ class FsspecCheckpointReader(Located, StorageReader):
         assert self._metadata is not None
         return _index_of(self._loc, self._metadata)
 
-    def _stored(self, index: MetadataIndex) -> StoredItem:
-        item = self._index.get(index)
+    def _stored(self, index: MetadataIndex, where: StorageIndex | None = None) -> StoredItem:
+        item = (where or self._index).get(index)
         if item is None:
             raise CorruptCheckpointError(
                 f"{self._loc.url}: metadata has no stored bytes for {index.fqn!r} "
@@ -185,9 +186,9 @@ class FsspecCheckpointReader(Located, StorageReader):
             self._file_sizes = self._byteio.file_sizes()
         check_stored_ranges(wanted, self._file_sizes, self._loc.url)
 
-    def _block(self, stored: StoredItem) -> int:
+    def _block(self, stored: StoredItem, where: StorageIndex | None = None) -> int:
         """The checksum block size if ``stored`` is to be verified, else 0."""
-        block = self._index.checksum_block_size
+        block = (where or self._index).checksum_block_size
         return block if self.verify_checksums and stored.checksums and block else 0
 
     def _bytes_job(self, item: ReadItem, planner: LoadPlanner) -> Job:
@@ -197,8 +198,10 @@ class FsspecCheckpointReader(Located, StorageReader):
         what = f"object {item.storage_index.fqn!r} in {stored.file}"
         return BytesJob(stored, lambda data: planner.load_bytes(item, io.BytesIO(data)), grid, what)
 
-    def _tensor_job(self, item: ReadItem, planner: LoadPlanner, tuning: ReadTuning) -> Job | None:
-        stored = self._stored(item.storage_index)
+    def _tensor_job(
+        self, item: ReadItem, planner: LoadPlanner, tuning: ReadTuning, index: StorageIndex
+    ) -> Job | None:
+        stored = self._stored(item.storage_index, index)
         sizes, dtype = stored.sizes, stored.dtype
         if sizes is None or dtype is None:
             raise CorruptCheckpointError(f"{item.storage_index.fqn!r} is stored as an object")
@@ -208,12 +211,24 @@ class FsspecCheckpointReader(Located, StorageReader):
                 f"{item.dest_index.fqn!r}: planner resolved a {dest.dtype} tensor of shape "
                 f"{tuple(dest.shape)} for a read of {tuple(item.lengths)} {dtype}"
             )
-        block = self._block(stored)
+        block = self._block(stored, index)
         grid = (
-            checksum.tensor_grid(sizes, dtype.itemsize, block, tiled=self._index.tiled_checksums)
+            checksum.tensor_grid(sizes, dtype.itemsize, block, tiled=index.tiled_checksums)
             if block
             else None
         )
+
+        def describe() -> str:
+            offsets = list(item.storage_index.offset or ())
+            return f"tensor {item.storage_index.fqn!r} chunk {offsets} in {stored.file}"
+
+        def commit(t: torch.Tensor) -> None:
+            planner.commit_tensor(item, t)
+
+        if item.lengths == sizes and stored.nbytes and not any(item.storage_offsets):
+            view = _byte_view(dest)  # the whole chunk into plain memory: no plan, no staging
+            if view is not None and len(view) == stored.nbytes:
+                return WholeJob(stored, view, dest, commit, grid, describe)
         plan = plan_chunk_read(
             sizes,
             dtype.itemsize,
@@ -225,12 +240,4 @@ class FsspecCheckpointReader(Located, StorageReader):
         if not plan.pieces:
             planner.commit_tensor(item, dest)
             return None
-
-        def describe() -> str:
-            offsets = list(item.storage_index.offset or ())
-            return f"tensor {item.storage_index.fqn!r} chunk {offsets} in {stored.file}"
-
-        def commit(t: torch.Tensor) -> None:
-            planner.commit_tensor(item, t)
-
         return TensorJob(stored, plan, dest, commit, stored.checksums if grid else None, describe)

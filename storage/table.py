@@ -322,6 +322,11 @@ class ChunkList(Sequence[ChunkStorageMetadata]):
         starts = self.table.starts
         return int(starts[self.t]), int(starts[self.t + 1])
 
+    def holds(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+        """Whether one of these chunks is exactly the box ``offsets``+``sizes``."""
+        row = self.table.find_chunk(self.t, offsets)
+        return row is not None and self.table.sizes[row, : len(sizes)].tolist() == list(sizes)
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, sizes) of this tensor's chunks, ``(n, ndim)`` int64 each."""
         lo, hi = self.rows

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import io
 import json
 import logging
 import math
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -100,8 +101,10 @@ class CoalescingFile:
     tensor's bytes arrive with a single memmove and no Python objects per item).
     """
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BinaryIO, written: Callable[[int, int], None] | None = None) -> None:
         self._f = f
+        self._written = written  # told (start, nbytes) of each write that went out
+        self._out = 0  # bytes handed to ``f`` so far
         self._buf = bytearray(_COALESCE_BYTES + _SMALL_ITEM)
         self._view = memoryview(self._buf)
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
@@ -123,7 +126,7 @@ class CoalescingFile:
             self._advance(n)
             return
         self.flush()
-        _write_all(self._f, data)
+        self._emit(data)
 
     def copy_in(self, address: int, n: int) -> memoryview:
         """Append ``n`` (< ``_SMALL_ITEM``) bytes at ``address``; a view of the copy, valid
@@ -143,8 +146,14 @@ class CoalescingFile:
 
     def flush(self) -> None:
         if self._fill:
-            _write_all(self._f, self._view[: self._fill])
+            self._emit(self._view[: self._fill])
             self._fill = 0
+
+    def _emit(self, data: memoryview) -> None:
+        _write_all(self._f, data)
+        if self._written is not None:
+            self._written(self._out, len(data))
+        self._out += len(data)
 
 
 def _write_all(f: BinaryIO, data: memoryview) -> None:
@@ -287,7 +296,8 @@ class FsspecCheckpointWriter(Located, StorageWriter):
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
         with self._byteio.open_write(self._loc.data_path(name)) as raw:
-            out = CoalescingFile(raw)
+            behind = functools.partial(self._byteio.write_behind, raw) if self.sync_files else None
+            out = CoalescingFile(raw, behind)
             block = self.checksum_block_size if self.checksums else 0
             for item in items:
                 data = planner.resolve_data(item)
@@ -339,9 +349,9 @@ def _write_tensor(
     if (
         expected < _SMALL_ITEM
         and type(data) in _PLAIN
-        and data.device.type == "cpu"
+        and data.is_cpu
         and data.is_contiguous()
-        and data.numel() * data.element_size() == expected
+        and data.nbytes == expected
     ):
         return start, out.copy_in(data.data_ptr(), expected)
     mv = tensor_bytes(data)

@@ -1,0 +1,162 @@
+"""Many small tensors: the whole-chunk fast paths of load (one lookup per request, whole-item
+reads joined into one preadv, one hash per tile) and of save, checked bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dcpbridge as db
+from dcpbridge.planners.load_planner import plan_local_reads
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage import FsspecCheckpointReader
+from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.delivery import WholeJob, run_jobs
+from dcpbridge.storage.format import StoredItem
+from dcpbridge.storage.paths import resolve
+from dcpbridge.storage.read_plan import ReadTuning
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.bool, torch.int64)
+SHAPES = ((), (7,), (3, 5), (2, 3, 4), (1, 1))
+
+
+def _state(count: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``count`` small tensors of mixed dtypes and shapes (more than a packed table's threshold)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(count):
+        dtype, shape = DTYPES[i % len(DTYPES)], SHAPES[i % len(SHAPES)]
+        t = torch.randn(shape, generator=g, dtype=torch.float64) * 100
+        out[f"layer{i}.w"] = (t > 0) if dtype == torch.bool else t.to(dtype)
+    return out
+
+
+def _sharded(tensors: dict[str, torch.Tensor]) -> dict[str, db.ShardedTensor]:
+    return {
+        k: db.ShardedTensor.from_box(k, t, tuple(t.shape), (0,) * t.ndim)
+        for k, t in tensors.items()
+    }
+
+
+def _stored(path: str, key: str, ndim: int) -> StoredItem:
+    reader = FsspecCheckpointReader(path)
+    return reader.read_metadata().storage_data.items[(key, (0,) * ndim)]
+
+
+def _flip_byte(path: str, item: StoredItem, at: int) -> None:
+    with open(os.path.join(path, item.file), "r+b") as f:
+        f.seek(item.offset + at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_many_small_tensors_of_mixed_dtypes_round_trip_bit_exact(tmp_path):
+    state = _state(1500)
+    db.save(_sharded(state), str(tmp_path))
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    db.load(_sharded(out), str(tmp_path))
+    for k, v in state.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+
+
+def test_non_contiguous_and_subclass_destinations_are_filled_bit_exact(tmp_path):
+    state = {
+        f"m{i}": torch.randn(6, 4, generator=torch.Generator().manual_seed(i)) for i in range(40)
+    }
+    db.save(_sharded(state), str(tmp_path))
+    # transposed views (not contiguous), slices of a bigger buffer, and Parameters
+    buffers = {k: torch.zeros(4, 6) for k in list(state)[:10]}
+    dests = {k: b.t() for k, b in buffers.items()}
+    big = torch.zeros(10, 6, 8)
+    dests.update({k: big[i, :, 2:6] for i, k in enumerate(list(state)[10:20])})
+    dests.update({k: torch.nn.Parameter(torch.zeros(6, 4)) for k in list(state)[20:]})
+    assert not any(dests[k].is_contiguous() for k in list(state)[:20])
+    db.load(_sharded(dests), str(tmp_path))
+    for k, v in state.items():
+        assert torch.equal(dests[k].detach(), v), k
+    for i, k in enumerate(list(state)[10:20]):
+        assert torch.equal(big[i, :, 2:6], state[k]) and not big[i, :, :2].any()
+
+
+def test_a_flipped_byte_in_one_small_item_names_it(tmp_path):
+    state = _state(1200)
+    db.save(_sharded(state), str(tmp_path))
+    victim = "layer601.w"
+    _flip_byte(str(tmp_path), _stored(str(tmp_path), victim, state[victim].ndim), 0)
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    with pytest.raises(db.ChecksumMismatchError) as info:
+        db.load(_sharded(out), str(tmp_path))
+    assert repr(victim) in str(info.value) and ".bin" in str(info.value)
+    out = {k: torch.empty_like(v) for k, v in state.items()}  # without verification it loads
+    db.load(_sharded(out), str(tmp_path), verify_checksums=False)
+    assert not torch.equal(out[victim], state[victim])
+    assert all(torch.equal(out[k], v) for k, v in state.items() if k != victim)
+
+
+def test_whole_items_of_many_tiles_are_verified_tile_by_tile(tmp_path):
+    state = {f"big{i}": torch.randn(512, 2048) for i in range(3)}  # 4 MiB: several tiles each
+    db.save(_sharded(state), str(tmp_path))
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    db.load(_sharded(out), str(tmp_path))
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    item = _stored(str(tmp_path), "big1", 2)
+    assert item.checksums is not None and len(item.checksums) > 1
+    _flip_byte(str(tmp_path), item, item.nbytes - 1)  # the last tile
+    with pytest.raises(db.ChecksumMismatchError, match="'big1'"):
+        db.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), str(tmp_path))
+
+
+def test_a_truncated_data_file_raises(tmp_path):
+    state = _state(1100)
+    db.save(_sharded(state), str(tmp_path))
+    item = _stored(str(tmp_path), "layer7.w", state["layer7.w"].ndim)
+    data = os.path.join(str(tmp_path), item.file)
+    os.truncate(data, os.path.getsize(data) - 100)
+    with pytest.raises(db.CheckpointError, match=item.file):
+        db.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), str(tmp_path))
+
+
+def test_a_request_that_is_a_stored_chunk_is_one_whole_read_item(tmp_path):
+    halves = torch.arange(40.0).reshape(4, 10)
+    top = db.ShardedTensor.from_box("w", halves[:2], (4, 10), (0, 0))
+    bottom = db.ShardedTensor.from_box("w", halves[2:], (4, 10), (2, 0))
+    db.save({"top": top, "bottom": bottom}, str(tmp_path / "a"))
+    meta = FsspecCheckpointReader(str(tmp_path / "a")).read_metadata()
+    same = {"w": db.ShardedTensor.from_box("w", torch.zeros(2, 10), (4, 10), (0, 0))}
+    (item,) = plan_local_reads(iter_leaves(same), meta).items
+    assert item.storage_index == item.dest_index
+    assert tuple(item.storage_offsets) == (0, 0) and tuple(item.lengths) == (2, 10)
+    inside = {"w": db.ShardedTensor.from_box("w", torch.zeros(1, 4), (4, 10), (1, 3))}
+    (part,) = plan_local_reads(iter_leaves(inside), meta).items
+    assert tuple(part.storage_offsets) == (1, 3) and tuple(part.lengths) == (1, 4)
+
+
+@pytest.mark.parametrize("max_request", [1 << 20, 300, 1])
+def test_whole_reads_are_joined_within_the_request_limit(tmp_path, max_request):
+    """Items with gaps between them, read as few requests as ``max_request`` allows."""
+    path = str(tmp_path / "f.bin")
+    blob = bytes(range(256)) * 8
+    with open(path, "wb") as f:
+        f.write(blob)
+    spans = [(0, 100), (100, 164), (200, 300), (1000, 1100), (1100, 1101)]
+    got: dict[int, torch.Tensor] = {}
+    jobs = []
+    for i, (lo, hi) in enumerate(spans):
+        dest = torch.zeros(hi - lo, dtype=torch.uint8)
+        view = memoryview(dest.numpy()).cast("B")
+        stored = StoredItem("f.bin", lo, hi - lo, 0)
+        jobs.append(WholeJob(stored, view, dest, lambda t, i=i: got.__setitem__(i, t), None, str))
+    jobs.reverse()  # any order
+    loc = resolve(str(tmp_path))
+    tuning = ReadTuning(min_piece_bytes=0, merge_gap=100, max_request=max_request)
+    fetched = run_jobs(jobs, ByteIO.for_location(loc), loc.data_path, tuning, threads=2)
+    for i, (lo, hi) in enumerate(spans):
+        assert bytes(got[i].numpy()) == blob[lo:hi]
+    assert fetched >= sum(hi - lo for lo, hi in spans)
+    if max_request == 1:
+        assert fetched == sum(hi - lo for lo, hi in spans)
