@@ -24,9 +24,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from dcpbridge.storage.checksum import tensor_grid
 from dcpbridge.storage.errors import CorruptCheckpointError
-from dcpbridge.storage.tiling import disjointness, products
+from dcpbridge.storage.tiling import disjointness, products, tile_counts
 
 ItemKey = tuple[str, "tuple[int, ...] | None"]
 
@@ -152,7 +151,8 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
     block_size: int = 0  # checksum block size the ``StoredItem``s are made for
     tiled: bool = True  # chunks' checksums cover tiles of their shape (format 4), else blocks
     _starts: np.ndarray | None = field(default=None, repr=False)
-    _sum_starts: np.ndarray | None = field(default=None, repr=False)
+    _blocks: tuple[tuple[int, bool], np.ndarray] | None = field(default=None, repr=False)
+    _sum_starts: tuple[tuple[int, bool], np.ndarray] | None = field(default=None, repr=False)
     _tensor_ids: dict[str, int] | None = field(default=None, repr=False)
     _object_rows: dict[str, int] | None = field(default=None, repr=False)
     _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
@@ -184,32 +184,24 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
     def blocks(self, block: int) -> np.ndarray:
         """Checksums each row has for ``block`` (at least one, even when empty): flat blocks
         of its bytes, or for a chunk of a tiled table the tiles of its shape."""
+        if self._blocks is not None and self._blocks[0] == (block, self.tiled):
+            return self._blocks[1]
         counts = np.maximum(1, -(-self.nbytes // block))
         nt = self.tensor_rows
-        if not self.tiled or not nt:
-            return counts
-        # Rows of one chunk shape and dtype share a grid: compute it once per distinct one.
-        tid = self.row_tensor()
-        itemsize = np.array([d.itemsize for d in self.dtypes], dtype=np.int64)[tid]
-        ndim = self.ndims()[tid]
-        keys = np.column_stack([itemsize, ndim, self.sizes])
-        distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
-        grids = np.fromiter(
-            (
-                tensor_grid(tuple(k[2 : 2 + k[1]]), k[0], block, tiled=True).count
-                for k in distinct.tolist()
-            ),
-            dtype=np.int64,
-            count=len(distinct),
-        )
-        counts[:nt] = grids[inverse.reshape(-1)]
+        if self.tiled and nt:
+            tid = self.row_tensor()
+            itemsize = np.array([d.itemsize for d in self.dtypes], dtype=np.int64)[tid]
+            counts[:nt] = tile_counts(self.sizes, self.ndims()[tid], itemsize, block)
+        self._blocks = ((block, self.tiled), counts)
         return counts
 
     def sum_starts(self, block: int) -> np.ndarray:
-        if self._sum_starts is None:
-            self._sum_starts = np.zeros(len(self.nbytes) + 1, dtype=np.int64)
-            np.cumsum(self.blocks(block), out=self._sum_starts[1:])
-        return self._sum_starts
+        """Where each row's checksums start in ``checksums`` (one more entry: their count)."""
+        if self._sum_starts is None or self._sum_starts[0] != (block, self.tiled):
+            starts = np.zeros(len(self.nbytes) + 1, dtype=np.int64)
+            np.cumsum(self.blocks(block), out=starts[1:])
+            self._sum_starts = ((block, self.tiled), starts)
+        return self._sum_starts[1]
 
     def tensor_id(self, fqn: str) -> int | None:
         if self._tensor_ids is None:
