@@ -7,13 +7,24 @@ per-item way on real layouts and on random or damaged ones.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import numpy as np
+import pytest
+import torch
 
+from benchmarks import bench_planning as bp
+from dcpbridge.planners import build_metadata
+from dcpbridge.planners.errors import ShardingValidationError
 from dcpbridge.storage.checksum import tensor_grid
+from dcpbridge.storage.errors import InvalidArgumentError
+from dcpbridge.storage.format import decode_metadata, planned_boxes
 from dcpbridge.storage.tiling import tile_counts
+from dcpbridge.storage.writer import index_results, results_table
+
+SAVE_ID = "5eed"
 
 
 def _random_sizes(rng: random.Random) -> tuple[int, ...]:
@@ -52,3 +63,84 @@ def test_tile_counts_match_the_checksum_grid_of_every_shape():
         1,
         1,
     ]
+
+
+# -- the save planner's checked boxes, trusted once by the encoder ------------------------------
+
+
+def _save(ranks: int, tensors: int, *, validate: bool = True, edit=None):
+    """(metadata, write results) of an FSDP-like plan; ``edit(plans)`` changes the plans
+    before the global plan is made."""
+    plans = bp._plans(ranks, bp._fsdp(ranks, tensors, 2, 8))
+    if edit is not None:
+        edit(plans)
+    metadata = build_metadata(plans, validate=validate)
+    return metadata, bp._results(plans, SAVE_ID)
+
+
+def _encode(metadata, results) -> bytes:
+    return index_results(metadata, results, save_id=SAVE_ID, checksums=True)
+
+
+@pytest.mark.parametrize("ranks", [8, 64])  # a document of JSON rows, and one of columns
+def test_a_checked_plan_encodes_what_an_unchecked_one_does(ranks):
+    checked, results = _save(ranks, 20)
+    boxes = planned_boxes(checked)
+    assert boxes is not None and boxes.checked
+    assert [list(c.offsets) for c in checked.state_dict_metadata["layers.3.weight"].chunks] == [
+        [2 * r, 0] for r in range(ranks)
+    ]
+    table = results_table(checked, results, checksums=True)
+    assert boxes.same_boxes(table) and table.sizes is boxes.sizes  # not gathered twice
+    unchecked, _ = _save(ranks, 20, validate=False)
+    assert not planned_boxes(unchecked).checked
+    a = decode_metadata(_encode(checked, results), where="a").storage_data.items
+    b = decode_metadata(_encode(unchecked, results), where="b").storage_data.items
+    for column in ("counts", "file", "offset", "nbytes", "rank", "offsets", "sizes", "checksums"):
+        assert np.array_equal(getattr(a, column), getattr(b, column)), column
+    assert (a.tensors, a.shapes, a.files) == (b.tensors, b.shapes, b.files)
+
+
+def test_checked_boxes_are_read_only():
+    metadata, _ = _save(4, 2)
+    boxes = planned_boxes(metadata)
+    with pytest.raises(ValueError, match="read-only"):
+        boxes.offsets[0, 0] = 1
+
+
+def _twice(plans) -> None:
+    """Rank 1 also writes rank 0's chunk of one tensor instead of its own."""
+    mine = plans[1].items
+    mine[0] = plans[0].items[0]
+
+
+def test_an_unchecked_plan_is_still_checked_when_encoded():
+    metadata, results = _save(8, 3, validate=False, edit=_twice)
+    with pytest.raises(InvalidArgumentError, match=r"refusing to commit.*layers.0.weight.*overlap"):
+        _encode(metadata, results)
+    with pytest.raises(ShardingValidationError, match="overlap"):
+        _save(8, 3, edit=_twice)
+
+
+def test_results_that_differ_from_the_checked_plan_are_checked_in_full():
+    """A writer reporting other boxes than the planner checked gets no trust."""
+    metadata, results = _save(8, 3)
+    moved = results[1][0]
+    index = dataclasses.replace(moved.index, offset=torch.Size([0, 0]))  # rank 0's chunk
+    results[1][0] = dataclasses.replace(moved, index=index)
+    with pytest.raises(InvalidArgumentError, match=r"refusing to commit.*layers.0.weight.*overlap"):
+        _encode(metadata, results)
+
+
+def test_results_with_wrong_dims_or_unknown_keys_are_refused():
+    metadata, results = _save(4, 2)
+    wrong = results[2][1]
+    flat = dataclasses.replace(wrong.index, offset=torch.Size([4]))
+    results[2][1] = dataclasses.replace(wrong, index=flat)
+    with pytest.raises(InvalidArgumentError, match="does not have the tensor's 2 dimensions"):
+        _encode(metadata, results)
+    metadata, results = _save(4, 2)
+    other = dataclasses.replace(results[0][0].index, fqn="nope")
+    results[0][0] = dataclasses.replace(results[0][0], index=other)
+    with pytest.raises(InvalidArgumentError, match="'nope', which is not planned"):
+        _encode(metadata, results)
