@@ -188,7 +188,9 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     """
     problems: list[str] = []
     decls, objects, object_shapes, paths = _merge_summaries(plans)
-    written = _collect_writes(plans)
+    keys = list(decls)
+    key_ids = {k: i for i, k in enumerate(keys)}
+    written = _collect_writes(plans, key_ids)
     byte_writers = written.byte_writers
 
     for key, variants in decls.items():
@@ -212,15 +214,12 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
                 f"object {fqn!r} is written by ranks {ranks}: exactly one main replica "
                 "(replica_id 0) may save it"
             )
-    keys = list(decls)
-    key_ids = {k: i for i, k in enumerate(keys)}
-    undeclared = sorted(set(written.fqns) - set(key_ids))
-    problems.extend(f"{k!r} is written but no rank declares it" for k in undeclared)
+    problems.extend(f"{k!r} is written but no rank declares it" for k in written.undeclared)
 
     kid = order = None
     shapes: list[Shape] = []
     if not problems:
-        kid = np.fromiter(map(key_ids.__getitem__, written.fqns), np.int64, len(written.fqns))
+        kid = written.kid
         shapes = [next(iter(decls[k]))[0] for k in keys]
         order = _check_chunks(problems, keys, shapes, kid, written, validate)
         if validate:
@@ -300,7 +299,8 @@ class _Writes:
     ``boxes`` holds the chunks' (offsets, sizes, dims) as arrays once ``_check_chunks`` made
     them (None if a value lies beyond int64)."""
 
-    fqns: list[str] = field(default_factory=list)
+    kid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # key ids
+    undeclared: list[str] = field(default_factory=list)  # written keys no rank declares
     offsets: list[Sequence[int]] = field(default_factory=list)
     sizes: list[Sequence[int]] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)  # chunks per rank
@@ -314,9 +314,11 @@ _CHUNK = operator.attrgetter("chunk")
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 
 
-def _collect_writes(plans: list[SavePlan]) -> _Writes:
-    """One C-level pass per field over every rank's items (a million chunks stay cheap)."""
+def _collect_writes(plans: list[SavePlan], key_ids: dict[str, int]) -> _Writes:
+    """One C-level pass per field over every rank's items (a million chunks stay cheap);
+    ``key_ids`` numbers the declared keys."""
     out = _Writes()
+    kids = []
     for rank, plan in enumerate(plans):
         items = plan.items
         data = list(map(_TENSOR_DATA, items))
@@ -326,11 +328,20 @@ def _collect_writes(plans: list[SavePlan]) -> _Writes:
                     out.byte_writers.setdefault(item.index.fqn, []).append(rank)
             items = [item for item in items if item.tensor_data is not None]
             data = list(map(_TENSOR_DATA, items))
-        out.fqns.extend(map(_FQN, map(_INDEX, items)))
+        ids = np.fromiter(
+            map(key_ids.get, map(_FQN, map(_INDEX, items)), itertools.repeat(-1)),
+            np.int64,
+            len(items),
+        )
+        if ids.size and ids.min() < 0:
+            out.undeclared.extend(items[i].index.fqn for i in np.flatnonzero(ids < 0).tolist())
+        kids.append(ids)
         chunks = list(map(_CHUNK, data))
         out.offsets.extend(map(_OFFSETS, chunks))
         out.sizes.extend(map(_SIZES, chunks))
         out.counts.append(len(items))
+    out.kid = np.concatenate(kids) if kids else out.kid
+    out.undeclared = sorted(set(out.undeclared))
     return out
 
 

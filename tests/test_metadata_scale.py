@@ -144,3 +144,14 @@ def test_results_with_wrong_dims_or_unknown_keys_are_refused():
     results[0][0] = dataclasses.replace(results[0][0], index=other)
     with pytest.raises(InvalidArgumentError, match="'nope', which is not planned"):
         _encode(metadata, results)
+
+
+def test_a_written_key_no_rank_declares_is_refused():
+    def undeclare(plans) -> None:
+        for plan in plans:
+            del plan.planner_data.tensors["layers.1.weight"]
+
+    with pytest.raises(
+        ShardingValidationError, match=r"'layers\.1\.weight' is written but no rank declares it"
+    ):
+        _save(4, 3, edit=undeclare)
