@@ -37,6 +37,7 @@ from dcpbridge.storage.format import (
 from dcpbridge.storage.writer import index_results, new_save_id
 
 DTYPE = torch.bfloat16
+BLOCK = checksum.DEFAULT_BLOCK_SIZE
 
 
 def _clock() -> float:
@@ -72,15 +73,17 @@ def _plans(ranks: int, boxes) -> list[SavePlan]:
 
 
 def _results(plans: list[SavePlan], save_id: str) -> list[list[WriteResult]]:
-    """What each rank's writer reports: its items packed into one file, one checksum each."""
+    """What each rank's writer reports: its items packed into one file, one checksum per
+    tile of each chunk (16 KiB chunks: one tile each)."""
     out = []
-    digest = checksum.block_digests(memoryview(b"x"), 1)[0]
+    digest = checksum.digests(checksum.flat_grid(1, 1), memoryview(b"x"))[0]
     for rank, plan in enumerate(plans):
         name, pos, results = data_file_name(rank, 0, save_id), 0, []
         for item in plan.items:
             sizes = tuple(item.tensor_data.chunk.sizes)
             nbytes = math.prod(sizes) * DTYPE.itemsize
-            stored = StoredItem(name, pos, nbytes, rank, (digest,), sizes, DTYPE)
+            tiles = checksum.tensor_grid(sizes, DTYPE.itemsize, BLOCK, tiled=True).count
+            stored = StoredItem(name, pos, nbytes, rank, (digest,) * tiles, sizes, DTYPE)
             results.append(WriteResult(item.index, nbytes, stored))
             pos += -(-nbytes // ITEM_ALIGN) * ITEM_ALIGN
         out.append(results)

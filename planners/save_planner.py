@@ -6,9 +6,10 @@ import dataclasses
 import io
 import itertools
 import math
+import operator
 import pickletools
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ from dcpbridge.planners.protocol import (
 )
 from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
 from dcpbridge.storage.format import dtype_name, parse_dtype
+from dcpbridge.storage.table import ChunkList, PlannedBoxes
 
 _MAX_REPORTED = 20
 
@@ -186,7 +188,9 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     """
     problems: list[str] = []
     decls, objects, object_shapes, paths = _merge_summaries(plans)
-    written = _collect_writes(plans)
+    keys = list(decls)
+    key_ids = {k: i for i, k in enumerate(keys)}
+    written = _collect_writes(plans, key_ids)
     byte_writers = written.byte_writers
 
     for key, variants in decls.items():
@@ -210,14 +214,12 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
                 f"object {fqn!r} is written by ranks {ranks}: exactly one main replica "
                 "(replica_id 0) may save it"
             )
-    keys = list(decls)
-    key_ids = {k: i for i, k in enumerate(keys)}
-    undeclared = sorted(set(written.fqns) - set(key_ids))
-    problems.extend(f"{k!r} is written but no rank declares it" for k in undeclared)
+    problems.extend(f"{k!r} is written but no rank declares it" for k in written.undeclared)
 
     kid = order = None
+    shapes: list[Shape] = []
     if not problems:
-        kid = np.fromiter(map(key_ids.__getitem__, written.fqns), np.int64, len(written.fqns))
+        kid = written.kid
         shapes = [next(iter(decls[k]))[0] for k in keys]
         order = _check_chunks(problems, keys, shapes, kid, written, validate)
         if validate:
@@ -234,17 +236,15 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
         )
 
     assert kid is not None and order is not None
-    chunks = [written.chunks[i] for i in order.tolist()]
-    bounds = np.zeros(len(keys) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(kid, minlength=len(keys)), out=bounds[1:])
-    bounds_list = bounds.tolist()
+    counts = np.bincount(kid, minlength=len(keys)).astype(np.int64)
+    chunk_lists = _chunk_lists(keys, shapes, counts, order, written, checked=validate)
     state: dict[str, STORAGE_TYPES] = {}
     for k, key in enumerate(keys):
         shape, dtype = next(iter(decls[key]))
         state[key] = TensorStorageMetadata(
             properties=TensorProperties(dtype=parse_dtype(dtype)),
             size=torch.Size(shape),
-            chunks=chunks[bounds_list[k] : bounds_list[k + 1]],
+            chunks=chunk_lists[k],
         )
     for fqn in byte_writers:
         state[fqn] = BytesStorageMetadata()
@@ -294,29 +294,54 @@ def _merge_summaries(plans: list[SavePlan]) -> tuple[Any, Any, Any, Any]:
 
 @dataclass(slots=True)
 class _Writes:
-    """Every rank's write items as flat lists: tensor chunks, and the writers of objects."""
+    """Every rank's write items as flat lists: tensor chunks, and the writers of objects.
 
-    fqns: list[str] = field(default_factory=list)
-    chunks: list[ChunkStorageMetadata] = field(default_factory=list)
+    ``boxes`` holds the chunks' (offsets, sizes, dims) as arrays once ``_check_chunks`` made
+    them (None if a value lies beyond int64)."""
+
+    kid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # key ids
+    undeclared: list[str] = field(default_factory=list)  # written keys no rank declares
+    offsets: list[Sequence[int]] = field(default_factory=list)
+    sizes: list[Sequence[int]] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)  # chunks per rank
     byte_writers: dict[str, list[int]] = field(default_factory=dict)
+    boxes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
-def _collect_writes(plans: list[SavePlan]) -> _Writes:
+_TENSOR_DATA = operator.attrgetter("tensor_data")
+_INDEX, _FQN = operator.attrgetter("index"), operator.attrgetter("fqn")
+_CHUNK = operator.attrgetter("chunk")
+_OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
+
+
+def _collect_writes(plans: list[SavePlan], key_ids: dict[str, int]) -> _Writes:
+    """One C-level pass per field over every rank's items (a million chunks stay cheap);
+    ``key_ids`` numbers the declared keys."""
     out = _Writes()
+    kids = []
     for rank, plan in enumerate(plans):
-        data = [item.tensor_data for item in plan.items]
-        if None in data:
-            for item in plan.items:
+        items = plan.items
+        data = list(map(_TENSOR_DATA, items))
+        if any(map(operator.is_, data, itertools.repeat(None))):
+            for item in items:
                 if item.tensor_data is None:
                     out.byte_writers.setdefault(item.index.fqn, []).append(rank)
-            pairs = [(it, d) for it, d in zip(plan.items, data) if d is not None]
-            items, data = [p[0] for p in pairs], [p[1] for p in pairs]
-        else:
-            items = plan.items
-        out.fqns.extend([item.index.fqn for item in items])
-        out.chunks.extend([d.chunk for d in data])  # type: ignore[union-attr]
+            items = [item for item in items if item.tensor_data is not None]
+            data = list(map(_TENSOR_DATA, items))
+        ids = np.fromiter(
+            map(key_ids.get, map(_FQN, map(_INDEX, items)), itertools.repeat(-1)),
+            np.int64,
+            len(items),
+        )
+        if ids.size and ids.min() < 0:
+            out.undeclared.extend(items[i].index.fqn for i in np.flatnonzero(ids < 0).tolist())
+        kids.append(ids)
+        chunks = list(map(_CHUNK, data))
+        out.offsets.extend(map(_OFFSETS, chunks))
+        out.sizes.extend(map(_SIZES, chunks))
         out.counts.append(len(items))
+    out.kid = np.concatenate(kids) if kids else out.kid
+    out.undeclared = sorted(set(out.undeclared))
     return out
 
 
@@ -330,31 +355,55 @@ def _check_chunks(
 ) -> np.ndarray:
     """Append the coverage problems of every key; returns the chunks' order by key, offsets."""
     width = max(map(len, shapes), default=0)
-    chunks = written.chunks
     try:
-        offsets, sizes, dims = chunk_arrays(
-            [c.offsets for c in chunks], [c.sizes for c in chunks], width
-        )
+        written.boxes = chunk_arrays(written.offsets, written.sizes, width)
     except (OverflowError, ValueError):  # values beyond int64: every key the worded way
-        offsets = sizes = dims = None
+        written.boxes = None
     rank = np.repeat(np.arange(len(written.counts), dtype=np.int64), written.counts)
     if validate:
-        if offsets is None:
+        if written.boxes is None:
             suspects = list(range(len(keys)))
         else:
-            suspects = untiled_keys(shapes, kid, offsets, sizes, dims)
+            suspects = untiled_keys(shapes, kid, *written.boxes)
         for k in suspects:
             rows = np.flatnonzero(kid == k).tolist()
             placed = [
-                Placed(tuple(chunks[i].offsets), tuple(chunks[i].sizes), int(rank[i])) for i in rows
+                Placed(tuple(written.offsets[i]), tuple(written.sizes[i]), int(rank[i]))
+                for i in rows
             ]
             problems.extend(coverage_problems(keys[k], shapes[k], placed))
-    if offsets is None:
+    if written.boxes is None:
         return np.array(
-            sorted(range(len(chunks)), key=lambda i: (kid[i], tuple(chunks[i].offsets))),
+            sorted(range(len(kid)), key=lambda i: (kid[i], tuple(written.offsets[i]))),
             dtype=np.int64,
         )
-    return np.lexsort((*offsets.T[::-1], kid))
+    return np.lexsort((*written.boxes[0].T[::-1], kid))
+
+
+def _chunk_lists(
+    keys: list[str],
+    shapes: list[Shape],
+    counts: np.ndarray,
+    order: np.ndarray,
+    written: _Writes,
+    *,
+    checked: bool,
+) -> list[Sequence[ChunkStorageMetadata]]:
+    """Each key's chunks sorted by offsets: views of one ``PlannedBoxes`` (``checked``: they
+    tile every key, so the commit document's encoder does not check them again), or lists
+    when a value lies beyond int64."""
+    if written.boxes is not None:
+        offsets, sizes, _ = written.boxes
+        boxes = PlannedBoxes(list(shapes), counts, offsets[order], sizes[order], checked)
+        return [ChunkList(boxes, k) for k in range(len(keys))]
+    made = [
+        ChunkStorageMetadata(torch.Size(written.offsets[i]), torch.Size(written.sizes[i]))
+        for i in order.tolist()
+    ]
+    bounds = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    edges = bounds.tolist()
+    return [made[edges[k] : edges[k + 1]] for k in range(len(keys))]
 
 
 def _object_grid_problems(

@@ -11,8 +11,10 @@ JSON object per item. Since version 4 a chunk's checksums cover tiles of its sha
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 
 from dcpbridge.storage.errors import CorruptCheckpointError, InvalidArgumentError, UnsafePathError
 from dcpbridge.storage.paths import MAX_PREFIXES, check_file_name
@@ -40,10 +43,12 @@ from dcpbridge.storage.table import (
     ChunkList,
     ItemKey,
     ItemTable,
+    PlannedBoxes,
     StoredItem,
     TensorHeader,
     check_ranges,
     check_table,
+    check_values,
     describe_item,
     pack_column,
     table_from_rows,
@@ -177,37 +182,67 @@ def item_table(metadata: Metadata, items: Mapping[ItemKey, StoredItem]) -> ItemT
 
 
 def written_table(
-    metadata: Metadata,
-    fqns: Sequence[str],
-    offsets: Sequence[Sequence[int] | None],
-    items: Sequence[StoredItem],
-    *,
-    checksums: bool,
+    metadata: Metadata, results: Sequence[Sequence[WriteResult]], *, checksums: bool
 ) -> ItemTable:
-    """The item table of ``metadata`` from what the writers report: ``fqns[i]`` at chunk
-    ``offsets[i]`` (None: an object) stored as ``items[i]``, in any order."""
+    """The item table of ``metadata`` from every rank's write results (each a ``StoredItem``
+    in ``storage_data``), in any order; every field is gathered in one C-level pass."""
+    flat = list(itertools.chain.from_iterable(results))
+    indexes = list(map(operator.attrgetter("index"), flat))
+    fqns = list(map(operator.attrgetter("fqn"), indexes))
+    offsets = list(map(operator.attrgetter("offset"), indexes))
+    items = list(map(operator.attrgetter("storage_data"), flat))
     tensors, objects = [], []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             tensors.append(TensorHeader(fqn, md.properties.dtype, tuple(md.size)))
         else:
             objects.append(fqn)
-    files = sorted({it.file for it in items})
+    files = sorted(set(map(operator.attrgetter("file"), items)))
     try:
         return table_from_written(
-            tensors, objects, files, fqns, offsets, items, checksums=checksums
+            tensors,
+            objects,
+            files,
+            fqns,
+            offsets,
+            items,
+            checksums=checksums,
+            planned=planned_boxes(metadata),
         )
     except KeyError as e:
         raise InvalidArgumentError(
             f"stored bytes for {e.args[0]!r}, which is not planned"
         ) from None
+    except ValueError as e:
+        raise InvalidArgumentError(f"stored bytes do not match the plan: {e}") from None
+
+
+def planned_boxes(metadata: Metadata) -> PlannedBoxes | None:
+    """The one ``PlannedBoxes`` every tensor of ``metadata`` takes its chunks from, in
+    order (as ``build_metadata`` makes them), or None."""
+    boxes = None
+    t = 0
+    for md in metadata.state_dict_metadata.values():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        chunks = md.chunks
+        if not isinstance(chunks, ChunkList) or chunks.t != t:
+            return None
+        if boxes is None and isinstance(chunks.table, PlannedBoxes):
+            boxes = chunks.table
+        if chunks.table is not boxes:
+            return None
+        t += 1
+    return boxes if boxes is not None and len(boxes.shapes) == t else None
 
 
 def encode_metadata(metadata: Metadata) -> bytes:
     """Serialize DCP ``Metadata`` whose ``storage_data`` is a ``StorageIndex`` to JSON bytes.
 
-    The item table is validated exactly as a load would, so a save never commits metadata
-    that its own loader refuses, and the document ends with its digest (``sign_document``).
+    The item table is validated as a load would, so a save never commits metadata that its
+    own loader refuses, and the document ends with its digest (``sign_document``). Chunk
+    boxes equal to the ``PlannedBoxes`` the save planner already checked for coverage (its
+    ``build_metadata``) are not checked for coverage twice; everything else is.
     """
     index = metadata.storage_data
     if not isinstance(index, StorageIndex):
@@ -232,9 +267,15 @@ def encode_metadata(metadata: Metadata) -> bytes:
     table.tiled = index.tiled_checksums
     if not table.tiled:  # flat blocks: what format 2 (rows) and 3 (columns) record
         doc["version"] = 2 if len(table) <= ROWS_AS_OBJECTS else 3
+    boxes = planned_boxes(metadata)
+    covered = boxes is not None and boxes.checked and boxes.same_boxes(table)
     try:
         _check_facts(_decode_facts(doc), table)
-        check_table(table, world_size=index.world_size, block=block)
+        shapes = [list(shape) for shape in table.shapes]
+        tensor_headers(table.tensors, [dtype_name(d) for d in table.dtypes], shapes)
+        check_names(table.tensors, table.objects)
+        check_values(table)
+        check_table(table, world_size=index.world_size, block=block, covered=covered)
     except CorruptCheckpointError as e:
         raise InvalidArgumentError(f"refusing to commit invalid metadata: {e}") from None
     if len(table) <= ROWS_AS_OBJECTS:

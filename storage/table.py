@@ -15,6 +15,7 @@ import binascii
 import heapq
 import itertools
 import math
+import operator
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,9 +25,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from dcpbridge.storage.checksum import tensor_grid
 from dcpbridge.storage.errors import CorruptCheckpointError
-from dcpbridge.storage.tiling import disjointness, products
+from dcpbridge.storage.tiling import disjointness, products, tile_counts
 
 ItemKey = tuple[str, "tuple[int, ...] | None"]
 
@@ -152,7 +152,8 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
     block_size: int = 0  # checksum block size the ``StoredItem``s are made for
     tiled: bool = True  # chunks' checksums cover tiles of their shape (format 4), else blocks
     _starts: np.ndarray | None = field(default=None, repr=False)
-    _sum_starts: np.ndarray | None = field(default=None, repr=False)
+    _blocks: tuple[tuple[int, bool], np.ndarray] | None = field(default=None, repr=False)
+    _sum_starts: tuple[tuple[int, bool], np.ndarray] | None = field(default=None, repr=False)
     _tensor_ids: dict[str, int] | None = field(default=None, repr=False)
     _object_rows: dict[str, int] | None = field(default=None, repr=False)
     _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
@@ -184,32 +185,24 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
     def blocks(self, block: int) -> np.ndarray:
         """Checksums each row has for ``block`` (at least one, even when empty): flat blocks
         of its bytes, or for a chunk of a tiled table the tiles of its shape."""
+        if self._blocks is not None and self._blocks[0] == (block, self.tiled):
+            return self._blocks[1]
         counts = np.maximum(1, -(-self.nbytes // block))
         nt = self.tensor_rows
-        if not self.tiled or not nt:
-            return counts
-        # Rows of one chunk shape and dtype share a grid: compute it once per distinct one.
-        tid = self.row_tensor()
-        itemsize = np.array([d.itemsize for d in self.dtypes], dtype=np.int64)[tid]
-        ndim = self.ndims()[tid]
-        keys = np.column_stack([itemsize, ndim, self.sizes])
-        distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
-        grids = np.fromiter(
-            (
-                tensor_grid(tuple(k[2 : 2 + k[1]]), k[0], block, tiled=True).count
-                for k in distinct.tolist()
-            ),
-            dtype=np.int64,
-            count=len(distinct),
-        )
-        counts[:nt] = grids[inverse.reshape(-1)]
+        if self.tiled and nt:
+            tid = self.row_tensor()
+            itemsize = np.array([d.itemsize for d in self.dtypes], dtype=np.int64)[tid]
+            counts[:nt] = tile_counts(self.sizes, self.ndims()[tid], itemsize, block)
+        self._blocks = ((block, self.tiled), counts)
         return counts
 
     def sum_starts(self, block: int) -> np.ndarray:
-        if self._sum_starts is None:
-            self._sum_starts = np.zeros(len(self.nbytes) + 1, dtype=np.int64)
-            np.cumsum(self.blocks(block), out=self._sum_starts[1:])
-        return self._sum_starts
+        """Where each row's checksums start in ``checksums`` (one more entry: their count)."""
+        if self._sum_starts is None or self._sum_starts[0] != (block, self.tiled):
+            starts = np.zeros(len(self.nbytes) + 1, dtype=np.int64)
+            np.cumsum(self.blocks(block), out=starts[1:])
+            self._sum_starts = ((block, self.tiled), starts)
+        return self._sum_starts[1]
 
     def tensor_id(self, fqn: str) -> int | None:
         if self._tensor_ids is None:
@@ -310,10 +303,54 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
         return ChunkList(self, t)
 
 
-class ChunkList(Sequence[ChunkStorageMetadata]):
-    """DCP ``TensorStorageMetadata.chunks`` of one tensor, made on first use from the table."""
+@dataclass(eq=False)
+class PlannedBoxes:
+    """The chunk boxes of a save plan as columns: every tensor's chunks, tensor by tensor and
+    sorted by offsets, padded like an ``ItemTable``'s (offset 0, size 1).
 
-    def __init__(self, table: ItemTable, t: int) -> None:
+    ``checked`` says the save planner verified that they tile every tensor of ``shapes``
+    exactly once. The arrays are read-only, so a table whose boxes equal them needs no second
+    coverage check when it is encoded (a load still checks everything it decodes).
+    """
+
+    shapes: list[tuple[int, ...]]
+    counts: np.ndarray  # chunks per tensor
+    offsets: np.ndarray
+    sizes: np.ndarray
+    checked: bool
+    _starts: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for a in (self.counts, self.offsets, self.sizes):
+            a.flags.writeable = False
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Row where each tensor's chunks start (one more entry: the number of rows)."""
+        if self._starts is None:
+            self._starts = np.zeros(len(self.shapes) + 1, dtype=np.int64)
+            np.cumsum(self.counts, out=self._starts[1:])
+        return self._starts
+
+    def chunk_list(self, t: int) -> ChunkList:
+        return ChunkList(self, t)
+
+    def same_boxes(self, table: ItemTable) -> bool:
+        """Whether ``table`` stores exactly these boxes for exactly these tensors."""
+        return (
+            self.shapes == table.shapes
+            and np.array_equal(self.counts, table.counts)
+            and self.offsets.shape == table.offsets.shape
+            and np.array_equal(self.offsets, table.offsets)
+            and np.array_equal(self.sizes, table.sizes)
+        )
+
+
+class ChunkList(Sequence[ChunkStorageMetadata]):
+    """DCP ``TensorStorageMetadata.chunks`` of one tensor, made on first use from the table
+    (a decoded ``ItemTable``, or the ``PlannedBoxes`` of a save plan)."""
+
+    def __init__(self, table: ItemTable | PlannedBoxes, t: int) -> None:
         self.table, self.t = table, t
         self._made: list[ChunkStorageMetadata] | None = None
 
@@ -463,13 +500,30 @@ def _assemble(
 # -- validation ---------------------------------------------------------------------------------
 
 
-def check_table(table: ItemTable, *, world_size: int, block: int) -> None:
+def check_values(table: ItemTable) -> None:
+    """Every column value in ``[0, MAX_SIZE]``: what the decoder requires of a document
+    (checked before a save encodes a table it built itself)."""
+    for what, values in (
+        ("file", table.file),
+        ("offset", table.offset),
+        ("nbytes", table.nbytes),
+        ("rank", table.rank),
+        ("offsets", table.offsets),
+        ("sizes", table.sizes),
+    ):
+        if values.size and (int(values.min()) < 0 or int(values.max()) > MAX_SIZE):
+            raise CorruptCheckpointError(f"items {what}: a value lies outside [0, {MAX_SIZE}]")
+
+
+def check_table(table: ItemTable, *, world_size: int, block: int, covered: bool = False) -> None:
     """Refuse a table unless every row is consistent (see ``format.decode_metadata``).
 
     Types and value ranges are the decoder's job (columns hold only integers in range);
     this checks what rows mean: files, alignment, ranks, checksum counts, each chunk inside
     its tensor with the byte size of its box, chunks of a tensor pairwise disjoint and
-    covering it, and items of one file never sharing bytes.
+    covering it, and items of one file never sharing bytes. ``covered``: the chunks are
+    known to lie inside their tensors and tile them exactly once (they equal the
+    ``PlannedBoxes`` the save planner checked), so that is not checked again.
     """
     rows = len(table.nbytes)
     nt = table.tensor_rows
@@ -499,7 +553,7 @@ def check_table(table: ItemTable, *, world_size: int, block: int) -> None:
             f"got {int(table.rank[row])}"
         )
     if nt:
-        _check_geometry(table, name)
+        _check_geometry(table, name, covered=covered)
     _check_checksum_counts(table, block, name)
     _check_file_ranges(table, name)
 
@@ -526,21 +580,12 @@ def _check_checksum_counts(table: ItemTable, block: int, name: Any) -> None:
         )
 
 
-def _check_geometry(table: ItemTable, name: Any) -> None:
-    nt, width = table.tensor_rows, table.offsets.shape[1]
+def _check_geometry(table: ItemTable, name: Any, *, covered: bool) -> None:
+    nt = table.tensor_rows
     tid = table.row_tensor()
     ndims = table.ndims()
-    shapes = np.ones((len(table.tensors), width), dtype=np.int64)
-    for t, shape in enumerate(table.shapes):
-        shapes[t, : len(shape)] = shape
-    shape_rows = shapes[tid]
-    outside = ((table.sizes > shape_rows) | (table.offsets > shape_rows - table.sizes)).any(axis=1)
-    if (row := _first(outside)) is not None:
-        t, nd = int(tid[row]), int(ndims[tid[row]])
-        raise CorruptCheckpointError(
-            f"{name(row)}: sizes {table.sizes[row, :nd].tolist()} exceed shape "
-            f"{list(table.shapes[t])}"
-        )
+    if not covered:
+        _check_inside(table, tid, ndims, name)
     itemsize = np.array([d.itemsize for d in table.dtypes], dtype=np.int64)[tid]
     numel, over = products(table.sizes, MAX_SIZE)
     nbytes, over2 = products(np.stack([numel, itemsize], axis=1), MAX_SIZE)
@@ -555,7 +600,23 @@ def _check_geometry(table: ItemTable, name: Any) -> None:
             f"for sizes {table.sizes[row, : int(ndims[t])].tolist()} of {table.dtypes[t]}"
         )
     _check_distinct_keys(table, tid, numel, name)
-    _check_tiling(table, tid, numel)
+    if not covered:
+        _check_tiling(table, tid, numel)
+
+
+def _check_inside(table: ItemTable, tid: np.ndarray, ndims: np.ndarray, name: Any) -> None:
+    """Each chunk inside its tensor."""
+    shapes = np.ones((len(table.tensors), table.offsets.shape[1]), dtype=np.int64)
+    for t, shape in enumerate(table.shapes):
+        shapes[t, : len(shape)] = shape
+    shape_rows = shapes[tid]
+    outside = ((table.sizes > shape_rows) | (table.offsets > shape_rows - table.sizes)).any(axis=1)
+    if (row := _first(outside)) is not None:
+        t, nd = int(tid[row]), int(ndims[tid[row]])
+        raise CorruptCheckpointError(
+            f"{name(row)}: sizes {table.sizes[row, :nd].tolist()} exceed shape "
+            f"{list(table.shapes[t])}"
+        )
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -680,67 +741,121 @@ def table_from_written(
     items: Sequence[StoredItem],
     *,
     checksums: bool,
+    planned: PlannedBoxes | None = None,
 ) -> ItemTable:
     """A table from what writers report: item ``i`` is ``fqns[i]`` at chunk ``offsets[i]``
-    (None for an object), stored as ``items[i]``, in any order. Each column is one pass over
-    the items and the rows are put in order as arrays, so a million items stay cheap.
+    (None for an object), stored as ``items[i]``, in any order. Each column is one pass of
+    C-level iteration over the items and the rows are put in order as arrays, so a million
+    items stay cheap. When the chunks' keys are exactly those of ``planned`` (the boxes of
+    the save plan), their sizes are the planned ones (the writers copied them from the plan;
+    the byte counts still have to match them).
 
-    Raises ``KeyError`` naming an item whose tensor or object is not in the header.
+    Raises ``KeyError`` naming an item whose tensor or object is not in the header, and
+    ``ValueError`` for a chunk whose offsets or sizes do not have its tensor's dims.
     """
-    tids = {h.name: i for i, h in enumerate(tensors)}
-    oids = {name: len(tids) + i for i, name in enumerate(objects)}
-    n = len(items)
-    slot = np.fromiter(
-        (tids[f] if o is not None else oids[f] for f, o in zip(fqns, offsets)),
-        dtype=np.int64,
-        count=n,
-    )
-    is_chunk = slot < len(tids)
+    n, nt_head = len(items), len(tensors)
+    ids = {name: i for i, name in enumerate(objects, nt_head)}
+    ids.update((h.name, i) for i, h in enumerate(tensors))
+    slot = np.fromiter(map(ids.__getitem__, fqns), dtype=np.int64, count=n)
+    is_chunk = slot < nt_head
     chunk_rows = np.flatnonzero(is_chunk)
-    width = max((len(h.shape) for h in tensors), default=0)
     nt = len(chunk_rows)
-    box_o = np.zeros((nt, width), dtype=np.int64)
-    box_s = np.ones((nt, width), dtype=np.int64)
-    if nt and width:
-        picked = [offsets[i] for i in chunk_rows.tolist()] if nt != n else offsets
-        chosen = [items[i] for i in chunk_rows.tolist()] if nt != n else items
-        lens = np.fromiter(map(len, picked), dtype=np.int64, count=nt)  # type: ignore[arg-type]
-        total = int(lens.sum())
-        keep = np.arange(width)[None, :] < lens[:, None]
-        box_o[keep] = np.fromiter(
-            itertools.chain.from_iterable(picked),
-            dtype=np.int64,
-            count=total,  # type: ignore[arg-type]
+    all_chunks = nt == n
+    if not all_chunks and any(offsets[i] is not None for i in np.flatnonzero(~is_chunk).tolist()):
+        raise KeyError(
+            next(f for f, c, o in zip(fqns, is_chunk, offsets) if not c and o is not None)
         )
-        box_s[keep] = np.fromiter(
-            itertools.chain.from_iterable(it.sizes or () for it in chosen),
-            dtype=np.int64,
-            count=total,
-        )
-    keys = np.zeros((n, width), dtype=np.int64)
-    keys[chunk_rows] = box_o
-    order = np.lexsort((*keys.T[::-1], slot))  # tensors' chunks by offsets, then objects
+    width = max((len(h.shape) for h in tensors), default=0)
+    ndim = np.fromiter(map(len, (h.shape for h in tensors)), np.int64, nt_head)[slot[chunk_rows]]
+    picked = offsets if all_chunks else list(itertools.compress(offsets, is_chunk))
+    try:
+        box_o = _boxes(picked, ndim, width, 0, lambda row: f"{fqns[int(chunk_rows[row])]!r}")
+    except TypeError as e:  # an object's key (offsets None) for a tensor
+        fqn = next((f for f, c, o in zip(fqns, is_chunk, offsets) if c and o is None), None)
+        if fqn is None:
+            raise ValueError(f"chunk offsets are not integers: {e}") from None
+        raise KeyError(fqn) from None
+    if all_chunks:
+        order = np.lexsort((*box_o.T[::-1], slot))  # tensors' chunks by offsets
+        place = order
+    else:
+        keys = np.zeros((n, width), dtype=np.int64)
+        keys[chunk_rows] = box_o
+        order = np.lexsort((*keys.T[::-1], slot))  # tensors' chunks by offsets, then objects
+        place = _positions(chunk_rows, order[:nt])
+    counts = np.bincount(slot[is_chunk], minlength=nt_head).astype(np.int64)
+    box_o = box_o[place]
+    if (
+        planned is not None
+        and np.array_equal(planned.counts, counts)
+        and np.array_equal(planned.offsets, box_o)
+    ):
+        box_s = planned.sizes
+    else:
+        chosen = items if all_chunks else list(itertools.compress(items, is_chunk))
+        sizes = list(map(_SIZES, chosen))
+        if None in sizes:
+            row = sizes.index(None)
+            raise ValueError(f"{fqns[int(chunk_rows[row])]!r}: a chunk without sizes")
+        box_s = _boxes(sizes, ndim, width, 1, lambda row: f"{fqns[int(chunk_rows[row])]!r}")
+        box_s = box_s[place]
     file_ids = {name: i for i, name in enumerate(files)}
     sums = None
     if checksums:
-        counts = np.fromiter((len(it.checksums or ()) for it in items), dtype=np.int64, count=n)
-        flat = hex_to_ints(list(itertools.chain.from_iterable(it.checksums or () for it in items)))
-        sums = flat[_ragged_order(counts, order)]
+        recorded = list(map(_CHECKSUMS, items))
+        try:
+            lens = np.fromiter(map(len, recorded), dtype=np.int64, count=n)
+        except TypeError:  # items without checksums: refused by the checksum count check
+            recorded = [r or () for r in recorded]
+            lens = np.fromiter(map(len, recorded), dtype=np.int64, count=n)
+        flat = hex_to_ints(list(itertools.chain.from_iterable(recorded)))
+        sums = flat[_ragged_order(lens, order)]
+    places = np.fromiter(itertools.chain.from_iterable(map(_PLACE, items)), np.int64, 3 * n)
+    places = places.reshape(n, 3)[order]
     return ItemTable(
         tensors=[h.name for h in tensors],
         dtypes=[h.dtype for h in tensors],
         shapes=[tuple(h.shape) for h in tensors],
-        counts=np.bincount(slot[is_chunk], minlength=len(tensors)).astype(np.int64),
+        counts=counts,
         objects=list(objects),
         files=tuple(files),
-        file=np.fromiter((file_ids[it.file] for it in items), dtype=np.int64, count=n)[order],
-        offset=np.fromiter((it.offset for it in items), dtype=np.int64, count=n)[order],
-        nbytes=np.fromiter((it.nbytes for it in items), dtype=np.int64, count=n)[order],
-        rank=np.fromiter((it.rank for it in items), dtype=np.int64, count=n)[order],
-        offsets=box_o[_positions(chunk_rows, order[:nt])],
-        sizes=box_s[_positions(chunk_rows, order[:nt])],
+        file=np.fromiter(map(file_ids.__getitem__, map(_FILE, items)), np.int64, count=n)[order],
+        offset=places[:, 0].copy(),
+        nbytes=places[:, 1].copy(),
+        rank=places[:, 2].copy(),
+        offsets=box_o,
+        sizes=box_s,
         checksums=sums,
     )
+
+
+def _boxes(
+    values: Sequence[Sequence[int]], ndim: np.ndarray, width: int, pad: int, name: Any
+) -> np.ndarray:
+    """``(n, width)`` int64 array of per-row tuples that must have ``ndim`` entries each,
+    padded with ``pad``; ``name(row)`` names a row of the wrong length in the ValueError."""
+    out = np.full((len(values), width), pad, dtype=np.int64)
+    if not len(values) or not width:
+        return out
+    lens = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    if (row := _first(lens != ndim)) is not None:
+        raise ValueError(
+            f"{name(row)}: chunk {list(values[row])} does not have the tensor's "
+            f"{int(ndim[row])} dimensions"
+        )
+    total = int(lens.sum())
+    if total == len(values) * width:
+        out[:] = np.fromiter(itertools.chain.from_iterable(values), np.int64, total).reshape(
+            -1, width
+        )
+    else:
+        keep = np.arange(width)[None, :] < lens[:, None]
+        out[keep] = np.fromiter(itertools.chain.from_iterable(values), np.int64, total)
+    return out
+
+
+_FILE, _PLACE = operator.attrgetter("file"), operator.attrgetter("offset", "nbytes", "rank")
+_SIZES, _CHECKSUMS = operator.attrgetter("sizes"), operator.attrgetter("checksums")
 
 
 def _positions(chunk_rows: np.ndarray, ordered: np.ndarray) -> np.ndarray:

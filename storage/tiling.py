@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcpbridge.storage.checksum import MAX_COLUMN_GROUPS, MIN_SEGMENT, MIN_TILE
+
 DISJOINT, OVERLAP, UNKNOWN = 0, 1, 2
 
 
@@ -76,3 +78,52 @@ def disjointness(
     status[tid[repeated]] = OVERLAP
     status[unknown & (status != OVERLAP)] = UNKNOWN
     return status
+
+
+def tile_counts(
+    sizes: np.ndarray, ndim: np.ndarray, itemsize: np.ndarray, block: int
+) -> np.ndarray:
+    """Format 4 checksum tiles of many chunks at once: ``checksum.tensor_grid(...).count`` of
+    each row (``sizes`` padded with 1s past its ``ndim``), as array operations.
+
+    Follows ``checksum.tensor_tiles`` step by step (column groups on dim 1, then the tile
+    filled from the innermost dimension outward), so a million chunks of any mix of shapes
+    cost a few passes instead of a sort or a Python call per distinct shape.
+    """
+    n, width = sizes.shape
+    if width == 0:
+        return np.ones(n, dtype=np.int64)
+    numel, over = products(sizes, 1 << 62)
+    nbytes = numel * itemsize  # rows past 2**62 elements are refused before their checksums
+    tile = sizes.copy()
+    if width >= 2:
+        s1 = sizes[:, 1]
+        inner = products(sizes[:, 2:], 1 << 62)[0] * itemsize
+        groups = np.full(n, MAX_COLUMN_GROUPS, dtype=np.int64)
+        while True:
+            fewer = (groups > 1) & (
+                (s1 % groups != 0)
+                | (nbytes // groups < MIN_TILE)
+                | (s1 // groups * inner < MIN_SEGMENT)
+            )
+            if not fewer.any():
+                break
+            groups = np.where(fewer, groups // 2, groups)
+        tile[:, 1] = np.maximum(1, s1 // groups)
+        target = np.maximum(1, block // groups)
+        size = itemsize.astype(np.int64, copy=True)
+        open_ = np.ones(n, dtype=bool)
+        for d in range(width - 1, -1, -1):
+            step = np.maximum(1, np.minimum(tile[:, d], target // size))
+            cut = open_ & (step < tile[:, d])
+            tile[cut, d] = step[cut]
+            tile[cut, :d] = 1
+            size = np.where(open_ & ~cut, size * step, size)
+            open_ &= ~cut
+    flat = ndim <= 1  # 1-d chunks: block-sized runs of elements; 0-d: one tile
+    tile[flat, 0] = np.maximum(1, block // itemsize[flat])
+    per_dim = -(-sizes // np.maximum(tile, 1))
+    per_dim[ndim == 0, 0] = 1
+    counts = products(per_dim, 1 << 62)[0]
+    counts[(numel == 0) | over] = 1
+    return np.maximum(1, counts)

@@ -442,15 +442,7 @@ def results_table(
     metadata: Metadata, results: list[list[WriteResult]], *, checksums: bool
 ) -> ItemTable:
     """Every rank's write results as the item table of ``metadata``."""
-    flat = [r for rank_results in results for r in rank_results]
-    indexes = [r.index for r in flat]
-    return written_table(
-        metadata,
-        [i.fqn for i in indexes],
-        [i.offset for i in indexes],
-        [r.storage_data for r in flat],
-        checksums=checksums,
-    )
+    return written_table(metadata, results, checksums=checksums)
 
 
 def index_results(
