@@ -128,8 +128,38 @@ def ints_to_hex(values: np.ndarray) -> tuple[str, ...]:
 # -- the table ----------------------------------------------------------------------------------
 
 
+class _ChunkIndex:
+    """Find a tensor's chunk by its offsets in boxes stored as columns (tensor by tensor)."""
+
+    shapes: list[tuple[int, ...]]
+    offsets: np.ndarray
+    _bounds: list[int] | None
+    _chunk_rows: dict[int, dict[tuple[int, ...], int]]
+
+    @property
+    def starts(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def chunk_offsets(self, row: int, ndim: int) -> tuple[int, ...]:
+        return tuple(self.offsets[row, :ndim].tolist())
+
+    def find_chunk(self, t: int, offsets: tuple[int, ...]) -> int | None:
+        """The row of tensor ``t``'s chunk at ``offsets``, or None."""
+        if self._bounds is None:
+            self._bounds = self.starts.tolist()
+        lo, hi = self._bounds[t], self._bounds[t + 1]
+        ndim = len(self.shapes[t])
+        if hi - lo == 1:
+            return lo if self.chunk_offsets(lo, ndim) == offsets else None
+        rows = self._chunk_rows.get(t)
+        if rows is None:
+            block = self.offsets[lo:hi, :ndim].tolist()
+            rows = self._chunk_rows[t] = {tuple(o): lo + i for i, o in enumerate(block)}
+        return rows.get(offsets)
+
+
 @dataclass(eq=False)
-class ItemTable(Mapping[ItemKey, StoredItem]):
+class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
     """Every stored item of a checkpoint as columns; a read-only mapping key -> StoredItem.
 
     ``offsets``/``sizes`` hold the boxes of the tensor rows, padded to the widest tensor's
@@ -209,9 +239,6 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
             self._tensor_ids = {name: i for i, name in enumerate(self.tensors)}
         return self._tensor_ids.get(fqn)
 
-    def chunk_offsets(self, row: int, ndim: int) -> tuple[int, ...]:
-        return tuple(self.offsets[row, :ndim].tolist())
-
     def key(self, row: int) -> ItemKey:
         if row >= self.tensor_rows:
             return self.objects[row - self.tensor_rows], None
@@ -230,20 +257,6 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
         if t is None:
             return None
         return self.find_chunk(t, tuple(offsets))
-
-    def find_chunk(self, t: int, offsets: tuple[int, ...]) -> int | None:
-        """The row of tensor ``t``'s chunk at ``offsets``, or None."""
-        if self._bounds is None:
-            self._bounds = self.starts.tolist()
-        lo, hi = self._bounds[t], self._bounds[t + 1]
-        ndim = len(self.shapes[t])
-        if hi - lo == 1:
-            return lo if self.chunk_offsets(lo, ndim) == offsets else None
-        rows = self._chunk_rows.get(t)
-        if rows is None:
-            block = self.offsets[lo:hi, :ndim].tolist()
-            rows = self._chunk_rows[t] = {tuple(o): lo + i for i, o in enumerate(block)}
-        return rows.get(offsets)
 
     def stored(self, row: int, block: int = 0, t: int | None = None) -> StoredItem:
         """The ``StoredItem`` of ``row`` (``block``: the checksum block size, if any; ``t``:
@@ -304,7 +317,7 @@ class ItemTable(Mapping[ItemKey, StoredItem]):
 
 
 @dataclass(eq=False)
-class PlannedBoxes:
+class PlannedBoxes(_ChunkIndex):
     """The chunk boxes of a save plan as columns: every tensor's chunks, tensor by tensor and
     sorted by offsets, padded like an ``ItemTable``'s (offset 0, size 1).
 
@@ -319,6 +332,8 @@ class PlannedBoxes:
     sizes: np.ndarray
     checked: bool
     _starts: np.ndarray | None = field(default=None, repr=False)
+    _bounds: list[int] | None = field(default=None, repr=False)
+    _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for a in (self.counts, self.offsets, self.sizes):
