@@ -81,8 +81,8 @@ class ShardedTensor:
     local ``data`` lacks (e.g. a layer axis for pipeline stages); along them the box has size 1.
     Only the main replica (``replica_id`` 0 or all zeros) writes the box. ``flattened_range``
     exists so Megatron code that passes it constructs; anything but None is refused, as in
-    Megatron-Core 0.16. Slotted: one GC-tracked object per shard instead of two, which
-    halves how often building 10^4-10^5 shards triggers a full collection.
+    Megatron-Core 0.16. Slotted: no per-instance dict, so one GC-tracked object per shard
+    instead of two (templates hold 10^4-10^5 of them).
     """
 
     key: str
