@@ -75,16 +75,37 @@ class LocalWrites:
     summary: LocalSummary
 
 
+_PROPERTIES: dict[torch.dtype, TensorProperties] = {}  # one per dtype, shared and never changed
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _properties(dtype: torch.dtype) -> TensorProperties:
+    props = _PROPERTIES.get(dtype)
+    if props is None:
+        props = _PROPERTIES[dtype] = TensorProperties(dtype=dtype)
+    return props
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
 def _tensor_item(
     key: str, offsets: Shape, sizes: Shape, shape: Shape, dtype: torch.dtype
 ) -> WriteItem:
+    size = torch.Size(shape)
     return WriteItem(
         index=MetadataIndex(key, offsets),
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-            properties=TensorProperties(dtype=dtype),
-            size=torch.Size(shape),
+            chunk=ChunkStorageMetadata(
+                torch.Size(offsets), size if sizes == shape else torch.Size(sizes)
+            ),
+            properties=_properties(dtype),
+            size=size,
         ),
     )
 
@@ -109,7 +130,7 @@ def plan_local_writes(
     owners = owners or MainReplicasWrite(is_coordinator)
 
     def declare(key: str, shape: Shape, dtype: torch.dtype) -> None:
-        decl = (shape, dtype_name(dtype))
+        decl = (shape, _dtype_name(dtype))
         prev = out.summary.tensors.setdefault(key, decl)
         if prev != decl:
             raise ShardingValidationError(

@@ -575,6 +575,18 @@ def _decode(doc: dict[str, Any], version: int) -> Metadata:
     )
 
 
+def _plain_shape(shape: Any) -> bool:
+    """A list of at most MAX_NDIM ints in [0, MAX_SIZE] (a plain loop: the per-tensor check)."""
+    if type(shape) is not list or len(shape) > MAX_NDIM:
+        return False
+    for v in shape:
+        if type(v) is not int or not 0 <= v <= MAX_SIZE:
+            break
+    else:
+        return True
+    return False
+
+
 def tensor_headers(
     names: Sequence[Any], dtypes: Sequence[Any], shapes: Sequence[Any]
 ) -> list[TensorHeader]:
@@ -583,15 +595,16 @@ def tensor_headers(
     for name, dtype_text, shape in zip(names, dtypes, shapes):
         if type(name) is not str:
             raise CorruptCheckpointError(f"tensor name {_show(name)} is not a string")
-        what = f"tensor {name!r}"
         dtype = parse_dtype(dtype_text)
-        if type(shape) is not list or len(shape) > MAX_NDIM:
-            shape = _ints(shape, f"{what} shape")
-        if not all(type(v) is int and 0 <= v <= MAX_SIZE for v in shape):
-            _ints(shape, f"{what} shape")
+        if not _plain_shape(shape):  # checked again, naming the tensor on failure
+            what = f"tensor {name!r}"
+            if type(shape) is not list or len(shape) > MAX_NDIM:
+                shape = _ints(shape, f"{what} shape")
+            if not all(type(v) is int and 0 <= v <= MAX_SIZE for v in shape):
+                _ints(shape, f"{what} shape")
         n = math.prod(shape)
         if n > MAX_SIZE or n * dtype.itemsize > MAX_SIZE:
-            raise CorruptCheckpointError(f"{what} shape: {shape} elements are too many")
+            raise CorruptCheckpointError(f"tensor {name!r} shape: {shape} elements are too many")
         out.append(TensorHeader(name, dtype, tuple(shape)))
     return out
 

@@ -26,6 +26,7 @@ from dcpbridge.storage.delivery import byte_view as _byte_view
 from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
 from dcpbridge.storage.format import (
     ItemKey,
+    ItemTable,
     StorageIndex,
     StoredItem,
     check_stored_ranges,
@@ -141,11 +142,12 @@ class FsspecCheckpointReader(Located, StorageReader):
         self._check_ranges(plan)
         jobs: list[Job] = []
         index = self._index
-        for item in plan.items:
+        found = self._stored_many(plan.items, index)
+        for item, stored in zip(plan.items, found):
             job = (
-                self._bytes_job(item, planner)
+                self._bytes_job(item, planner, stored)
                 if item.type == LoadItemType.BYTE_IO
-                else self._tensor_job(item, planner, tuning, index)
+                else self._tensor_job(item, planner, tuning, index, stored)
             )
             if job is not None:
                 jobs.append(job)
@@ -172,6 +174,19 @@ class FsspecCheckpointReader(Located, StorageReader):
             )
         return item
 
+    def _stored_many(self, items: list[ReadItem], where: StorageIndex) -> list[StoredItem]:
+        """The ``StoredItem`` of every read item, looked up in one pass over the table."""
+        keys = [item_key(item.storage_index) for item in items]
+        table = where.items
+        if isinstance(table, ItemTable):
+            found = table.get_many(keys)
+        else:
+            found = [table.get(key) for key in keys]
+        for item, stored in zip(items, found):
+            if stored is None:
+                self._stored(item.storage_index, where)  # raises, naming the item
+        return found  # type: ignore[return-value]
+
     def _check_ranges(self, plan: LoadPlan) -> None:
         """Refuse items whose bytes lie outside their data file, before any buffer is sized
         by the metadata; file sizes come from one listing per reader."""
@@ -191,17 +206,20 @@ class FsspecCheckpointReader(Located, StorageReader):
         block = (where or self._index).checksum_block_size
         return block if self.verify_checksums and stored.checksums and block else 0
 
-    def _bytes_job(self, item: ReadItem, planner: LoadPlanner) -> Job:
-        stored = self._stored(item.storage_index)
+    def _bytes_job(self, item: ReadItem, planner: LoadPlanner, stored: StoredItem) -> Job:
         block = self._block(stored)
         grid = checksum.flat_grid(stored.nbytes, block) if block else None
         what = f"object {item.storage_index.fqn!r} in {stored.file}"
         return BytesJob(stored, lambda data: planner.load_bytes(item, io.BytesIO(data)), grid, what)
 
     def _tensor_job(
-        self, item: ReadItem, planner: LoadPlanner, tuning: ReadTuning, index: StorageIndex
+        self,
+        item: ReadItem,
+        planner: LoadPlanner,
+        tuning: ReadTuning,
+        index: StorageIndex,
+        stored: StoredItem,
     ) -> Job | None:
-        stored = self._stored(item.storage_index, index)
         sizes, dtype = stored.sizes, stored.dtype
         if sizes is None or dtype is None:
             raise CorruptCheckpointError(f"{item.storage_index.fqn!r} is stored as an object")

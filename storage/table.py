@@ -258,16 +258,22 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
             return None
         return self.find_chunk(t, tuple(offsets))
 
+    def _sums(self, block: int) -> tuple[tuple[str, ...], list[int]] | None:
+        """Every row's checksums as hex, and where each row's start (None without checksums)."""
+        if self.checksums is None:
+            return None
+        if self._hex is None:
+            self._hex = ints_to_hex(self.checksums)
+            self._hex_starts = self.sum_starts(block).tolist()
+        return self._hex, self._hex_starts
+
     def stored(self, row: int, block: int = 0, t: int | None = None) -> StoredItem:
         """The ``StoredItem`` of ``row`` (``block``: the checksum block size, if any; ``t``:
         the row's tensor, if known)."""
         sums = None
-        if self.checksums is not None:
-            if self._hex is None:
-                self._hex = ints_to_hex(self.checksums)
-                self._hex_starts = self.sum_starts(block).tolist()
-            starts = self._hex_starts
-            sums = self._hex[starts[row] : starts[row + 1]]
+        hexes = self._sums(block)
+        if hexes is not None:
+            sums = hexes[0][hexes[1][row] : hexes[1][row + 1]]
         sizes = dtype = None
         if row < self.tensor_rows:
             if t is None:
@@ -283,6 +289,63 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
             sizes,
             dtype,
         )
+
+    def get_many(self, keys: Sequence[ItemKey]) -> list[StoredItem | None]:
+        """``get`` of many keys at once (None where absent): each column is read once for
+        all of them instead of element by element (a load looks up every item it reads)."""
+        out: list[StoredItem | None] = [None] * len(keys)
+        if self._bounds is None:
+            self._bounds = self.starts.tolist()
+        bounds, shapes = self._bounds, self.shapes
+        rows: list[int] = []
+        tids: list[int] = []  # each found row's tensor (-1: an object)
+        where: list[int] = []  # each found row's position in ``keys``
+        unsure: list[tuple[int, tuple[int, ...]]] = []  # (j, offsets) of one-chunk tensors
+        for i, (fqn, offsets) in enumerate(keys):
+            if offsets is None:
+                t, row = -1, self.find((fqn, None))
+            else:
+                found = self.tensor_id(fqn)
+                if found is None:
+                    continue
+                t, row = found, bounds[found]
+                if bounds[found + 1] - row == 1:  # its only chunk: compared below, in bulk
+                    unsure.append((len(rows), tuple(offsets)))
+                else:
+                    row = self.find_chunk(found, tuple(offsets))
+            if row is not None:
+                rows.append(row)
+                tids.append(t)
+                where.append(i)
+        if not rows:
+            return out
+        at = np.asarray(rows, dtype=np.int64)
+        nt = self.tensor_rows
+        tensor_at = np.minimum(at, max(nt - 1, 0))
+        if unsure:
+            boxes = self.offsets[tensor_at].tolist()
+            for j, offsets in unsure:
+                if tuple(boxes[j][: len(offsets)]) != offsets or len(offsets) != len(
+                    shapes[tids[j]]
+                ):
+                    rows[j] = -1  # no chunk at these offsets
+        file, offset = self.file[at].tolist(), self.offset[at].tolist()
+        nbytes, rank = self.nbytes[at].tolist(), self.rank[at].tolist()
+        sizes = self.sizes[tensor_at].tolist() if nt else []
+        hexes = self._sums(self.block_size)
+        files, dtypes = self.files, self.dtypes
+        for j, row in enumerate(rows):
+            if row < 0:
+                continue
+            sums = None if hexes is None else hexes[0][hexes[1][row] : hexes[1][row + 1]]
+            t = tids[j]
+            size = dtype = None
+            if row < nt:
+                size, dtype = tuple(sizes[j][: len(shapes[t])]), dtypes[t]
+            out[where[j]] = StoredItem(
+                files[file[j]], offset[j], nbytes[j], rank[j], sums, size, dtype
+            )
+        return out
 
     # -- Mapping ----------------------------------------------------------------------------
 

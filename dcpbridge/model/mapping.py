@@ -41,9 +41,13 @@ _ZEROS = tuple((0,) * n for n in range(9))
 
 
 def _int_tuple(values: Any) -> tuple[int, ...]:
-    """``values`` as a tuple of Python ints (torch.Size and tuples of ints pass unchanged)."""
-    if type(values) is tuple and all(type(v) is int for v in values):
-        return values
+    """``values`` as a tuple of Python ints (tuples of ints pass unchanged)."""
+    if type(values) is tuple:
+        for v in values:  # a plain loop: ~3x cheaper than all() over a generator here
+            if type(v) is not int:
+                break
+        else:
+            return values
     return tuple(map(int, values))
 
 
@@ -58,6 +62,8 @@ def _check_key(kind: str, key: Any) -> None:
 
 
 def _check_replica_id(what: str, replica_id: Any) -> None:
+    if type(replica_id) is int and replica_id >= 0:  # the common case, checked first
+        return
     ok = (isinstance(replica_id, int) and replica_id >= 0) or (
         isinstance(replica_id, tuple) and all(isinstance(r, int) and r >= 0 for r in replica_id)
     )
@@ -67,7 +73,7 @@ def _check_replica_id(what: str, replica_id: Any) -> None:
         )
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, slots=True)
 class ShardedTensor:
     """This rank's box of a global tensor.
 
@@ -75,7 +81,8 @@ class ShardedTensor:
     local ``data`` lacks (e.g. a layer axis for pipeline stages); along them the box has size 1.
     Only the main replica (``replica_id`` 0 or all zeros) writes the box. ``flattened_range``
     exists so Megatron code that passes it constructs; anything but None is refused, as in
-    Megatron-Core 0.16.
+    Megatron-Core 0.16. Slotted: no per-instance dict, so one GC-tracked object per shard
+    instead of two (templates hold 10^4-10^5 of them).
     """
 
     key: str
@@ -101,30 +108,37 @@ class ShardedTensor:
     def validate(self) -> None:
         """Raise ``InvalidShardError`` naming the key unless the metadata is self-consistent."""
         _check_key("ShardedTensor", self.key)
-        what = f"ShardedTensor {self.key!r}"
-        check_not_flattened(self)
-        _check_replica_id(what, self.replica_id)
+        if self.flattened_range is not None:
+            check_not_flattened(self)
+        replica_id = self.replica_id
+        if type(replica_id) is not int or replica_id < 0:
+            _check_replica_id(self._what(), replica_id)
         if not isinstance(self.dtype, torch.dtype):
-            raise InvalidShardError(f"{what}: dtype must be a torch.dtype, got {self.dtype!r}")
-        if self.data is not None:
-            if not isinstance(self.data, torch.Tensor):
-                raise InvalidShardError(f"{what}: data must be a tensor, got {type(self.data)}")
-            if self.data.dtype != self.dtype:
+            raise InvalidShardError(
+                f"{self._what()}: dtype must be a torch.dtype, got {self.dtype!r}"
+            )
+        data = self.data
+        if data is not None:
+            if not isinstance(data, torch.Tensor):
+                raise InvalidShardError(f"{self._what()}: data must be a tensor, got {type(data)}")
+            if data.dtype != self.dtype:
                 raise InvalidShardError(
-                    f"{what}: data dtype {self.data.dtype} != dtype {self.dtype}"
+                    f"{self._what()}: data dtype {data.dtype} != dtype {self.dtype}"
                 )
-            if self.data.shape != self.local_shape:
+            if data.shape != self.local_shape:
                 raise InvalidShardError(
-                    f"{what}: data shape {tuple(self.data.shape)} != local_shape {self.local_shape}"
+                    f"{self._what()}: data shape {tuple(data.shape)} != local_shape "
+                    f"{self.local_shape}"
                 )
         p = self.prepend_axis_num
         if not isinstance(p, int) or p < 0:
-            raise InvalidShardError(f"{what}: prepend_axis_num must be >= 0, got {p!r}")
+            raise InvalidShardError(f"{self._what()}: prepend_axis_num must be >= 0, got {p!r}")
         ndim = p + len(self.local_shape)
         if len(self.global_shape) != ndim or len(self.global_offset) != ndim:
             raise InvalidShardError(
-                f"{what}: global_shape {self.global_shape} and global_offset {self.global_offset} "
-                f"must have {ndim} dims ({p} prepended + local shape {self.local_shape})"
+                f"{self._what()}: global_shape {self.global_shape} and global_offset "
+                f"{self.global_offset} must have {ndim} dims ({p} prepended + local shape "
+                f"{self.local_shape})"
             )
         sizes = (1,) * p + self.local_shape if p else self.local_shape
         if (
@@ -134,11 +148,15 @@ class ShardedTensor:
         ):
             pass  # the whole tensor (the common case): nothing to check per axis
         else:
-            self._check_fits(what, sizes)
+            self._check_fits(self._what(), sizes)
         frags = self.axis_fragmentations
         if frags is None:
             return
-        self._check_fragments(what, frags, sizes, ndim)
+        self._check_fragments(self._what(), frags, sizes, ndim)
+
+    def _what(self) -> str:
+        """How errors name this shard (built only when one is raised)."""
+        return f"ShardedTensor {self.key!r}"
 
     @staticmethod
     def _zeros(ndim: int) -> tuple[int, ...]:

@@ -160,3 +160,36 @@ def test_whole_reads_are_joined_within_the_request_limit(tmp_path, max_request):
     assert fetched >= sum(hi - lo for lo, hi in spans)
     if max_request == 1:
         assert fetched == sum(hi - lo for lo, hi in spans)
+
+
+def test_batch_lookup_answers_exactly_as_one_by_one(tmp_path):
+    """``ItemTable.get_many`` (a load's one lookup of all its reads) equals ``get`` key by key:
+    one-chunk and many-chunk tensors, scalars, objects, and keys the table does not hold."""
+    state = _sharded(_state(40))
+    rows = torch.arange(24.0).reshape(6, 4)
+    for i in range(3):  # one tensor stored as three row chunks
+        state[f"split{i}"] = db.ShardedTensor.from_box(
+            "split", rows[2 * i : 2 * i + 2], (6, 4), (2 * i, 0)
+        )
+    state["obj"] = db.ShardedObject("obj", {"a": 1}, (1,), (0,))
+    db.save(state, str(tmp_path))
+    table = FsspecCheckpointReader(str(tmp_path)).read_metadata().storage_data.items
+    held = list(table)
+    absent = [
+        ("nope", (0,)),
+        ("split", (1, 0)),  # between chunks of a many-chunk tensor
+        ("layer1.w", (1,)),  # wrong offset of a one-chunk tensor
+        ("layer2.w", (0,)),  # a 2-d tensor asked with one offset
+        ("layer1.w", (0, 0)),  # a 1-d tensor asked with two
+        ("layer1.w", None),  # a tensor asked as an object
+        ("obj/shard_0_1", (0,)),  # an object asked as a tensor
+        ("missing-object", None),
+    ]
+    keys = held[::-1] + absent + held[:3]
+    got = table.get_many(keys)
+    assert got == [table.get(k) for k in keys]
+    assert all(item is not None for item in got[: len(held)])
+    assert got[len(held) : len(held) + len(absent)] == [None] * len(absent)
+    first = got[len(held) - 1]  # held[0]: a tensor chunk
+    assert first.checksums and first.sizes is not None and first.dtype is not None
+    assert table.get_many([]) == []
