@@ -9,7 +9,7 @@ reversed on odd rounds) between rounds; each round's ratios compare runs of that
 - raw objects: one object per tensor, ``fs.pipe`` / ``fs.cat`` with s3fs's defaults
 - raw parts:   part-sized objects with as many requests in flight as dcpbridge uses
   (``fs.pipe`` / ``fs.cat_ranges`` with ``batch_size``); "raw" is the faster of the two
-- dcpbridge:   ``dcpbridge.save`` / ``dcpbridge.load`` through ``S3ByteIO``
+- dcpbridge:   ``dcpbridge.save`` / ``dcpbridge.load`` through ``S3Storage``
 - torch:       DCP with ``FsspecWriter`` (``sync_files=False``, its best case on S3) /
   ``FsspecReader``
 

@@ -91,7 +91,7 @@ def storage_op(op: str) -> Callable[[F], F]:
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
-        def inner(self: ByteIO, *args: Any, **kwargs: Any) -> Any:
+        def inner(self: Storage, *args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(self, *args, **kwargs)
             except Exception as e:
@@ -106,8 +106,9 @@ def storage_op(op: str) -> Callable[[F], F]:
     return wrap
 
 
-class ByteIO:
-    """Storage-specific byte operations; ``for_location`` picks the implementation.
+class Storage:
+    """The byte operations on one checkpoint location (local disk, S3, any fsspec URL): write,
+    ranged reads, commit, list, remove; ``for_location`` picks the implementation.
 
     Every operation raises storage faults as ``StorageError`` naming the location and file.
     """
@@ -118,14 +119,14 @@ class ByteIO:
         self._paths: dict[str, str] = {}  # files found in spread folders by the last listing
 
     @staticmethod
-    def for_location(location: Location) -> ByteIO:
+    def for_location(location: Location) -> Storage:
         if location.is_local:
-            return LocalByteIO(location)
+            return LocalStorage(location)
         if _is_s3(location.fs):
-            from dcpbridge.storage.s3 import S3ByteIO
+            from dcpbridge.storage.s3 import S3Storage
 
-            return S3ByteIO(location)
-        return ByteIO(location)
+            return S3Storage(location)
+        return Storage(location)
 
     @storage_op("create directory")
     def makedirs(self) -> None:
@@ -280,7 +281,7 @@ def _fill(r: Read, blob: bytes) -> None:
         r.on_done()
 
 
-class LocalByteIO(ByteIO):
+class LocalStorage(Storage):
     """Local disk: unbuffered writes, fsync, temp+rename commit and threaded ``preadv``."""
 
     @storage_op("open for writing")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dcpbridge.storage import checksum
-from dcpbridge.storage.backends import ByteIO, RangeRead, ScatterRead
+from dcpbridge.storage.backends import RangeRead, ScatterRead, Storage
 from dcpbridge.storage.errors import CheckpointError
 from dcpbridge.storage.format import StorageIndex, StoredItem
 from dcpbridge.storage.paths import Location
@@ -232,7 +232,7 @@ def _batches(jobs: Sequence[Job], budget: int) -> list[list[Job]]:
 
 def run_jobs(
     jobs: Sequence[Job],
-    byteio: ByteIO,
+    store: Storage,
     path: Callable[[str], str],
     tuning: ReadTuning,
     threads: int,
@@ -243,7 +243,7 @@ def run_jobs(
     fetched = 0
     if whole:
         reads, fetched = _whole_reads(whole, path, tuning)
-        byteio.fetch(reads, threads)
+        store.fetch(reads, threads)
         if len(whole) == len(jobs):
             return fetched
         jobs = [job for job in jobs if type(job) is not WholeJob]
@@ -269,7 +269,7 @@ def run_jobs(
                 parts.append(out)
                 pos = stop
             reads.append(ScatterRead(path(req.file), req.start, parts, done))
-        byteio.fetch(reads, threads)
+        store.fetch(reads, threads)
     return fetched
 
 
@@ -322,7 +322,7 @@ def _landed(slots: list[Slot]) -> Callable[[], None]:
 
 
 def read_bytes(
-    byteio: ByteIO,
+    store: Storage,
     path: str,
     stored: StoredItem,
     block: int,
@@ -335,7 +335,7 @@ def read_bytes(
     grid = checksum.flat_grid(stored.nbytes, block) if verify and block else None
     job = BytesJob(stored, out.append, grid, describe)
     tuning = ReadTuning(min_piece_bytes=0, merge_gap=0, max_request=1 << 62)
-    run_jobs([job], byteio, lambda _: path, tuning, threads=1)
+    run_jobs([job], store, lambda _: path, tuning, threads=1)
     return out[0]
 
 
@@ -353,7 +353,7 @@ def verify_stored_items(
     """Read every item of ``index`` and check all its checksums, in slabs of about ``piece``
     bytes (whole tile rows, so memory stays bounded); returns one problem per bad item."""
     block = index.checksum_block_size
-    byteio = ByteIO.for_location(location)
+    store = Storage.for_location(location)
     problems: list[str] = []
     for (fqn, offsets), item in sorted(
         index.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)
@@ -370,7 +370,7 @@ def verify_stored_items(
             for lo, hi, box in _slabs(grid, piece):
                 buf = memoryview(bytearray(hi - lo))
                 path = location.data_path(item.file, index.prefixes)
-                byteio.fetch([RangeRead(path, item.offset + lo, buf)], 1)
+                store.fetch([RangeRead(path, item.offset + lo, buf)], 1)
                 checksum.verify(grid, buf, *box, item.checksums, what=what)
                 if on_bytes is not None:
                     on_bytes(hi - lo)

@@ -270,7 +270,7 @@ def encode_metadata(metadata: Metadata) -> bytes:
     boxes = planned_boxes(metadata)
     covered = boxes is not None and boxes.checked and boxes.same_boxes(table)
     try:
-        _check_facts(_decode_facts(doc), table)
+        _check_header(_decode_header(doc), table)
         shapes = [list(shape) for shape in table.shapes]
         tensor_headers(table.tensors, [dtype_name(d) for d in table.dtypes], shapes)
         check_names(table.tensors, table.objects)
@@ -484,8 +484,8 @@ def _field(entry: dict[str, Any], name: str, what: str) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class _Facts:
-    """Document-wide facts every item is checked against."""
+class _Header:
+    """The document header: checkpoint-wide facts every item is checked against."""
 
     save_id: str
     files: tuple[str, ...]
@@ -497,7 +497,7 @@ class _Facts:
     prefixes: int
 
 
-def _decode_facts(doc: dict[str, Any]) -> _Facts:
+def _decode_header(doc: dict[str, Any]) -> _Header:
     save_id = _field(doc, "save_id", "document")
     if not isinstance(save_id, str) or not _SAVE_ID.match(save_id):
         raise CorruptCheckpointError(f"save_id must be lowercase hex, got {_show(save_id)}")
@@ -527,27 +527,27 @@ def _decode_facts(doc: dict[str, Any]) -> _Facts:
         raise CorruptCheckpointError("files: a file is listed twice")
     tiled = doc.get("version", 1) >= 4
     prefixes = _int(doc.get("prefixes", 1), "prefixes", 1, MAX_PREFIXES)
-    return _Facts(
+    return _Header(
         save_id, tuple(files), world_size, block, algorithm, float(created), tiled, prefixes
     )
 
 
-def _check_facts(facts: _Facts, table: ItemTable) -> None:
-    if facts.files != table.files:
+def _check_header(header: _Header, table: ItemTable) -> None:
+    if header.files != table.files:
         raise CorruptCheckpointError("files: the list differs from the item table's")
 
 
 def _decode(doc: dict[str, Any], version: int) -> Metadata:
-    facts = _decode_facts(doc)
+    header = _decode_header(doc)
     if version == 3 or (version >= 4 and "items" in doc):
-        table = _columns_table(doc, facts)
+        table = _columns_table(doc, header)
     else:
         from dcpbridge.storage.rows import rows_table
 
-        table = rows_table(doc, facts.files, facts.block, facts.world_size, tiled=facts.tiled)
-    table.tiled = facts.tiled
-    check_table(table, world_size=facts.world_size, block=facts.block)
-    table.block_size = facts.block
+        table = rows_table(doc, header.files, header.block, header.world_size, tiled=header.tiled)
+    table.tiled = header.tiled
+    check_table(table, world_size=header.world_size, block=header.block)
+    table.block_size = header.block
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     properties = {d: TensorProperties(dtype=d) for d in set(table.dtypes)}  # shared, read-only
     for t, (fqn, dtype, shape) in enumerate(zip(table.tensors, table.dtypes, table.shapes)):
@@ -558,14 +558,14 @@ def _decode(doc: dict[str, Any], version: int) -> Metadata:
         state[fqn] = BytesStorageMetadata()
     index = StorageIndex(
         items=table,
-        save_id=facts.save_id,
-        files=facts.files,
-        checksum_algorithm=facts.algorithm,
-        checksum_block_size=facts.block,
-        world_size=facts.world_size,
-        created_unix=facts.created,
-        tiled_checksums=facts.tiled,
-        prefixes=facts.prefixes,
+        save_id=header.save_id,
+        files=header.files,
+        checksum_algorithm=header.algorithm,
+        checksum_block_size=header.block,
+        world_size=header.world_size,
+        created_unix=header.created,
+        tiled_checksums=header.tiled,
+        prefixes=header.prefixes,
     )
     return Metadata(
         state_dict_metadata=state,
@@ -622,7 +622,7 @@ def check_names(tensors: Sequence[str], objects: Sequence[str]) -> None:
         seen.add(fqn)
 
 
-def _columns_table(doc: dict[str, Any], facts: _Facts) -> ItemTable:
+def _columns_table(doc: dict[str, Any], header: _Header) -> ItemTable:
     """The item table of a packed document (types and ranges checked, meaning not yet)."""
     section = _dict(_field(doc, "tensors", "document"), "tensors")
     names = _list(_field(section, "names", "tensors"), "tensors names")
@@ -637,7 +637,7 @@ def _columns_table(doc: dict[str, Any], facts: _Facts) -> ItemTable:
     objects = _list(_field(doc, "objects", "document"), "objects")
     check_names(names, objects)
     items = _dict(_field(doc, "items", "document"), "items")
-    expected = set(_COLUMNS) | ({"checksums"} if facts.block else set())
+    expected = set(_COLUMNS) | ({"checksums"} if header.block else set())
     if set(items) != expected:
         raise CorruptCheckpointError(
             f"items: columns {sorted(items)} are not the expected {sorted(expected)}"
@@ -670,7 +670,7 @@ def _columns_table(doc: dict[str, Any], facts: _Facts) -> ItemTable:
         shapes=[h.shape for h in headers],
         counts=count,
         objects=list(objects),
-        files=facts.files,
+        files=header.files,
         file=cols["file"],
         offset=cols["offset"],
         nbytes=cols["nbytes"],

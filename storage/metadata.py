@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.errors import IncompleteCheckpointError, NotACheckpointError
 from dcpbridge.storage.format import DATA_FILE_RE, METADATA_FILE, decode_metadata
 from dcpbridge.storage.paths import Location
@@ -18,10 +18,10 @@ _CACHE_SIZE = 8
 _LOCK = threading.Lock()
 
 
-def diagnose_missing_metadata(byteio: ByteIO, url: str) -> Exception:
+def diagnose_missing_metadata(store: Storage, url: str) -> Exception:
     """Explain why ``url`` has no commit file: absent, incomplete, or another format."""
-    names = byteio.list_names()
-    if not names and not byteio.fs.exists(byteio.location.root):
+    names = store.list_names()
+    if not names and not store.fs.exists(store.location.root):
         return NotACheckpointError(f"{url}: no such checkpoint directory")
     data = sorted(n for n in names if DATA_FILE_RE.match(n))
     if data:
@@ -50,21 +50,21 @@ def read_checkpoint_metadata(location: Location) -> Metadata:
     Decoded metadata is cached per process and reused while the commit file's identity
     (size, mtime and inode, or ETag) is unchanged, so repeated loads skip the JSON decode.
     """
-    byteio = ByteIO.for_location(location)
+    store = Storage.for_location(location)
     path = location.path(METADATA_FILE)
     try:
-        key = (f"{location.fs.protocol}:{path}", _file_identity(byteio.info(path)))
+        key = (f"{location.fs.protocol}:{path}", _file_identity(store.info(path)))
     except FileNotFoundError:
-        raise diagnose_missing_metadata(byteio, location.url) from None
+        raise diagnose_missing_metadata(store, location.url) from None
     with _LOCK:
         cached = _CACHE.get(key)
         if cached is not None:
             _CACHE.move_to_end(key)
             return cached
     try:
-        raw = byteio.read_file(path)
+        raw = store.read_file(path)
     except FileNotFoundError:
-        raise diagnose_missing_metadata(byteio, location.url) from None
+        raise diagnose_missing_metadata(store, location.url) from None
     metadata = decode_metadata(raw, where=path)
     with _LOCK:
         _CACHE[key] = metadata

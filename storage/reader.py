@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcpbridge.storage import checksum
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, WholeJob, read_bytes, run_jobs
 from dcpbridge.storage.delivery import byte_view as _byte_view
 from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
@@ -32,7 +32,7 @@ from dcpbridge.storage.format import (
     check_stored_ranges,
     item_key,
 )
-from dcpbridge.storage.located import Located
+from dcpbridge.storage.location_mixin import LocationMixin
 from dcpbridge.storage.metadata import diagnose_missing_metadata, read_checkpoint_metadata
 from dcpbridge.storage.paths import Location
 from dcpbridge.storage.read_plan import ReadTuning, plan_chunk_read
@@ -62,19 +62,19 @@ def read_object_bytes(
     stored = index.items.get((fqn, None))
     if stored is None:
         raise MissingEntryError(f"{location.url}: the checkpoint has no object {fqn!r}")
-    byteio = ByteIO.for_location(location)
+    store = Storage.for_location(location)
     path = location.data_path(stored.file, index.prefixes)
     try:
-        sizes = {stored.file: byteio.file_size(path)}
+        sizes = {stored.file: store.file_size(path)}
     except FileNotFoundError:
         sizes = {}
     check_stored_ranges({(fqn, None): stored}, sizes, location.url)
     block = index.checksum_block_size if stored.checksums else 0
     what = f"object {fqn!r} in {stored.file}"
-    return read_bytes(byteio, path, stored, block, verify=verify, describe=what)
+    return read_bytes(store, path, stored, block, verify=verify, describe=what)
 
 
-class FsspecCheckpointReader(Located, StorageReader):
+class FsspecCheckpointReader(LocationMixin, StorageReader):
     """Reads a dcpbridge checkpoint; usable with ``torch.distributed.checkpoint.load``.
 
     For every ``ReadItem`` it fetches only the byte ranges of the stored chunk that hold the
@@ -91,7 +91,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         thread_count: int = 4,
         verify_checksums: bool = True,
     ) -> None:
-        Located.__init__(self, storage_options)
+        LocationMixin.__init__(self, storage_options)
         self.thread_count = max(1, thread_count)
         self.verify_checksums = verify_checksums
         self._metadata: Metadata | None = None
@@ -127,7 +127,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         """Refuse the checkpoint unless every item's bytes lie inside its data file (one
         listing, kept for the reads): call it before sizing anything by the metadata."""
         self.read_metadata()
-        self._file_sizes = self._byteio.file_sizes()
+        self._file_sizes = self._store.file_sizes()
         check_stored_ranges(self._index.items, self._file_sizes, self._loc.url)
         self._all_ranges_checked = True
 
@@ -153,7 +153,7 @@ class FsspecCheckpointReader(Located, StorageReader):
                 jobs.append(job)
         prefixes = index.prefixes
         path = functools.cache(lambda name: self._loc.data_path(name, prefixes))
-        self.bytes_read += run_jobs(jobs, self._byteio, path, tuning, self.thread_count)
+        self.bytes_read += run_jobs(jobs, self._store, path, tuning, self.thread_count)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -198,7 +198,7 @@ class FsspecCheckpointReader(Located, StorageReader):
         if not wanted:
             return
         if self._file_sizes is None:
-            self._file_sizes = self._byteio.file_sizes()
+            self._file_sizes = self._store.file_sizes()
         check_stored_ranges(wanted, self._file_sizes, self._loc.url)
 
     def _block(self, stored: StoredItem, where: StorageIndex | None = None) -> int:

@@ -28,7 +28,7 @@ import s3fs.core
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
-from dcpbridge.storage.backends import ByteIO, Committed, RangeRead, Read, ScatterRead, storage_op
+from dcpbridge.storage.backends import Committed, RangeRead, Read, ScatterRead, Storage, storage_op
 from dcpbridge.storage.errors import ConcurrentSaveError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class _BoundedFS:
         return call
 
 
-class S3ByteIO(ByteIO):
+class S3Storage(Storage):
     """S3 (s3fs): parallel multipart uploads, parallel ranged reads, one PUT per commit."""
 
     def __init__(self, location: Any) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex
 
 from dcpbridge.storage import checksum
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
 from dcpbridge.storage.format import DATA_FILE_RE, ItemKey, StoredItem, data_file_name, item_key
 from dcpbridge.storage.paths import Location
@@ -55,7 +55,7 @@ class StreamWriter:
         self.sync_files = sync_files
         self.max_file_bytes = max_file_bytes
         self.items: dict[ItemKey, StoredItem] = {}
-        self._io = ByteIO.for_location(location)
+        self._io = Storage.for_location(location)
         self._io.makedirs()
         self._raw: BinaryIO | None = None
         self._out: CoalescingFile | None = None
@@ -175,7 +175,7 @@ def commit(
     """Publish ``dcpbridge.json`` for items written by ``StreamWriter``s, then drop stale files."""
     metadata = Metadata(state_dict_metadata=dict(state), planner_data=planner_data)
     publish(
-        ByteIO.for_location(location),
+        Storage.for_location(location),
         metadata,
         dict(items),
         save_id=save_id,
@@ -192,14 +192,14 @@ def discard_save(location: Location, save_id: str, *, remove_root: bool = False)
     """Remove every data file of save ``save_id`` at ``location`` (all workers' files) unless
     that save committed; with ``remove_root``, also the (then empty) local directory.
     Best effort: a failure to clean up is logged, never raised over the original error."""
-    byteio = ByteIO.for_location(location)
+    store = Storage.for_location(location)
     try:
-        if committed_save_id(byteio) == save_id:
+        if committed_save_id(store) == save_id:
             return
-        byteio.remove(
+        store.remove(
             [
                 n
-                for n in byteio.list_names()
+                for n in store.list_names()
                 if (m := DATA_FILE_RE.match(n)) is not None and m.group(3) == save_id
             ]
         )

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcpbridge.storage import checksum
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
 from dcpbridge.storage.format import (
     DATA_FILE_RE,
@@ -38,7 +38,7 @@ from dcpbridge.storage.format import (
     temp_metadata_name,
     written_table,
 )
-from dcpbridge.storage.located import Located
+from dcpbridge.storage.location_mixin import LocationMixin
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
         data = data[n:]
 
 
-class FsspecCheckpointWriter(Located, StorageWriter):
+class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     """Writes a checkpoint to any fsspec location; usable with ``torch.distributed.checkpoint.save``.
 
     Each rank writes raw tensor bytes into up to ``thread_count`` files (one thread each), records
@@ -188,7 +188,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
             raise InvalidArgumentError(
                 f"checksum_block_size must be > 0, got {checksum_block_size}"
             )
-        Located.__init__(self, storage_options)
+        LocationMixin.__init__(self, storage_options)
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.checksums = checksums
@@ -213,7 +213,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         return StorageMeta(checkpoint_id=self._loc.url) if self.location else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._byteio.makedirs()
+        self._store.makedirs()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -254,7 +254,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         publish(
-            self._byteio,
+            self._store,
             metadata,
             results_table(metadata, results, checksums=self.checksums),
             save_id=self._save_id,
@@ -275,10 +275,10 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         if not names:
             return
         try:
-            if committed_save_id(self._byteio) == self._save_id:
+            if committed_save_id(self._store) == self._save_id:
                 return
-            present = set(self._byteio.list_names())
-            self._byteio.remove([n for n in names if n in present])
+            present = set(self._store.list_names())
+            self._store.remove([n for n in names if n in present])
         except Exception as e:  # cleanup must not hide the failure being reported
             log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
 
@@ -295,8 +295,8 @@ class FsspecCheckpointWriter(Located, StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
-        with self._byteio.open_write(self._loc.data_path(name)) as raw:
-            behind = functools.partial(self._byteio.write_behind, raw) if self.sync_files else None
+        with self._store.open_write(self._loc.data_path(name)) as raw:
+            behind = functools.partial(self._store.write_behind, raw) if self.sync_files else None
             out = CoalescingFile(raw, behind)
             block = self.checksum_block_size if self.checksums else 0
             for item in items:
@@ -332,7 +332,7 @@ class FsspecCheckpointWriter(Located, StorageWriter):
                 )
             out.flush()
             if self.sync_files:
-                self._byteio.sync(raw)
+                self._store.sync(raw)
         return results
 
 
@@ -368,7 +368,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def publish(
-    byteio: ByteIO,
+    store: Storage,
     metadata: Metadata,
     items: Mapping[ItemKey, StoredItem],
     *,
@@ -388,16 +388,16 @@ def publish(
         world_size=world_size,
         checksums=checksums,
         checksum_block_size=checksum_block_size,
-        prefixes=byteio.location.prefixes,
+        prefixes=store.location.prefixes,
     )
     if makedirs:
-        byteio.makedirs()
-    current = byteio.read_committed(METADATA_FILE)
+        store.makedirs()
+    current = store.read_committed(METADATA_FILE)
     replaced = files_of(_document(current.data))
     # Conditional: if another save committed since ``current`` was read, this one raises
     # (and its caller removes its files) instead of replacing a commit it never saw.
-    byteio.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
-    remove_replaced_files(byteio, replaced, save_id)
+    store.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
+    remove_replaced_files(store, replaced, save_id)
 
 
 def _document(raw: bytes | None) -> dict[str, Any] | None:
@@ -458,17 +458,17 @@ def index_results(
     )
 
 
-def _committed_document(byteio: ByteIO) -> dict[str, Any] | None:
-    """The JSON of the commit file at ``byteio``'s location, or None if absent or unreadable."""
+def _committed_document(store: Storage) -> dict[str, Any] | None:
+    """The JSON of the commit file at ``store``'s location, or None if absent or unreadable."""
     try:
-        return _document(byteio.read_file(byteio.location.path(METADATA_FILE)))
+        return _document(store.read_file(store.location.path(METADATA_FILE)))
     except OSError:
         return None
 
 
-def committed_save_id(byteio: ByteIO) -> str | None:
+def committed_save_id(store: Storage) -> str | None:
     """The save id the location's commit file names (None if there is none)."""
-    doc = _committed_document(byteio)
+    doc = _committed_document(store)
     save_id = doc.get("save_id") if doc is not None else None
     return save_id if isinstance(save_id, str) else None
 
@@ -486,7 +486,7 @@ def _save_id_of(name: str) -> str | None:
     return m.group(3) if m else None
 
 
-def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> None:
+def remove_replaced_files(store: Storage, replaced: list[str], save_id: str) -> None:
     """After ``save_id`` committed: delete the files of the commit it replaced (local temp
     files of killed commits go in the commit itself, under its lock).
 
@@ -495,24 +495,24 @@ def remove_replaced_files(byteio: ByteIO, replaced: list[str], save_id: str) -> 
     own files; only a killed process leaves some behind.
     """
     try:
-        names = set(byteio.list_names())
+        names = set(store.list_names())
         stale = [n for n in replaced if n in names and _save_id_of(n) != save_id]
-        if not byteio.location.is_local:  # no commit writes temp files there: all are stale
+        if not store.location.is_local:  # no commit writes temp files there: all are stale
             stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
-        byteio.remove(sorted(set(stale)))
+        store.remove(sorted(set(stale)))
     except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
-        log.warning("could not remove replaced files in %s: %s", byteio.location.url, e)
+        log.warning("could not remove replaced files in %s: %s", store.location.url, e)
 
 
-def remove_stale_files(byteio: ByteIO, save_id: str) -> None:
-    """Delete every data file not of ``save_id`` (and temp files) at ``byteio``'s location."""
+def remove_stale_files(store: Storage, save_id: str) -> None:
+    """Delete every data file not of ``save_id`` (and temp files) at ``store``'s location."""
     try:
         stale = [
             n
-            for n in byteio.list_names()
+            for n in store.list_names()
             if ((m := DATA_FILE_RE.match(n)) and m.group(3) != save_id)
             or n.startswith(TEMP_METADATA_PREFIX)
         ]
-        byteio.remove(stale)
+        store.remove(stale)
     except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
-        log.warning("could not remove stale files in %s: %s", byteio.location.url, e)
+        log.warning("could not remove stale files in %s: %s", store.location.url, e)

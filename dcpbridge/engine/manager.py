@@ -30,7 +30,7 @@ from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import InvalidArgumentError, NotACheckpointError
 from dcpbridge.storage import METADATA_FILE, Location, resolve
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.tools.config import Config, load_config, resolve_storage_options
 
@@ -156,11 +156,11 @@ class CheckpointManager:
 
     def _scan(self) -> tuple[list[int], list[int]]:
         """(complete steps, steps without a commit), ascending; a storage fault raises."""
-        names = ByteIO.for_location(self._location()).list_names()
+        names = Storage.for_location(self._location()).list_names()
         steps = sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
         complete, partial = [], []
         for step in steps:
-            committed = ByteIO.for_location(self._location(step)).exists(METADATA_FILE)
+            committed = Storage.for_location(self._location(step)).exists(METADATA_FILE)
             (complete if committed else partial).append(step)
         return complete, partial
 
@@ -223,13 +223,13 @@ class CheckpointManager:
         def run() -> None:
             value = self._metric(metrics)
             location = self._location(step)
-            byteio = ByteIO.for_location(location)
-            if not byteio.exists(METADATA_FILE) and byteio.list_names():
+            store = Storage.for_location(location)
+            if not store.exists(METADATA_FILE) and store.list_names():
                 _remove_dir(location)
-            byteio.makedirs()
+            store.makedirs()
             doc = {"step": step, "metrics": _plain_metrics(metrics)}
             raw = json.dumps(doc, sort_keys=True).encode()
-            byteio.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
+            store.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
             self._metrics[step] = value
 
         protocol.on_coordinator(self._group, "prepare", run)
@@ -280,7 +280,7 @@ class CheckpointManager:
             value = None
             try:
                 location = self._location(step)
-                doc = json.loads(ByteIO.for_location(location).read_file(location.path(SIDECAR)))
+                doc = json.loads(Storage.for_location(location).read_file(location.path(SIDECAR)))
                 raw = doc["metrics"][self.best_metric]
                 if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                     value = float(raw)
@@ -410,9 +410,9 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
 
 def _remove_dir(location: Location) -> None:
     """Delete a step directory: its commit file first, so it never looks complete half-gone."""
-    byteio = ByteIO.for_location(location)
-    if byteio.exists(METADATA_FILE):
-        byteio.remove([METADATA_FILE])
+    store = Storage.for_location(location)
+    if store.exists(METADATA_FILE):
+        store.remove([METADATA_FILE])
     with storage_faults(f"{location.url}: remove"):
         location.fs.invalidate_cache(location.root)
         with contextlib.suppress(FileNotFoundError):  # an object store's empty "directory"

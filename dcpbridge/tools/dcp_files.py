@@ -1,7 +1,7 @@
 """Reads torch's own DCP files (plain DCP, Megatron-Core torch_dist) through a checkpoint's byte I/O.
 
 torch's readers open their own filesystem (``FileSystemReader`` locally, ``FsspecReader``
-elsewhere); this one reads through the same ``ByteIO`` as everything else of an opened
+elsewhere); this one reads through the same ``Storage`` as everything else of an opened
 checkpoint, so storage options, faults (``StorageError``) and concurrency are dcpbridge's.
 The format is torch's: a pickled ``.metadata`` (read only when the caller allowed pickles)
 whose ``storage_data`` places each item in a ``.distcp`` file; tensors are ``torch.save``
@@ -21,14 +21,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError, NotACheckpointError
-from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage.backends import RangeRead, Storage
 from dcpbridge.storage.paths import Location
 
 DCP_METADATA = ".metadata"
 _BATCH_BYTES = 256 << 20  # bytes fetched at once
 
 
-def read_dcp_metadata(location: Location, files: ByteIO) -> Metadata:
+def read_dcp_metadata(location: Location, files: Storage) -> Metadata:
     """Unpickle ``.metadata`` (the caller has checked that pickles are allowed)."""
     raw = files.read_file(f"{location.root.rstrip('/')}/{DCP_METADATA}")  # a hidden name
     try:
@@ -59,7 +59,7 @@ def stored_place(location: Location, metadata: Metadata, index: MetadataIndex) -
 class DcpFileReader(StorageReader):
     """DCP ``StorageReader`` for torch's file format over one opened checkpoint's byte I/O."""
 
-    def __init__(self, location: Location, files: ByteIO, *, thread_count: int = 4) -> None:
+    def __init__(self, location: Location, files: Storage, *, thread_count: int = 4) -> None:
         super().__init__()
         self.location, self.files = location, files
         self.thread_count = max(1, thread_count)

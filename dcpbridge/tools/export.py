@@ -34,7 +34,7 @@ import torch
 from dcpbridge.errors import CheckpointError
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.storage import resolve
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.writer import CoalescingFile
 from dcpbridge.tools.formats import SAFETENSORS_INDEX
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
@@ -140,8 +140,8 @@ def export_safetensors(
 ) -> ExportResult:
     """Write ``source``'s tensors as Hugging Face style safetensors in ``destination``."""
     location = resolve(destination, storage_options)
-    byteio = ByteIO.for_location(location)
-    byteio.makedirs()
+    store = Storage.for_location(location)
+    store.makedirs()
     aliases = tied_aliases(source)
     kept = [source.tensors[k] for k in sorted(source.tensors) if k not in aliases]
     shards = plan_shards(kept, max_shard_bytes) if kept else [[]]
@@ -153,7 +153,7 @@ def export_safetensors(
         for name, shard in zip(names, shards):
             head, ordered = safetensors_header(shard, aliases)
             written.append(name)
-            with byteio.open_write(location.path(name)) as raw:
+            with store.open_write(location.path(name)) as raw:
                 out = CoalescingFile(raw)
                 out.write(memoryview(head))
                 for t in ordered:
@@ -162,7 +162,7 @@ def export_safetensors(
                     weight_map[t.key] = name
                     total += t.nbytes
                 out.flush()
-                byteio.sync(raw)
+                store.sync(raw)
         if len(names) > 1:
             index = {
                 "metadata": {"total_size": total},
@@ -170,29 +170,29 @@ def export_safetensors(
             }
             raw_index = json.dumps(index, indent=2).encode()
             written.append(SAFETENSORS_INDEX)
-            byteio.commit_file(SAFETENSORS_INDEX, raw_index, f"{SAFETENSORS_INDEX}.tmp", sync=True)
+            store.commit_file(SAFETENSORS_INDEX, raw_index, f"{SAFETENSORS_INDEX}.tmp", sync=True)
     except BaseException:
-        _remove_quietly(byteio, [*written, f"{SAFETENSORS_INDEX}.tmp"])
+        _remove_quietly(store, [*written, f"{SAFETENSORS_INDEX}.tmp"])
         raise
     files = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
-    _remove_quietly(byteio, _stale_exports(byteio, files))  # an earlier export (--force)
+    _remove_quietly(store, _stale_exports(store, files))  # an earlier export (--force)
     skipped = sorted(source.objects)
     return ExportResult(location.url, files, len(weight_map), total, skipped, aliases)
 
 
-def _stale_exports(byteio: ByteIO, keep: list[str]) -> list[str]:
+def _stale_exports(store: Storage, keep: list[str]) -> list[str]:
     """Safetensors files of an earlier export at the destination that this one did not write."""
     pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-    names = byteio.list_names()
+    names = store.list_names()
     return [n for n in names if n not in keep and (pattern.match(n) or n == SAFETENSORS_INDEX)]
 
 
-def _remove_quietly(byteio: ByteIO, names: list[str]) -> None:
+def _remove_quietly(store: Storage, names: list[str]) -> None:
     try:
-        present = set(byteio.list_names())
-        byteio.remove([n for n in names if n in present])
+        present = set(store.list_names())
+        store.remove([n for n in names if n in present])
     except Exception as e:  # the export's own outcome is what the caller must see
-        log.warning("could not remove %s in %s: %s", names, byteio.location.url, e)
+        log.warning("could not remove %s in %s: %s", names, store.location.url, e)
 
 
 def _torch_layout(source: Source) -> dict[str, Any]:

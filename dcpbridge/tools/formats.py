@@ -31,7 +31,7 @@ from dcpbridge.errors import (
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.planners import load_object
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
-from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage.backends import RangeRead, Storage
 from dcpbridge.storage.reader import diagnose_missing_metadata, read_object_bytes
 from dcpbridge.tools.dcp_files import DCP_METADATA, DcpFileReader, stored_place
 
@@ -82,7 +82,7 @@ def _file_format(location: Location) -> Format:
     return Format.TORCH
 
 
-def _megatron_backend(location: Location, files: ByteIO) -> str:
+def _megatron_backend(location: Location, files: Storage) -> str:
     raw = files.read_file(location.path(MEGATRON_CONFIG))
     try:
         backend = json.loads(raw).get("sharded_backend")
@@ -93,16 +93,16 @@ def _megatron_backend(location: Location, files: ByteIO) -> str:
     return str(backend)
 
 
-def detect(location: Location, files: ByteIO | None = None) -> Format:
+def detect(location: Location, files: Storage | None = None) -> Format:
     """The format stored at ``location``; raises if it holds none (naming what it found)."""
-    byteio = files or ByteIO.for_location(location)
-    if byteio.exists(METADATA_FILE):
+    store = files or Storage.for_location(location)
+    if store.exists(METADATA_FILE):
         return Format.DCPBRIDGE
     if _is_file(location):
         return _file_format(location)
-    names = set(byteio.list_names())
+    names = set(store.list_names())
     if MEGATRON_CONFIG in names:
-        backend = _megatron_backend(location, byteio)
+        backend = _megatron_backend(location, store)
         if backend != "torch_dist":
             raise NotACheckpointError(
                 f"{location.url} is a Megatron-Core checkpoint with the {backend!r} backend; "
@@ -127,7 +127,7 @@ def detect(location: Location, files: ByteIO | None = None) -> Format:
             f"{location.url} is an incomplete torch.distributed.checkpoint checkpoint: "
             f"{len(distcp)} data file(s) (e.g. {distcp[0]}) exist but {DCP_METADATA} does not"
         )
-    raise diagnose_missing_metadata(byteio, location.url)
+    raise diagnose_missing_metadata(store, location.url)
 
 
 def refuse_pickled_metadata(location: Location, fmt: Format) -> PickleRefusedError:
@@ -144,7 +144,7 @@ class Checkpoint:
 
     location: Location
     format: Format
-    files: ByteIO
+    files: Storage
     storage_options: dict[str, Any] | None = None
     allow_pickle: bool = False
 
@@ -241,5 +241,5 @@ def open_checkpoint(
 ) -> Checkpoint:
     """Open the checkpoint or file at ``url``: resolve it and detect its format, once."""
     location = resolve(url, storage_options)
-    files = ByteIO.for_location(location)
+    files = Storage.for_location(location)
     return Checkpoint(location, detect(location, files), files, storage_options, allow_pickle)

@@ -30,7 +30,7 @@ from dcpbridge.model.mapping import (
     parse_object_name,
 )
 from dcpbridge.storage import METADATA_FILE, StorageIndex, read_checkpoint_metadata, resolve
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.format import encode_metadata, temp_metadata_name
 from dcpbridge.tools.config import resolve_storage_options
 from dcpbridge.tools.formats import Format, detect, open_checkpoint
@@ -212,9 +212,9 @@ def remove_sharded_tensors(
         planner_data=planner_data,
         storage_data=dataclasses.replace(index, items=items, files=files),
     )
-    byteio = ByteIO.for_location(location)
-    byteio.commit_file(
+    store = Storage.for_location(location)
+    store.commit_file(
         METADATA_FILE, encode_metadata(kept), temp_metadata_name(index.save_id), sync=True
     )
-    byteio.remove([f for f in index.files if f not in files])
+    store.remove([f for f in index.files if f not in files])
     return drop

@@ -10,7 +10,7 @@ from typing import Any
 from dcpbridge.planners import Placed, coverage_problems
 from dcpbridge.planners.boxes import fmt_box
 from dcpbridge.storage import StorageIndex
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.delivery import verify_stored_items
 from dcpbridge.tools.formats import MEGATRON_COMMON, Format
 from dcpbridge.tools.sources import ProtocolSource, Source
@@ -40,7 +40,7 @@ def file_sizes(source: Source) -> dict[str, int]:
         source.format == Format.SAFETENSORS and loc.root.endswith(".safetensors")
     ):
         return {loc.root.rsplit("/", 1)[-1]: int(loc.fs.size(loc.root))}
-    return ByteIO.for_location(loc).file_sizes()  # spread folders included
+    return Storage.for_location(loc).file_sizes()  # spread folders included
 
 
 def _extents(source: Source) -> list[tuple[str, str, int, int]]:

@@ -319,16 +319,16 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
 
 
 def _open_safetensors(checkpoint: Checkpoint) -> Source:
-    location, byteio = checkpoint.location, checkpoint.files
-    if byteio.exists(SAFETENSORS_INDEX):
-        index = json.loads(byteio.read_file(location.path(SAFETENSORS_INDEX)))
+    location, store = checkpoint.location, checkpoint.files
+    if store.exists(SAFETENSORS_INDEX):
+        index = json.loads(store.read_file(location.path(SAFETENSORS_INDEX)))
         names = sorted(set(index.get("weight_map", {}).values()))
         folder = location
     elif location.root.endswith(".safetensors"):
         folder = resolve(_parent_url(location), checkpoint.storage_options)
         names = [location.root.rstrip("/").rsplit("/", 1)[-1]]
     else:
-        names = sorted(n for n in byteio.list_names() if n.endswith(".safetensors"))
+        names = sorted(n for n in store.list_names() if n.endswith(".safetensors"))
         folder = location
     state: dict[str, TensorStorageMetadata] = {}
     items = {}

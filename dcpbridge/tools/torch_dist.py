@@ -23,7 +23,7 @@ from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
 from dcpbridge.storage import METADATA_FILE, Location, resolve
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.paths import fsspec_options
 from dcpbridge.storage.writer import remove_stale_files
 from dcpbridge.tools.formats import MEGATRON_COMMON, MEGATRON_CONFIG
@@ -63,7 +63,7 @@ class TorchDistWriter(StorageWriter):
         self.location: Location = resolve(path, storage_options)
         self.common_state = common_state
         self.sync_files = sync_files
-        self.byteio = ByteIO.for_location(self.location)
+        self.store = Storage.for_location(self.location)
         if self.location.is_local:
             self.inner: StorageWriter = FileSystemWriter(
                 self.location.root, thread_count=thread_count, sync_files=sync_files
@@ -93,23 +93,23 @@ class TorchDistWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Before any data is overwritten, unpublish what this directory held, so that an
         # interrupted save leaves an incomplete checkpoint rather than a corrupt one.
-        byteio = self.byteio
-        stale = [n for n in (MEGATRON_CONFIG, METADATA_FILE) if byteio.exists(n)]
-        byteio.remove(stale)
+        store = self.store
+        stale = [n for n in (MEGATRON_CONFIG, METADATA_FILE) if store.exists(n)]
+        store.remove(stale)
         if METADATA_FILE in stale:
-            remove_stale_files(byteio, save_id="")
+            remove_stale_files(store, save_id="")
         return self.inner.prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         return self.inner.write_data(plan, planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        byteio = self.byteio
+        store = self.store
         common = serialize_object(self.common_state, "the common state").getvalue()
-        byteio.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
+        store.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
         self.inner.finish(metadata, results)
         config = json.dumps(MEGATRON_CHECKPOINT_CONFIG).encode()
-        byteio.commit_file(MEGATRON_CONFIG, config, f"{MEGATRON_CONFIG}.tmp", sync=self.sync_files)
+        store.commit_file(MEGATRON_CONFIG, config, f"{MEGATRON_CONFIG}.tmp", sync=self.sync_files)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

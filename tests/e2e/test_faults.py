@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcpbridge as db
 from dcpbridge.storage import resolve
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.stream import StreamWriter, new_save_id
 from tests.support.backends import Backend, local_backend, s3_backend
 from tests.support.dist_pool import Rank
@@ -381,7 +381,7 @@ def save_after_another_job_committed(r: Rank, path: str, options: Any, signal_di
     read, committed = Path(signal_dir, "job0-read"), Path(signal_dir, "job1-committed")
     patched = []
     if r.rank == 0:
-        for cls in (backends.LocalByteIO, s3.S3ByteIO):
+        for cls in (backends.LocalStorage, s3.S3Storage):
             original = cls.read_committed
 
             def read_then_wait(self: Any, name: str, _original: Any = original) -> Any:
@@ -431,21 +431,21 @@ def test_a_commit_racing_another_is_refused(kind, first, request, tmp_path, pool
 def test_conditional_commit_refuses_a_commit_it_did_not_read(backend):
     """The storage primitive: a commit conditional on what was read lands only if nothing
     else landed since, on every backend."""
-    byteio = ByteIO.for_location(resolve(backend.url("c"), backend.storage_options))
-    byteio.makedirs()
-    absent = byteio.read_committed("f")
+    store = Storage.for_location(resolve(backend.url("c"), backend.storage_options))
+    store.makedirs()
+    absent = store.read_committed("f")
     assert absent.data is None
-    byteio.commit_file("f", b"one", "f.tmp-1", sync=True, replaces=absent)
+    store.commit_file("f", b"one", "f.tmp-1", sync=True, replaces=absent)
     with pytest.raises(db.ConcurrentSaveError, match="another save committed"):
-        byteio.commit_file("f", b"two", "f.tmp-2", sync=True, replaces=absent)
-    one = byteio.read_committed("f")
+        store.commit_file("f", b"two", "f.tmp-2", sync=True, replaces=absent)
+    one = store.read_committed("f")
     assert one.data == b"one"
-    byteio.commit_file("f", b"three", "f.tmp-3", sync=True, replaces=one)
+    store.commit_file("f", b"three", "f.tmp-3", sync=True, replaces=one)
     with pytest.raises(db.ConcurrentSaveError, match="another save committed"):
-        byteio.commit_file("f", b"four", "f.tmp-4", sync=True, replaces=one)
-    assert byteio.read_committed("f").data == b"three"
-    byteio.commit_file("f", b"five", "f.tmp-5", sync=True)  # unconditional: replaces
-    assert byteio.read_committed("f").data == b"five"
+        store.commit_file("f", b"four", "f.tmp-4", sync=True, replaces=one)
+    assert store.read_committed("f").data == b"three"
+    store.commit_file("f", b"five", "f.tmp-5", sync=True)  # unconditional: replaces
+    assert store.read_committed("f").data == b"five"
     assert backend.names("c") == ["f"]
 
 
@@ -454,12 +454,12 @@ def test_a_refused_s3_commit_that_is_already_there_counts_as_committed(s3_server
     """botocore retries a PUT whose answer was lost; if the first attempt landed, the retry
     is refused (the ETag changed), yet the commit is ours: no error."""
     backend = s3_backend(s3_server)
-    byteio = ByteIO.for_location(resolve(backend.url("c"), backend.storage_options))
-    absent = byteio.read_committed("f")
-    byteio.commit_file("f", b"one", "", sync=True, replaces=absent)
-    byteio.commit_file("f", b"one", "", sync=True, replaces=absent)  # as a retry would
+    store = Storage.for_location(resolve(backend.url("c"), backend.storage_options))
+    absent = store.read_committed("f")
+    store.commit_file("f", b"one", "", sync=True, replaces=absent)
+    store.commit_file("f", b"one", "", sync=True, replaces=absent)  # as a retry would
     with pytest.raises(db.ConcurrentSaveError):
-        byteio.commit_file("f", b"other", "", sync=True, replaces=absent)
+        store.commit_file("f", b"other", "", sync=True, replaces=absent)
 
 
 # -- offline reshard and the streaming writer clean up after themselves ------------------------

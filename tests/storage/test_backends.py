@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import dcpbridge as db
 from dcpbridge.planners import ShardedLoadPlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from dcpbridge.storage.backends import ByteIO, RangeRead, ScatterRead
+from dcpbridge.storage.backends import RangeRead, ScatterRead, Storage
 from dcpbridge.storage.paths import resolve
 from tests.support import layouts as L
 from tests.support.backends import Backend
@@ -370,11 +370,11 @@ def test_scatter_reads_fill_their_parts_and_skip_the_gaps(backend):
     fs.makedirs(backend.path("ck"), exist_ok=True)
     path = backend.path("ck", "blob")
     fs.pipe_file(path, data)
-    byteio = ByteIO.for_location(resolve(backend.url("ck"), backend.storage_options))
+    store = Storage.for_location(resolve(backend.url("ck"), backend.storage_options))
     a, b, c, d = bytearray(1000), bytearray(70_000), bytearray(5), bytearray(3)
     done: list[str] = []
     parts = [memoryview(a), 5000, memoryview(b), 200_000, memoryview(c)]
-    byteio.fetch(
+    store.fetch(
         [
             ScatterRead(path, 10, parts, lambda: done.append("scatter")),
             RangeRead(path, 299_997, memoryview(d), lambda: done.append("range")),
@@ -385,4 +385,4 @@ def test_scatter_reads_fill_their_parts_and_skip_the_gaps(backend):
     assert a == data[10:1010] and b == data[6010:76_010] and c == data[276_010:276_015]
     assert d == data[-3:]
     with pytest.raises(db.StorageError, match="short read"):
-        byteio.fetch([ScatterRead(path, 299_000, [memoryview(bytearray(500)), 600])], threads=1)
+        store.fetch([ScatterRead(path, 299_000, [memoryview(bytearray(500)), 600])], threads=1)

@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from dcpbridge.storage.backends import ByteIO, RangeRead
+from dcpbridge.storage.backends import RangeRead, Storage
 from dcpbridge.storage.paths import resolve
-from dcpbridge.storage.s3 import MultipartWriter, S3ByteIO, S3Transfer
+from dcpbridge.storage.s3 import MultipartWriter, S3Storage, S3Transfer
 from tests.support.s3_server import DEAD_ENDPOINT
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -56,8 +56,8 @@ def test_part_sizes_grow_so_ten_thousand_parts_cover_any_object():
 
 
 def test_s3_urls_get_the_s3_backend():
-    assert isinstance(ByteIO.for_location(resolve("s3://bucket/ck")), S3ByteIO)
-    assert not isinstance(ByteIO.for_location(resolve("memory://ck")), S3ByteIO)
+    assert isinstance(Storage.for_location(resolve("s3://bucket/ck")), S3Storage)
+    assert not isinstance(Storage.for_location(resolve("memory://ck")), S3Storage)
 
 
 # -- the server -----------------------------------------------------------------------------
@@ -132,15 +132,15 @@ def test_ranged_reads_run_concurrently_within_the_bound(s3_server, bucket, monke
     data = os.urandom(24 * MiB)
     fs = _fs(s3_server, private=True, default_block_size=5 * MiB, max_concurrency=4)
     fs.pipe_file(f"{bucket}/ck/blob", data)
-    byteio = ByteIO.for_location(resolve(f"s3://{bucket}/ck", fs.storage_options))
-    seen = _spy_concurrency(monkeypatch, byteio.fs, "get_object")
+    store = Storage.for_location(resolve(f"s3://{bucket}/ck", fs.storage_options))
+    seen = _spy_concurrency(monkeypatch, store.fs, "get_object")
     outs = [memoryview(bytearray(n)) for n in (12 * MiB, 11 * MiB, 3)]
     done: list[int] = []
     reads = [
         RangeRead(f"{bucket}/ck/blob", start, out, lambda i=i: done.append(i))
         for i, (start, out) in enumerate(zip((0, 12 * MiB, 24 * MiB - 3), outs))
     ]
-    byteio.fetch(reads, threads=1)
+    store.fetch(reads, threads=1)
     assert sorted(done) == [0, 1, 2]
     assert b"".join([outs[0], outs[1]]) == data[: 23 * MiB] and outs[2] == data[-3:]
     assert seen["calls"] == 3 + 3 + 1 and seen["max"] == 4  # 5 MiB pieces, 4 in flight
@@ -254,16 +254,14 @@ def test_environment_points_nowhere_without_options():
 def test_small_reads_and_listing_see_other_writers(s3_server, bucket):
     """One GET per small file (empty ones too); listings are never served from a stale cache."""
     options = s3_server.storage_options()
-    byteio = ByteIO.for_location(resolve(f"s3://{bucket}/ck", options))
-    assert byteio.list_names() == [] and not byteio.exists("a")
+    store = Storage.for_location(resolve(f"s3://{bucket}/ck", options))
+    assert store.list_names() == [] and not store.exists("a")
     other = _fs(s3_server, private=True)  # another process, in effect
     other.pipe({f"{bucket}/ck/a": b"", f"{bucket}/ck/b": b"xyz"})
-    assert byteio.exists("a") and byteio.list_names() == ["a", "b"]
-    assert (
-        byteio.read_file(f"{bucket}/ck/a") == b"" and byteio.read_file(f"{bucket}/ck/b") == b"xyz"
-    )
+    assert store.exists("a") and store.list_names() == ["a", "b"]
+    assert store.read_file(f"{bucket}/ck/a") == b"" and store.read_file(f"{bucket}/ck/b") == b"xyz"
     other.rm(f"{bucket}/ck/a")
-    assert not byteio.exists("a") and byteio.list_names() == ["b"]
+    assert not store.exists("a") and store.list_names() == ["b"]
 
 
 # -- many small tensors: coalesced reads ----------------------------------------------------

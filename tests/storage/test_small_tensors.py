@@ -12,7 +12,7 @@ import dcpbridge as db
 from dcpbridge.planners.load_planner import plan_local_reads
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointReader
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.delivery import WholeJob, run_jobs
 from dcpbridge.storage.format import StoredItem
 from dcpbridge.storage.paths import resolve
@@ -154,7 +154,7 @@ def test_whole_reads_are_joined_within_the_request_limit(tmp_path, max_request):
     jobs.reverse()  # any order
     loc = resolve(str(tmp_path))
     tuning = ReadTuning(min_piece_bytes=0, merge_gap=100, max_request=max_request)
-    fetched = run_jobs(jobs, ByteIO.for_location(loc), loc.data_path, tuning, threads=2)
+    fetched = run_jobs(jobs, Storage.for_location(loc), loc.data_path, tuning, threads=2)
     for i, (lo, hi) in enumerate(spans):
         assert bytes(got[i].numpy()) == blob[lo:hi]
     assert fetched >= sum(hi - lo for lo, hi in spans)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import dcpbridge as db
-from dcpbridge.storage.backends import LocalByteIO, parts_of
+from dcpbridge.storage.backends import LocalStorage, parts_of
 from dcpbridge.tools import cli
 from tests.e2e.test_reshard import COMMON, save_layout
 from tests.support import layouts as L
@@ -114,13 +114,13 @@ def test_reshard_to_a_mesh_layout_one_chunk_per_target_box(pool, rows2, tmp_path
 
     # Loading a target rank's shard is one contiguous read of exactly its bytes.
     reads: list[int] = []
-    real_fetch = LocalByteIO.fetch
+    real_fetch = LocalStorage.fetch
 
     def recording(self, batch, threads):
         reads.extend(len(p) for r in batch for p in parts_of(r) if not isinstance(p, int))
         return real_fetch(self, batch, threads)
 
-    monkeypatch.setattr(LocalByteIO, "fetch", recording)
+    monkeypatch.setattr(LocalStorage, "fetch", recording)
     offsets, sizes = OWNED["w"][2]
     tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(sizes), (12, 8), offsets)}
     out = db.load(tmpl, dst)

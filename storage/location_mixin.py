@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dcpbridge.storage.backends import ByteIO
+from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.paths import Location, resolve
 
 
-class Located:
-    """Resolves checkpoint ids with the ``storage_options`` given once at construction.
+class LocationMixin:
+    """What the DCP writer and reader share: their checkpoint location and its ``Storage``,
+    resolved from checkpoint ids with the ``storage_options`` given once at construction.
 
     torch's FsspecWriter rebuilds its filesystem on ``reset(checkpoint_id)`` without them;
     here every path resolution uses them, so credentials and endpoints are never dropped.
@@ -20,7 +21,7 @@ class Located:
     def __init__(self, storage_options: dict[str, Any] | None) -> None:
         self.storage_options = dict(storage_options or {})
         self.location: Location | None = None
-        self._io: ByteIO | None = None
+        self._io: Storage | None = None
 
     def _relocate(self, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Point at ``checkpoint_id``; True if that is a different location than before."""
@@ -28,7 +29,7 @@ class Located:
         if location == self.location:
             return False
         self.location = location
-        self._io = ByteIO.for_location(location)
+        self._io = Storage.for_location(location)
         return True
 
     @property
@@ -48,7 +49,7 @@ class Located:
         return self.location
 
     @property
-    def _byteio(self) -> ByteIO:
+    def _store(self) -> Storage:
         self._loc  # noqa: B018 (raises the clear error when unset)
         assert self._io is not None
         return self._io
