@@ -147,6 +147,10 @@ def run_seaweedfs(workdir: Path, startup_timeout: float = 60.0) -> Iterator[S3Se
         "-s3.port.lance=0",
         "-webdav=false",
         "-admin.ui=false",
+        # Every bucket is a collection with volumes of its own: without these, the volume
+        # count is derived from free disk space and a test run can exhaust it.
+        "-volume.max=2000",
+        "-master.volumeSizeLimitMB=1024",
         f"-filer.localSocket={workdir / 'filer.sock'}",
         f"-s3.localSocket={workdir / 's3.sock'}",
     ]
