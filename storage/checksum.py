@@ -205,8 +205,8 @@ def verify(
 ) -> None:
     """Check every tile of the tile-aligned box ``offsets``+``lengths`` whose bytes (C order of
     the box) are ``data`` against ``expected``; raise ``ChecksumMismatchError`` naming it."""
-    if grid.nbytes == 0:
-        got = xxhash.xxh3_64_hexdigest(b"")
+    if grid.nbytes == 0 or (grid.count == 1 and len(data) == grid.nbytes):
+        got = xxhash.xxh3_64_hexdigest(data)  # one tile, the whole item: no array, no walk
         if got != expected[0]:
             _mismatch(0, got, expected, what, "the item")
         return
@@ -218,19 +218,6 @@ def verify(
             else:
                 span = f"elements {at}+{list(n)} of the chunk"
             _mismatch(index, got, expected, what, span)
-
-
-def verify_whole(
-    grid: Grid, data: memoryview, expected: Sequence[str], *, what: str | Callable[[], str]
-) -> None:
-    """``verify`` of a whole item whose bytes (C order) are ``data``; an item of one tile
-    (most small tensors) costs one hash and no array."""
-    if grid.count == 1 and len(expected) == 1 and grid.nbytes == len(data):
-        got = xxhash.xxh3_64_hexdigest(data)
-        if got != expected[0]:
-            _mismatch(0, got, expected, what, "the item")
-        return
-    verify(grid, data, (0,) * len(grid.sizes), grid.sizes, expected, what=what)
 
 
 def _mismatch(

@@ -181,7 +181,14 @@ class WholeJob(Job):
 
     def landed(self, index: int) -> None:  # one range: it is the last
         if self.grid is not None and self.stored.checksums is not None:
-            checksum.verify_whole(self.grid, self.view, self.stored.checksums, what=self.describe)
+            checksum.verify(
+                self.grid,
+                self.view,
+                (0,) * len(self.grid.sizes),
+                self.grid.sizes,
+                self.stored.checksums,
+                what=self.describe,
+            )
         self.commit(self.dest)
 
 

@@ -25,7 +25,6 @@ from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, WholeJob, read_
 from dcpbridge.storage.delivery import byte_view as _byte_view
 from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
 from dcpbridge.storage.format import (
-    ItemKey,
     ItemTable,
     StorageIndex,
     StoredItem,
@@ -139,10 +138,10 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         tuning = ReadTuning.for_location(self._loc)
-        self._check_ranges(plan)
         jobs: list[Job] = []
         index = self._index
         found = self._stored_many(plan.items, index)
+        self._check_ranges(plan.items, found)
         for item, stored in zip(plan.items, found):
             job = (
                 self._bytes_job(item, planner, stored)
@@ -187,14 +186,12 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
                 self._stored(item.storage_index, where)  # raises, naming the item
         return found  # type: ignore[return-value]
 
-    def _check_ranges(self, plan: LoadPlan) -> None:
+    def _check_ranges(self, items: list[ReadItem], found: list[StoredItem]) -> None:
         """Refuse items whose bytes lie outside their data file, before any buffer is sized
         by the metadata; file sizes come from one listing per reader."""
         if self._all_ranges_checked:
             return
-        wanted: dict[ItemKey, StoredItem] = {}
-        for item in plan.items:
-            wanted[item_key(item.storage_index)] = self._stored(item.storage_index)
+        wanted = {item_key(i.storage_index): stored for i, stored in zip(items, found)}
         if not wanted:
             return
         if self._file_sizes is None:

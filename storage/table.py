@@ -136,18 +136,21 @@ class _ChunkIndex:
     _bounds: list[int] | None
     _chunk_rows: dict[int, dict[tuple[int, ...], int]]
 
+    starts: np.ndarray  # row where each tensor's chunks start (a property of the subclass)
+
     @property
-    def starts(self) -> np.ndarray:
-        raise NotImplementedError
+    def bounds(self) -> list[int]:
+        """``starts`` as a list, for per-key lookups."""
+        if self._bounds is None:
+            self._bounds = self.starts.tolist()
+        return self._bounds
 
     def chunk_offsets(self, row: int, ndim: int) -> tuple[int, ...]:
         return tuple(self.offsets[row, :ndim].tolist())
 
     def find_chunk(self, t: int, offsets: tuple[int, ...]) -> int | None:
         """The row of tensor ``t``'s chunk at ``offsets``, or None."""
-        if self._bounds is None:
-            self._bounds = self.starts.tolist()
-        lo, hi = self._bounds[t], self._bounds[t + 1]
+        lo, hi = self.bounds[t], self.bounds[t + 1]
         ndim = len(self.shapes[t])
         if hi - lo == 1:
             return lo if self.chunk_offsets(lo, ndim) == offsets else None
@@ -294,9 +297,7 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
         """``get`` of many keys at once (None where absent): each column is read once for
         all of them instead of element by element (a load looks up every item it reads)."""
         out: list[StoredItem | None] = [None] * len(keys)
-        if self._bounds is None:
-            self._bounds = self.starts.tolist()
-        bounds, shapes = self._bounds, self.shapes
+        bounds, shapes = self.bounds, self.shapes
         rows: list[int] = []
         tids: list[int] = []  # each found row's tensor (-1: an object)
         where: list[int] = []  # each found row's position in ``keys``

@@ -137,14 +137,17 @@ def read_owners(group: Group, shards: Callable[[], list[Any]]) -> ReadOwners:
     """
     known = _READS.get(group, "read owners", list)
     wanted: list[Holding] = []
+    boxes = 0
 
     def vote() -> bool:
+        nonlocal boxes
         wanted[:] = [Holding(box_id(s), _nbytes(s)) for s in _tensors(shards())]
-        return bool(known) and known[0].boxes == hash(tuple(wanted))
+        boxes = hash(tuple(wanted))
+        return bool(known) and known[0].boxes == boxes
 
     if all(protocol.agree(group, "fully-parallel reads", vote)):
         return known[0].owners
     everyone = protocol.agree(group, "fully-parallel exchange", lambda: wanted)
     owners = ReadOwners(distribute(everyone, only_main=False), holders(everyone))
-    known[:] = [_KnownReads(hash(tuple(wanted)), owners)]
+    known[:] = [_KnownReads(boxes, owners)]
     return owners
