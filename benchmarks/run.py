@@ -13,7 +13,14 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench_async, bench_core, bench_fully_parallel, bench_planning, bench_s3
+from benchmarks import (
+    bench_async,
+    bench_core,
+    bench_fully_parallel,
+    bench_gpu,
+    bench_planning,
+    bench_s3,
+)
 
 SECTIONS = {
     "core": bench_core.main,
@@ -21,6 +28,7 @@ SECTIONS = {
     "fully_parallel": bench_fully_parallel.main,
     "planning": bench_planning.main,
     "s3": bench_s3.main,
+    "gpu": bench_gpu.main,
 }
 
 

@@ -5,7 +5,9 @@ itself when the planned box is exactly the request and the tensor is plain CPU m
 a staging buffer. Ranges of all jobs in a batch are coalesced into requests (``read_plan``);
 a request fills its members' buffers in order, so joined reads still land straight in their
 destinations. When a job's last range landed it is verified (``checksum.verify``), copied
-into the destination if staged, and handed over. Staging memory is bounded by batching.
+into the destination if staged, and handed over. Staging memory is bounded by batching; a
+GPU destination is staged in pinned memory and copied asynchronously (the load waits for
+those copies before it returns).
 A request for a whole stored chunk into plain memory (most reads of a same-layout load) is a
 ``WholeJob``: no plan, no staging, whole items of a file read back to back by one request.
 """
@@ -24,6 +26,7 @@ import torch
 
 from dcpbridge.storage import checksum
 from dcpbridge.storage.backends import RangeRead, ScatterRead, Storage
+from dcpbridge.storage.device_copy import host_target, wait_for_device_copies
 from dcpbridge.storage.errors import CheckpointError
 from dcpbridge.storage.format import StorageIndex, StoredItem
 from dcpbridge.storage.paths import Location
@@ -109,6 +112,7 @@ class TensorJob(Job):
         self.digests, self.describe = digests, describe
         self.dtype = stored.dtype
         self._direct = not plan.widened and byte_view(dest) is not None
+        self.to_device = dest.is_cuda  # then copied from pinned memory, asynchronously
         box_bytes = math.prod(plan.box[1]) * self.dtype.itemsize
         self.staged_bytes = (0 if self._direct else box_bytes) + plan.bounce_bytes
         self._target: torch.Tensor | None = None
@@ -117,8 +121,8 @@ class TensorJob(Job):
     def open(self) -> list[tuple[int, int, memoryview]]:
         if self._direct:
             self._target = self.dest
-        else:
-            self._target = torch.empty(self.plan.box[1], dtype=self.dtype)
+        else:  # pinned when the destination is on a GPU: no pageable intermediate copy
+            self._target = host_target(self.plan.box[1], self.dtype, self.to_device)
         view = _bytes_of(self._target)
         ranges = []
         for i, p in enumerate(self.plan.pieces):
@@ -154,7 +158,9 @@ class TensorJob(Job):
         if target is not self.dest:
             (req_off, req_len), (box_off, _) = self.plan.request, self.plan.box
             inner = [r - b for r, b in zip(req_off, box_off)]
-            self.dest.copy_(narrow_box(target, inner, req_len))
+            # from pinned memory this copy is asynchronous (ordered on the current stream,
+            # overlapping the next reads); the allocator keeps ``target`` until it completes
+            self.dest.copy_(narrow_box(target, inner, req_len), non_blocking=target.is_pinned())
         self.commit(self.dest)
 
 
@@ -277,6 +283,9 @@ def run_jobs(
                 pos = stop
             reads.append(ScatterRead(path(req.file), req.start, parts, done))
         store.fetch(reads, threads)
+    devices = {job.dest.device for job in jobs if type(job) is TensorJob and job.to_device}
+    if devices:
+        wait_for_device_copies(devices)  # the loaded tensors are ready for any stream
     return fetched
 
 

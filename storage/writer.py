@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpbridge.storage import checksum
+from dcpbridge.storage import checksum, device_copy
 from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
 from dcpbridge.storage.format import (
@@ -299,8 +299,15 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             behind = functools.partial(self._store.write_behind, raw) if self.sync_files else None
             out = CoalescingFile(raw, behind)
             block = self.checksum_block_size if self.checksums else 0
-            for item in items:
-                data = planner.resolve_data(item)
+            resolved = ((item, planner.resolve_data(item)) for item in items)
+            carried = _Carried(out, block)
+            for piece in device_copy.carry(resolved):
+                item, data = piece.tag, piece.data
+                if piece.view is not None:  # a device tensor, carried in host slices
+                    done = carried.add(item, piece)
+                    if done is not None:
+                        results.append(_result(item, name, *done, rank))
+                    continue
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
                         raise InvalidArgumentError(
@@ -311,25 +318,8 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
                     out.write(mv)
                 else:
                     start, mv = _write_tensor(out, item, data)
-                td = item.tensor_data
-                sizes = None if td is None else tuple(td.chunk.sizes)
-                dtype = None if td is None else td.properties.dtype
-                digests = checksum.item_digests(mv, sizes, dtype, block) if block else None
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=len(mv),
-                        storage_data=StoredItem(
-                            name,
-                            start,
-                            len(mv),
-                            rank,
-                            digests,
-                            sizes,
-                            dtype,
-                        ),
-                    )
-                )
+                digests = _digests(item, mv, block) if block else None
+                results.append(_result(item, name, start, len(mv), rank, digests))
             out.flush()
             if self.sync_files:
                 self._store.sync(raw)
@@ -355,13 +345,82 @@ def _write_tensor(
     ):
         return start, out.copy_in(data.data_ptr(), expected)
     mv = tensor_bytes(data)
-    if len(mv) != expected:
-        raise InvalidArgumentError(
-            f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
-            f"data has {len(mv)} bytes, the plan expects {expected}"
-        )
+    _check_size(item, len(mv))
     out.write(mv)
     return start, mv
+
+
+class _Carried:
+    """Appends a carried tensor's slices to ``out`` and checksums them as they pass."""
+
+    def __init__(self, out: CoalescingFile, block: int) -> None:
+        self._out, self._block = out, block
+        self._hasher: checksum.Hasher | None = None
+        self._start = self._written = 0
+
+    def add(self, item: WriteItem, piece: device_copy.Piece[Any]) -> tuple[int, int, Any] | None:
+        """Write one slice; after the item's last: (position, bytes, digests)."""
+        mv = piece.view
+        assert mv is not None
+        if piece.first:
+            self._start, self._written = self._out.align(), 0
+            if self._block and not piece.last:
+                td = item.tensor_data
+                assert td is not None
+                grid = checksum.item_grid(
+                    item_nbytes(item), tuple(td.chunk.sizes), td.properties.dtype, self._block
+                )
+                self._hasher = checksum.Hasher(grid)
+        self._out.write(mv)
+        self._written += len(mv)
+        if self._hasher is not None:
+            self._hasher.update(mv)
+        if not piece.last:
+            return None
+        _check_size(item, self._written)
+        if self._hasher is not None:
+            digests, self._hasher = self._hasher.finish(), None
+        elif self._block:
+            digests = _digests(item, mv, self._block)
+        else:
+            digests = None
+        return self._start, self._written, digests
+
+
+def _digests(item: WriteItem, data: memoryview, block: int) -> tuple[str, ...]:
+    td = item.tensor_data
+    if td is None:
+        return checksum.item_digests(data, None, None, block)
+    return checksum.item_digests(data, tuple(td.chunk.sizes), td.properties.dtype, block)
+
+
+def _check_size(item: WriteItem, nbytes: int) -> None:
+    expected = item_nbytes(item)
+    if nbytes != expected:
+        raise InvalidArgumentError(
+            f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
+            f"data has {nbytes} bytes, the plan expects {expected}"
+        )
+
+
+def _result(
+    item: WriteItem, file: str, start: int, nbytes: int, rank: int, digests: Any
+) -> WriteResult:
+    """What the writer reports for one written item: where its bytes are and their digests."""
+    td = item.tensor_data
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=nbytes,
+        storage_data=StoredItem(
+            file,
+            start,
+            nbytes,
+            rank,
+            digests,
+            None if td is None else tuple(td.chunk.sizes),
+            None if td is None else td.properties.dtype,
+        ),
+    )
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -1,0 +1,169 @@
+"""GPU-resident state (one process, bf16 on ``cuda:0``): dcpbridge vs plain DCP vs the limits.
+
+Rows, measured in one run for each target directory (``/dev/shm`` when present, then the
+scratch directory on disk): pinned device-to-host and host-to-device copy bandwidth; raw write
+(+fsync) and read of the same bytes from/to a pinned host buffer; plain DCP ``save`` and
+dcpbridge ``save`` from GPU tensors; dcpbridge ``async_save`` (the caller's stall and the time
+to durable); loads into GPU tensors by both. Skipped, with a line saying so, without CUDA.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpbridge as db
+from benchmarks.common import alternate, drop_page_cache, fresh_dir, gbps, table
+
+
+def _state(total: int, count: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = total // count // 2
+    return {
+        f"layer{i}.weight": torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
+        for i in range(count)
+    }
+
+
+def _sharded(tensors: dict[str, torch.Tensor]) -> dict[str, db.ShardedTensor]:
+    return {k: db.ShardedTensor.from_box(k, t, tuple(t.shape), (0,)) for k, t in tensors.items()}
+
+
+def _copy_bandwidth(total: int) -> tuple[float, float]:
+    """Seconds of one pinned D2H and one pinned H2D copy of ``total`` bytes."""
+    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev, non_blocking=True)  # warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    d2h = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return d2h, time.perf_counter() - t0
+
+
+def _timed(fn) -> float:
+    gc.collect()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def target_case(
+    label: str, root: str, tensors: dict[str, torch.Tensor], repeats: int, cold_loads: bool
+) -> list[str]:
+    total = sum(t.nbytes for t in tensors.values())
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    dirs = {n: os.path.join(root, f"gpu-{n}") for n in ("raw", "dcp", "dcpbridge", "async")}
+
+    def fresh(name: str) -> str:
+        path = fresh_dir(dirs[name])
+        os.sync()
+        return path
+
+    def raw_save() -> None:
+        path = fresh("raw")
+        with open(os.path.join(path, "raw.bin"), "wb", buffering=0) as f:
+            f.write(memoryview(host.numpy()))
+            os.fsync(f.fileno())
+
+    def raw_load() -> None:
+        with open(os.path.join(dirs["raw"], "raw.bin"), "rb", buffering=0) as f:
+            f.readinto(memoryview(host.numpy()))
+
+    def dcp_save() -> None:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(fresh("dcp")), no_dist=True)
+
+    def bridge_save() -> None:
+        db.save(_sharded(tensors), fresh("dcpbridge"))
+
+    stalls: list[float] = []
+
+    def bridge_async() -> None:
+        path = fresh("async")
+        t0 = time.perf_counter()
+        handle = db.async_save(_sharded(tensors), path)
+        stalls.append(time.perf_counter() - t0)
+        handle.result()
+
+    out = {k: torch.empty_like(t) for k, t in tensors.items()}
+
+    def dcp_load() -> None:
+        dcp.load(out, storage_reader=dcp.FileSystemReader(dirs["dcp"]), no_dist=True)
+
+    def bridge_load() -> None:
+        db.load(_sharded(out), dirs["dcpbridge"])
+
+    saves = {"raw": raw_save, "dcp": dcp_save, "dcpbridge": bridge_save, "async": bridge_async}
+    for fn in saves.values():  # warm: pinned pools, CUDA contexts, first file creation
+        fn()
+    stalls.clear()
+    save = alternate({n: (lambda fn=fn: _timed(fn)) for n, fn in saves.items()}, repeats)
+    loads = {"raw": raw_load, "dcp": dcp_load, "dcpbridge": bridge_load}
+    warm = alternate({n: (lambda fn=fn: _timed(fn)) for n, fn in loads.items()}, repeats)
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors), "a load returned wrong data"
+    cold: dict[str, float] = {}
+    if cold_loads and drop_page_cache():
+        cold = alternate(
+            {n: (lambda fn=fn: (drop_page_cache(), _timed(fn))[1]) for n, fn in loads.items()},
+            repeats,
+        )
+    stall = sorted(stalls)[len(stalls) // 2]
+    rows = [(f"save {n}", f"{t:.3f}s", gbps(total, t)) for n, t in save.items()]
+    rows.append(("async_save stall", f"{stall * 1000:.1f} ms", ""))
+    rows += [(f"load warm {n}", f"{t:.3f}s", gbps(total, t)) for n, t in warm.items()]
+    rows += [(f"load cold {n}", f"{t:.3f}s", gbps(total, t)) for n, t in cold.items()]
+    table(f"GPU state on {label}: {total / 2**30:.2f} GiB bf16", rows, ("", "time", "rate"))
+    summary = [
+        f"gpu {label} save: dcpbridge {save['dcp'] / save['dcpbridge']:.2f}x DCP, "
+        f"{save['async'] / save['dcpbridge']:.2f}x async+wait, "
+        f"{save['raw'] / save['dcpbridge']:.2f}x raw write+fsync",
+        f"gpu {label} async stall {stall * 1000:.1f} ms",
+        f"gpu {label} load warm: dcpbridge {warm['dcp'] / warm['dcpbridge']:.2f}x DCP, "
+        f"{warm['raw'] / warm['dcpbridge']:.2f}x raw read",
+    ]
+    if cold:
+        summary.append(
+            f"gpu {label} load cold: dcpbridge {cold['dcp'] / cold['dcpbridge']:.2f}x DCP, "
+            f"{cold['raw'] / cold['dcpbridge']:.2f}x raw read"
+        )
+    return summary
+
+
+def main(root: str, repeats: int, quick: bool) -> list[str]:
+    if not torch.cuda.is_available():
+        print("\n## GPU: skipped (no CUDA device on this machine)")
+        return ["gpu: skipped (no CUDA device)"]
+    total, count = (256 << 20, 16) if quick else (2 << 30, 64)
+    tensors = _state(total, count)
+    d2h, h2d = _copy_bandwidth(total)
+    table(
+        f"pinned copies of {total / 2**30:.2f} GiB",
+        [("device to host", gbps(total, d2h)), ("host to device", gbps(total, h2d))],
+        ("", "rate"),
+    )
+    summary = [f"gpu pinned D2H {gbps(total, d2h).strip()}, H2D {gbps(total, h2d).strip()}"]
+    targets = []
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 5 * total:
+        targets.append(("/dev/shm", "/dev/shm/dcpb-bench-gpu"))  # four copies of the state
+    else:
+        print("\n## GPU on /dev/shm: skipped (missing or too small)")
+    targets.append(("disk", os.path.join(root, "gpu")))
+    for label, path in targets:
+        os.makedirs(path, exist_ok=True)
+        try:
+            summary += target_case(label, path, tensors, repeats, cold_loads=label == "disk")
+        finally:
+            if label == "/dev/shm":
+                shutil.rmtree(path, ignore_errors=True)
+    return summary
