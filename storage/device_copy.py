@@ -11,12 +11,15 @@ are not carried (CPU tensors, objects) pass through untouched, in order.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SLAB_BYTES = 32 << 20
 SLABS = 4
@@ -138,13 +141,22 @@ def _side_stream(streams: dict[torch.device, Any], t: torch.Tensor) -> Any:
 
 def _host_buffer(nbytes: int) -> torch.Tensor:
     """Host memory for one slab: pinned when CUDA is available (copies then run async)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return _host_empty((nbytes,), torch.uint8, torch.cuda.is_available())
 
 
 def host_target(shape: tuple[int, ...], dtype: torch.dtype, for_device: bool) -> torch.Tensor:
     """A host buffer a read lands in before it goes to a tensor; pinned when that tensor is on
     a CUDA device, so the host-to-device copy runs without a pageable intermediate."""
-    return torch.empty(shape, dtype=dtype, pin_memory=for_device and torch.cuda.is_available())
+    return _host_empty(shape, dtype, for_device and torch.cuda.is_available())
+
+
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as e:  # page-locked memory refused (limits): copies just sync
+            log.warning("pinned host memory unavailable, using pageable memory: %s", e)
+    return torch.empty(shape, dtype=dtype)
 
 
 def wait_for_device_copies(devices: Iterable[torch.device]) -> None:
