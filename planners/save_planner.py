@@ -581,6 +581,9 @@ class ShardedSavePlanner(SavePlanner):
     """
 
     list_wrapped_objects = False  # ShardedObjects stored as ``[data]`` (torch_dist's way)
+    # Send the plan's chunks as columns too: they save the coordinator a walk over every
+    # rank's items (a group of one gains nothing from them, and may turn them off).
+    columns = True
 
     def __init__(self, *, validate: bool = True, owners: WhoWrites | None = None) -> None:
         self.validate = validate
@@ -612,7 +615,8 @@ class ShardedSavePlanner(SavePlanner):
             owners=self.owners,
         )
         self._sources = local.sources
-        describe_plan(local.items, local.summary)
+        if self.columns:
+            describe_plan(local.items, local.summary)
         self._columns = local.summary.columns
         self._planned = tuple(local.items)
         return SavePlan(local.items, planner_data=local.summary)
