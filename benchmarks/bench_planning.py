@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from benchmarks.common import table
 from dcpbridge.planners import build_metadata
-from dcpbridge.planners.save_planner import LocalSummary
+from dcpbridge.planners.save_planner import LocalSummary, describe_plan
 from dcpbridge.storage import checksum
 from dcpbridge.storage.format import (
     ITEM_ALIGN,
@@ -35,6 +35,7 @@ from dcpbridge.storage.format import (
     dtype_name,
 )
 from dcpbridge.storage.writer import index_results, new_save_id
+from dcpbridge.storage.written import written_columns
 
 DTYPE = torch.bfloat16
 BLOCK = checksum.DEFAULT_BLOCK_SIZE
@@ -59,7 +60,9 @@ def _item(key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tup
 
 
 def _plans(ranks: int, boxes) -> list[SavePlan]:
-    """Each rank's plan: ``boxes(rank)`` yields (key, offsets, sizes, shape, written)."""
+    """Each rank's plan as its ``ShardedSavePlanner.create_local_plan`` makes it (items,
+    declarations, and the columns describing them): ``boxes(rank)`` yields (key, offsets,
+    sizes, shape, written)."""
     plans = []
     for rank in range(ranks):
         summary = LocalSummary()
@@ -68,13 +71,15 @@ def _plans(ranks: int, boxes) -> list[SavePlan]:
             summary.tensors[key] = (shape, dtype_name(DTYPE))
             if written:
                 items.append(_item(key, offsets, sizes, shape))
+        describe_plan(items, summary)
         plans.append(SavePlan(items, planner_data=summary))
     return plans
 
 
 def _results(plans: list[SavePlan], save_id: str) -> list[list[WriteResult]]:
     """What each rank's writer reports: its items packed into one file, one checksum per
-    tile of each chunk (16 KiB chunks: one tile each)."""
+    tile of each chunk (16 KiB chunks: one tile each), with the columns its
+    ``FsspecCheckpointWriter.write_data`` attaches for a plan of dcpbridge's planner."""
     out = []
     digest = checksum.digests(checksum.flat_grid(1, 1), memoryview(b"x"))[0]
     for rank, plan in enumerate(plans):
@@ -86,7 +91,8 @@ def _results(plans: list[SavePlan], save_id: str) -> list[list[WriteResult]]:
             stored = StoredItem(name, pos, nbytes, rank, (digest,) * tiles, sizes, DTYPE)
             results.append(WriteResult(item.index, nbytes, stored))
             pos += -(-nbytes // ITEM_ALIGN) * ITEM_ALIGN
-        out.append(results)
+        planned = plan.planner_data.columns.digest  # what the planner's plan_digest gives
+        out.append(written_columns(results, range(len(results)), planned))
     return out
 
 

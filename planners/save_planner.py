@@ -40,6 +40,13 @@ from dcpbridge.planners.boxes import (
     coverage_problems,
     untiled_keys,
 )
+from dcpbridge.planners.columns import (
+    GatheredColumns,
+    PlanColumns,
+    declarations_digest,
+    gather_columns,
+    plan_columns,
+)
 from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
 from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
@@ -53,6 +60,7 @@ from dcpbridge.planners.protocol import (
 from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
 from dcpbridge.storage.format import dtype_name, parse_dtype
 from dcpbridge.storage.table import ChunkList, PlannedBoxes
+from dcpbridge.storage.written import Sources
 
 _MAX_REPORTED = 20
 
@@ -64,6 +72,15 @@ class LocalSummary:
     tensors: dict[str, tuple[Shape, str]] = field(default_factory=dict)
     objects: dict[str, tuple[str, Shape, Shape]] = field(default_factory=dict)
     paths: dict[str, ObjPath] = field(default_factory=dict)  # DCP key -> path in the state dict
+    digest: bytes = b""  # fingerprint of ``tensors`` (``describe_plan``; empty: not made)
+    columns: PlanColumns | None = None  # the plan's items as arrays (``describe_plan``)
+
+
+def describe_plan(items: list[WriteItem], summary: LocalSummary) -> None:
+    """Fingerprint ``summary``'s declarations and attach ``items`` (the plan's, final) as
+    columns, which the coordinator validates instead of the items one by one."""
+    summary.digest = declarations_digest(summary.tensors)
+    summary.columns = plan_columns(items, summary.tensors, summary.digest)
 
 
 @dataclass(slots=True)
@@ -208,10 +225,10 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     are checked as arrays; only keys that fail get the per-chunk, worded check.
     """
     problems: list[str] = []
-    decls, objects, object_shapes, paths = _merge_summaries(plans)
+    decls, objects, object_shapes, paths, groups = _merge_summaries(plans)
     keys = list(decls)
     key_ids = {k: i for i, k in enumerate(keys)}
-    written = _collect_writes(plans, key_ids)
+    written = _column_writes(plans, key_ids, groups) or _collect_writes(plans, key_ids)
     byte_writers = written.byte_writers
 
     for key, variants in decls.items():
@@ -279,15 +296,17 @@ def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
     return Metadata(state_dict_metadata=state, planner_data={**mappings, "objects": object_table})
 
 
-def _merge_summaries(plans: list[SavePlan]) -> tuple[Any, Any, Any, Any]:
+def _merge_summaries(plans: list[SavePlan]) -> tuple[Any, Any, Any, Any, Any]:
     """Every rank's declarations merged: (tensor decls -> ranks, object grids, object shapes
-    -> ranks, DCP key paths). Ranks declaring exactly what an earlier rank did are merged
-    with one dict comparison instead of one step per key."""
+    -> ranks, DCP key paths, the distinct declarations with their ranks). Ranks declaring
+    exactly what an earlier rank did are merged by their fingerprint, or with one dict
+    comparison, instead of one step per key."""
     decls: dict[str, dict[tuple[Shape, str], list[int]]] = {}
     objects: dict[str, dict[str, tuple[Shape, Shape]]] = {}
     object_shapes: dict[str, dict[Shape, list[int]]] = {}
     paths: dict[str, ObjPath] = {}
     seen: list[tuple[dict[str, tuple[Shape, str]], list[int]]] = []  # distinct decls, ranks
+    by_digest: dict[bytes, list[int]] = {}
     for rank, plan in enumerate(plans):
         summary = plan.planner_data
         if not isinstance(summary, LocalSummary):
@@ -295,12 +314,18 @@ def _merge_summaries(plans: list[SavePlan]) -> tuple[Any, Any, Any, Any]:
         if summary.paths:
             paths.update(summary.paths)
         tensors = summary.tensors
-        for known, ranks in reversed(seen[-8:]):
-            if known == tensors:
-                ranks.append(rank)
-                break
+        same = by_digest.get(summary.digest) if summary.digest else None
+        if same is not None:
+            same.append(rank)
         else:
-            seen.append((tensors, [rank]))
+            for known, ranks in reversed(seen[-8:]):
+                if known == tensors:
+                    ranks.append(rank)
+                    break
+            else:
+                seen.append((tensors, [rank]))
+                if summary.digest:
+                    by_digest[summary.digest] = seen[-1][1]
         for uk, (key, shape, offset) in summary.objects.items():
             objects.setdefault(key, {})[uk] = (shape, offset)
             object_shapes.setdefault(key, {}).setdefault(shape, []).append(rank)
@@ -310,7 +335,7 @@ def _merge_summaries(plans: list[SavePlan]) -> tuple[Any, Any, Any, Any]:
     for variants in decls.values():
         for ranks in variants.values():
             ranks.sort()
-    return decls, objects, object_shapes, paths
+    return decls, objects, object_shapes, paths, seen
 
 
 @dataclass(slots=True)
@@ -327,12 +352,51 @@ class _Writes:
     counts: list[int] = field(default_factory=list)  # chunks per rank
     byte_writers: dict[str, list[int]] = field(default_factory=dict)
     boxes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    gathered: GatheredColumns | None = None  # when every plan came with its columns
+
+    def box(self, i: int) -> tuple[Shape, Shape]:
+        """(offsets, sizes) of chunk ``i`` as tuples."""
+        if self.gathered is None:
+            return tuple(self.offsets[i]), tuple(self.sizes[i])
+        assert self.boxes is not None
+        offsets, sizes, dims = self.boxes
+        n = int(dims[i])
+        return tuple(offsets[i, :n].tolist()), tuple(sizes[i, :n].tolist())
 
 
 _TENSOR_DATA = operator.attrgetter("tensor_data")
 _INDEX, _FQN = operator.attrgetter("index"), operator.attrgetter("fqn")
 _CHUNK = operator.attrgetter("chunk")
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
+
+
+def _column_writes(
+    plans: list[SavePlan], key_ids: dict[str, int], groups: list[tuple[dict[str, Any], list[int]]]
+) -> _Writes | None:
+    """Every rank's writes from the columns its plan carries (``groups``: the distinct
+    declarations and their ranks); None unless every plan carries columns of its own items."""
+    columns = []
+    for plan in plans:
+        summary = plan.planner_data
+        c = summary.columns
+        if c is None or not c.describes(plan) or c.declared != len(summary.tensors):
+            return None
+        columns.append(c)
+    key_maps: list[np.ndarray] = [np.zeros(0, np.int64)] * len(plans)
+    for tensors, ranks in groups:
+        ids = np.fromiter(map(key_ids.__getitem__, tensors), np.int64, len(tensors))
+        for rank in ranks:
+            key_maps[rank] = ids
+    gathered = gather_columns(plans, columns, key_maps)
+    out = _Writes(
+        kid=gathered.kid,
+        counts=gathered.counts,
+        boxes=(gathered.offsets, gathered.sizes, gathered.dims),
+        gathered=gathered,
+    )
+    for rank, item in gathered.object_items:
+        out.byte_writers.setdefault(item.index.fqn, []).append(rank)
+    return out
 
 
 def _collect_writes(plans: list[SavePlan], key_ids: dict[str, int]) -> _Writes:
@@ -376,10 +440,11 @@ def _check_chunks(
 ) -> np.ndarray:
     """Append the coverage problems of every key; returns the chunks' order by key, offsets."""
     width = max(map(len, shapes), default=0)
-    try:
-        written.boxes = chunk_arrays(written.offsets, written.sizes, width)
-    except (OverflowError, ValueError):  # values beyond int64: every key the worded way
-        written.boxes = None
+    if written.gathered is None:
+        try:
+            written.boxes = chunk_arrays(written.offsets, written.sizes, width)
+        except (OverflowError, ValueError):  # values beyond int64: every key the worded way
+            written.boxes = None
     rank = np.repeat(np.arange(len(written.counts), dtype=np.int64), written.counts)
     if validate:
         if written.boxes is None:
@@ -388,10 +453,7 @@ def _check_chunks(
             suspects = untiled_keys(shapes, kid, *written.boxes)
         for k in suspects:
             rows = np.flatnonzero(kid == k).tolist()
-            placed = [
-                Placed(tuple(written.offsets[i]), tuple(written.sizes[i]), int(rank[i]))
-                for i in rows
-            ]
+            placed = [Placed(*written.box(i), int(rank[i])) for i in rows]
             problems.extend(coverage_problems(keys[k], shapes[k], placed))
     if written.boxes is None:
         return np.array(
@@ -416,6 +478,8 @@ def _chunk_lists(
     if written.boxes is not None:
         offsets, sizes, _ = written.boxes
         boxes = PlannedBoxes(list(shapes), counts, offsets[order], sizes[order], checked)
+        if written.gathered is not None:
+            boxes.sources = _sources(written.gathered, order)
         return [ChunkList(boxes, k) for k in range(len(keys))]
     made = [
         ChunkStorageMetadata(torch.Size(written.offsets[i]), torch.Size(written.sizes[i]))
@@ -425,6 +489,15 @@ def _chunk_lists(
     np.cumsum(counts, out=bounds[1:])
     edges = bounds.tolist()
     return [made[edges[k] : edges[k + 1]] for k in range(len(keys))]
+
+
+def _sources(gathered: GatheredColumns, order: np.ndarray) -> Sources:
+    """Which rank's item, at which position of its plan, each planned chunk row is."""
+    starts = np.zeros(len(gathered.item_counts) + 1, dtype=np.int64)
+    np.cumsum(gathered.item_counts, out=starts[1:])
+    row = np.full(int(starts[-1]), -1, dtype=np.int64)
+    row[gathered.flat[order]] = np.arange(len(order), dtype=np.int64)
+    return Sources(gathered.digests, starts, row)
 
 
 def _object_grid_problems(
@@ -508,6 +581,9 @@ class ShardedSavePlanner(SavePlanner):
     """
 
     list_wrapped_objects = False  # ShardedObjects stored as ``[data]`` (torch_dist's way)
+    # Send the plan's chunks as columns too: they save the coordinator a walk over every
+    # rank's items (a group of one gains nothing from them, and may turn them off).
+    columns = True
 
     def __init__(self, *, validate: bool = True, owners: WhoWrites | None = None) -> None:
         self.validate = validate
@@ -515,6 +591,8 @@ class ShardedSavePlanner(SavePlanner):
         self._state_dict: Any = None
         self._is_coordinator = False
         self._sources: dict[MetadataIndex, Any] = {}
+        self._columns: PlanColumns | None = None
+        self._planned: tuple[WriteItem, ...] = ()
 
     def set_up_planner(
         self,
@@ -537,7 +615,20 @@ class ShardedSavePlanner(SavePlanner):
             owners=self.owners,
         )
         self._sources = local.sources
+        if self.columns:
+            describe_plan(local.items, local.summary)
+        self._columns = local.summary.columns
+        self._planned = tuple(local.items)
         return SavePlan(local.items, planner_data=local.summary)
+
+    def plan_digest(self, plan: SavePlan) -> bytes | None:
+        """The fingerprint of ``plan``'s columns if its items are still exactly the ones this
+        planner planned and described (a writer then reports its results by position in
+        them), else None."""
+        columns = self._columns
+        if columns is None or not columns.describes(plan) or tuple(plan.items) != self._planned:
+            return None
+        return columns.digest
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         metadata = build_metadata(all_plans, validate=self.validate)

@@ -55,6 +55,7 @@ from dcpbridge.storage.table import (
     table_from_written,
     unpack_column,
 )
+from dcpbridge.storage.written import columns_table
 
 __all__ = [
     "FORMAT_VERSION",
@@ -185,18 +186,24 @@ def written_table(
     metadata: Metadata, results: Sequence[Sequence[WriteResult]], *, checksums: bool
 ) -> ItemTable:
     """The item table of ``metadata`` from every rank's write results (each a ``StoredItem``
-    in ``storage_data``), in any order; every field is gathered in one C-level pass."""
-    flat = list(itertools.chain.from_iterable(results))
-    indexes = list(map(operator.attrgetter("index"), flat))
-    fqns = list(map(operator.attrgetter("fqn"), indexes))
-    offsets = list(map(operator.attrgetter("offset"), indexes))
-    items = list(map(operator.attrgetter("storage_data"), flat))
+    in ``storage_data``), in any order: from the results' columns when every rank reported
+    them for the plan the coordinator validated, else every field gathered from the
+    ``WriteResult`` objects in one C-level pass."""
     tensors, objects = [], []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             tensors.append(TensorHeader(fqn, md.properties.dtype, tuple(md.size)))
         else:
             objects.append(fqn)
+    planned = planned_boxes(metadata)
+    table = columns_table(tensors, objects, planned, results, checksums=checksums)
+    if table is not None:
+        return table
+    flat = list(itertools.chain.from_iterable(results))
+    indexes = list(map(operator.attrgetter("index"), flat))
+    fqns = list(map(operator.attrgetter("fqn"), indexes))
+    offsets = list(map(operator.attrgetter("offset"), indexes))
+    items = list(map(operator.attrgetter("storage_data"), flat))
     files = sorted(set(map(operator.attrgetter("file"), items)))
     try:
         return table_from_written(
@@ -207,7 +214,7 @@ def written_table(
             offsets,
             items,
             checksums=checksums,
-            planned=planned_boxes(metadata),
+            planned=planned,
         )
     except KeyError as e:
         raise InvalidArgumentError(

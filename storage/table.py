@@ -19,7 +19,7 @@ import operator
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.tiling import disjointness, products, tile_counts
+
+if TYPE_CHECKING:
+    from dcpbridge.storage.written import Sources
 
 ItemKey = tuple[str, "tuple[int, ...] | None"]
 
@@ -395,6 +398,7 @@ class PlannedBoxes(_ChunkIndex):
     offsets: np.ndarray
     sizes: np.ndarray
     checked: bool
+    sources: Sources | None = None  # which rank's item each row is (write results by position)
     _starts: np.ndarray | None = field(default=None, repr=False)
     _bounds: list[int] | None = field(default=None, repr=False)
     _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
@@ -888,7 +892,7 @@ def table_from_written(
             recorded = [r or () for r in recorded]
             lens = np.fromiter(map(len, recorded), dtype=np.int64, count=n)
         flat = hex_to_ints(list(itertools.chain.from_iterable(recorded)))
-        sums = flat[_ragged_order(lens, order)]
+        sums = flat[ragged_order(lens, order)]
     places = np.fromiter(itertools.chain.from_iterable(map(_PLACE, items)), np.int64, 3 * n)
     places = places.reshape(n, 3)[order]
     return ItemTable(
@@ -944,7 +948,7 @@ def _positions(chunk_rows: np.ndarray, ordered: np.ndarray) -> np.ndarray:
     return where[ordered]
 
 
-def _ragged_order(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
+def ragged_order(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Indices that gather the ragged segments (``counts`` long each) in ``order``."""
     starts = np.cumsum(counts) - counts
     lens = counts[order]

@@ -39,6 +39,7 @@ from dcpbridge.storage.format import (
     written_table,
 )
 from dcpbridge.storage.location_mixin import LocationMixin
+from dcpbridge.storage.written import written_columns
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,10 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         else:
             with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpb-write") as pool:
                 results = [r for rs in pool.map(write_file, range(len(buckets))) for r in rs]
+        digest_of = getattr(planner, "plan_digest", None)  # dcpbridge's planners have one
+        digest = digest_of(plan) if digest_of is not None else None
+        if digest is not None:
+            results = written_columns(results, _positions(plan.items, buckets), digest)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -324,6 +329,14 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             if self.sync_files:
                 self._store.sync(raw)
         return results
+
+
+def _positions(items: list[WriteItem], buckets: list[list[WriteItem]]) -> list[int] | range:
+    """Each bucketed item's position in ``items``, bucket by bucket."""
+    if len(buckets) == 1 and buckets[0] is items:
+        return range(len(items))
+    where = {id(item): i for i, item in enumerate(items)}
+    return [where[id(item)] for bucket in buckets for item in bucket]
 
 
 def _write_tensor(

@@ -169,8 +169,14 @@ def write_planned(
     options: SaveOptions,
 ) -> None:
     """Plan, validate, write and commit ``planned`` (collective over ``group``)."""
+
+    def prepare() -> tuple[Any, SavePlanner, StorageWriter]:
+        state, planner, writer = _planner_and_writer(planned, checkpoint_dir, options)
+        planner.columns = group.size > 1  # type: ignore[attr-defined]  # see ShardedSavePlanner
+        return state, planner, writer
+
     run_save(
-        lambda: _planner_and_writer(planned, checkpoint_dir, options),
+        prepare,
         group,
         cache,
         structure=planned.structure,

@@ -18,6 +18,7 @@ import torch
 from benchmarks import bench_planning as bp
 from dcpbridge.planners import build_metadata
 from dcpbridge.planners.errors import ShardingValidationError
+from dcpbridge.planners.save_planner import describe_plan
 from dcpbridge.storage.checksum import tensor_grid
 from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.format import decode_metadata, planned_boxes
@@ -70,10 +71,12 @@ def test_tile_counts_match_the_checksum_grid_of_every_shape():
 
 def _save(ranks: int, tensors: int, *, validate: bool = True, edit=None):
     """(metadata, write results) of an FSDP-like plan; ``edit(plans)`` changes the plans
-    before the global plan is made."""
+    as if their planner had made them so (their columns describe the edited items)."""
     plans = bp._plans(ranks, bp._fsdp(ranks, tensors, 2, 8))
     if edit is not None:
         edit(plans)
+        for plan in plans:
+            describe_plan(plan.items, plan.planner_data)
     metadata = build_metadata(plans, validate=validate)
     return metadata, bp._results(plans, SAVE_ID)
 
@@ -125,6 +128,7 @@ def test_an_unchecked_plan_is_still_checked_when_encoded():
 def test_results_that_differ_from_the_checked_plan_are_checked_in_full():
     """A writer reporting other boxes than the planner checked gets no trust."""
     metadata, results = _save(8, 3)
+    results = [list(r) for r in results]  # as objects only (a writer without columns)
     moved = results[1][0]
     index = dataclasses.replace(moved.index, offset=torch.Size([0, 0]))  # rank 0's chunk
     results[1][0] = dataclasses.replace(moved, index=index)
@@ -134,12 +138,14 @@ def test_results_that_differ_from_the_checked_plan_are_checked_in_full():
 
 def test_results_with_wrong_dims_or_unknown_keys_are_refused():
     metadata, results = _save(4, 2)
+    results = [list(r) for r in results]
     wrong = results[2][1]
     flat = dataclasses.replace(wrong.index, offset=torch.Size([4]))
     results[2][1] = dataclasses.replace(wrong, index=flat)
     with pytest.raises(InvalidArgumentError, match="does not have the tensor's 2 dimensions"):
         _encode(metadata, results)
     metadata, results = _save(4, 2)
+    results = [list(r) for r in results]
     other = dataclasses.replace(results[0][0].index, fqn="nope")
     results[0][0] = dataclasses.replace(results[0][0], index=other)
     with pytest.raises(InvalidArgumentError, match="'nope', which is not planned"):

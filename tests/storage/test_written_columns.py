@@ -1,0 +1,190 @@
+"""Write results reported as columns: the commit document's item table is the one the
+``WriteResult`` objects give, a save that takes this path loads bit-exact, and results
+that do not belong to the validated plan are read item by item (with the same errors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpbridge as db
+import dcpbridge.storage.format as fmt
+from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
+from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.storage.errors import InvalidArgumentError
+from dcpbridge.storage.writer import results_table
+from dcpbridge.storage.written import WrittenResults
+from tests.support import layouts as L
+from tests.support.dist_pool import Rank
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+_COLUMNS = ("counts", "file", "offset", "nbytes", "rank", "offsets", "sizes", "checksums")
+
+
+def _state() -> dict:
+    """Many small tensors of several dtypes and dims, a 0-d one, and objects."""
+    g = torch.Generator().manual_seed(7)
+    sd: dict = {f"p{i}": torch.randn(3, i + 1, generator=g) for i in range(9)}
+    sd["big"] = torch.randn(70_000, generator=g).to(torch.bfloat16)  # more than one tile
+    sd["ids"] = torch.arange(24, dtype=torch.int64).reshape(2, 3, 4)
+    sd["scalar"] = torch.tensor(2.5)
+    sd["opt"] = {"step": 11, "lr": [0.1, 0.2]}
+    return sd
+
+
+def _write(path: str, sd: dict, threads: int = 3):
+    """Plan, write and index ``sd`` by DCP's steps in one process: (metadata, results)."""
+    planner = ShardedSavePlanner()
+    writer = FsspecCheckpointWriter(path, thread_count=threads)
+    planner.set_up_planner(sd, is_coordinator=True)
+    writer.set_up_storage_writer(True)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    plans, metadata = planner.create_global_plan([local])
+    plans = writer.prepare_global_plan(plans)
+    plan = dataclasses.replace(local, storage_data=plans[0].storage_data, planner_data=None)
+    results = writer.write_data(planner.finish_plan(plan), planner).wait()
+    return writer, metadata, results
+
+
+def _same_tables(a, b) -> None:
+    for column in _COLUMNS:
+        assert np.array_equal(getattr(a, column), getattr(b, column)), column
+    assert (a.tensors, a.shapes, a.dtypes, a.objects, a.files) == (
+        b.tensors,
+        b.shapes,
+        b.dtypes,
+        b.objects,
+        b.files,
+    )
+
+
+def test_columns_give_the_table_the_objects_give_and_load_bit_exact(tmp_path):
+    sd = _state()
+    writer, metadata, results = _write(str(tmp_path), sd)
+    assert isinstance(results, WrittenResults) and results.columns is not None
+    assert len(set(results.columns.files)) == 3  # three files: positions are interleaved
+    by_columns = results_table(metadata, [results], checksums=True)
+    by_objects = results_table(metadata, [list(results)], checksums=True)
+    _same_tables(by_columns, by_objects)
+    assert pickle.loads(pickle.dumps(results)).columns.digest == results.columns.digest
+    writer.finish(metadata, [results])
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
+    out["opt"] = {"step": 0, "lr": [0.0, 0.0]}
+    dcp.load(out, storage_reader=FsspecCheckpointReader(str(tmp_path)))
+    for key, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(out[key], value) and out[key].dtype == value.dtype, key
+    assert out["opt"] == sd["opt"]
+
+
+def test_results_of_another_plan_are_read_item_by_item(tmp_path):
+    _, metadata, results = _write(str(tmp_path / "a"), _state())
+    expected = results_table(metadata, [list(results)], checksums=True)
+    foreign = WrittenResults(results)
+    foreign.columns = dataclasses.replace(results.columns, digest=b"another plan")
+    _same_tables(results_table(metadata, [foreign], checksums=True), expected)
+    twice = WrittenResults(results)  # one position reported twice, one never
+    position = results.columns.position.copy()
+    position[1] = position[0]
+    twice.columns = dataclasses.replace(results.columns, position=position)
+    _same_tables(results_table(metadata, [twice], checksums=True), expected)
+
+
+def test_missing_results_are_refused_naming_the_key(tmp_path):
+    _, metadata, results = _write(str(tmp_path), _state(), threads=1)
+    row = [r.index.fqn for r in results].index("p4")
+    short = WrittenResults(results[:row] + results[row + 1 :])
+    keep = np.arange(len(results)) != row
+    c = results.columns
+    short.columns = dataclasses.replace(
+        c,
+        position=c.position[keep],
+        file=c.file[keep],
+        offset=c.offset[keep],
+        nbytes=c.nbytes[keep],
+        rank=c.rank[keep],
+        sums=np.delete(c.sums, row),  # one tile each: small tensors
+        sum_counts=c.sum_counts[keep],
+    )
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"no stored bytes for some chunks of tensor 'p4': 1 planned, 0 written",
+    ):
+        fmt.encode_metadata(_indexed(metadata, short))
+
+
+def _indexed(metadata, results):
+    from dcpbridge.storage.format import StorageIndex
+
+    table = results_table(metadata, [results], checksums=True)
+    metadata.storage_data = StorageIndex(
+        items=table,
+        save_id="5eed",
+        files=table.files,
+        checksum_algorithm="xxh3_64",
+        checksum_block_size=1 << 20,
+        world_size=1,
+    )
+    return metadata
+
+
+def _save_sharded(r: Rank, path: str) -> dict:
+    """``db.save`` on every rank, counting on the coordinator which way the table was made."""
+    made = {"columns": 0, "objects": 0}
+    real = fmt.columns_table
+
+    def counted(*args, **kwargs):
+        table = real(*args, **kwargs)
+        made["columns" if table is not None else "objects"] += 1
+        return table
+
+    fmt.columns_table = counted
+    try:
+        sd = {
+            key: [L.shard(key, box) for box in L.boxes("grid4", key, r.rank)]
+            for key in ("w", "w_bf16", "idx", "vec")
+        }
+        sd["step"] = 5
+        db.save(sd, path, process_group=r.group, thread_count=2)
+    finally:
+        fmt.columns_table = real
+    template = {
+        key: [L.template(key, box) for box in L.boxes("rows4", key, r.rank)]
+        for key in ("w", "w_bf16", "idx", "vec")
+    }
+    loaded = db.load(template, path, process_group=r.group)
+    for key in ("w", "w_bf16", "idx", "vec"):
+        for box, got in zip(L.boxes("rows4", key, r.rank), loaded[key]):
+            assert torch.equal(got.data, L.expected(key, box)), key
+    return made
+
+
+@pytest.mark.timeout(180)
+def test_a_multi_rank_save_indexes_its_results_as_columns(pool, tmp_path):
+    made = pool.run(_save_sharded, 4, str(tmp_path / "ckpt"))
+    assert made[0] == {"columns": 1, "objects": 0}
+    assert all(m == {"columns": 0, "objects": 0} for m in made[1:])
+
+
+def test_dcp_save_with_our_planner_and_writer_round_trips(tmp_path):
+    sd = _state()
+    dcp.save(
+        sd,
+        storage_writer=FsspecCheckpointWriter(str(tmp_path), thread_count=2),
+        planner=ShardedSavePlanner(),
+    )
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
+    out["opt"] = {"step": 0, "lr": [0.0, 0.0]}
+    dcp.load(
+        out, storage_reader=FsspecCheckpointReader(str(tmp_path)), planner=ShardedLoadPlanner()
+    )
+    for key, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(out[key], value), key
+    assert out["opt"] == sd["opt"]
