@@ -384,6 +384,8 @@ class _Carried:
                     item_nbytes(item), tuple(td.chunk.sizes), td.properties.dtype, self._block
                 )
                 self._hasher = checksum.Hasher(grid)
+        if self._written + len(mv) > item_nbytes(item):  # more bytes than planned: refuse now
+            _check_size(item, self._written + len(mv))
         self._out.write(mv)
         self._written += len(mv)
         if self._hasher is not None:
