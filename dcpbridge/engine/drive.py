@@ -59,6 +59,8 @@ def run_save(
     def plan_locally() -> SavePlan:
         nonlocal planner, writer, local
         state_dict, planner, writer = prepare()
+        if reuse is not None and hasattr(planner, "reuse_tensor_writes"):
+            planner.reuse_tensor_writes(reuse.entry.tensor_writes)  # same structure: same items
         planner.set_up_planner(
             state_dict=state_dict,
             storage_meta=writer.storage_meta(),
@@ -125,7 +127,8 @@ def run_save(
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
     if cache is not None and reuse is None and structure is not None and reusable:
         assert reply is not None
-        cache.entry = CacheEntry(structure, reply[1], metadata, owners)
+        writes = getattr(planner, "tensor_writes", None)
+        cache.entry = CacheEntry(structure, reply[1], metadata, owners, writes)
     return metadata
 
 
