@@ -35,10 +35,12 @@ from dcpbridge.planners.errors import (
 from dcpbridge.planners.leaves import TENSOR_KINDS, refuse, tensor_boxes
 from dcpbridge.planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
 from dcpbridge.planners.walk import Leaf, iter_leaves
+from dcpbridge.storage.delivery import is_plain
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.regions import narrow_box
 from dcpbridge.storage.table import ChunkList
 from dcpbridge.storage.tiling import distinct
+from dcpbridge.storage.whole_reads import WholeReads
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
 _INDEX_THRESHOLD = 32
@@ -188,13 +190,24 @@ class LocalReads:
     legacy: dict[str, _Legacy] = field(default_factory=dict)
     requested: set[str] = field(default_factory=set)
     missing: list[str] = field(default_factory=list)
+    whole: WholeReads | None = None  # whole-chunk requests as columns, instead of items
+    whole_at: dict[tuple[str, Shape], int] = field(default_factory=dict)  # entry by box
 
 
 def plan_local_reads(
-    leaves: Iterable[Leaf], metadata: Metadata, *, allow_dtype_cast: bool = False
+    leaves: Iterable[Leaf],
+    metadata: Metadata,
+    *,
+    allow_dtype_cast: bool = False,
+    whole_columns: bool = False,
 ) -> LocalReads:
-    """Read items that fill every requested tensor-like leaf and object from ``metadata``."""
-    out = LocalReads()
+    """Read items that fill every requested tensor-like leaf and object from ``metadata``.
+
+    With ``whole_columns``, requests that are exactly one stored chunk, into a plain CPU
+    tensor of the stored dtype, go to ``LocalReads.whole`` instead of becoming read items
+    (for a reader that takes them: ``FsspecCheckpointReader.read_whole``).
+    """
+    out = LocalReads(whole=WholeReads() if whole_columns else None)
     stored = metadata.state_dict_metadata
     indexes: dict[str, ChunkIndex] = {}
     for leaf in leaves:
@@ -330,6 +343,8 @@ def _plan_box(
         view.zero_()
     if math.prod(sizes) == 0:
         return
+    if out.whole is not None and _take_whole(out, fqn, offsets, sizes, view, md):
+        return
     dest_key = MetadataIndex(fqn, offsets)
     dest = out.dests.get(dest_key)
     if dest is not None:  # the same box requested twice on this rank: read once, copy
@@ -364,6 +379,38 @@ def _plan_box(
     out.items.extend(items)
 
 
+def _take_whole(
+    out: LocalReads,
+    fqn: str,
+    offsets: Shape,
+    sizes: Shape,
+    view: torch.Tensor,
+    md: TensorStorageMetadata,
+) -> bool:
+    """Record the request as a whole-chunk column entry if it is one; False if it must be
+    planned as read items."""
+    whole = out.whole
+    assert whole is not None
+    box = (fqn, offsets)
+    at = out.whole_at.get(box)
+    if at is not None:  # the same box requested twice on this rank: read once, copy
+        if whole.targets[at].shape != view.shape:
+            raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
+        whole.copies.setdefault(at, []).append(view)
+        return True
+    if view.dtype != md.properties.dtype or not is_plain(view):
+        return False
+    chunks = md.chunks
+    if not (isinstance(chunks, ChunkList) and chunks.holds(offsets, sizes)):
+        return False
+    if out.dests and MetadataIndex(fqn, offsets) in out.dests:
+        return False  # already planned as items (an earlier request of another kind)
+    out.whole_at[box] = len(whole.keys)
+    whole.keys.append(box)
+    whole.targets.append(view)
+    return True
+
+
 class ShardedLoadPlanner(LoadPlanner):
     """DCP ``LoadPlanner`` that reshards: any box split of the stored tensors to any other.
 
@@ -371,6 +418,10 @@ class ShardedLoadPlanner(LoadPlanner):
     with ``weights_only`` unless ``allow_pickle``; ``strict`` decides what happens to
     missing and unexpected keys (see ``StrictMode``).
     """
+
+    collect_whole_reads = False
+    """Set by dcpbridge's driver when the reader takes ``whole_reads`` (``read_whole``):
+    whole-chunk requests are then planned as columns, not as read items."""
 
     def __init__(
         self,
@@ -405,7 +456,10 @@ class ShardedLoadPlanner(LoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         assert self._metadata is not None
         self._local = plan_local_reads(
-            self.leaves(), self._metadata, allow_dtype_cast=self.allow_dtype_cast
+            self.leaves(),
+            self._metadata,
+            allow_dtype_cast=self.allow_dtype_cast,
+            whole_columns=self.collect_whole_reads,
         )
         self.missing_keys = sorted(self._local.missing)
         if self.missing_keys and self.strict != StrictMode.RETURN_ALL:
@@ -430,6 +484,11 @@ class ShardedLoadPlanner(LoadPlanner):
                 f"{_preview(unexpected)}"
             )
         return [dataclasses.replace(p, planner_data=unexpected) for p in global_plan]
+
+    @property
+    def whole_reads(self) -> WholeReads | None:
+        """The whole-chunk requests planned as columns (None unless ``collect_whole_reads``)."""
+        return self._local.whole
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
         if self.strict != StrictMode.RAISE_MISSING:

@@ -167,7 +167,7 @@ def plan_local_writes(
                 sizes = chunk_sizes(sh)
                 writes = owners.writes_common() if kind == "tensor" else owners.writes(sh)
                 if writes and math.prod(sizes) > 0:
-                    _check_data(sh)
+                    check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
                     if item.index in out.sources:
                         raise ShardingValidationError(
@@ -196,7 +196,7 @@ def plan_local_writes(
     return out
 
 
-def _check_data(sh: TensorShard) -> None:
+def check_data(sh: TensorShard) -> None:
     """A main replica's data must be a tensor of exactly the declared local shape and dtype."""
     data = sh.data
     if not isinstance(data, torch.Tensor):

@@ -42,6 +42,11 @@ Slot = tuple["Job", int, memoryview]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain, dense, contiguous CPU tensor (a meta tensor is not is_cpu)."""
+    return type(t) in _PLAIN and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
+
+
 def byte_view(t: torch.Tensor) -> memoryview | None:
     """Writable bytes of ``t`` if it is a plain, dense, contiguous CPU tensor, else None.
 
@@ -49,8 +54,8 @@ def byte_view(t: torch.Tensor) -> memoryview | None:
     is filled through torch (``copy_``) from a staging buffer instead. The view aliases
     ``t``'s memory; callers keep ``t`` alive while using it.
     """
-    if not (type(t) in _PLAIN and t.is_cpu and t.layout == torch.strided and t.is_contiguous()):
-        return None  # (a meta tensor is not is_cpu)
+    if not is_plain(t):
+        return None
     n = t.nbytes
     if n == 0:
         return memoryview(b"")

@@ -35,6 +35,7 @@ from dcpbridge.storage.location_mixin import LocationMixin
 from dcpbridge.storage.metadata import diagnose_missing_metadata, read_checkpoint_metadata
 from dcpbridge.storage.paths import Location
 from dcpbridge.storage.read_plan import ReadTuning, plan_chunk_read
+from dcpbridge.storage.whole_reads import WholeReads, whole_jobs
 
 __all__ = [
     "FsspecCheckpointReader",
@@ -156,6 +157,32 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    reads_whole_columns = True  # ``read_whole`` takes a planner's ``WholeReads`` (our driver)
+
+    def read_whole(self, reads: WholeReads) -> None:
+        """Read whole stored chunks straight into their plain CPU destinations as one batch:
+        every entry looked up at once, ranges checked, checksums verified as in ``read_data``.
+        """
+        if not len(reads):
+            return
+        index = self._index
+        table = index.items
+        keys = reads.keys
+        found = (
+            table.get_many(keys) if isinstance(table, ItemTable) else [table.get(k) for k in keys]
+        )
+        if not self._all_ranges_checked:
+            wanted = {k: s for k, s in zip(keys, found) if s is not None}
+            if self._file_sizes is None:
+                self._file_sizes = self._store.file_sizes()
+            check_stored_ranges(wanted, self._file_sizes, self._loc.url)
+        block = index.checksum_block_size if self.verify_checksums else 0
+        jobs = whole_jobs(reads, found, block=block, tiled=index.tiled_checksums, url=self._loc.url)
+        prefixes = index.prefixes
+        path = functools.cache(lambda name: self._loc.data_path(name, prefixes))
+        tuning = ReadTuning.for_location(self._loc)
+        self.bytes_read += run_jobs(jobs, self._store, path, tuning, self.thread_count)
 
     # -- planning -------------------------------------------------------------------------
 

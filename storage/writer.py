@@ -80,9 +80,20 @@ def item_nbytes(item: WriteItem) -> int:
 
 def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
     """Spread items over ``files`` buckets by bytes (largest first), keeping plan order inside."""
+    return _split(items, files, [item_nbytes(item) for item in items])
+
+
+def _mostly_small(sizes: list[int]) -> bool:
+    """Whether items under ``_SMALL_ITEM`` hold most of these bytes: then writing is per-item
+    Python work, which threads serialize on the GIL rather than share (measured on local disk,
+    20,000 x 16 KiB, medians of 7 alternated saves: 0.44 s with one thread, 0.51 s with two)."""
+    small = sum(n for n in sizes if n < _SMALL_ITEM)
+    return 2 * small >= sum(sizes)
+
+
+def _split(items: list[WriteItem], files: int, sizes: list[int]) -> list[list[WriteItem]]:
     if files <= 1 or len(items) <= 1:
         return [items] if items else []
-    sizes = [item_nbytes(item) for item in items]
     loads = [0] * files
     owner: dict[int, int] = {}
     for pos in sorted(range(len(items)), key=lambda i: -sizes[i]):
@@ -238,13 +249,14 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             )
         self._save_id = target.save_id
         self._written = set()
-        buckets = split_into_files(plan.items, self.thread_count)
+        sizes = [item_nbytes(item) for item in plan.items]
+        buckets = _split(plan.items, self.thread_count, sizes)
 
         def write_file(index: int) -> list[WriteResult]:
             name = data_file_name(target.rank, index, target.save_id)
             return self._write_file(name, buckets[index], planner, target.rank)
 
-        if len(buckets) <= 1:
+        if len(buckets) <= 1 or (self._loc.is_local and _mostly_small(sizes)):
             results = [r for i in range(len(buckets)) for r in write_file(i)]
         else:
             with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpb-write") as pool:

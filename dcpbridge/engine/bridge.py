@@ -9,11 +9,12 @@ every common entry the checkpoint recorded, and the common blob of older checkpo
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from dcpbridge.engine.strict import StrictLoadPlanner
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
@@ -21,9 +22,19 @@ from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
+from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
 from dcpbridge.planners.walk import Leaf, ObjPath, set_path
 
 COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
+
+
+@dataclass(frozen=True, slots=True)
+class TensorWrites:
+    """A local plan's tensor items and, for each, the position of its shard in the planner's
+    shard list: what a save of the same structure writes again, with new data."""
+
+    positions: list[int]
+    items: list[WriteItem]
 
 
 class BridgeSavePlanner(ShardedSavePlanner):
@@ -40,10 +51,70 @@ class BridgeSavePlanner(ShardedSavePlanner):
     ) -> None:
         super().__init__(validate=validate, owners=owners)
         self._shards, self._objects, self._table = shards, objects, table
+        self._previous: TensorWrites | None = None
+        self.tensor_writes: TensorWrites | None = None  # of the last local plan
 
     def leaves(self) -> Iterator[Leaf]:
         for shard in self._shards:
             yield Leaf("", shard, None, None)
+        for key, value in self._objects.items():
+            yield Leaf(key, value, None, None)
+
+    def reuse_tensor_writes(self, previous: TensorWrites | None) -> None:
+        """Plan the tensors as ``previous`` did: the caller vouches that the shards have the
+        structure they had then (``dcpbridge.engine.cache``), so only their data is checked."""
+        self._previous = previous
+
+    def create_local_plan(self) -> SavePlan:
+        previous = self._previous
+        if previous is not None and self._matches(previous):
+            return self._replan(previous)
+        plan = super().create_local_plan()
+        at = {id(s): i for i, s in enumerate(self._shards)}
+        positions, items = [], []
+        for item in plan.items:
+            if item.tensor_data is not None:
+                pos = at.get(id(self._sources[item.index]))
+                if pos is None:  # not one of the shards as given: nothing to reuse
+                    return plan
+                positions.append(pos)
+                items.append(item)
+        self.tensor_writes = TensorWrites(positions, items)
+        return plan
+
+    def _matches(self, previous: TensorWrites) -> bool:
+        """Whether each reused item still names its shard's key and offsets (a cheap guard
+        against a shard list ordered otherwise than the structure vote saw)."""
+        shards = self._shards
+        n = len(shards)
+        for pos, item in zip(previous.positions, previous.items):
+            if pos >= n:
+                return False
+            sh, index = shards[pos], item.index
+            if not isinstance(sh, ShardedTensor) or sh.key != index.fqn:
+                return False
+            if sh.global_offset != index.offset:
+                return False
+        return True
+
+    def _replan(self, previous: TensorWrites) -> SavePlan:
+        """The previous tensor items over the new shards' data; objects planned afresh."""
+        shards = self._shards
+        sources: dict[Any, Any] = {}
+        for pos, item in zip(previous.positions, previous.items):
+            sh = shards[pos]
+            check_data(sh)
+            sources[item.index] = sh
+        objects = plan_local_writes(self._object_leaves(), self._is_coordinator, owners=self.owners)
+        sources.update(objects.sources)
+        self._sources = sources
+        self.tensor_writes = previous
+        return SavePlan([*previous.items, *objects.items], planner_data=LocalSummary())
+
+    def _object_leaves(self) -> Iterator[Leaf]:
+        for shard in self._shards:
+            if isinstance(shard, ShardedObject):
+                yield Leaf("", shard, None, None)
         for key, value in self._objects.items():
             yield Leaf(key, value, None, None)
 

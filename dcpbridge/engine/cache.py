@@ -63,13 +63,15 @@ class CacheEntry:
 
     ``structure`` fingerprints the shards, ``planner_data`` is the coordinator's planner reply
     to this rank, ``metadata`` the validated global metadata (coordinator only), ``owners``
-    who writes each item of that structure (``dcpbridge.engine.ownership.WriteOwners``).
+    who writes each item of that structure (``dcpbridge.engine.ownership.WriteOwners``),
+    ``tensor_writes`` this rank's tensor write items (``dcpbridge.engine.bridge.TensorWrites``).
     """
 
     structure: int
     planner_data: Any
     metadata: Metadata | None
     owners: Any = None
+    tensor_writes: Any = None
 
 
 @dataclass

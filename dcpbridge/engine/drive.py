@@ -4,7 +4,9 @@ The steps and their order are DCP's (``state_dict_saver``/``state_dict_loader``)
 collective is a step of ``dcpbridge.engine.protocol``, so any rank's failure is raised on
 every rank. Plans travel without the items the coordinator does not change (load plans, and
 save plans on the way back), and a save whose structure every rank voted unchanged reuses
-the cached plan instead of exchanging it.
+the cached plan instead of exchanging it. When the load planner and reader are dcpbridge's
+own, requests that are whole stored chunks pass from one to the other as columns
+(``dcpbridge.storage.whole_reads``) instead of one DCP ``ReadItem`` each.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def run_save(
     def plan_locally() -> SavePlan:
         nonlocal planner, writer, local
         state_dict, planner, writer = prepare()
+        if reuse is not None and hasattr(planner, "reuse_tensor_writes"):
+            planner.reuse_tensor_writes(reuse.entry.tensor_writes)  # same structure: same items
         planner.set_up_planner(
             state_dict=state_dict,
             storage_meta=writer.storage_meta(),
@@ -123,7 +127,8 @@ def run_save(
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
     if cache is not None and reuse is None and structure is not None and reusable:
         assert reply is not None
-        cache.entry = CacheEntry(structure, reply[1], metadata, owners)
+        writes = getattr(planner, "tensor_writes", None)
+        cache.entry = CacheEntry(structure, reply[1], metadata, owners, writes)
     return metadata
 
 
@@ -154,6 +159,8 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
         metadata = reader_metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, group.is_coordinator)
         reader.set_up_storage_reader(metadata, group.is_coordinator)
+        if hasattr(planner, "collect_whole_reads") and getattr(reader, "reads_whole_columns", 0):
+            planner.collect_whole_reads = True  # whole chunks as columns: no item per read
         local = reader.prepare_local_plan(planner.create_local_plan())
         return dataclasses.replace(local, items=[])
 
@@ -172,11 +179,19 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
         nonlocal final
         _, planner, reader = prepared
         final = planner.finish_plan(plan)
+        whole = getattr(planner, "whole_reads", None)
+        if whole:
+            reader.read_whole(whole)  # type: ignore[attr-defined]
         reader.read_data(final, planner).wait()
 
     planned = time.perf_counter()
     protocol.agree(group, "read", read)
     url = str(getattr(prepared[2], "checkpoint_id", "?"))
     phases = {"plan": planned - started, "read": time.perf_counter() - planned}
-    stats.report("loaded", url, phases, lambda: (stats.read_bytes(final, reader_metadata), 0))
+
+    def measure() -> tuple[int, int]:
+        whole = getattr(prepared[1], "whole_reads", None)
+        return stats.read_bytes(final, reader_metadata) + (whole.nbytes() if whole else 0), 0
+
+    stats.report("loaded", url, phases, measure)
     return prepared

@@ -1,0 +1,108 @@
+"""A save of an unchanged structure reuses the previous local write items (only the data is
+checked again); new data is what gets written, and bad data is still refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcpbridge as db
+from dcpbridge.engine.bridge import BridgeSavePlanner
+from dcpbridge.engine.cache import SAVE_CACHES, save_cache
+from dcpbridge.engine.collectives import Group
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state(seed: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(4, 3, generator=g)
+    return {
+        "a": db.ShardedTensor.from_box("a", torch.randn(5, generator=g), (5,), (0,)),
+        "top": db.ShardedTensor.from_box("m", rows[:2].clone(), (4, 3), (0, 0)),
+        "bottom": db.ShardedTensor.from_box("m", rows[2:].clone(), (4, 3), (2, 0)),
+        "lay": db.ShardedTensor.from_box(
+            "l", torch.randn(2, generator=g), (1, 2), (0, 0), prepend_axis_num=1
+        ),
+        "rest": db.ShardedTensor.from_box("s", torch.randn(2, generator=g), (4,), (0,)),
+        "skip": db.ShardedTensor.from_box("s", torch.randn(2), (4,), (0,), replica_id=1),
+        "more": db.ShardedTensor.from_box("s", torch.randn(2, generator=g), (4,), (2,)),
+        "rng": db.ShardedObject("rng", {"seed": seed}, (1,), (0,)),
+        "plain": torch.full((2,), float(seed)),
+        "step": seed,
+    }
+
+
+def _template() -> dict[str, object]:
+    return {
+        "a": db.ShardedTensor.from_box("a", torch.zeros(5), (5,), (0,)),
+        "m": db.ShardedTensor.from_box("m", torch.zeros(4, 3), (4, 3), (0, 0)),
+        "l": db.ShardedTensor.from_box("l", torch.zeros(1, 2), (1, 2), (0, 0)),
+        "s": db.ShardedTensor.from_box("s", torch.zeros(4), (4,), (0,)),
+        "rng": db.ShardedObject("rng", None, (1,), (0,)),
+        "plain": torch.zeros(2),
+    }
+
+
+def test_the_second_save_reuses_the_items_and_writes_the_new_data(tmp_path):
+    SAVE_CACHES.clear()
+    first = _state(1)
+    db.save(first, str(tmp_path / "one"))
+    entry = save_cache(Group.resolve(None), True, "dcpbridge").entry
+    assert entry is not None and entry.tensor_writes is not None
+    assert len(entry.tensor_writes.items) == 7  # a, m twice, l, s twice (main replicas), plain
+    second = _state(2)
+    db.save(second, str(tmp_path / "two"))
+    assert save_cache(Group.resolve(None), True, "dcpbridge").entry is entry  # reused
+    out = db.load(_template(), str(tmp_path / "two"))
+    assert torch.equal(out["a"], second["a"].data)
+    assert torch.equal(out["m"], torch.cat([second["top"].data, second["bottom"].data]))
+    assert torch.equal(out["l"][0], second["lay"].data)
+    assert torch.equal(out["s"], torch.cat([second["rest"].data, second["more"].data]))
+    assert out["rng"] == {"seed": 2} and out["step"] == 2
+    assert torch.equal(out["plain"], torch.full((2,), 2.0))
+    old = db.load(_template(), str(tmp_path / "one"))
+    assert torch.equal(old["a"], first["a"].data) and old["step"] == 1
+
+
+def test_data_swapped_after_the_structure_vote_is_refused_on_the_reused_plan(tmp_path):
+    SAVE_CACHES.clear()
+    db.save(_state(1), str(tmp_path / "one"))
+    bad = _state(2)
+    bad["top"].data = torch.zeros(3, 3)  # not the declared local shape (2, 3)
+    with pytest.raises(db.ShardingValidationError, match="'m'") as info:
+        db.save(bad, str(tmp_path / "one"))
+    assert any(entry.name == "_replan" for entry in info.traceback)  # the reused plan refused it
+    out = db.load(_template(), str(tmp_path / "one"))  # the first checkpoint is intact
+    assert out["step"] == 1
+
+
+def test_a_planner_given_shards_in_another_order_plans_afresh():
+    state = _state(1)
+    shards = [v for v in state.values() if isinstance(v, (db.ShardedTensor, db.ShardedObject))]
+    first = BridgeSavePlanner(shards, {}, {"keys": {}, "empty": []})
+    first.set_up_planner(None, None, True)
+    items = first.create_local_plan().items
+    assert first.tensor_writes is not None
+    swapped = BridgeSavePlanner(shards[::-1], {}, {"keys": {}, "empty": []})
+    swapped.reuse_tensor_writes(first.tensor_writes)
+    swapped.set_up_planner(None, None, True)
+    again = swapped.create_local_plan().items
+    assert sorted(i.index.fqn for i in again) == sorted(i.index.fqn for i in items)
+    assert swapped.tensor_writes is not first.tensor_writes  # recorded anew
+    for item in again:
+        if item.tensor_data is not None:
+            data = swapped.resolve_data(item)
+            source = next(
+                s
+                for s in shards
+                if isinstance(s, db.ShardedTensor)
+                and s.key == item.index.fqn
+                and s.global_offset == tuple(item.index.offset)
+            )
+            assert data.data_ptr() == source.data.data_ptr()
+    same = BridgeSavePlanner(shards, {}, {"keys": {}, "empty": []})
+    same.reuse_tensor_writes(first.tensor_writes)
+    same.set_up_planner(None, None, True)
+    reused = same.create_local_plan().items
+    assert all(any(r is i for i in items) for r in reused if r.tensor_data is not None)

@@ -1,0 +1,152 @@
+"""Whole-chunk reads planned as columns (``dcpbridge.storage.whole_reads``): taken when the
+planner and reader are dcpbridge's own under its driver, items otherwise; bit-exact either way,
+with every fallback and error as before."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpbridge as db
+from dcpbridge.planners import ShardedLoadPlanner
+from dcpbridge.planners.load_planner import plan_local_reads
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage import FsspecCheckpointReader, StoredItem
+from dcpbridge.storage.whole_reads import WholeReads, whole_jobs
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _saved(path: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(3, 5, generator=g) for i in range(6)}
+    state["half"] = torch.randn(4, 2, generator=g).to(torch.bfloat16)
+    state["rows"] = torch.randn(4, 6, generator=g)
+    sharded = {k: db.ShardedTensor.from_box(k, v, tuple(v.shape), (0, 0)) for k, v in state.items()}
+    sharded["rows"] = db.ShardedTensor.from_box("rows", state["rows"][:2], (4, 6), (0, 0))
+    sharded["rows2"] = db.ShardedTensor.from_box("rows", state["rows"][2:], (4, 6), (2, 0))
+    sharded["obj"] = db.ShardedObject("obj", {"a": 1}, (1,), (0,))
+    db.save(sharded, path)
+    return state
+
+
+def _box(key: str, data: torch.Tensor, shape: tuple[int, ...], offset: tuple[int, ...]):
+    return db.ShardedTensor.from_box(key, data, shape, offset)
+
+
+def test_whole_chunks_become_columns_and_everything_else_read_items(tmp_path):
+    state = _saved(str(tmp_path))
+    meta = FsspecCheckpointReader(str(tmp_path)).read_metadata()
+    buffer = torch.zeros(5, 3)
+    template = {
+        "t0": _box("t0", torch.zeros(3, 5), (3, 5), (0, 0)),  # a stored chunk: a column
+        "t1": _box("t1", torch.nn.Parameter(torch.zeros(3, 5)), (3, 5), (0, 0)),  # column
+        "t2": _box("t2", buffer.t(), (3, 5), (0, 0)),  # not contiguous: items
+        "half": _box("half", torch.zeros(4, 2), (4, 2), (0, 0)),  # cast: items
+        "rows": _box("rows", torch.zeros(4, 6), (4, 6), (0, 0)),  # two chunks: items
+        "rows-part": _box("rows", torch.zeros(2, 6), (4, 6), (2, 0)),  # a chunk: column
+        "obj": db.ShardedObject("obj", None, (1,), (0,)),  # objects: items
+    }
+    out = plan_local_reads(iter_leaves(template), meta, allow_dtype_cast=True, whole_columns=True)
+    assert out.whole is not None
+    assert out.whole.keys == [("t0", (0, 0)), ("t1", (0, 0)), ("rows", (2, 0))]
+    planned = sorted((i.storage_index.fqn, tuple(i.storage_offsets)) for i in out.items)
+    assert planned == [
+        ("half", (0, 0)),
+        ("obj/shard_0_1", (0,)),
+        ("rows", (0, 0)),
+        ("rows", (0, 0)),
+        ("t2", (0, 0)),
+    ]
+    assert plan_local_reads(iter_leaves(template), meta, allow_dtype_cast=True).whole is None
+
+    loaded = db.load(template, str(tmp_path), allow_dtype_cast=True)
+    for key in ("t0", "t1", "t2"):
+        assert torch.equal(loaded[key].detach(), state[key]), key
+    assert torch.equal(buffer, state["t2"].t())
+    assert torch.equal(loaded["half"], state["half"].float())
+    assert torch.equal(loaded["rows"], state["rows"])
+    assert torch.equal(loaded["rows-part"], state["rows"][2:])
+    assert loaded["obj"] == {"a": 1}
+
+
+def test_one_box_requested_twice_is_read_once_and_copied(tmp_path):
+    state = _saved(str(tmp_path))
+    meta = FsspecCheckpointReader(str(tmp_path)).read_metadata()
+    a, b, c = torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(5, 3)
+    template = {
+        "a": _box("t3", a, (3, 5), (0, 0)),
+        "b": _box("t3", b, (3, 5), (0, 0)),
+        "c": _box("t3", c.t(), (3, 5), (0, 0)),  # not plain: copied all the same
+    }
+    out = plan_local_reads(iter_leaves(template), meta, whole_columns=True)
+    assert out.whole is not None and out.whole.keys == [("t3", (0, 0))] and not out.items
+    assert [len(v) for v in out.whole.copies.values()] == [2]
+    db.load(template, str(tmp_path))
+    assert torch.equal(a, state["t3"]) and torch.equal(b, state["t3"])
+    assert torch.equal(c.t(), state["t3"])
+    bad = {"a": _box("t3", torch.zeros(3, 5), (3, 5), (0, 0))}
+    bad["b"] = _box("t3", torch.zeros(3, 4), (3, 5), (0, 0))
+    with pytest.raises(db.ShapeMismatchError, match="'t3'"):
+        db.load(bad, str(tmp_path))
+
+
+def test_plain_dcp_load_gets_read_items_from_our_planner(tmp_path):
+    state = _saved(str(tmp_path))
+    out = {k: torch.zeros_like(v) for k, v in state.items() if k.startswith("t")}
+    planner = ShardedLoadPlanner()
+    dcp.load(
+        out, storage_reader=FsspecCheckpointReader(str(tmp_path)), planner=planner, no_dist=True
+    )
+    assert planner.whole_reads is None
+    assert all(torch.equal(out[k], state[k]) for k in out)
+
+
+def test_load_log_counts_the_bytes_read_as_columns(tmp_path, caplog):
+    state = _saved(str(tmp_path))
+    template = {k: _box(k, torch.zeros_like(v), tuple(v.shape), (0, 0)) for k, v in state.items()}
+    with caplog.at_level(logging.INFO, logger="dcpbridge"):
+        db.load(template, str(tmp_path))
+    (record,) = [r for r in caplog.records if getattr(r, "dcpbridge", {}).get("event") == "loaded"]
+    assert record.dcpbridge["bytes"] == sum(v.nbytes for v in state.values())
+
+
+def test_a_flipped_byte_fails_the_column_read_naming_the_chunk(tmp_path):
+    state = _saved(str(tmp_path))
+    reader = FsspecCheckpointReader(str(tmp_path))
+    item = reader.read_metadata().storage_data.items[("t4", (0, 0))]
+    with open(os.path.join(str(tmp_path), item.file), "r+b") as f:
+        f.seek(item.offset + 7)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    template = {k: _box(k, torch.zeros_like(v), tuple(v.shape), (0, 0)) for k, v in state.items()}
+    with pytest.raises(db.ChecksumMismatchError, match=rf"'t4' chunk \[0, 0\] in {item.file}"):
+        db.load(template, str(tmp_path))
+
+
+def test_stored_items_that_disagree_with_the_columns_are_refused_by_name():
+    target = torch.zeros(3, 5)
+    reads = WholeReads([("w", (0, 0))], [target])
+    with pytest.raises(db.CorruptCheckpointError, match=r"'w' chunk \[0, 0\]"):
+        whole_jobs(reads, [None], block=0, tiled=True, url="ckpt")
+    for stored in (
+        StoredItem("f.bin", 0, 60, 0, None, (5, 3), torch.float32),  # another shape
+        StoredItem("f.bin", 0, 60, 0, None, (3, 5), torch.int32),  # another dtype
+        StoredItem("f.bin", 0, 64, 0, None, (3, 5), torch.float32),  # another byte count
+        StoredItem("f.bin", 0, 60, 0),  # an object
+    ):
+        with pytest.raises(db.CorruptCheckpointError, match=r"'w' chunk \[0, 0\] in f\.bin"):
+            whole_jobs(reads, [stored], block=0, tiled=True, url="ckpt")
+    (job,) = whole_jobs(
+        reads,
+        [StoredItem("f.bin", 0, 60, 0, None, (3, 5), torch.float32)],
+        block=0,
+        tiled=True,
+        url="ckpt",
+    )
+    assert job.dest is target and job.grid is None
