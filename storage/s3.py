@@ -273,8 +273,14 @@ async def _fetch_all(
                 await _bounded(_read_into(fs, r.path, r.start + lo, part), timeout, "GET")
 
         if isinstance(r, ScatterRead):
-            async with gate:
-                await _bounded(_read_into(fs, r.path, r.start, r.parts), timeout, "GET")
+
+            async def get_parts(start: int, parts: list[memoryview | int]) -> None:
+                async with gate:
+                    await _bounded(_read_into(fs, r.path, start, parts), timeout, "GET")
+
+            await asyncio.gather(
+                *(get_parts(*span) for span in split_parts(r.start, r.parts, piece))
+            )
         else:
             await asyncio.gather(*(get(lo) for lo in range(0, len(r.out), piece)))
         if r.on_done is not None:
@@ -288,6 +294,48 @@ async def _fetch_all(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def split_parts(
+    start: int, parts: Sequence[memoryview | int], piece: int
+) -> list[tuple[int, list[memoryview | int]]]:
+    """A scatter read's ``parts`` cut into requests of at most ``piece`` bytes each, as
+    (start, parts); a buffer crossing a cut is split, skips at a request's ends are dropped."""
+    spans: list[tuple[int, list[memoryview | int]]] = []
+    pos, cur_start, fill = start, start, 0
+    cur: list[memoryview | int] = []
+    for p in parts:
+        if isinstance(p, int):
+            if cur:  # a gap inside a request, up to its end; the rest is not requested
+                take = min(p, piece - fill)
+                cur.append(take)
+                fill += take
+                if fill == piece:
+                    spans.append(_trimmed(cur_start, cur))
+                    cur, fill = [], 0
+            pos += p
+            continue
+        at = 0
+        while at < len(p):
+            if not cur:
+                cur_start = pos + at
+            take = min(len(p) - at, piece - fill)
+            cur.append(p[at : at + take])
+            at += take
+            fill += take
+            if fill == piece:
+                spans.append(_trimmed(cur_start, cur))
+                cur, fill = [], 0
+        pos += len(p)
+    if cur:
+        spans.append(_trimmed(cur_start, cur))
+    return spans
+
+
+def _trimmed(start: int, parts: list[memoryview | int]) -> tuple[int, list[memoryview | int]]:
+    while parts and isinstance(parts[-1], int):
+        parts.pop()
+    return start, parts
 
 
 _SKIP_BUFFER = 1 << 20  # bytes between the parts of one GET are read through this and dropped
