@@ -299,43 +299,29 @@ async def _fetch_all(
 def split_parts(
     start: int, parts: Sequence[memoryview | int], piece: int
 ) -> list[tuple[int, list[memoryview | int]]]:
-    """A scatter read's ``parts`` cut into requests of at most ``piece`` bytes each, as
-    (start, parts); a buffer crossing a cut is split, skips at a request's ends are dropped."""
+    """A scatter read's ``parts`` cut into back-to-back requests of at most ``piece`` bytes
+    each, as (start, parts); a buffer or skip crossing a cut is split. Together they ask for
+    exactly the bytes the scatter read asks for."""
     spans: list[tuple[int, list[memoryview | int]]] = []
     pos, cur_start, fill = start, start, 0
     cur: list[memoryview | int] = []
     for p in parts:
-        if isinstance(p, int):
-            if cur:  # a gap inside a request, up to its end; the rest is not requested
-                take = min(p, piece - fill)
-                cur.append(take)
-                fill += take
-                if fill == piece:
-                    spans.append(_trimmed(cur_start, cur))
-                    cur, fill = [], 0
-            pos += p
-            continue
+        n = p if isinstance(p, int) else len(p)
         at = 0
-        while at < len(p):
+        while at < n:
             if not cur:
                 cur_start = pos + at
-            take = min(len(p) - at, piece - fill)
-            cur.append(p[at : at + take])
+            take = min(n - at, piece - fill)
+            cur.append(take if isinstance(p, int) else p[at : at + take])
             at += take
             fill += take
             if fill == piece:
-                spans.append(_trimmed(cur_start, cur))
+                spans.append((cur_start, cur))
                 cur, fill = [], 0
-        pos += len(p)
+        pos += n
     if cur:
-        spans.append(_trimmed(cur_start, cur))
+        spans.append((cur_start, cur))
     return spans
-
-
-def _trimmed(start: int, parts: list[memoryview | int]) -> tuple[int, list[memoryview | int]]:
-    while parts and isinstance(parts[-1], int):
-        parts.pop()
-    return start, parts
 
 
 _SKIP_BUFFER = 1 << 20  # bytes between the parts of one GET are read through this and dropped

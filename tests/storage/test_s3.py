@@ -17,7 +17,7 @@ import dcpbridge as db
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.backends import RangeRead, Storage
 from dcpbridge.storage.paths import resolve
-from dcpbridge.storage.s3 import MultipartWriter, S3Storage, S3Transfer
+from dcpbridge.storage.s3 import MultipartWriter, S3Storage, S3Transfer, split_parts
 from tests.support.s3_server import DEAD_ENDPOINT
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -316,3 +316,16 @@ def test_a_large_tensor_loads_in_part_sized_gets(s3_server, s3_proxy, bucket):
     assert torch.equal(dest, t)
     data_gets = [r for r in s3_proxy.requests if r.startswith("GET ") and ".bin" in r]
     assert len(data_gets) == 5, data_gets  # ceil(24 MiB / 5 MiB)
+
+
+def test_scatter_parts_split_into_back_to_back_part_sized_requests():
+    a, b = memoryview(bytearray(range(10))), memoryview(bytearray(range(100, 104)))
+    spans = split_parts(50, [a, 3, b, 2], 4)
+    shown = [(s, [p if isinstance(p, int) else bytes(p) for p in ps]) for s, ps in spans]
+    assert shown == [
+        (50, [bytes(range(4))]),
+        (54, [bytes(range(4, 8))]),
+        (58, [bytes(range(8, 10)), 2]),
+        (62, [1, bytes(range(100, 103))]),
+        (66, [bytes([103]), 2]),  # a trailing skip stays: the file must hold those bytes
+    ]
