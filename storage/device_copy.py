@@ -163,3 +163,11 @@ def wait_for_device_copies(devices: Iterable[torch.device]) -> None:
     """Block until the asynchronous host-to-device copies queued for ``devices`` are done."""
     for device in devices:
         torch.cuda.synchronize(device)
+
+
+def settle_device_work() -> None:
+    """Wait for the kernels queued on the current CUDA device (any stream, the caller's too),
+    so copies issued from other threads, whose current stream is the default one, see
+    finished tensors and never race a kernel still using them; a no-op without CUDA."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcpbridge.storage import checksum
+from dcpbridge.storage import checksum, device_copy
 from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, WholeJob, read_bytes, run_jobs
 from dcpbridge.storage.delivery import byte_view as _byte_view
@@ -138,6 +138,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        device_copy.settle_device_work()  # reads land in GPU tensors from fetch threads
         tuning = ReadTuning.for_location(self._loc)
         jobs: list[Job] = []
         index = self._index

@@ -249,6 +249,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             )
         self._save_id = target.save_id
         self._written = set()
+        device_copy.settle_device_work()  # GPU tensors are copied from writer threads
         sizes = [item_nbytes(item) for item in plan.items]
         buckets = _split(plan.items, self.thread_count, sizes)
 
