@@ -19,6 +19,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from dcpbridge.storage.errors import InvalidArgumentError
+
 log = logging.getLogger(__name__)
 
 SLAB_BYTES = 32 << 20
@@ -65,7 +67,7 @@ def carry(
     slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
     slabs = SLABS if slabs is None else slabs
     if slab_bytes < 1 or slabs < 1:
-        raise ValueError(f"slab_bytes and slabs must be >= 1, got {slab_bytes}, {slabs}")
+        raise InvalidArgumentError(f"slab_bytes and slabs must be >= 1, got {slab_bytes}, {slabs}")
     free: list[torch.Tensor] = []
     made = 0
     sealed: deque[_Slab] = deque()

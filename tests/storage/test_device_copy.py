@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dcpbridge.storage import device_copy
+from dcpbridge.storage.errors import InvalidArgumentError
 
 
 def _staged(data: object) -> bool:
@@ -90,5 +91,5 @@ def test_unstaged_items_pass_through_untouched():
 
 
 def test_bad_slab_settings_are_refused():
-    with pytest.raises(ValueError, match="slab_bytes and slabs"):
+    with pytest.raises(InvalidArgumentError, match="slab_bytes and slabs"):
         list(device_copy.carry([("a", torch.ones(1))], stage=_staged, slabs=0))
