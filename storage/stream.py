@@ -21,7 +21,13 @@ from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
 from dcpbridge.storage.format import DATA_FILE_RE, ItemKey, StoredItem, data_file_name, item_key
 from dcpbridge.storage.paths import Location
-from dcpbridge.storage.writer import CoalescingFile, committed_save_id, new_save_id, publish
+from dcpbridge.storage.writer import (
+    CoalescingFile,
+    ItemAppender,
+    committed_save_id,
+    new_save_id,
+    publish,
+)
 
 __all__ = ["StreamWriter", "commit", "discard_save", "new_save_id"]
 
@@ -80,26 +86,18 @@ class StreamWriter:
             raise InvalidArgumentError(
                 f"{index.fqn!r} at {list(index.offset or ())} was written twice"
             )
+        block = self.checksum_block_size if self.checksums else 0
         with storage_faults(self._where):
-            out = self._file_for_next_item()
-            start = out.align()
-            hasher = (
-                checksum.Hasher(checksum.item_grid(nbytes, sizes, dtype, self.checksum_block_size))
-                if self.checksums
-                else None
-            )
+            appender = ItemAppender(self._file_for_next_item(), nbytes, sizes, dtype, block)
             for part in parts:
-                part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
-                if hasher is not None:
-                    hasher.update(part)
-                out.write(part)
-        written = out.pos - start
+                appender.add(part)
+        start, written = appender.start, appender.written
         if written != nbytes:
             raise InvalidArgumentError(
                 f"{index.fqn!r} at {list(index.offset or ())}: {written} bytes written, "
                 f"{nbytes} expected"
             )
-        digests = hasher.finish() if hasher is not None else None
+        digests = appender.digests()
         item = StoredItem(self._name, start, written, rank, digests, sizes, dtype)
         self.items[key] = item
         return item

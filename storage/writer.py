@@ -78,11 +78,6 @@ def item_nbytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
-    """Spread items over ``files`` buckets by bytes (largest first), keeping plan order inside."""
-    return _split(items, files, [item_nbytes(item) for item in items])
-
-
 def _mostly_small(sizes: list[int]) -> bool:
     """Whether items under ``_SMALL_ITEM`` hold most of these bytes: then writing is per-item
     Python work, which threads serialize on the GIL rather than share (measured on local disk,
@@ -91,7 +86,9 @@ def _mostly_small(sizes: list[int]) -> bool:
     return 2 * small >= sum(sizes)
 
 
-def _split(items: list[WriteItem], files: int, sizes: list[int]) -> list[list[WriteItem]]:
+def split_into_files(items: list[WriteItem], files: int, sizes: list[int]) -> list[list[WriteItem]]:
+    """Spread items (of ``sizes`` bytes) over ``files`` buckets, largest first, keeping plan
+    order inside."""
     if files <= 1 or len(items) <= 1:
         return [items] if items else []
     loads = [0] * files
@@ -176,6 +173,35 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
         data = data[n:]
 
 
+class ItemAppender:
+    """Appends one item to ``out`` from its bytes in parts (at the next aligned position),
+    checksumming them as they pass; for items whose bytes arrive in pieces."""
+
+    def __init__(
+        self,
+        out: CoalescingFile,
+        nbytes: int,
+        sizes: tuple[int, ...] | None,
+        dtype: torch.dtype | None,
+        block: int,
+    ) -> None:
+        self._out = out
+        self.start = out.align()
+        self.written = 0
+        grid = checksum.item_grid(nbytes, sizes, dtype, block) if block else None
+        self._hasher = checksum.Hasher(grid) if grid is not None else None
+
+    def add(self, part: memoryview) -> None:
+        part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
+        if self._hasher is not None:
+            self._hasher.update(part)
+        self._out.write(part)
+        self.written += len(part)
+
+    def digests(self) -> tuple[str, ...] | None:
+        return self._hasher.finish() if self._hasher is not None else None
+
+
 class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     """Writes a checkpoint to any fsspec location; usable with ``torch.distributed.checkpoint.save``.
 
@@ -251,7 +277,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._written = set()
         device_copy.settle_device_work()  # GPU tensors are copied from writer threads
         sizes = [item_nbytes(item) for item in plan.items]
-        buckets = _split(plan.items, self.thread_count, sizes)
+        buckets = split_into_files(plan.items, self.thread_count, sizes)
 
         def write_file(index: int) -> list[WriteResult]:
             name = data_file_name(target.rank, index, target.save_id)
@@ -377,42 +403,34 @@ def _write_tensor(
 
 
 class _Carried:
-    """Appends a carried tensor's slices to ``out`` and checksums them as they pass."""
+    """Appends a carried tensor's slices to ``out``, one item at a time."""
 
     def __init__(self, out: CoalescingFile, block: int) -> None:
         self._out, self._block = out, block
-        self._hasher: checksum.Hasher | None = None
-        self._start = self._written = 0
+        self._item: ItemAppender | None = None
+        self._expected = 0
 
     def add(self, item: WriteItem, piece: device_copy.Piece[Any]) -> tuple[int, int, Any] | None:
         """Write one slice; after the item's last: (position, bytes, digests)."""
         mv = piece.view
         assert mv is not None
         if piece.first:
-            self._start, self._written = self._out.align(), 0
-            if self._block and not piece.last:
-                td = item.tensor_data
-                assert td is not None
-                grid = checksum.item_grid(
-                    item_nbytes(item), tuple(td.chunk.sizes), td.properties.dtype, self._block
-                )
-                self._hasher = checksum.Hasher(grid)
-        if self._written + len(mv) > item_nbytes(item):  # more bytes than planned: refuse now
-            _check_size(item, self._written + len(mv))
-        self._out.write(mv)
-        self._written += len(mv)
-        if self._hasher is not None:
-            self._hasher.update(mv)
+            td = item.tensor_data
+            assert td is not None
+            self._expected = item_nbytes(item)
+            self._item = ItemAppender(
+                self._out, self._expected, tuple(td.chunk.sizes), td.properties.dtype, self._block
+            )
+        appender = self._item
+        assert appender is not None
+        if appender.written + len(mv) > self._expected:  # more bytes than planned: refuse now
+            _check_size(item, appender.written + len(mv))
+        appender.add(mv)
         if not piece.last:
             return None
-        _check_size(item, self._written)
-        if self._hasher is not None:
-            digests, self._hasher = self._hasher.finish(), None
-        elif self._block:
-            digests = _digests(item, mv, self._block)
-        else:
-            digests = None
-        return self._start, self._written, digests
+        _check_size(item, appender.written)
+        self._item = None
+        return appender.start, appender.written, appender.digests()
 
 
 def _digests(item: WriteItem, data: memoryview, block: int) -> tuple[str, ...]:
