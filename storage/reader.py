@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from dcpbridge.storage.delivery import BytesJob, Job, TensorJob, WholeJob, read_
 from dcpbridge.storage.delivery import byte_view as _byte_view
 from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
 from dcpbridge.storage.format import (
+    ItemKey,
     ItemTable,
     StorageIndex,
     StoredItem,
@@ -142,8 +144,9 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         tuning = ReadTuning.for_location(self._loc)
         jobs: list[Job] = []
         index = self._index
-        found = self._stored_many(plan.items, index)
-        self._check_ranges(plan.items, found)
+        keys = [item_key(item.storage_index) for item in plan.items]
+        found = self._stored_many(plan.items, keys, index)
+        self._check_ranges(keys, found)
         for item, stored in zip(plan.items, found):
             job = (
                 self._bytes_job(item, planner, stored)
@@ -152,9 +155,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             )
             if job is not None:
                 jobs.append(job)
-        prefixes = index.prefixes
-        path = functools.cache(lambda name: self._loc.data_path(name, prefixes))
-        self.bytes_read += run_jobs(jobs, self._store, path, tuning, self.thread_count)
+        self._run(jobs, index, tuning)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -168,21 +169,16 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         if not len(reads):
             return
         index = self._index
-        table = index.items
-        keys = reads.keys
-        found = (
-            table.get_many(keys) if isinstance(table, ItemTable) else [table.get(k) for k in keys]
-        )
-        if not self._all_ranges_checked:
-            wanted = {k: s for k, s in zip(keys, found) if s is not None}
-            if self._file_sizes is None:
-                self._file_sizes = self._store.file_sizes()
-            check_stored_ranges(wanted, self._file_sizes, self._loc.url)
+        found = self._lookup(reads.keys, index)
+        self._check_ranges(reads.keys, found)
         block = index.checksum_block_size if self.verify_checksums else 0
         jobs = whole_jobs(reads, found, block=block, tiled=index.tiled_checksums, url=self._loc.url)
+        self._run(jobs, index, ReadTuning.for_location(self._loc))
+
+    def _run(self, jobs: Sequence[Job], index: StorageIndex, tuning: ReadTuning) -> None:
+        """Fetch, verify and hand over ``jobs``, counting the bytes read."""
         prefixes = index.prefixes
         path = functools.cache(lambda name: self._loc.data_path(name, prefixes))
-        tuning = ReadTuning.for_location(self._loc)
         self.bytes_read += run_jobs(jobs, self._store, path, tuning, self.thread_count)
 
     # -- planning -------------------------------------------------------------------------
@@ -201,25 +197,31 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             )
         return item
 
-    def _stored_many(self, items: list[ReadItem], where: StorageIndex) -> list[StoredItem]:
-        """The ``StoredItem`` of every read item, looked up in one pass over the table."""
-        keys = [item_key(item.storage_index) for item in items]
+    @staticmethod
+    def _lookup(keys: list[ItemKey], where: StorageIndex) -> list[StoredItem | None]:
+        """The ``StoredItem`` of every key (None where absent), in one pass over the table."""
         table = where.items
         if isinstance(table, ItemTable):
-            found = table.get_many(keys)
-        else:
-            found = [table.get(key) for key in keys]
+            return table.get_many(keys)
+        return [table.get(key) for key in keys]
+
+    def _stored_many(
+        self, items: list[ReadItem], keys: list[ItemKey], where: StorageIndex
+    ) -> list[StoredItem]:
+        """The ``StoredItem`` of every read item (``keys`` are theirs); raises naming the
+        first one the metadata does not store."""
+        found = self._lookup(keys, where)
         for item, stored in zip(items, found):
             if stored is None:
                 self._stored(item.storage_index, where)  # raises, naming the item
         return found  # type: ignore[return-value]
 
-    def _check_ranges(self, items: list[ReadItem], found: list[StoredItem]) -> None:
+    def _check_ranges(self, keys: list[ItemKey], found: list[StoredItem | None]) -> None:
         """Refuse items whose bytes lie outside their data file, before any buffer is sized
         by the metadata; file sizes come from one listing per reader."""
         if self._all_ranges_checked:
             return
-        wanted = {item_key(i.storage_index): stored for i, stored in zip(items, found)}
+        wanted = {key: stored for key, stored in zip(keys, found) if stored is not None}
         if not wanted:
             return
         if self._file_sizes is None:
