@@ -28,7 +28,13 @@ import s3fs.core
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
-from dcpbridge.storage.backends import Committed, RangeRead, Read, ScatterRead, Storage, storage_op
+from dcpbridge.storage.backends import (
+    Committed,
+    Read,
+    Storage,
+    parts_of,
+    storage_op,
+)
 from dcpbridge.storage.errors import ConcurrentSaveError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -243,10 +249,11 @@ class S3Storage(Storage):
 
     @storage_op("read")
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
-        """Ranged GETs of at most ``part_size`` bytes (a ``ScatterRead`` is one GET, its body
-        streamed into its parts), ``concurrency`` (or ``threads``) at a time. Each read's ``on_done`` runs on s3fs's event-loop thread as soon as its bytes
-        landed: handing many small callbacks (per-block checksums) to another thread would
-        make each wait for the busy loop thread's GIL slice."""
+        """Ranged GETs of at most ``part_size`` bytes (``split_parts``; each body streamed into
+        its parts), ``concurrency`` (or ``threads``) at a time. Each read's ``on_done`` runs on
+        s3fs's event-loop thread as soon as its bytes landed: handing many small callbacks
+        (per-block checksums) to another thread would make each wait for the busy loop
+        thread's GIL slice."""
         if reads:
             limit = max(self.transfer.concurrency, threads)
             t = self.transfer
@@ -266,23 +273,11 @@ async def _fetch_all(
     gate = asyncio.Semaphore(limit)
 
     async def fetch_one(r: Read) -> None:
-        async def get(lo: int) -> None:
+        async def get(start: int, parts: list[memoryview | int]) -> None:
             async with gate:
-                assert isinstance(r, RangeRead)
-                part = [r.out[lo : lo + piece]]
-                await _bounded(_read_into(fs, r.path, r.start + lo, part), timeout, "GET")
+                await _bounded(_read_into(fs, r.path, start, parts), timeout, "GET")
 
-        if isinstance(r, ScatterRead):
-
-            async def get_parts(start: int, parts: list[memoryview | int]) -> None:
-                async with gate:
-                    await _bounded(_read_into(fs, r.path, start, parts), timeout, "GET")
-
-            await asyncio.gather(
-                *(get_parts(*span) for span in split_parts(r.start, r.parts, piece))
-            )
-        else:
-            await asyncio.gather(*(get(lo) for lo in range(0, len(r.out), piece)))
+        await asyncio.gather(*(get(*span) for span in split_parts(r.start, parts_of(r), piece)))
         if r.on_done is not None:
             r.on_done()
 
