@@ -115,7 +115,7 @@ def carry(
                     current = _Slab(free.pop())
                 else:
                     made += 1
-                    current = _Slab(_host_buffer(slab_bytes))
+                    current = _Slab(host_target((slab_bytes,), torch.uint8, True))
             take = min(n - start, slab_bytes - current.fill)
             dst = current.buf[current.fill : current.fill + take]
             if stream is not None:
@@ -141,19 +141,10 @@ def _side_stream(streams: dict[torch.device, Any], t: torch.Tensor) -> Any:
     return stream
 
 
-def _host_buffer(nbytes: int) -> torch.Tensor:
-    """Host memory for one slab: pinned when CUDA is available (copies then run async)."""
-    return _host_empty((nbytes,), torch.uint8, torch.cuda.is_available())
-
-
 def host_target(shape: tuple[int, ...], dtype: torch.dtype, for_device: bool) -> torch.Tensor:
-    """A host buffer a read lands in before it goes to a tensor; pinned when that tensor is on
-    a CUDA device, so the host-to-device copy runs without a pageable intermediate."""
-    return _host_empty(shape, dtype, for_device and torch.cuda.is_available())
-
-
-def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    if pin:
+    """A host buffer that bytes pass through on their way to or from a device tensor; pinned
+    when ``for_device`` and CUDA is available, so copies run without a pageable intermediate."""
+    if for_device and torch.cuda.is_available():
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         except RuntimeError as e:  # page-locked memory refused (limits): copies just sync

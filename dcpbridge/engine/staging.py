@@ -17,6 +17,7 @@ import torch
 
 from dcpbridge.engine.ownership import WriteOwners
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
+from dcpbridge.storage.device_copy import host_target
 
 _ALIGN = 64
 
@@ -59,8 +60,7 @@ class StagingArea:
                 self._free.pop()
             else:
                 self._count += 1
-        pin = torch.cuda.is_available()
-        return BufferSet(torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin))
+        return BufferSet(host_target((max(nbytes, 1),), torch.uint8, for_device=True))
 
     def release(self, buffers: BufferSet) -> None:
         with self._cond:
