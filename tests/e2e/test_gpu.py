@@ -127,3 +127,27 @@ def test_a_corrupt_item_is_refused_when_loading_into_gpu(tmp_path):
         f.write(bytes([b[0] ^ 0x10]))
     with pytest.raises(db.CorruptCheckpointError, match="big"):
         db.load(_boxes({k: torch.zeros_like(v) for k, v in state.items()}), str(tmp_path))
+
+
+def _fp_load_into_gpu(r, path: str) -> int:
+    """A fully-parallel load into CUDA templates over gloo: boxes travel through host buffers."""
+    from tests.engine.test_fully_parallel import _model
+
+    tmpl = {
+        k: db.ShardedTensor.from_box(
+            k, torch.zeros_like(t, device="cuda"), tuple(t.shape), (0,) * t.ndim, replica_id=r.rank
+        )
+        for k, t in _model().items()
+    }
+    out = db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    for k, t in _model().items():
+        assert out[k].is_cuda and torch.equal(out[k].cpu(), t), k
+    return len(out)
+
+
+def test_fully_parallel_load_into_gpu_tensors_over_gloo(pool, tmp_path):
+    from tests.engine.test_fully_parallel import _save_model_and_vec
+
+    path = str(tmp_path / "ck")
+    pool.run(_save_model_and_vec, 4, path)
+    assert pool.run(_fp_load_into_gpu, 4, path) == [38] * 4
