@@ -279,7 +279,8 @@ def encode_metadata(metadata: Metadata) -> bytes:
     try:
         _check_header(_decode_header(doc), table)
         shapes = [list(shape) for shape in table.shapes]
-        tensor_headers(table.tensors, [dtype_name(d) for d in table.dtypes], shapes)
+        dtypes = [dtype_name(d) for d in table.dtypes]
+        tensor_headers(table.tensors, dtypes, shapes)
         check_names(table.tensors, table.objects)
         check_values(table)
         check_table(table, world_size=index.world_size, block=block, covered=covered)
@@ -290,8 +291,8 @@ def encode_metadata(metadata: Metadata) -> bytes:
     else:
         doc["tensors"] = {
             "names": table.tensors,
-            "dtypes": [dtype_name(d) for d in table.dtypes],
-            "shapes": [list(s) for s in table.shapes],
+            "dtypes": dtypes,
+            "shapes": shapes,
             "chunks": table.counts.tolist(),
         }
         doc["objects"] = table.objects
