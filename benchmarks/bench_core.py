@@ -91,7 +91,9 @@ def save_load_case(label: str, count: int, nbytes: int, root: str, repeats: int)
         return time.perf_counter() - t0
 
     def timed_load(name: str, cold: bool) -> float:
-        out = {k: torch.empty_like(t) for k, t in tensors.items()}
+        # touched before the clock starts: a training job loads into memory it already uses,
+        # and first-touch faults of fresh memory vary 3x run to run on these VMs
+        out = {k: torch.empty_like(t).zero_() for k, t in tensors.items()}
         if cold:
             drop_page_cache()
         gc.collect()
