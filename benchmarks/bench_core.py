@@ -21,7 +21,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from benchmarks.common import alternate, drop_page_cache, fresh_dir, gbps, rchar, table
+from benchmarks.common import (
+    alternate,
+    drop_page_cache,
+    fresh_dir,
+    gbps,
+    rchar,
+    table,
+    write_pieces,
+)
 from benchmarks.launch import run
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -37,13 +45,10 @@ def _sharded(tensors: dict[str, torch.Tensor]) -> dict[str, db.ShardedTensor]:
 
 
 def _raw_save(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """One file, written in calls of at most 1 MiB (larger calls are slower on these VMs:
-    see ``storage/writer.py``'s ``_WRITE_PIECE``), then one fsync."""
+    """One file, written in calls of at most 1 MiB, then one fsync."""
     with open(os.path.join(path, "raw.bin"), "wb", buffering=0) as f:
         for t in tensors.values():
-            data = memoryview(t.numpy()).cast("B")
-            for at in range(0, len(data), 1 << 20):
-                f.write(data[at : at + (1 << 20)])
+            write_pieces(f, memoryview(t.numpy()).cast("B"))
         os.fsync(f.fileno())
 
 

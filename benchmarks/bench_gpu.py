@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from benchmarks.common import alternate, drop_page_cache, fresh_dir, gbps, table
+from benchmarks.common import alternate, drop_page_cache, fresh_dir, gbps, table, write_pieces
 
 
 def _state(total: int, count: int) -> dict[str, torch.Tensor]:
@@ -74,7 +74,7 @@ def target_case(
     def raw_save() -> None:
         path = fresh("raw")
         with open(os.path.join(path, "raw.bin"), "wb", buffering=0) as f:
-            f.write(memoryview(host.numpy()))
+            write_pieces(f, memoryview(host.numpy()))
             os.fsync(f.fileno())
 
     def raw_load() -> None:

@@ -52,6 +52,13 @@ def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, f
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def write_pieces(f: Any, data: memoryview, piece: int = 1 << 20) -> None:
+    """Write ``data`` to unbuffered file ``f`` in calls of at most ``piece`` bytes (the raw
+    limit's way: larger calls are slower on these VMs, see ``storage/writer.py``)."""
+    for at in range(0, len(data), piece):
+        f.write(data[at : at + piece])
+
+
 def fresh_dir(path: str) -> str:
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
