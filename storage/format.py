@@ -46,15 +46,13 @@ from dcpbridge.storage.table import (
     PlannedBoxes,
     StoredItem,
     TensorHeader,
-    check_ranges,
-    check_table,
-    check_values,
     describe_item,
     pack_column,
     table_from_rows,
     table_from_written,
     unpack_column,
 )
+from dcpbridge.storage.table_checks import check_ranges, check_table, check_values
 from dcpbridge.storage.written import columns_table
 
 __all__ = [
