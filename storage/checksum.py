@@ -194,6 +194,22 @@ def item_digests(
     return tuple(digests(item_grid(len(data), sizes, dtype, block), data))
 
 
+def chunk_digests(
+    data: memoryview, sizes: torch.Size, dtype: torch.dtype, block: int
+) -> tuple[str, ...]:
+    """``item_digests`` of a tensor chunk whose bytes are ``data``, its grid found once per
+    shape: a small item costs one hash, not a grid lookup larger than the hash."""
+    grid = _chunk_grid(sizes, dtype, block)
+    if grid.count == 1 and grid.nbytes == len(data):
+        return (xxhash.xxh3_64_hexdigest(data),)
+    return tuple(digests(grid, data))
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_grid(sizes: torch.Size, dtype: torch.dtype, block: int) -> Grid:
+    return item_grid(math.prod(sizes) * dtype.itemsize, sizes, dtype, block)
+
+
 def verify(
     grid: Grid,
     data: memoryview,

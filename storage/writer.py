@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import torch
-import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -445,16 +444,7 @@ def _digests(item: WriteItem, data: memoryview, block: int) -> tuple[str, ...]:
     td = item.tensor_data
     if td is None:
         return checksum.item_digests(data, None, None, block)
-    if _one_tile(td.chunk.sizes, td.properties.dtype, block):
-        return (xxhash.xxh3_64_hexdigest(data),)  # what item_digests gives, without its walk
-    return checksum.item_digests(data, tuple(td.chunk.sizes), td.properties.dtype, block)
-
-
-@functools.lru_cache(maxsize=4096)
-def _one_tile(sizes: torch.Size, dtype: torch.dtype, block: int) -> bool:
-    """Whether a chunk of ``sizes`` x ``dtype`` has a single checksum tile (cached per shape:
-    the grid lookup cost more than hashing a small item)."""
-    return checksum.item_grid(math.prod(sizes) * dtype.itemsize, sizes, dtype, block).count == 1
+    return checksum.chunk_digests(data, td.chunk.sizes, td.properties.dtype, block)
 
 
 def _check_size(item: WriteItem, nbytes: int) -> None:
