@@ -345,32 +345,18 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     def _write_items(
         self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
     ) -> list[WriteResult]:
-        results: list[WriteResult] = []
         with self._store.open_write(self._loc.data_path(name)) as raw:
             behind = functools.partial(self._store.write_behind, raw) if self.sync_files else None
             out = CoalescingFile(raw, behind)
             block = self.checksum_block_size if self.checksums else 0
-            resolved = ((item, planner.resolve_data(item)) for item in items)
-            carried = _Carried(out, block)
-            for piece in device_copy.carry(resolved):
-                item, data = piece.tag, piece.data
-                if piece.view is not None:  # a device tensor, carried in host slices
-                    done = carried.add(item, piece)
-                    if done is not None:
-                        results.append(_result(item, name, *done, rank))
-                    continue
-                if item.type == WriteItemType.BYTE_IO:
-                    if not isinstance(data, io.BytesIO):
-                        raise InvalidArgumentError(
-                            f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}"
-                        )
-                    mv = data.getbuffer()
-                    start = out.align()
-                    out.write(mv)
-                else:
-                    start, mv = _write_tensor(out, item, data)
-                digests = _digests(item, mv, block) if block else None
-                results.append(_result(item, name, start, len(mv), rank, digests))
+            datas = [planner.resolve_data(item) for item in items]
+            if any(map(device_copy.on_device, datas)):
+                results = _write_carried(out, name, items, datas, rank, block)
+            else:  # host data only: one pass, nothing staged
+                results = [
+                    _append_item(out, name, item, data, rank, block)
+                    for item, data in zip(items, datas)
+                ]
             out.flush()
             if self.sync_files:
                 self._store.sync(raw)
@@ -385,15 +371,49 @@ def _positions(items: list[WriteItem], buckets: list[list[WriteItem]]) -> list[i
     return [where[id(item)] for bucket in buckets for item in bucket]
 
 
-def _write_tensor(
-    out: CoalescingFile, item: WriteItem, data: torch.Tensor
-) -> tuple[int, memoryview]:
-    """Append a tensor item at the next aligned position: (position, the bytes written).
+def _write_carried(
+    out: CoalescingFile,
+    name: str,
+    items: list[WriteItem],
+    datas: list[Any],
+    rank: int,
+    block: int,
+) -> list[WriteResult]:
+    """Append the items in order, device tensors carried through host slabs
+    (``device_copy.carry``), host data as ``_append_item`` does."""
+    results: list[WriteResult] = []
+    carried = _Carried(out, block)
+    for piece in device_copy.carry(zip(items, datas)):
+        item = piece.tag
+        if piece.view is None:
+            results.append(_append_item(out, name, item, piece.data, rank, block))
+            continue
+        done = carried.add(item, piece)  # a device tensor, carried in host slices
+        if done is not None:
+            results.append(_result(item, name, *done, rank))
+    return results
+
+
+def _append_item(
+    out: CoalescingFile, name: str, item: WriteItem, data: Any, rank: int, block: int
+) -> WriteResult:
+    """Append one item's host bytes at the next aligned position of ``out``; its result.
 
     A small, plain, contiguous CPU tensor is copied straight from its memory into the
-    coalescing buffer; anything else goes through ``tensor_bytes``.
+    coalescing buffer; any other tensor goes through ``tensor_bytes``.
     """
-    expected = item_nbytes(item)
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise InvalidArgumentError(f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}")
+        mv = data.getbuffer()
+        start = out.align()
+        out.write(mv)
+        digests = checksum.item_digests(mv, None, None, block) if block else None
+        return _result(item, name, start, len(mv), rank, digests)
+    td = item.tensor_data
+    assert td is not None  # DCP's tensor write items always describe their chunk
+    sizes, dtype = td.chunk.sizes, td.properties.dtype
+    expected = math.prod(sizes) * dtype.itemsize
     start = out.align()
     if (
         expected < _SMALL_ITEM
@@ -402,11 +422,17 @@ def _write_tensor(
         and data.is_contiguous()
         and data.nbytes == expected
     ):
-        return start, out.copy_in(data.data_ptr(), expected)
-    mv = tensor_bytes(data)
-    _check_size(item, len(mv))
-    out.write(mv)
-    return start, mv
+        mv = out.copy_in(data.data_ptr(), expected)
+    else:
+        mv = tensor_bytes(data)
+        _check_size(item, len(mv))
+        out.write(mv)
+    digests = checksum.chunk_digests(mv, sizes, dtype, block) if block else None
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=len(mv),
+        storage_data=StoredItem(name, start, len(mv), rank, digests, tuple(sizes), dtype),
+    )
 
 
 class _Carried:
@@ -438,13 +464,6 @@ class _Carried:
         _check_size(item, appender.written)
         self._item = None
         return appender.start, appender.written, appender.digests()
-
-
-def _digests(item: WriteItem, data: memoryview, block: int) -> tuple[str, ...]:
-    td = item.tensor_data
-    if td is None:
-        return checksum.item_digests(data, None, None, block)
-    return checksum.chunk_digests(data, td.chunk.sizes, td.properties.dtype, block)
 
 
 def _check_size(item: WriteItem, nbytes: int) -> None:
