@@ -198,11 +198,8 @@ def chunk_digests(
     data: memoryview, sizes: torch.Size, dtype: torch.dtype, block: int
 ) -> tuple[str, ...]:
     """``item_digests`` of a tensor chunk whose bytes are ``data``, its grid found once per
-    shape: a small item costs one hash, not a grid lookup larger than the hash."""
-    grid = _chunk_grid(sizes, dtype, block)
-    if grid.count == 1 and grid.nbytes == len(data):
-        return (xxhash.xxh3_64_hexdigest(data),)
-    return tuple(digests(grid, data))
+    shape (``torch.Size`` keys): a small item costs one hash, not a grid lookup larger than it."""
+    return tuple(digests(_chunk_grid(sizes, dtype, block), data))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -412,8 +412,7 @@ def _append_item(
         return _result(item, name, start, len(mv), rank, digests)
     td = item.tensor_data
     assert td is not None  # DCP's tensor write items always describe their chunk
-    sizes, dtype = td.chunk.sizes, td.properties.dtype
-    expected = math.prod(sizes) * dtype.itemsize
+    expected = item_nbytes(item)
     start = out.align()
     if (
         expected < _SMALL_ITEM
@@ -427,12 +426,10 @@ def _append_item(
         mv = tensor_bytes(data)
         _check_size(item, len(mv))
         out.write(mv)
-    digests = checksum.chunk_digests(mv, sizes, dtype, block) if block else None
-    return WriteResult(
-        index=item.index,
-        size_in_bytes=len(mv),
-        storage_data=StoredItem(name, start, len(mv), rank, digests, tuple(sizes), dtype),
+    digests = (
+        checksum.chunk_digests(mv, td.chunk.sizes, td.properties.dtype, block) if block else None
     )
+    return _result(item, name, start, len(mv), rank, digests)
 
 
 class _Carried:
