@@ -135,6 +135,7 @@ class _ChunkIndex:
     shapes: list[tuple[int, ...]]
     offsets: np.ndarray
     _bounds: list[int] | None
+    _firsts: tuple[list[list[int]], list[list[int]]] | None
     _chunk_rows: dict[int, dict[tuple[int, ...], int]]
 
     starts: np.ndarray  # row where each tensor's chunks start (a property of the subclass)
@@ -149,12 +150,24 @@ class _ChunkIndex:
     def chunk_offsets(self, row: int, ndim: int) -> tuple[int, ...]:
         return tuple(self.offsets[row, :ndim].tolist())
 
+    def first_boxes(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Every tensor's first chunk as (offsets, sizes) lists, padded: one bulk conversion,
+        so asking about a one-chunk tensor (most tensors) touches no array."""
+        if self._firsts is None:
+            n = self.offsets.shape[0]
+            rows = np.minimum(self.starts[:-1], max(n - 1, 0))  # a chunkless tensor: unused
+            if n == 0:
+                self._firsts = ([[]] * len(rows), [[]] * len(rows))
+            else:
+                self._firsts = (self.offsets[rows].tolist(), self.sizes[rows].tolist())
+        return self._firsts
+
     def find_chunk(self, t: int, offsets: tuple[int, ...]) -> int | None:
         """The row of tensor ``t``'s chunk at ``offsets``, or None."""
         lo, hi = self.bounds[t], self.bounds[t + 1]
         ndim = len(self.shapes[t])
         if hi - lo == 1:
-            return lo if self.chunk_offsets(lo, ndim) == offsets else None
+            return lo if tuple(self.first_boxes()[0][t][:ndim]) == offsets else None
         rows = self._chunk_rows.get(t)
         if rows is None:
             block = self.offsets[lo:hi, :ndim].tolist()
@@ -194,6 +207,7 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
     _hex: tuple[str, ...] | None = field(default=None, repr=False)
     _hex_starts: list[int] = field(default_factory=list, repr=False)
     _bounds: list[int] | None = field(default=None, repr=False)
+    _firsts: tuple[list[list[int]], list[list[int]]] | None = field(default=None, repr=False)
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -399,6 +413,7 @@ class PlannedBoxes(_ChunkIndex):
     sources: Sources | None = None  # which rank's item each row is (write results by position)
     _starts: np.ndarray | None = field(default=None, repr=False)
     _bounds: list[int] | None = field(default=None, repr=False)
+    _firsts: tuple[list[list[int]], list[list[int]]] | None = field(default=None, repr=False)
     _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -442,7 +457,17 @@ class ChunkList(Sequence[ChunkStorageMetadata]):
 
     def holds(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
         """Whether one of these chunks is exactly the box ``offsets``+``sizes``."""
-        row = self.table.find_chunk(self.t, offsets)
+        table, t = self.table, self.t
+        bounds = table.bounds
+        if bounds[t + 1] - bounds[t] == 1:  # one chunk: compare its box as lists
+            nd = len(table.shapes[t])
+            first_offsets, first_sizes = table.first_boxes()
+            return (
+                len(offsets) == nd
+                and first_offsets[t][:nd] == list(offsets)
+                and first_sizes[t][:nd] == list(sizes)
+            )
+        row = table.find_chunk(t, offsets)
         return row is not None and self.table.sizes[row, : len(sizes)].tolist() == list(sizes)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:

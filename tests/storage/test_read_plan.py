@@ -111,3 +111,24 @@ def test_coalesce_joins_close_ranges_of_a_file_up_to_a_size():
     assert len(big) == 2  # a range over the request size is a request of its own
     overlap = coalesce([("a", 0, 100, 0), ("a", 50, 80, 1)], merge_gap=10, max_request=500)
     assert len(overlap) == 2  # two reads of the same bytes are never joined
+
+
+def test_chunk_list_holds_exactly_its_boxes_for_one_chunk_many_and_none():
+    """``holds`` answers one-chunk tensors from bulk lists and others row by row: the same
+    exact-box answer either way, and a chunkless tensor holds nothing."""
+    from dcpbridge.storage.table import ChunkList, PlannedBoxes
+
+    shapes = [(4, 6), (8, 2), (), (0, 3), (5,)]
+    counts = np.array([1, 2, 1, 0, 1], dtype=np.int64)
+    offsets = np.array([[0, 0], [0, 0], [4, 0], [0, 0], [0, 0]], dtype=np.int64)
+    sizes = np.array([[4, 6], [4, 2], [4, 2], [1, 1], [5, 1]], dtype=np.int64)
+    boxes = PlannedBoxes(shapes, counts, offsets, sizes, checked=True)
+    whole, rows, scalar, chunkless, flat = (ChunkList(boxes, t) for t in range(5))
+    assert whole.holds((0, 0), (4, 6))
+    assert not whole.holds((0, 0), (4, 5)) and not whole.holds((0, 1), (4, 6))
+    assert not whole.holds((0,), (4,))  # fewer dims than the tensor: not its box
+    assert rows.holds((0, 0), (4, 2)) and rows.holds((4, 0), (4, 2))
+    assert not rows.holds((0, 0), (8, 2)) and not rows.holds((2, 0), (4, 2))
+    assert scalar.holds((), ())
+    assert not chunkless.holds((0, 0), (0, 3))
+    assert flat.holds((0,), (5,)) and not flat.holds((0,), (4,))
