@@ -23,7 +23,7 @@ from dcpbridge.model.state import merge
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
-from dcpbridge.planners.walk import Leaf, ObjPath, set_path
+from dcpbridge.planners.walk import Leaf, ObjPath, like, set_path
 
 COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
 
@@ -271,5 +271,5 @@ def _prune(tree: Any) -> Any:
         kept = {k: v for k, v in ((k, _prune(v)) for k, v in tree.items()) if v is not MISSING}
         return MISSING if tree and not kept else kept
     if isinstance(tree, (list, tuple)):
-        return type(tree)(None if v is MISSING else v for v in map(_prune, tree))
+        return like(tree, [None if v is MISSING else v for v in map(_prune, tree)])
     return tree
