@@ -189,8 +189,15 @@ class BridgeLoadPlanner(StrictLoadPlanner):
             taken.add(key)
             yield Leaf("", shard, None, None)
         for key in self.parts.values:  # plain values: the checkpoint's, where it has them
-            if key in stored and not isinstance(stored[key], TensorStorageMetadata):
-                taken.add(key)
+            md = stored.get(key)
+            if md is None:
+                continue
+            taken.add(key)
+            if isinstance(md, TensorStorageMetadata):  # a tensor where the template has a value
+                box = self._stored_tensor(key, md)
+                self.values[key] = box.data
+                yield Leaf("", box, None, None)
+            else:
                 yield Leaf(key, None, self.values, key)
         for key in self.table["keys"] if self.table else ():
             if key in taken:

@@ -101,3 +101,18 @@ def test_template_of_overlapping_memory_refused_naming_the_key(tmp_path):
     stride_view = {"w": torch.zeros(8)[::2]}  # strided, not overlapping: filled in place
     out = db.load(stride_view, tmp_path)
     assert out["w"] is stride_view["w"] and torch.equal(out["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("writer", ["dcp", "dcpbridge"])
+def test_tensor_stored_where_the_template_holds_a_value(tmp_path, writer):
+    """SGD's momentum buffer is None before the first step: db.load returns the stored tensor
+    for plain DCP checkpoints as for its own (it was silently left out of the result)."""
+    state = {"optim": {"state": {"w": {"momentum_buffer": torch.arange(3.0)}}}, "step": 4}
+    if writer == "dcp":
+        dcp.save(state, storage_writer=db.FsspecCheckpointWriter(tmp_path), no_dist=True)
+    else:
+        db.save(state, tmp_path)
+    template = {"optim": {"state": {"w": {"momentum_buffer": None}}}, "step": 0}
+    out = db.load(template, tmp_path)
+    assert torch.equal(out["optim"]["state"]["w"]["momentum_buffer"], torch.arange(3.0))
+    assert out["step"] == 4
