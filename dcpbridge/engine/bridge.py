@@ -26,6 +26,7 @@ from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local
 from dcpbridge.planners.walk import Leaf, ObjPath, like, set_path
 
 COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
+OBJECT_TABLE = "objects"  # the ShardedObjects' table (ShardedSavePlanner's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +49,11 @@ class BridgeSavePlanner(ShardedSavePlanner):
         *,
         validate: bool = True,
         owners: WhoWrites | None = None,
+        paths: Mapping[str, ObjPath] | None = None,
     ) -> None:
         super().__init__(validate=validate, owners=owners)
         self._shards, self._objects, self._table = shards, objects, table
+        self._paths = paths or {}  # state-dict paths of DCP keys (others: the key itself)
         self._previous: TensorWrites | None = None
         self.tensor_writes: TensorWrites | None = None  # of the last local plan
 
@@ -120,7 +123,11 @@ class BridgeSavePlanner(ShardedSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)
-        metadata.planner_data[COMMON_TABLE] = self._table
+        data = metadata.planner_data
+        for key in metadata.state_dict_metadata:  # DCP's mapping: torch's template-free
+            if key not in (COMMON_TABLE, OBJECT_TABLE):  # loaders rebuild the nesting
+                data.setdefault(key, list(self._paths.get(key, (key,))))
+        data[COMMON_TABLE] = self._table
         return plans, metadata
 
 

@@ -156,7 +156,12 @@ def _planner_and_writer(
         checksums=options.checksums,
     )
     planner = BridgeSavePlanner(
-        parts.shards, parts.objects, parts.common_table(), validate=validate, owners=planned.owners
+        parts.shards,
+        parts.objects,
+        parts.common_table(),
+        validate=validate,
+        owners=planned.owners,
+        paths={**parts.tensor_paths, **parts.paths},
     )
     return None, planner, writer
 

@@ -7,8 +7,12 @@ from collections import namedtuple
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcpbridge as db
 from tests.support.dist_pool import Rank
@@ -116,3 +120,29 @@ def test_tensor_stored_where_the_template_holds_a_value(tmp_path, writer):
     out = db.load(template, tmp_path)
     assert torch.equal(out["optim"]["state"]["w"]["momentum_buffer"], torch.arange(3.0))
     assert out["step"] == 4
+
+
+def save_nested(r: Rank, path: str) -> None:
+    mesh = DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
+    state = {
+        "model": {"w": distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])},
+        "mc": {"fc": db.ShardedTensor.from_rank_offsets("dec.fc", torch.ones(2), (0, r.rank, 2))},
+        "optim": {"param_groups": [{"lr": 0.5}], "bias": torch.arange(2.0)},
+        "step": 3,
+    }
+    db.save(state, path, process_group=r.group)
+
+
+def test_torch_template_free_loads_rebuild_db_save_nesting(pool, tmp_path):
+    """db.save records DCP's key-to-path map, so torch's template-free loader rebuilds the
+    nested state (it returned flat dotted keys) and loads by key (it raised TypeError)."""
+    path = str(tmp_path / "ck")
+    pool.run(save_nested, 2, path)
+    out = _load_state_dict_from_keys(storage_reader=db.FsspecCheckpointReader(path))
+    assert sorted(out) == ["dec.fc", "model", "optim", "step"] and out["step"] == 3
+    assert torch.equal(out["model"]["w"], torch.arange(6.0).reshape(3, 2))
+    assert torch.equal(out["dec.fc"], torch.ones(4))  # Megatron keys stay as they are
+    assert out["optim"]["param_groups"] == [{"lr": 0.5}]
+    assert torch.equal(out["optim"]["bias"], torch.arange(2.0))
+    only = _load_state_dict_from_keys("model", storage_reader=db.FsspecCheckpointReader(path))
+    assert list(only) == ["model"] and list(only["model"]) == ["w"]
