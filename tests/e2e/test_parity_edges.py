@@ -146,3 +146,45 @@ def test_torch_template_free_loads_rebuild_db_save_nesting(pool, tmp_path):
     assert torch.equal(out["optim"]["bias"], torch.arange(2.0))
     only = _load_state_dict_from_keys("model", storage_reader=db.FsspecCheckpointReader(path))
     assert list(only) == ["model"] and list(only["model"]) == ["w"]
+
+
+class App:
+    """A model and its optimizer behind torch's Stateful protocol (torchtitan's pattern)."""
+
+    def __init__(self, seed: int) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        self._get, self._set = get_state_dict, set_state_dict
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(3, 2)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.1 * (seed + 1))
+        self.model(torch.randn(4, 3)).sum().backward()
+        self.optim.step()
+
+    def state_dict(self) -> dict:
+        msd, osd = self._get(self.model, self.optim)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._set(self.model, self.optim, model_state_dict=state_dict["model"],
+                  optim_state_dict=state_dict["optim"])  # fmt: skip
+
+
+@pytest.mark.parametrize("writer", ["dcp", "dcpbridge"])
+def test_stateful_values_go_through_their_state_dicts(tmp_path, writer):
+    """As in DCP: db.save stored the Stateful object itself as a pickle, and db.load returned
+    nothing for it from a plain DCP checkpoint, silently leaving the app unloaded."""
+    saved = App(0)
+    if writer == "dcp":
+        dcp.save({"app": saved, "step": 2}, storage_writer=db.FsspecCheckpointWriter(tmp_path))
+    else:
+        db.save({"app": saved, "step": 2}, tmp_path)
+    md = db.FsspecCheckpointReader(tmp_path).read_metadata().state_dict_metadata
+    assert {"app.model.weight", "app.optim.state.weight.exp_avg", "step"} <= set(md)
+    app = App(1)
+    out = db.load({"app": app, "step": 0}, tmp_path)
+    assert out["app"] is app and out["step"] == 2
+    assert torch.equal(app.model.weight, saved.model.weight)
+    assert app.optim.param_groups[0]["lr"] == 0.1
+    ref = saved.optim.state[saved.model.weight]["exp_avg"]
+    assert torch.equal(app.optim.state[app.model.weight]["exp_avg"], ref)
