@@ -193,8 +193,12 @@ def untiled_keys(
     counts adding up); the keys returned get ``coverage_problems``' exact, worded check.
     """
     keys = len(shapes)
-    width = offsets.shape[1]
     ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=keys)
+    width = max(offsets.shape[1], int(ndim.max(initial=0)))
+    if width > offsets.shape[1]:  # a key of more dims than any chunk (an empty tensor's)
+        grow = ((0, 0), (0, width - offsets.shape[1]))
+        offsets = np.pad(offsets, grow, constant_values=0)
+        sizes = np.pad(sizes, grow, constant_values=1)
     padded = np.ones((keys, width), dtype=np.int64)
     for k, shape in enumerate(shapes):
         padded[k, : len(shape)] = shape

@@ -321,6 +321,11 @@ def _plan_box(
             f"{fqn!r}: the load template has no data to fill ({'meta' if sh.data is not None else 'None'})"
         )
     view = chunk_view(sh)
+    if torch._debug_has_internal_overlap(view) == 1:  # copy_ into it would raise RuntimeError
+        raise InvalidRequestError(
+            f"{fqn!r}: the load template's tensor has elements sharing memory (an expanded "
+            "view) and cannot be filled; pass a tensor with memory of its own (clone())"
+        )
     offsets, sizes, shape = tuple(sh.global_offset), chunk_sizes(sh), tuple(sh.global_shape)
     out.requested.add(fqn)
     md = stored.get(fqn)

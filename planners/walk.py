@@ -37,6 +37,13 @@ class Leaf:
             self.parent[self.slot] = value
 
 
+def like(seq: list | tuple, items: Any) -> Any:
+    """``items`` in a sequence of ``seq``'s type; a namedtuple takes them as its fields."""
+    if isinstance(seq, tuple) and hasattr(seq, "_fields"):
+        return type(seq)(*items)
+    return type(seq)(items)
+
+
 def dotted(obj_path: ObjPath) -> str:
     """DCP's flattened key of a path: its items joined by ``.``."""
     return ".".join(map(str, obj_path))
@@ -132,7 +139,7 @@ class Walker:
                 return fn(Leaf(dotted(path), node, parent, slot, path))
             if isinstance(node, Mapping):
                 return {k: go((*path, str(k)), v, node, k) for k, v in node.items()}
-            return type(node)(go((*path, i), v, node, i) for i, v in enumerate(node))
+            return like(node, [go((*path, i), v, node, i) for i, v in enumerate(node)])
 
         return go(prefix, tree, None, None)
 

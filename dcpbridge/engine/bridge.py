@@ -23,9 +23,10 @@ from dcpbridge.model.state import merge
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
-from dcpbridge.planners.walk import Leaf, ObjPath, set_path
+from dcpbridge.planners.walk import Leaf, ObjPath, like, set_path
 
 COMMON_TABLE = "common"  # key of the common-state table in the metadata's planner_data
+OBJECT_TABLE = "objects"  # the ShardedObjects' table (ShardedSavePlanner's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +49,11 @@ class BridgeSavePlanner(ShardedSavePlanner):
         *,
         validate: bool = True,
         owners: WhoWrites | None = None,
+        paths: Mapping[str, ObjPath] | None = None,
     ) -> None:
         super().__init__(validate=validate, owners=owners)
         self._shards, self._objects, self._table = shards, objects, table
+        self._paths = paths or {}  # state-dict paths of DCP keys (others: the key itself)
         self._previous: TensorWrites | None = None
         self.tensor_writes: TensorWrites | None = None  # of the last local plan
 
@@ -120,7 +123,11 @@ class BridgeSavePlanner(ShardedSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)
-        metadata.planner_data[COMMON_TABLE] = self._table
+        data = metadata.planner_data
+        for key in metadata.state_dict_metadata:  # DCP's mapping: torch's template-free
+            if key not in (COMMON_TABLE, OBJECT_TABLE):  # loaders rebuild the nesting
+                data.setdefault(key, list(self._paths.get(key, (key,))))
+        data[COMMON_TABLE] = self._table
         return plans, metadata
 
 
@@ -189,8 +196,15 @@ class BridgeLoadPlanner(StrictLoadPlanner):
             taken.add(key)
             yield Leaf("", shard, None, None)
         for key in self.parts.values:  # plain values: the checkpoint's, where it has them
-            if key in stored and not isinstance(stored[key], TensorStorageMetadata):
-                taken.add(key)
+            md = stored.get(key)
+            if md is None:
+                continue
+            taken.add(key)
+            if isinstance(md, TensorStorageMetadata):  # a tensor where the template has a value
+                box = self._stored_tensor(key, md)
+                self.values[key] = box.data
+                yield Leaf("", box, None, None)
+            else:
                 yield Leaf(key, None, self.values, key)
         for key in self.table["keys"] if self.table else ():
             if key in taken:
@@ -271,5 +285,5 @@ def _prune(tree: Any) -> Any:
         kept = {k: v for k, v in ((k, _prune(v)) for k, v in tree.items()) if v is not MISSING}
         return MISSING if tree and not kept else kept
     if isinstance(tree, (list, tuple)):
-        return type(tree)(None if v is MISSING else v for v in map(_prune, tree))
+        return like(tree, [None if v is MISSING else v for v in map(_prune, tree)])
     return tree

@@ -24,6 +24,7 @@ from dcpbridge.engine.save import parallel_group
 from dcpbridge.engine.strict import Policy, decide, load_result, parse_strict
 from dcpbridge.model.intake import LoadParts, for_load
 from dcpbridge.model.mapping import ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.model.stateful import load_into, state_dicts
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata, resolve
 from dcpbridge.tools.config import resolve_storage_options
@@ -91,9 +92,11 @@ def _load(
     thread_count: int = 4,
     parallel: Group | None = None,
 ) -> Any:
+    stateful = template
     parts = LoadParts(template)
     error: BaseException | None = None  # raised inside the first load step, on every rank
     try:
+        template = state_dicts(template)
         parts = for_load(template)
     except Exception as e:
         error = e
@@ -141,7 +144,7 @@ def _load(
         late_error = decide(strict, late, ()).error
         if late_error is not None:
             raise late_error
-    return load_result(planner, result)
+    return load_result(planner, load_into(stateful, result))
 
 
 def _or_raise(error: BaseException | None, value: Any) -> Any:

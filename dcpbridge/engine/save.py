@@ -39,6 +39,7 @@ from dcpbridge.model.state import (
     is_sharded,
     leaves,
 )
+from dcpbridge.model.stateful import state_dicts
 from dcpbridge.planners.leaves import refuse
 from dcpbridge.planners.protocol import leaf_kind
 from dcpbridge.planners.walk import iter_leaves
@@ -107,7 +108,7 @@ def plan_save(
     planned = PlannedSave()
 
     def sort() -> int:
-        parts = for_save(sharded_state_dict)
+        parts = for_save(state_dicts(sharded_state_dict))
         if options.format == "torch_dist":  # plain tensors go to common.pt, not to shards
             parts.shards = [s for s in parts.shards if s.key not in parts.plain]
         planned.parts = parts
@@ -156,7 +157,12 @@ def _planner_and_writer(
         checksums=options.checksums,
     )
     planner = BridgeSavePlanner(
-        parts.shards, parts.objects, parts.common_table(), validate=validate, owners=planned.owners
+        parts.shards,
+        parts.objects,
+        parts.common_table(),
+        validate=validate,
+        owners=planned.owners,
+        paths={**parts.tensor_paths, **parts.paths},
     )
     return None, planner, writer
 

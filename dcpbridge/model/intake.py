@@ -114,14 +114,16 @@ class SaveParts:
     paths: dict[str, ObjPath] = field(default_factory=dict)  # every common key's path
     empty: list[ObjPath] = field(default_factory=list)  # empty dicts (DCP keys drop them)
     plain: dict[str, torch.Tensor] = field(default_factory=dict)  # common tensors by key
+    tensor_paths: dict[str, ObjPath] = field(default_factory=dict)  # DTensors' and torch's
 
     def staged(self, shards: list[Shard]) -> SaveParts:
         """These parts after staging (``async_save``): staged shards, copied common values."""
         return dataclasses.replace(self, shards=shards, objects=copy.deepcopy(self.objects))
 
     def common_layout(self) -> tuple[Any, ...]:
-        """The common state's keys, paths and empty dicts (part of a save's structure)."""
-        return (*self.paths.items(), *self.empty)
+        """The common state's keys, paths and empty dicts, and the DTensors' paths (part of
+        a save's structure)."""
+        return (*self.paths.items(), *self.empty, *self.tensor_paths.items())
 
     def common_table(self) -> dict[str, Any]:
         """What the metadata records so a load returns the common state whole."""
@@ -158,6 +160,7 @@ def for_save(tree: Any) -> SaveParts:
         elif kind in ("dtensor", "torch_sharded", "tensor"):
             key = check_key(leaf.path)
             parts.shards.extend(_boxes(key, value, kind))
+            parts.tensor_paths[key] = leaf.obj_path
             if kind == "tensor":
                 parts.plain[key] = value
                 parts.paths[key] = leaf.obj_path

@@ -11,6 +11,7 @@ from dcpbridge.model.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+from dcpbridge.planners.walk import like
 
 
 class _Hole:
@@ -55,8 +56,8 @@ def extract(tree: Any, pred: Callable[[Any], bool]) -> tuple[Any, Any]:
         match = [m for m, _ in pairs]
         rest = [r for _, r in pairs]
         return (
-            type(tree)(match) if any(m is not HOLE for m in match) else HOLE,
-            type(tree)(rest) if any(r is not HOLE for r in rest) else HOLE,
+            like(tree, match) if any(m is not HOLE for m in match) else HOLE,
+            like(tree, rest) if any(r is not HOLE for r in rest) else HOLE,
         )
     return (tree, HOLE) if pred(tree) else (HOLE, tree)
 
@@ -66,7 +67,7 @@ def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, dict):
         return {k: map_leaves(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(map_leaves(v, fn) for v in tree)
+        return like(tree, [map_leaves(v, fn) for v in tree])
     return tree if tree is HOLE else fn(tree)
 
 
@@ -94,7 +95,7 @@ def merge(base: Any, overlay: Any) -> Any:
         and len(base) == len(overlay)
     ):
         merged = [merge(b, o) for b, o in zip(base, overlay)]
-        return type(overlay)(merged)
+        return like(overlay, merged)
     return overlay
 
 
@@ -103,7 +104,7 @@ def fill_holes(tree: Any, value: Any = None) -> Any:
     if isinstance(tree, dict):
         return {k: fill_holes(v, value) for k, v in tree.items() if v is not HOLE}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(fill_holes(v, value) for v in tree)
+        return like(tree, [fill_holes(v, value) for v in tree])
     return value if tree is HOLE else tree
 
 
@@ -133,7 +134,7 @@ def apply_factory_merges(loaded: Any, template: Any) -> Any:
             for k, v in loaded.items()
         }
     if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)):
-        return type(loaded)(apply_factory_merges(x, t) for x, t in zip(loaded, template))
+        return like(loaded, [apply_factory_merges(x, t) for x, t in zip(loaded, template)])
     return loaded
 
 

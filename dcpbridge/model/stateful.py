@@ -1,0 +1,28 @@
+"""Top-level ``Stateful`` values (models, optimizers, apps) go through their state dicts, as in
+DCP: ``state_dict()`` before a save or load, ``load_state_dict`` with what a load returned."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+def state_dicts(tree: Any) -> Any:
+    """``tree`` with each top-level Stateful value replaced by its ``state_dict()``."""
+    if not isinstance(tree, Mapping) or not any(isinstance(v, Stateful) for v in tree.values()):
+        return tree
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in tree.items()}
+
+
+def load_into(template: Any, result: Any) -> Any:
+    """Hand each top-level Stateful of ``template`` its loaded state; ``result`` keeps the
+    Stateful object itself at that key, as ``dcp.load`` leaves it in the state dict."""
+    if not isinstance(template, Mapping) or not isinstance(result, dict):
+        return result
+    for key, value in template.items():
+        if isinstance(value, Stateful) and key in result:
+            value.load_state_dict(result[key])
+            result[key] = value
+    return result
