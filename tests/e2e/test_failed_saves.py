@@ -1,5 +1,7 @@
-"""A save interrupted on some ranks (KeyboardInterrupt) or whose commit cannot be written: every
-rank raises promptly, nothing of the failed save stays, and the previous checkpoint loads."""
+"""Saves that fail part-way: interrupted on some ranks (KeyboardInterrupt), a commit that cannot
+be written, a torch_dist data file that cannot be written. Every rank raises promptly, nothing
+of the failed save looks complete (or stays, where the format allows), and the previous
+checkpoint loads where the format keeps it."""
 
 from __future__ import annotations
 
@@ -165,3 +167,38 @@ def test_a_commit_that_cannot_be_written_leaves_no_temp_file(pool, tmp_path, fir
     else:
         assert pool.run(load_value, 2, path) == [1, 1]
     assert not any(p.name.startswith(f"{META}.tmp") for p in Path(path).iterdir())
+
+
+def save_torch_dist_with_a_full_disk_on_rank_1(r: Rank, path: str, threads: int) -> str:
+    """A torch_dist save whose data file on rank 1 stops growing at 64 KiB (EFBIG)."""
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if r.rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, old[1]))
+    try:
+        db.save(
+            _state(r, 2.0), path, process_group=r.group, format="torch_dist", thread_count=threads
+        )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_torch_dist_save_that_cannot_write_fails_everywhere(pool, tmp_path, threads):
+    """torch's writer loses the exceptions of its extra threads (with their files' items: the
+    save used to commit a checkpoint without rank 1's data) and reports a failed write inside
+    ``torch.save`` as a RuntimeError: both ranks must raise ``StorageError`` naming rank 1's
+    file, and nothing is published."""
+    path = str(tmp_path / "ck")
+    outcomes = pool.run(save_torch_dist_with_a_full_disk_on_rank_1, 2, path, threads)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"StorageError: rank 1: {path}: write __1_"), outcomes[0]
+    assert "File too large" in outcomes[0]
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+    with pytest.raises(db.IncompleteCheckpointError):
+        db.load({}, path, allow_pickle=True)
