@@ -338,15 +338,20 @@ class LocalStorage(Storage):
         with lock as locked:
             if replaces is not None and _current_identity(final) != replaces.tag:
                 raise _conflict(final)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if sync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            if replaces is not None and replaces.data is None:
-                _publish_new(tmp, final)
-            else:
-                os.replace(tmp, final)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    if sync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                if replaces is not None and replaces.data is None:
+                    _publish_new(tmp, final)
+                else:
+                    os.replace(tmp, final)
+            except BaseException:  # a full disk, an interrupt: no half-written temp file stays
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             if sync:
                 _sync_directory(self.location.root)
             if locked:  # temp files left by commits that were killed (live ones hold the lock)

@@ -121,7 +121,7 @@ def run_save(
         if (group.is_coordinator and not committed) or not wrote:
             abort_save(writer)
         raise
-    except Exception:
+    except BaseException:  # an interrupted save removes its files too
         abort_save(writer)
         raise
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan

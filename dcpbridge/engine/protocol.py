@@ -13,7 +13,9 @@ Local work runs inside the step, so a rank that fails still takes part in the co
 no rank is left waiting. When any rank's work (or the coordinator's) raised, every rank raises
 one exception naming each failed rank: the failures' own class when all failed alike (else
 ``DistributedCheckpointError``), with this rank's exception, or the first failed rank's, as
-``__cause__``. A group of one raises its exception unchanged.
+``__cause__``. A group of one raises its exception unchanged, and so does a rank whose work
+was interrupted (``KeyboardInterrupt``, ``SystemExit``): its peers raise
+``DistributedCheckpointError`` instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class _Failed:
 def _run(group: Group, step: str, work: Callable[[], T]) -> T | Failure:
     try:
         return work()
-    except Exception as e:
+    except BaseException as e:  # an interrupt too: the peers must not wait for this rank
         return Failure.capture(group.rank, step, e)
 
 
@@ -76,6 +78,9 @@ def raise_failures(failures: list[Failure], mine: Any, *, world_size: int) -> No
     """Raise one exception describing every failed rank (``mine``: this rank's own result)."""
     if not failures:
         return
+    own = mine.exc if isinstance(mine, Failure) else None
+    if own is not None and not isinstance(own, Exception):
+        raise own  # this rank was interrupted (KeyboardInterrupt...): its own, unchanged
     if world_size == 1 and len(failures) == 1 and failures[0].exc is not None:
         raise failures[0].exc
     by_message: dict[tuple[str, str], list[Failure]] = {}
@@ -90,10 +95,9 @@ def raise_failures(failures: list[Failure], mine: Any, *, world_size: int) -> No
     traces = [f"--- rank {f.rank} traceback ---\n{f.trace}" for f in failures if f.trace][:2]
     text = "\n".join(lines + traces)
     error: BaseException = DistributedCheckpointError(text)
-    if len({type(f.exc) for f in failures}) == 1 and failures[0].exc is not None:
+    if len({type(f.exc) for f in failures}) == 1 and isinstance(failures[0].exc, Exception):
         with contextlib.suppress(Exception):
             error = type(failures[0].exc)(text)
-    own = mine.exc if isinstance(mine, Failure) else None
     raise error from own or next((f.exc for f in failures if f.exc is not None), None)
 
 
@@ -114,6 +118,7 @@ def decide(
             decided = _run(group, step, lambda: decide_all(gathered))
             failures = [decided] if isinstance(decided, Failure) else []
             replies = None if failures else decided
+            mine = decided if failures else mine  # the coordinator's own failure
         if failures:
             replies = [_Failed(failures)] * group.size
     reply = group.scatter(replies)
@@ -136,6 +141,7 @@ def commit(
             done = _run(group, "commit", lambda: commit_all(gathered))
             failures = [done] if isinstance(done, Failure) else []
             outcome = None if failures else done
+            mine = done if failures else mine  # the coordinator's own failure
         if failures:
             outcome = _Failed(failures)
     outcome = group.broadcast(outcome)

@@ -8,8 +8,10 @@ backend, written last (Megatron treats a directory without it as unfinished).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
@@ -24,6 +26,7 @@ from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import Storage
+from dcpbridge.storage.errors import StorageError, is_storage_fault, storage_error
 from dcpbridge.storage.paths import fsspec_options
 from dcpbridge.storage.writer import remove_stale_files
 from dcpbridge.tools.formats import MEGATRON_COMMON, MEGATRON_CONFIG
@@ -101,7 +104,47 @@ class TorchDistWriter(StorageWriter):
         return self.inner.prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        return self.inner.write_data(plan, planner)
+        """torch's writer, made to fail when any of its files failed.
+
+        torch's extra writer threads drop their exceptions and their files' results, so a
+        full disk would commit a checkpoint missing those items; and its ``torch.save``
+        reports a failed write as a ``RuntimeError``. Failures inside each file's stream are
+        recorded here and raised (storage faults as ``StorageError`` naming the file).
+        """
+        failed: list[tuple[str, BaseException]] = []
+        fs: Any = self.inner.fs  # type: ignore[attr-defined]
+        create_stream = fs.create_stream
+
+        @contextlib.contextmanager
+        def recording(path: Any, mode: str) -> Iterator[Any]:
+            try:
+                with create_stream(path, mode) as stream:
+                    yield stream
+            except BaseException as e:
+                failed.append((os.path.basename(str(path)), e))
+                raise
+
+        fs.create_stream = recording
+        results: list[WriteResult] = []
+        try:
+            results = self.inner.write_data(plan, planner).wait()
+        except Exception as e:
+            if not failed:
+                failed.append(("", e))
+        finally:
+            del fs.create_stream
+        written = {r.index for r in results}
+        missing = [item.index.fqn for item in plan.items if item.index not in written]
+        if failed:
+            raise _write_failure(self.location.url, *failed[0])
+        if missing:
+            raise StorageError(
+                f"{self.location.url}: {len(missing)} item(s) were not written "
+                f"(e.g. {missing[0]!r}): a writer thread failed"
+            )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self.store
@@ -114,3 +157,15 @@ class TorchDistWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return bool(os.fspath(checkpoint_id))
+
+
+def _write_failure(url: str, name: str, error: BaseException) -> BaseException:
+    """A failed file write as raised to the caller: the storage fault behind it (torch.save
+    wraps it in a ``RuntimeError``) as ``StorageError``, anything else as it was."""
+    fault: BaseException | None = error
+    while fault is not None and not is_storage_fault(fault):
+        fault = fault.__cause__ or fault.__context__
+    if fault is None:
+        return error
+    where = f"{url}: write {name}" if name else f"{url}: write"
+    return storage_error(where, fault)

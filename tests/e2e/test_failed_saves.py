@@ -1,0 +1,204 @@
+"""Saves that fail part-way: interrupted on some ranks (KeyboardInterrupt), a commit that cannot
+be written, a torch_dist data file that cannot be written. Every rank raises promptly, nothing
+of the failed save looks complete (or stays, where the format allows), and the previous
+checkpoint loads where the format keeps it."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dcpbridge as db
+from tests.support.dist_pool import Rank
+
+ROWS = 1 << 17  # 512 KiB of float32 per rank: written in one large write
+META = "dcpbridge.json"
+
+
+def _state(r: Rank, value: float) -> dict[str, Any]:
+    local = torch.arange(ROWS, dtype=torch.float32) + value * 1000 + r.rank * ROWS
+    return {
+        "a": db.ShardedTensor.from_box("a", local, (r.size * ROWS,), (r.rank * ROWS,)),
+        "step": int(value),
+    }
+
+
+def save_value(r: Rank, path: str, value: float) -> None:
+    db.save(_state(r, value), path, process_group=r.group)
+
+
+def load_value(r: Rank, path: str) -> int:
+    template = _state(r, 0.0)
+    del template["step"]
+    template["a"].data.zero_()
+    out = db.load(template, path, process_group=r.group)
+    assert torch.equal(out["a"], _state(r, float(out["step"]))["a"].data)
+    return out["step"]
+
+
+def _outcome(r: Rank, path: str) -> str:
+    try:
+        save_value(r, path, 2.0)
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def save_interrupted(r: Rank, path: str, victims: list[int], where: str) -> str:
+    """Save value 2 to ``path``; ranks in ``victims`` get a KeyboardInterrupt at ``where``."""
+    from dcpbridge.storage import backends, writer
+
+    if r.rank not in victims:
+        return _outcome(r, path)
+    if where == "write":  # after the first large write of this rank's data file
+        cls, name = writer.CoalescingFile, "write"
+        original = cls.write
+
+        def write(self: Any, data: memoryview) -> None:
+            original(self, data)
+            if len(data) >= 1 << 18:
+                raise KeyboardInterrupt
+
+        patched: Any = write
+    else:  # "commit": the temp commit file is written, the rename is interrupted
+        cls, name = backends.LocalStorage, "commit_file"
+        original = cls.commit_file
+        real_os = backends.os
+
+        class InterruptingOs:
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(real_os, attr)
+
+            def link(self, src: str, dst: str) -> None:
+                raise KeyboardInterrupt
+
+            def replace(self, src: str, dst: str) -> None:
+                raise KeyboardInterrupt
+
+        def commit_file(self: Any, *args: Any, **kwargs: Any) -> None:
+            backends.os = InterruptingOs()  # type: ignore[assignment]
+            try:
+                original(self, *args, **kwargs)
+            finally:
+                backends.os = real_os
+
+        patched = commit_file
+    setattr(cls, name, patched)
+    try:
+        return _outcome(r, path)
+    finally:
+        setattr(cls, name, original)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("victims", "where"),
+    [([1], "write"), ([0], "write"), ([0, 1], "write"), ([0], "commit")],
+    ids=["rank1-write", "rank0-write", "both-write", "rank0-commit"],
+)
+def test_an_interrupted_save_raises_everywhere_and_leaves_nothing(pool, tmp_path, victims, where):
+    """The interrupted ranks raise their KeyboardInterrupt, the others a
+    ``DistributedCheckpointError`` naming them (no rank waits for the process group's
+    timeout); the files of the interrupted save are removed on every rank."""
+    path = str(tmp_path / "ck")
+    pool.run(save_value, 2, path, 1.0)
+    before = sorted(os.listdir(path))
+    outcomes = pool.run(save_interrupted, 2, path, victims, where, timeout=30)
+    for rank, text in enumerate(outcomes):
+        if rank in victims:
+            assert text == "KeyboardInterrupt", text
+        else:
+            assert text.startswith("DistributedCheckpointError: "), text
+            assert f"rank {victims[0]}: KeyboardInterrupt" in text, text
+    assert sorted(os.listdir(path)) == before  # no data file, no temp commit file
+    assert pool.run(load_value, 2, path) == [1, 1]
+    pool.run(save_value, 2, path, 3.0)  # the ranks are in step: the next save works
+    assert pool.run(load_value, 2, path) == [3, 3]
+
+
+def save_with_commit_too_large(r: Rank, path: str) -> str:
+    """Save value 2; the coordinator's commit file cannot be written (RLIMIT_FSIZE: EFBIG,
+    as a full disk would fail it)."""
+    from dcpbridge.storage import backends
+
+    original = backends.LocalStorage.commit_file
+
+    def commit_file(self: Any, *args: Any, **kwargs: Any) -> None:
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, old[1]))
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+
+    if r.rank == 0:
+        backends.LocalStorage.commit_file = commit_file  # type: ignore[method-assign]
+    try:
+        return _outcome(r, path)
+    finally:
+        backends.LocalStorage.commit_file = original  # type: ignore[method-assign]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first", [True, False], ids=["first-commit", "replacing"])
+def test_a_commit_that_cannot_be_written_leaves_no_temp_file(pool, tmp_path, first):
+    path = str(tmp_path / "ck")
+    if not first:
+        pool.run(save_value, 2, path, 1.0)
+    before = sorted(os.listdir(path)) if not first else []
+    outcomes = pool.run(save_with_commit_too_large, 2, path)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"StorageError: rank 0: {path}: commit {META}: "), outcomes[0]
+    assert "File too large" in outcomes[0]
+    assert sorted(os.listdir(path)) == before  # not even a partial dcpbridge.json.tmp-*
+    if first:
+        with pytest.raises(db.NotACheckpointError):
+            db.load({}, path)
+    else:
+        assert pool.run(load_value, 2, path) == [1, 1]
+    assert not any(p.name.startswith(f"{META}.tmp") for p in Path(path).iterdir())
+
+
+def save_torch_dist_with_a_full_disk_on_rank_1(r: Rank, path: str, threads: int) -> str:
+    """A torch_dist save whose data file on rank 1 stops growing at 64 KiB (EFBIG)."""
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if r.rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, old[1]))
+    try:
+        db.save(
+            _state(r, 2.0), path, process_group=r.group, format="torch_dist", thread_count=threads
+        )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_torch_dist_save_that_cannot_write_fails_everywhere(pool, tmp_path, threads):
+    """torch's writer loses the exceptions of its extra threads (with their files' items: the
+    save used to commit a checkpoint without rank 1's data) and reports a failed write inside
+    ``torch.save`` as a RuntimeError: both ranks must raise ``StorageError`` naming rank 1's
+    file, and nothing is published."""
+    path = str(tmp_path / "ck")
+    outcomes = pool.run(save_torch_dist_with_a_full_disk_on_rank_1, 2, path, threads)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"StorageError: rank 1: {path}: write __1_"), outcomes[0]
+    assert "File too large" in outcomes[0]
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+    with pytest.raises(db.IncompleteCheckpointError):
+        db.load({}, path, allow_pickle=True)
