@@ -337,3 +337,17 @@ def test_reshard_over_many_decoded_chunks(columnar, tmp_path):
     for a, n in parts:
         assert torch.equal(out[f"p{a}"], full[a : a + n])
     assert torch.equal(out["cols"], full[:, 7:])
+
+
+def test_planner_data_is_written_as_plain_json_or_refused():
+    """Tuples become lists, keys strings, nesting is kept; a value JSON cannot hold raises."""
+    data = {"a.b": ("a", "b"), "x": ["x", 0], 3: {"k": (1, 2.5, None, True)}, "n": [("p", 1)]}
+    assert fmt._jsonable(data) == {
+        "a.b": ["a", "b"],
+        "x": ["x", 0],
+        "3": {"k": [1, 2.5, None, True]},
+        "n": [["p", 1]],
+    }
+    for bad in ({"k": {1, 2}}, {"k": ["a", object()]}, {"k": torch.zeros(1)}):
+        with pytest.raises(TypeError, match="planner_data must be JSON-serializable"):
+            fmt._jsonable(bad)
