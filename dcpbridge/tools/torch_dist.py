@@ -67,6 +67,8 @@ class TorchDistWriter(StorageWriter):
         self.common_state = common_state
         self.sync_files = sync_files
         self.store = Storage.for_location(self.location)
+        self._created: list[Any] = []  # data files this save opened (removed if it fails)
+        self._committed: list[str] = []  # commit files it wrote, likewise
         if self.location.is_local:
             self.inner: StorageWriter = FileSystemWriter(
                 self.location.root, thread_count=thread_count, sync_files=sync_files
@@ -117,6 +119,7 @@ class TorchDistWriter(StorageWriter):
 
         @contextlib.contextmanager
         def recording(path: Any, mode: str) -> Iterator[Any]:
+            self._created.append(path)
             try:
                 with create_stream(path, mode) as stream:
                     yield stream
@@ -149,10 +152,22 @@ class TorchDistWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self.store
         common = serialize_object(self.common_state, "the common state").getvalue()
+        self._committed.append(MEGATRON_COMMON)
         store.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
         self.inner.finish(metadata, results)
         config = json.dumps(MEGATRON_CHECKPOINT_CONFIG).encode()
         store.commit_file(MEGATRON_CONFIG, config, f"{MEGATRON_CONFIG}.tmp", sync=self.sync_files)
+
+    def abort(self) -> None:
+        """Remove what this failed save wrote: its data files and ``common.pt`` (the previous
+        checkpoint's commit files were removed before any data was written)."""
+        fs: Any = self.inner.fs  # type: ignore[attr-defined]
+        for path in self._created:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(path)
+        self._created.clear()
+        self.store.remove([n for n in self._committed if self.store.exists(n)])
+        self._committed.clear()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -200,5 +200,6 @@ def test_a_torch_dist_save_that_cannot_write_fails_everywhere(pool, tmp_path, th
     assert outcomes[0].startswith(f"StorageError: rank 1: {path}: write __1_"), outcomes[0]
     assert "File too large" in outcomes[0]
     assert not os.path.exists(os.path.join(path, "metadata.json"))
-    with pytest.raises(db.IncompleteCheckpointError):
+    assert os.listdir(path) == []  # both ranks removed their data files
+    with pytest.raises(db.NotACheckpointError):
         db.load({}, path, allow_pickle=True)
