@@ -130,7 +130,7 @@ def common_table(metadata: Metadata) -> dict[str, Any] | None:
     planner data maps keys to paths, and older saves)."""
     data = metadata.planner_data
     table = data.get(COMMON_TABLE) if isinstance(data, dict) else None
-    return check_common_table(table) if isinstance(table, dict) else None
+    return check_common_table(table) if isinstance(table, dict) and "keys" in table else None
 
 
 def _path(raw: Any) -> ObjPath:

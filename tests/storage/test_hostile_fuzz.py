@@ -564,7 +564,8 @@ def _crafted(doc: dict[str, Any], raw: bytes) -> Iterator[tuple[str, bytes, set[
     names += ["~/" + f0, "s3://b/" + f0, f0.upper(), f0 + "\x00", "%2e%2e/" + f0]
     for where, value in [*((("files", 0), name) for name in names), *FIELDS]:
         label = f"{'/'.join(map(str, where))} = {value!r}"[:120]
-        yield label, _with(doc, _put(where, value)), set()
+        exempt = set(COMMON_KEYS) if where[0] == "planner_data" else set()  # no table: none
+        yield label, _with(doc, _put(where, value)), exempt
 
 
 def _rows_edits(doc: dict[str, Any]) -> Iterator[tuple[str, bytes, set[str]]]:
