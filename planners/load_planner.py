@@ -161,15 +161,15 @@ def load_object(value: io.BytesIO, *, allow_pickle: bool, what: str) -> Any:
             return torch.load(value, weights_only=False, map_location="cpu")
         with torch.serialization.safe_globals([io.BytesIO]):
             return torch.load(value, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        if allow_pickle:
-            raise
-        lines = [ln.strip() for ln in str(e).splitlines()]
-        detail = next((ln for ln in lines if "Unsupported global" in ln), "unsupported object")
-        raise PickleRefusedError(
-            f"{what} holds Python objects that safe (weights_only) loading refuses ({detail}). "
-            "If you trust this checkpoint, load it with allow_pickle=True."
-        ) from None
+    except Exception as e:  # a refused pickle, or damaged bytes no checksum caught
+        if isinstance(e, pickle.UnpicklingError) and not allow_pickle:
+            lines = [ln.strip() for ln in str(e).splitlines()]
+            detail = next((ln for ln in lines if "Unsupported global" in ln), "unsupported object")
+            raise PickleRefusedError(
+                f"{what} holds Python objects that safe (weights_only) loading refuses "
+                f"({detail}). If you trust this checkpoint, load it with allow_pickle=True."
+            ) from None
+        raise CorruptCheckpointError(f"{what} is not readable torch.save data: {e}") from e
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
+from dcpbridge.engine.common_table import check_common_table
 from dcpbridge.engine.strict import StrictLoadPlanner
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
@@ -132,10 +133,11 @@ class BridgeSavePlanner(ShardedSavePlanner):
 
 
 def common_table(metadata: Metadata) -> dict[str, Any] | None:
-    """The common-state table a dcpbridge save recorded, or None (plain DCP, older saves)."""
+    """The common-state table a dcpbridge save recorded (checked), or None (plain DCP, whose
+    planner data maps keys to paths, and older saves)."""
     data = metadata.planner_data
     table = data.get(COMMON_TABLE) if isinstance(data, dict) else None
-    return table if isinstance(table, dict) and isinstance(table.get("keys"), dict) else None
+    return check_common_table(table) if isinstance(table, dict) and "keys" in table else None
 
 
 def _path(raw: Any) -> ObjPath:

@@ -284,7 +284,7 @@ class CheckpointManager:
                 raw = doc["metrics"][self.best_metric]
                 if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                     value = float(raw)
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
                 value = None
             self._metrics[step] = value
         return self._metrics[step]

@@ -205,6 +205,10 @@ def remove_sharded_tensors(
     if isinstance(planner_data, dict) and isinstance(planner_data.get("objects"), dict):
         objects = {k: v for k, v in planner_data["objects"].items() if k not in gone}
         planner_data = {**planner_data, "objects": objects}
+    common = planner_data.get("common") if isinstance(planner_data, dict) else None
+    if isinstance(common, dict) and isinstance(common.get("keys"), dict):  # common state's keys
+        keys = {k: path for k, path in common["keys"].items() if k not in gone}
+        planner_data = {**planner_data, "common": {**common, "keys": keys}}
     kept = Metadata(
         state_dict_metadata={
             n: md for n, md in metadata.state_dict_metadata.items() if n not in gone

@@ -309,6 +309,25 @@ def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
         mgr.load({}, step=7)
 
 
+@pytest.mark.parametrize(
+    "sidecar", ['{"metrics": {"loss": 1' + "0" * 400 + "}}", "[" * 100_000 + "]" * 100_000]
+)
+def test_a_hostile_sidecar_only_loses_its_own_metric(tmp_path, caplog, sidecar):
+    """A metric too large for a float, or nesting too deep to parse, counts as no metric for
+    that step (retention as a whole failed and kept every checkpoint)."""
+    root = tmp_path / "run"
+    opts = {"keep_best": 1, "best_metric": "loss", "keep_last": 1, "async_save": False}
+    mgr = db.CheckpointManager(str(root), **opts)
+    for step, loss in [(1, 5.0), (2, 1.0), (3, 3.0)]:
+        mgr.save(step, {"w": torch.ones(2)}, metrics={"loss": loss})
+    assert mgr.all_steps() == [2, 3]
+    (root / "step_00000002" / SIDECAR).write_text(sidecar)
+    mgr = db.CheckpointManager(str(root), **opts)  # reads the sidecars afresh
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        mgr.save(4, {"w": torch.ones(2)}, metrics={"loss": 9.0})
+    assert mgr.all_steps() == [3, 4] and "retention" not in caplog.text
+
+
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(

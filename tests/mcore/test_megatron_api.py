@@ -197,6 +197,16 @@ def test_remove_sharded_tensors(ckpt):
     assert db.load_common_state_dict(ckpt)["iteration"] == 7
 
 
+def test_removing_common_state_keys_keeps_the_checkpoint_loadable(tmp_path):
+    """Common values and tensors a prefix matches leave the common-state table too (every
+    load of the rewritten checkpoint raised MissingKeysError for them)."""
+    path = str(tmp_path / "ck")
+    db.save({"a": _st("a"), "opt": {"lr": 2, "t": torch.ones(2)}, "iteration": 7}, path)
+    assert db.remove_sharded_tensors(path, "opt.") == ["opt.lr", "opt.t"]
+    assert torch.equal(db.load({"a": _template("a")}, path)["a"], torch.arange(4.0))
+    assert db.load_common_state_dict(path) == {"iteration": 7}
+
+
 # --- mapping: narrow, factories, flattened_range ----------------------------------------
 
 

@@ -146,6 +146,23 @@ def test_loading_never_executes_pickles_unless_allowed(tmp_path):
     assert not marker.exists()
 
 
+def test_damaged_object_bytes_without_checksums_are_a_corrupt_checkpoint(tmp_path):
+    """Saved without checksums, an object's damaged torch.save bytes are refused by name (they
+    raised torch.load's RuntimeError or UnicodeDecodeError)."""
+    path = tmp_path / "ck"
+    db.save({"rng": db.ShardedObject("rng", {"seed": 1}, (1,), (0,))}, str(path), checksums=False)
+    item = json.loads((path / "dcpbridge.json").read_bytes())["objects"]["rng/shard_0_1"]
+    data = path / item["file"]
+    raw = bytearray(data.read_bytes())
+    end = item["offset"] + item["nbytes"]
+    raw[end - 22 : end - 18] = b"\xff\xff\xff\xff"  # the zip's end-of-directory record
+    data.write_bytes(bytes(raw))
+    tmpl = {"rng": db.ShardedObject("rng", None, (1,), (0,))}
+    for allow_pickle in (False, True):
+        with pytest.raises(db.CorruptCheckpointError, match="object 'rng/shard_0_1' is not rea"):
+            db.load(tmpl, str(path), allow_pickle=allow_pickle)
+
+
 def test_keys_cannot_place_files_outside_the_checkpoint(tmp_path):
     path = tmp_path / "ck"
     sd = {
