@@ -202,6 +202,8 @@ def remove_sharded_tensors(
     items = {k: it for k, it in index.items.items() if k[0] not in gone}
     files = tuple(sorted({it.file for it in items.values()}))
     planner_data = metadata.planner_data
+    if isinstance(planner_data, dict):  # DCP's key-to-path map: removed keys leave it too
+        planner_data = {k: v for k, v in planner_data.items() if k not in gone}
     if isinstance(planner_data, dict) and isinstance(planner_data.get("objects"), dict):
         objects = {k: v for k, v in planner_data["objects"].items() if k not in gone}
         planner_data = {**planner_data, "objects": objects}

@@ -11,6 +11,7 @@ import torch
 import dcpbridge as db
 from dcpbridge import dist_checkpointing as dc
 from dcpbridge.engine.strict import STRICT_VALUES, decide, parse_strict
+from dcpbridge.storage import read_checkpoint_metadata, resolve
 from tests.support import megatron_cpu as M
 from tests.support.dist_pool import Rank
 
@@ -205,6 +206,9 @@ def test_removing_common_state_keys_keeps_the_checkpoint_loadable(tmp_path):
     assert db.remove_sharded_tensors(path, "opt.") == ["opt.lr", "opt.t"]
     assert torch.equal(db.load({"a": _template("a")}, path)["a"], torch.arange(4.0))
     assert db.load_common_state_dict(path) == {"iteration": 7}
+    planner_data = read_checkpoint_metadata(resolve(path)).planner_data
+    assert not {"opt.lr", "opt.t"} & set(planner_data)  # DCP's path map forgets them too
+    assert planner_data["a"] == ["a"]
 
 
 # --- mapping: narrow, factories, flattened_range ----------------------------------------
