@@ -9,11 +9,21 @@ from typing import Any
 from torch.distributed.checkpoint.stateful import Stateful
 
 
+def is_stateful(value: Any) -> bool:
+    """DCP's ``isinstance(value, Stateful)``, answered by two ``hasattr`` first: a Protocol
+    check costs about 5 us, a state dict has a value per tensor at its top level."""
+    return (
+        hasattr(value, "state_dict")
+        and hasattr(value, "load_state_dict")
+        and isinstance(value, Stateful)
+    )
+
+
 def state_dicts(tree: Any) -> Any:
     """``tree`` with each top-level Stateful value replaced by its ``state_dict()``."""
-    if not isinstance(tree, Mapping) or not any(isinstance(v, Stateful) for v in tree.values()):
+    if not isinstance(tree, Mapping) or not any(map(is_stateful, tree.values())):
         return tree
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in tree.items()}
+    return {k: v.state_dict() if is_stateful(v) else v for k, v in tree.items()}
 
 
 def load_into(template: Any, result: Any) -> Any:
@@ -22,7 +32,7 @@ def load_into(template: Any, result: Any) -> Any:
     if not isinstance(template, Mapping) or not isinstance(result, dict):
         return result
     for key, value in template.items():
-        if isinstance(value, Stateful) and key in result:
+        if key in result and is_stateful(value):
             value.load_state_dict(result[key])
             result[key] = value
     return result
