@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -141,6 +142,7 @@ def export_safetensors(
     """Write ``source``'s tensors as Hugging Face style safetensors in ``destination``."""
     location = resolve(destination, storage_options)
     store = Storage.for_location(location)
+    created = location.is_local and not os.path.exists(location.root)  # removed if it fails
     store.makedirs()
     aliases = tied_aliases(source)
     kept = [source.tensors[k] for k in sorted(source.tensors) if k not in aliases]
@@ -173,6 +175,9 @@ def export_safetensors(
             store.commit_file(SAFETENSORS_INDEX, raw_index, f"{SAFETENSORS_INDEX}.tmp", sync=True)
     except BaseException:
         _remove_quietly(store, [*written, f"{SAFETENSORS_INDEX}.tmp"])
+        if created:
+            with contextlib.suppress(OSError):  # only if empty: never another's files
+                os.rmdir(location.root)
         raise
     files = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
     _remove_quietly(store, _stale_exports(store, files))  # an earlier export (--force)

@@ -480,7 +480,10 @@ def test_a_failed_export_removes_what_it_wrote(tmp_path):
     dst = tmp_path / "out"
     err = run_cli("convert", src, str(dst), "--to", "safetensors", "--max-shard-size", "8", code=1)
     assert "safetensors cannot store dtype torch.complex64" in err.stderr
-    assert os.listdir(dst) == []  # shard 1 was written, then removed
+    assert not dst.exists()  # shard 1 was written, then removed, and the folder it made
+    dst.mkdir()
+    err = run_cli("convert", src, str(dst), "--to", "safetensors", "--max-shard-size", "8", code=1)
+    assert os.listdir(dst) == []  # a folder that was there stays
 
 
 def test_transformers_from_pretrained_loads_the_export(tmp_path):
