@@ -162,7 +162,7 @@ def load_object(value: io.BytesIO, *, allow_pickle: bool, what: str) -> Any:
         with torch.serialization.safe_globals([io.BytesIO]):
             return torch.load(value, weights_only=True, map_location="cpu")
     except Exception as e:  # a refused pickle, or damaged bytes no checksum caught
-        if isinstance(e, pickle.UnpicklingError) and not allow_pickle:
+        if isinstance(e, pickle.UnpicklingError) and not allow_pickle and _looks_saved(value):
             lines = [ln.strip() for ln in str(e).splitlines()]
             detail = next((ln for ln in lines if "Unsupported global" in ln), "unsupported object")
             raise PickleRefusedError(
@@ -170,6 +170,13 @@ def load_object(value: io.BytesIO, *, allow_pickle: bool, what: str) -> Any:
                 f"({detail}). If you trust this checkpoint, load it with allow_pickle=True."
             ) from None
         raise CorruptCheckpointError(f"{what} is not readable torch.save data: {e}") from e
+
+
+def _looks_saved(value: io.BytesIO) -> bool:
+    """Whether ``value`` starts as ``torch.save`` output does (a zip archive, or a legacy
+    pickle): only then can a refusal mean objects rather than damaged bytes."""
+    head = value.getbuffer()[:4].tobytes()
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 @dataclass(slots=True)

@@ -176,3 +176,18 @@ def test_keys_cannot_place_files_outside_the_checkpoint(tmp_path):
         {"a": db.ShardedTensor.from_box("../../escape", torch.zeros(4), (4,), (0,))}, str(path)
     )
     assert torch.equal(out["a"], torch.ones(4))
+
+
+def test_an_object_whose_header_is_damaged_is_corrupt_not_a_refused_pickle(tmp_path):
+    """Bytes that do not start as torch.save output are damage: weights-only loading's refusal
+    would otherwise advise allow_pickle=True for them."""
+    path = tmp_path / "ck"
+    db.save({"rng": db.ShardedObject("rng", {"seed": 1}, (1,), (0,))}, str(path), checksums=False)
+    item = json.loads((path / "dcpbridge.json").read_bytes())["objects"]["rng/shard_0_1"]
+    data = path / item["file"]
+    raw = bytearray(data.read_bytes())
+    raw[item["offset"]] ^= 0xFF  # 'PK' of the zip archive
+    data.write_bytes(bytes(raw))
+    tmpl = {"rng": db.ShardedObject("rng", None, (1,), (0,))}
+    with pytest.raises(db.CorruptCheckpointError, match="object 'rng/shard_0_1' is not rea"):
+        db.load(tmpl, str(path))
