@@ -48,6 +48,11 @@ class AsyncSaveHandle:
 
     wait = result
 
+    def reported(self) -> None:
+        """Its failure reached the caller another way: a later ``async_save`` must not
+        raise it again."""
+        self._reported = True
+
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
         self._done.set()

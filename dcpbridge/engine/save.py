@@ -10,6 +10,7 @@ staging what this rank writes.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from dcpbridge.engine.drive import run_save
 from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.ownership import WriteOwners, write_owners
 from dcpbridge.engine.staging import stage
-from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.errors import DistributedCheckpointError, InvalidArgumentError
 from dcpbridge.model.intake import SaveParts, for_save, normalize
 from dcpbridge.model.mapping import ShardedStateDict
 from dcpbridge.model.state import (
@@ -269,11 +270,23 @@ def async_save(
         planned.common = copy.deepcopy(planned.common)  # common.pt's tensors too
     except Exception as e:  # this rank's alone: carried into the write's first step
         planned.error = e
-
-    def job() -> None:
-        write_planned(saver.group, cache, planned, checkpoint_dir, opts)
-
+    except BaseException as e:  # interrupted: the peers' background saves fail, not wait
+        planned.error = DistributedCheckpointError(
+            f"async_save to {target} was interrupted while staging ({type(e).__name__})"
+        )
+        planned.error.__cause__ = e
+        job = functools.partial(_write, saver, cache, planned, target, opts)
+        saver.submit(target, job, None).reported()  # this rank's report is the interrupt
+        raise
+    job = functools.partial(_write, saver, cache, planned, target, opts)
     return saver.submit(target, job, buffers)
+
+
+def _write(
+    saver: AsyncSaver, cache: SaveCache, planned: PlannedSave, target: str, opts: SaveOptions
+) -> None:
+    """An async save's background part: plan, write and commit what was staged."""
+    write_planned(saver.group, cache, planned, target, opts)
 
 
 def _raiser(error: BaseException) -> Any:

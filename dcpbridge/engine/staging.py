@@ -67,6 +67,12 @@ class StagingArea:
             self._free.append(buffers)
             self._cond.notify()
 
+    def settle(self) -> None:
+        """Wait for every copy queued on the side streams (before a failed stage's buffers
+        are reused)."""
+        for stream in self._streams.values():
+            stream.synchronize()
+
     def side_stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
@@ -92,6 +98,24 @@ def stage(shards: list[Any], area: StagingArea, owners: WriteOwners) -> tuple[li
     ]
     spans, total = _layout([s.data for s in writes])
     buffers = area.acquire(total)
+    try:
+        return _fill(shards, writes, spans, buffers, area, owners), buffers
+    except BaseException:  # the set goes back: a later save must not wait for it forever
+        area.settle()  # copies already queued into it land first
+        area.release(buffers)
+        raise
+
+
+def _fill(
+    shards: list[Any],
+    writes: list[ShardedTensor],
+    spans: list[tuple[int, int]],
+    buffers: BufferSet,
+    area: StagingArea,
+    owners: WriteOwners,
+) -> list[Any]:
+    """Copy ``writes`` into their ``spans`` of ``buffers`` (GPU data by side-stream copies);
+    the shards with their staged data."""
     views: dict[int, torch.Tensor] = {}
     cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for s, (start, end) in zip(writes, spans):
@@ -123,4 +147,4 @@ def stage(shards: list[Any], area: StagingArea, owners: WriteOwners) -> tuple[li
             staged.append(dataclasses.replace(s, data=data))
         else:
             staged.append(s)
-    return staged, buffers
+    return staged

@@ -203,3 +203,81 @@ def test_a_torch_dist_save_that_cannot_write_fails_everywhere(pool, tmp_path, th
     assert os.listdir(path) == []  # both ranks removed their data files
     with pytest.raises(db.NotACheckpointError):
         db.load({}, path, allow_pickle=True)
+
+
+def async_save_interrupted_while_staging(r: Rank, path: str) -> list[str]:
+    """Rank 1's async_save is interrupted while it stages; then both ranks save again."""
+    from dcpbridge.engine import save as save_module
+
+    original = save_module.stage
+
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    seen = []
+    if r.rank == 1:
+        save_module.stage = stage
+    try:
+        handle = db.async_save(_state(r, 2.0), path, process_group=r.group)
+        handle.result()
+        seen.append("saved")
+    except KeyboardInterrupt:
+        seen.append("KeyboardInterrupt")
+    except db.CheckpointError as e:
+        seen.append(f"{type(e).__name__}: {e}")
+    finally:
+        save_module.stage = original
+    db.async_save(_state(r, 3.0), path, process_group=r.group).result()  # the ranks in step
+    seen.append("saved again")
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_an_async_save_interrupted_while_staging_fails_its_peers(pool, tmp_path):
+    """The interrupted rank raises its KeyboardInterrupt at once; its peer's background save
+    fails naming it (instead of waiting for the process group's timeout), and the next save
+    of both ranks works."""
+    path = str(tmp_path / "ck")
+    pool.run(save_value, 2, path, 1.0)
+    seen = pool.run(async_save_interrupted_while_staging, 2, path, timeout=60)
+    assert seen[1] == ["KeyboardInterrupt", "saved again"], seen
+    assert seen[0][0].startswith("DistributedCheckpointError: "), seen
+    assert "rank 1: " in seen[0][0] and "interrupted while staging" in seen[0][0], seen
+    assert seen[0][1] == "saved again"
+    assert pool.run(load_value, 2, path) == [3, 3]
+
+
+class _Uncopyable:
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise RuntimeError("cannot copy this object")
+
+
+def async_save_failing_after_staging_tensors(r: Rank, path: str) -> list[str]:
+    """Rank 1's staging fails after its tensors took a staging buffer; both save again."""
+    seen = []
+    state = _state(r, 2.0)
+    if r.rank == 1:  # staged after the tensors: the buffer set is already taken
+        state["obj"] = db.ShardedObject("obj", _Uncopyable(), (2,), (1,))
+    else:
+        state["obj"] = db.ShardedObject("obj", 0, (2,), (0,))
+    try:
+        db.async_save(state, path, process_group=r.group).result()
+        seen.append("saved")
+    except db.CheckpointError as e:
+        seen.append(type(e).__name__)
+    except RuntimeError as e:
+        seen.append(f"RuntimeError: {e}")
+    db.async_save(_state(r, 3.0), path, process_group=r.group).result()  # no staging buffer leak
+    seen.append("saved again")
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_staging_returns_its_buffers(pool, tmp_path):
+    """Staging that fails after taking a buffer set gives it back: the next async_save of the
+    process (one save in flight: one set) does not wait for it forever."""
+    path = str(tmp_path / "ck")
+    seen = pool.run(async_save_failing_after_staging_tensors, 2, path, timeout=60)
+    assert [s[1] for s in seen] == ["saved again", "saved again"], seen
+    assert "cannot copy this object" in seen[1][0], seen
+    assert pool.run(load_value, 2, path) == [3, 3]
