@@ -6,8 +6,6 @@ checkpoint loads where the format keeps it."""
 from __future__ import annotations
 
 import os
-import resource
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import torch
 
 import dcpbridge as db
 from tests.support.dist_pool import Rank
+from tests.support.limits import file_size_limit
 
 ROWS = 1 << 17  # 512 KiB of float32 per rank: written in one large write
 META = "dcpbridge.json"
@@ -132,14 +131,8 @@ def save_with_commit_too_large(r: Rank, path: str) -> str:
     original = backends.LocalStorage.commit_file
 
     def commit_file(self: Any, *args: Any, **kwargs: Any) -> None:
-        old = resource.getrlimit(resource.RLIMIT_FSIZE)
-        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64, old[1]))
-        try:
+        with file_size_limit(64):
             original(self, *args, **kwargs)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, old)
-            signal.signal(signal.SIGXFSZ, handler)
 
     if r.rank == 0:
         backends.LocalStorage.commit_file = commit_file  # type: ignore[method-assign]
@@ -171,19 +164,17 @@ def test_a_commit_that_cannot_be_written_leaves_no_temp_file(pool, tmp_path, fir
 
 def save_torch_dist_with_a_full_disk_on_rank_1(r: Rank, path: str, threads: int) -> str:
     """A torch_dist save whose data file on rank 1 stops growing at 64 KiB (EFBIG)."""
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if r.rank == 1:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, old[1]))
     try:
-        db.save(
-            _state(r, 2.0), path, process_group=r.group, format="torch_dist", thread_count=threads
-        )
+        with file_size_limit(64 << 10 if r.rank == 1 else None):
+            db.save(
+                _state(r, 2.0),
+                path,
+                process_group=r.group,
+                format="torch_dist",
+                thread_count=threads,
+            )
     except db.CheckpointError as e:
         return f"{type(e).__name__}: {e}"
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old)
-        signal.signal(signal.SIGXFSZ, handler)
     return "saved"
 
 

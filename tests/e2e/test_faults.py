@@ -33,6 +33,7 @@ from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.stream import StreamWriter, new_save_id
 from tests.support.backends import Backend, local_backend, s3_backend
 from tests.support.dist_pool import Rank
+from tests.support.limits import file_size_limit
 from tests.support.s3_server import free_port
 
 ROWS = 3 << 19  # 6 MiB of float32 per rank and tensor: the S3 uploads are multipart
@@ -530,25 +531,18 @@ def test_a_failed_offline_reshard_leaves_nothing_at_the_destination(kind, reques
 
 def reshard_with_full_disk_on_rank_1(r: Rank, src: str, dst: str) -> str:
     """Rank 1's writes fail with EFBIG past 64 KiB, after rank 0 wrote its share."""
-    import resource
-
     from dcpbridge.engine.collectives import Group
     from dcpbridge.tools.layout import parse_layout
     from dcpbridge.tools.reshard import reshard
     from dcpbridge.tools.sources import open_source
 
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if r.rank == 1:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, old[1]))
     source = open_source(src)
     try:
-        reshard(source, dst, parse_layout(SPLIT2), group=Group.resolve(r.group))
+        with file_size_limit(64 << 10 if r.rank == 1 else None):
+            reshard(source, dst, parse_layout(SPLIT2), group=Group.resolve(r.group))
     except db.CheckpointError as e:
         return f"{type(e).__name__}: {e}"
     finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old)
-        signal.signal(signal.SIGXFSZ, handler)
         source.close()
     return "resharded"
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
-import resource
 import shutil
-import signal
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ import dcpbridge as db
 from dcpbridge.storage.format import sign_document
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
+from tests.support.limits import file_size_limit
 from tests.support.old_formats import rewrite_as
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -623,17 +622,11 @@ def save_with_full_disk_on_rank_1(r: Rank, path: str) -> str:
         ),
         **COMMON,
     }
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if r.rank == 1:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, old[1]))
     try:
-        db.save(sd, path, process_group=r.group)
+        with file_size_limit(64 << 10 if r.rank == 1 else None):
+            db.save(sd, path, process_group=r.group)
     except db.CheckpointError as e:
         return f"{type(e).__name__}: {e}"
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old)
-        signal.signal(signal.SIGXFSZ, handler)
     return "saved"
 
 
