@@ -407,17 +407,14 @@ _SCALARS = frozenset({type(None), bool, int, float, str})
 def _jsonable(value: Any) -> Any:
     """Planner data must be plain JSON (tuples become lists); anything else is refused.
     Exact scalar types and flat sequences of them (DCP's key paths) take the short way."""
-    kind = type(value)
-    if kind in _SCALARS:
+    if type(value) in _SCALARS:
         return value
-    if kind is list or kind is tuple:
+    if isinstance(value, (list, tuple)):  # before the Mapping check, an ABC's slow one
         if all(type(v) in _SCALARS for v in value):
             return list(value)
         return [_jsonable(v) for v in value]
     if isinstance(value, Mapping):
         return {k if type(k) is str else str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
     if isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(

@@ -254,6 +254,7 @@ def async_save(
         planned = plan_save(group, cache, sharded_state_dict, opts)
     except Exception as e:  # raised alike on every rank: reported where each waits
         return saver.submit(target, _raiser(e), None)
+    job = functools.partial(write_planned, saver.group, cache, planned, target, opts)
     buffers = None
     try:
         if planned.error is not None:
@@ -275,18 +276,9 @@ def async_save(
             f"async_save to {target} was interrupted while staging ({type(e).__name__})"
         )
         planned.error.__cause__ = e
-        job = functools.partial(_write, saver, cache, planned, target, opts)
         saver.submit(target, job, None).reported()  # this rank's report is the interrupt
         raise
-    job = functools.partial(_write, saver, cache, planned, target, opts)
     return saver.submit(target, job, buffers)
-
-
-def _write(
-    saver: AsyncSaver, cache: SaveCache, planned: PlannedSave, target: str, opts: SaveOptions
-) -> None:
-    """An async save's background part: plan, write and commit what was staged."""
-    write_planned(saver.group, cache, planned, target, opts)
 
 
 def _raiser(error: BaseException) -> Any:
