@@ -328,7 +328,8 @@ def _plan_box(
             f"{fqn!r}: the load template has no data to fill ({'meta' if sh.data is not None else 'None'})"
         )
     view = chunk_view(sh)
-    if torch._debug_has_internal_overlap(view) == 1:  # copy_ into it would raise RuntimeError
+    if not view.is_contiguous() and torch._debug_has_internal_overlap(view) == 1:
+        # an expanded view: copy_ into it would raise RuntimeError (contiguous ones never are)
         raise InvalidRequestError(
             f"{fqn!r}: the load template's tensor has elements sharing memory (an expanded "
             "view) and cannot be filled; pass a tensor with memory of its own (clone())"
