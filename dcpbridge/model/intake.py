@@ -114,7 +114,7 @@ class SaveParts:
     paths: dict[str, ObjPath] = field(default_factory=dict)  # every common key's path
     empty: list[ObjPath] = field(default_factory=list)  # empty dicts (DCP keys drop them)
     plain: dict[str, torch.Tensor] = field(default_factory=dict)  # common tensors by key
-    tensor_paths: dict[str, ObjPath] = field(default_factory=dict)  # DTensors' and torch's
+    tensor_paths: dict[str, ObjPath] = field(default_factory=dict)  # DTensors', torch's
 
     def staged(self, shards: list[Shard]) -> SaveParts:
         """These parts after staging (``async_save``): staged shards, copied common values."""
@@ -160,10 +160,11 @@ def for_save(tree: Any) -> SaveParts:
         elif kind in ("dtensor", "torch_sharded", "tensor"):
             key = check_key(leaf.path)
             parts.shards.extend(_boxes(key, value, kind))
-            parts.tensor_paths[key] = leaf.obj_path
-            if kind == "tensor":
+            if kind == "tensor":  # common state: its path is in ``paths``
                 parts.plain[key] = value
                 parts.paths[key] = leaf.obj_path
+            else:
+                parts.tensor_paths[key] = leaf.obj_path
         elif kind == "object":
             key = check_key(leaf.path)
             parts.objects[key] = value
