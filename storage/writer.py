@@ -350,8 +350,9 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             out = CoalescingFile(raw, behind)
             block = self.checksum_block_size if self.checksums else 0
             datas = [planner.resolve_data(item) for item in items]
-            if any(map(device_copy.on_device, datas)):
-                results = _write_carried(out, name, items, datas, rank, block)
+            stage = device_copy.on_device
+            if any(map(stage, datas)):
+                results = _write_carried(out, name, items, datas, rank, block, stage)
             else:  # host data only: one pass, nothing staged
                 results = [
                     _append_item(out, name, item, data, rank, block)
@@ -378,19 +379,21 @@ def _write_carried(
     datas: list[Any],
     rank: int,
     block: int,
+    stage: Callable[[Any], bool],
 ) -> list[WriteResult]:
-    """Append the items in order, device tensors carried through host slabs
-    (``device_copy.carry``), host data as ``_append_item`` does."""
+    """Append the items in order, the data ``stage`` picks (device tensors) carried through
+    host slabs (``device_copy.carry``), the rest as ``_append_item`` does."""
     results: list[WriteResult] = []
     carried = _Carried(out, block)
-    for piece in device_copy.carry(zip(items, datas)):
+    for piece in device_copy.carry(zip(items, datas), stage=stage):
         item = piece.tag
         if piece.view is None:
             results.append(_append_item(out, name, item, piece.data, rank, block))
             continue
         done = carried.add(item, piece)  # a device tensor, carried in host slices
         if done is not None:
-            results.append(_result(item, name, *done, rank))
+            start, nbytes, digests = done
+            results.append(_result(item, name, start, nbytes, rank, digests))
     return results
 
 

@@ -93,3 +93,35 @@ def test_unstaged_items_pass_through_untouched():
 def test_bad_slab_settings_are_refused():
     with pytest.raises(InvalidArgumentError, match="slab_bytes and slabs"):
         list(device_copy.carry([("a", torch.ones(1))], stage=_staged, slabs=0))
+
+
+def test_a_save_through_the_carried_path_records_each_items_place_and_digests(
+    tmp_path, monkeypatch
+):
+    """The writer's device path (staged items' results) run on host tensors: every item's
+    place, rank and digests are recorded where the reader looks (it once swapped the rank
+    and the digests, so every save from a GPU failed at commit)."""
+    import dcpbridge as db
+
+    monkeypatch.setattr(device_copy, "on_device", _staged)
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "w": torch.randn(300, 70, generator=g),
+        "b": torch.randn(70, generator=g).to(torch.bfloat16),
+    }
+    state = {
+        k: db.ShardedTensor.from_box(k, v, tuple(v.shape), (0,) * v.dim())
+        for k, v in tensors.items()
+    }
+    db.save({**state, "step": 3}, str(tmp_path))
+    monkeypatch.undo()
+    out = db.load(
+        {
+            k: db.ShardedTensor.from_box(k, torch.zeros_like(v), tuple(v.shape), (0,) * v.dim())
+            for k, v in tensors.items()
+        },
+        str(tmp_path),
+    )
+    for k, v in tensors.items():
+        assert torch.equal(out[k], v), k
+    assert out["step"] == 3
