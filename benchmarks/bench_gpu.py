@@ -140,6 +140,66 @@ def target_case(
     return summary
 
 
+def training_slowdown(root: str, quick: bool) -> list[str]:
+    """Step time of a GPU training loop alone and while an ``async_save`` of its state runs."""
+    torch.manual_seed(0)
+    width, depth = (2048, 4) if quick else (4096, 8)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(width, width, device="cuda", dtype=torch.bfloat16) for _ in range(depth)]
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randn(8192, width, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        model(batch).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def state() -> dict:
+        flat = {f"model.{k}": v for k, v in model.state_dict().items()}
+        for i, s in enumerate(opt.state.values()):
+            flat.update({f"opt.{i}.{k}": v for k, v in s.items() if v.dim() > 0})
+        return {
+            k: db.ShardedTensor.from_box(k, v, tuple(v.shape), (0,) * v.dim())
+            for k, v in flat.items()
+        }
+
+    for _ in range(5):
+        step()  # warm: kernels, optimizer state
+    nbytes = sum(t.data.nbytes for t in state().values())
+    alone = [step() for _ in range(20)]
+    path = fresh_dir(os.path.join(root, "gpu-train"))
+    os.sync()
+    t0 = time.perf_counter()
+    handle = db.async_save(state(), path)
+    stall = time.perf_counter() - t0
+    during: list[float] = []
+    while not handle.done() or len(during) < 3:
+        during.append(step())
+    total = time.perf_counter() - t0
+    handle.result()
+    base = sorted(alone)[len(alone) // 2]
+    mean_during = sum(during) / len(during)
+    table(
+        f"GPU training loop with an async_save of its {nbytes / 2**30:.2f} GiB state",
+        [
+            ("step alone (median)", f"{base * 1000:.1f} ms"),
+            ("step during the save (mean)", f"{mean_during * 1000:.1f} ms"),
+            ("steps during the save", str(len(during))),
+            ("async_save call", f"{stall * 1000:.1f} ms"),
+            ("save to durable", f"{total:.2f} s"),
+        ],
+        ("", "value"),
+    )
+    return [
+        f"gpu training step slowdown during async_save: {(mean_during / base - 1) * 100:+.1f}% "
+        f"(stall {stall * 1000:.1f} ms of a {total:.2f} s save)"
+    ]
+
+
 def main(root: str, repeats: int, quick: bool) -> list[str]:
     if not torch.cuda.is_available():
         print("\n## GPU: skipped (no CUDA device on this machine)")
@@ -153,6 +213,7 @@ def main(root: str, repeats: int, quick: bool) -> list[str]:
         ("", "rate"),
     )
     summary = [f"gpu pinned D2H {gbps(total, d2h).strip()}, H2D {gbps(total, h2d).strip()}"]
+    summary += training_slowdown(root, quick)
     targets = []
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 5 * total:
         targets.append(("/dev/shm", "/dev/shm/dcpb-bench-gpu"))  # four copies of the state
