@@ -3,8 +3,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dcpbridge-installed
+# parallel test processes (the tests wait on sockets, subprocesses and disks as much as on CPUs)
+JOBS ?= 3
 
-.PHONY: demo test bench lint install
+.PHONY: demo test test-fast bench lint install
 
 install: $(STAMP)
 
@@ -17,8 +19,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m dcpbridge.demo
 
+# every test but the gpu-marked ones, test modules spread over parallel processes
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q -n $(JOBS) --dist loadfile
+
+# single-process tests only (no gloo worker pool, S3 server or megatron-core): seconds, not minutes
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not gpu and not dist and not s3 and not interop and not slow" -q -n $(JOBS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

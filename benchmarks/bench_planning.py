@@ -26,16 +26,16 @@ from torch.distributed.checkpoint.storage import WriteResult
 from benchmarks.common import table
 from dcpbridge.planners import build_metadata
 from dcpbridge.planners.save_planner import LocalSummary, describe_plan
-from dcpbridge.storage import checksum
-from dcpbridge.storage.format import (
+from dcpbridge.storage.format import checksum
+from dcpbridge.storage.format.document import (
     ITEM_ALIGN,
     StoredItem,
     data_file_name,
     decode_metadata,
-    dtype_name,
 )
-from dcpbridge.storage.writer import index_results, new_save_id
-from dcpbridge.storage.written import written_columns
+from dcpbridge.storage.format.fields import dtype_name
+from dcpbridge.storage.write.writer import index_results, new_save_id
+from dcpbridge.storage.write.written import written_columns
 
 DTYPE = torch.bfloat16
 BLOCK = checksum.DEFAULT_BLOCK_SIZE

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 import dcpbridge as db
 from benchmarks.common import table
-from dcpbridge.storage.s3 import S3Transfer
+from dcpbridge.storage.backends.s3 import S3Transfer
 from tests.support.s3_server import REGION, run_seaweedfs, scrub_aws_environment
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -54,7 +54,7 @@ def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, f
 
 def write_pieces(f: Any, data: memoryview, piece: int = 1 << 20) -> None:
     """Write ``data`` to unbuffered file ``f`` in calls of at most ``piece`` bytes (the raw
-    limit's way: larger calls are slower on these VMs, see ``storage/writer.py``)."""
+    limit's way: larger calls are slower on these VMs, see ``storage/write/writer.py``)."""
     for at in range(0, len(data), piece):
         f.write(data[at : at + piece])
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dcpbridge.engine.async_save import AsyncSaveHandle
-from dcpbridge.engine.load import load, load_common_state_dict, load_tensors_metadata
+from dcpbridge.engine.load import (
+    load,
+    load_common_state_dict,
+    load_plain_tensors,
+    load_tensors_metadata,
+)
 from dcpbridge.engine.manager import CheckpointManager
 from dcpbridge.engine.save import SaveOptions, async_save, save
 from dcpbridge.engine.strict import StrictHandling
@@ -34,6 +39,11 @@ from dcpbridge.errors import (
     UnexpectedKeysError,
     UnsafePathError,
 )
+from dcpbridge.formats.config import ConfigError, load_config
+from dcpbridge.formats.layout import Layout, LayoutError, load_layout, parse_layout
+from dcpbridge.formats.metadata import load_sharded_metadata, remove_sharded_tensors
+from dcpbridge.formats.sources import open_source
+from dcpbridge.mcore.optim_layout import from_model_space, to_model_space
 from dcpbridge.mcore.optimizer import (
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
@@ -64,19 +74,10 @@ from dcpbridge.model.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from dcpbridge.model.optim_layout import from_model_space, to_model_space
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from dcpbridge.tools.config import ConfigError, load_config
 from dcpbridge.tools.export import export_safetensors, export_torch
-from dcpbridge.tools.layout import Layout, LayoutError, load_layout, parse_layout
-from dcpbridge.tools.metadata import (
-    load_plain_tensors,
-    load_sharded_metadata,
-    remove_sharded_tensors,
-)
 from dcpbridge.tools.reshard import reshard
-from dcpbridge.tools.sources import open_source
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dcpbridge.storage.tiling import disjointness, products
+from dcpbridge.storage.format.tiling import disjointness, products
 
 Shape = tuple[int, ...]
 

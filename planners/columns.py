@@ -4,7 +4,7 @@ and indexes a million chunks with array operations instead of walking a million 
 The items stay the DCP protocol's (any writer can write them); the columns describe exactly
 those items (``PlanColumns.items`` is the very list, checked by identity after the plan
 crossed processes), and their fingerprint ties each rank's write results to the plan the
-coordinator validated (``dcpbridge.storage.written``).
+coordinator validated (``dcpbridge.storage.write.written``).
 """
 
 from __future__ import annotations

@@ -35,12 +35,12 @@ from dcpbridge.planners.errors import (
 from dcpbridge.planners.leaves import TENSOR_KINDS, refuse, tensor_boxes
 from dcpbridge.planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
 from dcpbridge.planners.walk import Leaf, iter_leaves
-from dcpbridge.storage.delivery import is_plain
+from dcpbridge.storage.backends.regions import narrow_box
 from dcpbridge.storage.errors import CorruptCheckpointError
-from dcpbridge.storage.regions import narrow_box
-from dcpbridge.storage.table import ChunkList
-from dcpbridge.storage.tiling import distinct
-from dcpbridge.storage.whole_reads import WholeReads
+from dcpbridge.storage.format.table import ChunkList
+from dcpbridge.storage.format.tiling import distinct
+from dcpbridge.storage.read.delivery import is_plain
+from dcpbridge.storage.read.whole_reads import WholeReads
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
 _INDEX_THRESHOLD = 32

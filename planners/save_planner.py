@@ -58,9 +58,8 @@ from dcpbridge.planners.protocol import (
     leaf_kind,
 )
 from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
-from dcpbridge.storage.format import dtype_name, parse_dtype
-from dcpbridge.storage.table import ChunkList, PlannedBoxes
-from dcpbridge.storage.written import Sources
+from dcpbridge.storage.format.fields import dtype_name, parse_dtype
+from dcpbridge.storage.format.table import ChunkList, PlannedBoxes, Sources
 
 _MAX_REPORTED = 20
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dcpbridge.storage.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -14,10 +16,19 @@ from dcpbridge.storage.errors import (
     StorageFileNotFoundError,
     UnsafePathError,
 )
-from dcpbridge.storage.format import FORMAT_VERSION, METADATA_FILE, StorageIndex, StoredItem
-from dcpbridge.storage.paths import Location, resolve
-from dcpbridge.storage.reader import FsspecCheckpointReader, read_checkpoint_metadata
-from dcpbridge.storage.writer import FsspecCheckpointWriter
+from dcpbridge.storage.format import checksum
+from dcpbridge.storage.format.document import (
+    FORMAT_VERSION,
+    METADATA_FILE,
+    StorageIndex,
+    StoredItem,
+)
+from dcpbridge.storage.format.paths import Location, resolve
+from dcpbridge.storage.read.reader import FsspecCheckpointReader, read_checkpoint_metadata
+from dcpbridge.storage.write.writer import FsspecCheckpointWriter
+
+# ``dcpbridge.storage.checksum`` (named by earlier READMEs) is the module in format/ now
+sys.modules[f"{__name__}.checksum"] = checksum
 
 __all__ = [
     "FORMAT_VERSION",

@@ -26,6 +26,13 @@ def pytest_configure(config: pytest.Config) -> None:
     scrub_aws_environment()  # before any pool worker starts: no test may reach real AWS
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the gloo worker pool are marked ``dist`` (``make test-fast`` leaves them out)."""
+    for item in items:
+        if "pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dist)
+
+
 @pytest.fixture(scope="session")
 def pool() -> Iterator[WorkerPool]:
     p = WorkerPool(size=4)

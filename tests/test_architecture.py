@@ -1,8 +1,9 @@
-"""The import contract: storage <- planners <- dcpbridge, and no module-level import cycles.
+"""The import contract: storage <- planners <- dcpbridge; inside dcpbridge model <- formats <-
+engine <- tools, with mcore/ and dist_checkpointing/ on top; and no import cycle.
 
 Imports are read from the source with ``ast`` (nothing is imported), so the test states what
-the code says. Imports inside functions and under ``if TYPE_CHECKING:`` do not run when a
-module is imported and are left out of the cycle check; the layering holds for all of them.
+the code says. The layering and the cycle check hold for every import: module level, inside
+functions (which Python runs late, but a reader still follows) and under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,18 @@ PACKAGES = {
     "planners": "dcpbridge.planners",
     "storage": "dcpbridge.storage",
 }
-UPPER = ("model", "engine", "tools", "mcore", "dist_checkpointing")
+UPPER = ("model", "formats", "engine", "tools", "mcore", "dist_checkpointing")
+# dcpbridge's own layers, bottom up: a module may import its own layer and the ones below
+LAYERS = {
+    "dcpbridge.errors": 0,
+    "dcpbridge.model": 1,
+    "dcpbridge.formats": 2,
+    "dcpbridge.engine": 3,
+    "dcpbridge.tools": 4,
+    "dcpbridge.mcore": 5,
+    "dcpbridge.dist_checkpointing": 6,
+    "dcpbridge.demo": 7,
+}
 
 
 @dataclass(frozen=True)
@@ -161,10 +173,76 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycles_at_module_level():
+# storage's sub-packages, bottom up: the format is pure, byte movers use it, both sides use both
+STORAGE_LAYERS = {
+    "dcpbridge.storage.errors": 0,
+    "dcpbridge.storage.format": 1,
+    "dcpbridge.storage.backends": 2,
+    "dcpbridge.storage.write": 3,
+    "dcpbridge.storage.read": 3,
+}
+
+
+def test_storage_sub_packages_import_only_downwards():
+    """format <- backends <- {write, read}; the two sides never import each other."""
+    bad = []
+    for i in _all_imports():
+        src = next((r for p, r in STORAGE_LAYERS.items() if _within(i.source, p)), None)
+        dst = next((r for p, r in STORAGE_LAYERS.items() if _within(i.target, p)), None)
+        if src is None or dst is None:
+            continue
+        if dst > src or (dst == src and i.source.split(".")[2] != i.target.split(".")[2]):
+            bad.append(f"{i.source}:{i.line} imports {i.target}")
+    assert not bad, bad
+
+
+def test_every_storage_module_is_in_a_sub_package():
+    loose = [
+        n
+        for n in _modules()
+        if _within(n, "dcpbridge.storage")
+        and n != "dcpbridge.storage"
+        and not any(_within(n, p) for p in STORAGE_LAYERS)
+    ]
+    assert not loose, loose
+
+
+def _layer(module: str) -> int | None:
+    for package, rank in LAYERS.items():
+        if _within(module, package):
+            return rank
+    return None
+
+
+def test_dcpbridge_layers_import_only_downwards():
+    """model <- formats <- engine <- tools <- mcore <- dist_checkpointing (the package's
+    ``__init__`` re-exports them all and sits above)."""
+    bad = []
+    for i in _all_imports():
+        src, dst = _layer(i.source), _layer(i.target)
+        if src is not None and dst is not None and dst > src:
+            bad.append(f"{i.source}:{i.line} imports {i.target} (an upper layer)")
+    assert not bad, bad
+
+
+def test_every_dcpbridge_module_has_a_layer():
+    unplaced = [
+        name
+        for name in _modules()
+        if _within(name, "dcpbridge")
+        and name != "dcpbridge"
+        and not _within(name, "dcpbridge.planners")
+        and not _within(name, "dcpbridge.storage")
+        and _layer(name) is None
+    ]
+    assert not unplaced, unplaced
+
+
+@pytest.mark.parametrize("at_import_only", [True, False], ids=["module-level", "all"])
+def test_no_import_cycles(at_import_only):
     edges: dict[str, set[str]] = {}
     for i in _all_imports():
-        if i.at_import and _ours(i.target) and i.target != i.source:
+        if (i.at_import or not at_import_only) and _ours(i.target) and i.target != i.source:
             edges.setdefault(i.source, set()).add(i.target)
     # a package's __init__ re-exports its modules: edges into it from its own modules are
     # the ordinary "import a sibling through the package" and are cycles too
@@ -173,7 +251,7 @@ def test_no_import_cycles_at_module_level():
 
 @pytest.mark.parametrize(
     "module",
-    ["dcpbridge.engine.protocol", "dcpbridge.engine.ownership", "dcpbridge.tools.formats"],
+    ["dcpbridge.engine.protocol", "dcpbridge.engine.ownership", "dcpbridge.formats.checkpoint"],
 )
 def test_the_answers_a_newcomer_looks_for_are_in_one_module_each(module):
     assert module in _modules()  # named in the README's "Architecture" section

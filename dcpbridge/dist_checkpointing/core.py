@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from dcpbridge.errors import CheckpointError
-from dcpbridge.tools.metadata import is_sharded_checkpoint
+from dcpbridge.formats.metadata import is_sharded_checkpoint
 
 # Megatron's base exception; dcpbridge's errors all derive from CheckpointError.
 CheckpointingException = CheckpointError

@@ -26,10 +26,10 @@ from dcpbridge.engine import save as engine_save
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.strict import StrictHandling
 from dcpbridge.errors import CheckpointError, InvalidArgumentError
+from dcpbridge.formats import metadata
+from dcpbridge.formats.checkpoint import detect
 from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.storage import resolve
-from dcpbridge.tools import metadata
-from dcpbridge.tools.formats import detect
 
 PathLike = str | os.PathLike[str]
 CONTENT_METADATA_KEY = "content_metadata"
@@ -128,7 +128,7 @@ def load(
 
 def load_common_state_dict(checkpoint_dir: PathLike, **options: Any) -> StateDict:
     """The common (non-sharded) state, read in this process alone."""
-    return metadata.load_common(checkpoint_dir, **options)
+    return engine_load.load_common(checkpoint_dir, **options)
 
 
 def load_tensors_metadata(
@@ -151,7 +151,7 @@ def load_sharded_metadata(
 
 def load_plain_tensors(checkpoint_dir: PathLike, **options: Any) -> StateDict:
     """Every stored tensor whole, by key (a collective load; see ``metadata``)."""
-    return metadata.load_plain_tensors(checkpoint_dir, **options)
+    return engine_load.load_plain_tensors(checkpoint_dir, **options)
 
 
 def load_content_metadata(

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
 from dcpbridge.model.mapping import ShardedTensor
-from dcpbridge.storage.writer import new_save_id
+from dcpbridge.storage.write.writer import new_save_id
 
 V = TypeVar("V")
 

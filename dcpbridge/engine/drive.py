@@ -6,7 +6,7 @@ every rank. Plans travel without the items the coordinator does not change (load
 save plans on the way back), and a save whose structure every rank voted unchanged reuses
 the cached plan instead of exchanging it. When the load planner and reader are dcpbridge's
 own, requests that are whole stored chunks pass from one to the other as columns
-(``dcpbridge.storage.whole_reads``) instead of one DCP ``ReadItem`` each.
+(``dcpbridge.storage.read.whole_reads``) instead of one DCP ``ReadItem`` each.
 """
 
 from __future__ import annotations

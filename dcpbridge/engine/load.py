@@ -2,7 +2,7 @@
 
 A load sorts the template (``dcpbridge.model.intake.for_load``), with ``fully_parallel``
 splits it into boxes this rank reads and boxes it receives (``dcpbridge.engine.ownership``),
-opens the checkpoint once (``dcpbridge.tools.formats.open_checkpoint``) inside DCP's first
+opens the checkpoint once (``dcpbridge.formats.checkpoint.open_checkpoint``) inside DCP's first
 load step, and hands the result back in the template's structure.
 """
 
@@ -22,14 +22,15 @@ from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.ownership import read_owners
 from dcpbridge.engine.save import parallel_group
 from dcpbridge.engine.strict import Policy, decide, load_result, parse_strict
+from dcpbridge.formats import metadata as stored
+from dcpbridge.formats.checkpoint import Checkpoint, Format, open_checkpoint
+from dcpbridge.formats.config import resolve_storage_options
+from dcpbridge.formats.metadata import tensors_metadata
 from dcpbridge.model.intake import LoadParts, for_load
 from dcpbridge.model.mapping import ShardedStateDict, ShardedTensor, StateDict
 from dcpbridge.model.stateful import load_into, state_dicts
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata, resolve
-from dcpbridge.tools.config import resolve_storage_options
-from dcpbridge.tools.formats import Checkpoint, Format, open_checkpoint
-from dcpbridge.tools.metadata import tensors_metadata
 
 PathLike = str | os.PathLike[str]
 
@@ -187,3 +188,35 @@ def common_state_of(checkpoint: Checkpoint, *, allow_pickle: bool = False) -> St
         storage_options=None,
         allow_pickle=allow_pickle,
     )
+
+
+def load_plain_tensors(
+    checkpoint_dir: PathLike, *, process_group: Any = None, **load_options: Any
+) -> StateDict:
+    """Every stored tensor, whole, as ``{key: tensor}`` (no common state, no objects).
+
+    A collective ``load`` over ``process_group``: every rank reads every tensor.
+    """
+    keep = ("storage_options", "profile", "allow_pickle")
+    options = {k: v for k, v in load_options.items() if k in keep}
+    templates = stored.load_tensors_metadata(checkpoint_dir, **options)
+    out = load(templates, checkpoint_dir, process_group=process_group, **load_options)
+    return {k: out[k] for k in templates}
+
+
+def load_common(
+    checkpoint_dir: PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    profile: str | None = None,
+    allow_pickle: bool = False,
+) -> StateDict:
+    """The common (non-sharded) state of a dcpbridge or torch_dist checkpoint ({} for plain
+    DCP, which has none), read in this process alone."""
+    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
+    checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
+    if checkpoint.format == Format.TORCH_DIST:
+        return checkpoint.read_common()
+    if checkpoint.format == Format.DCP:
+        return {}
+    return common_state_of(checkpoint, allow_pickle=allow_pickle)

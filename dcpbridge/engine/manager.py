@@ -29,10 +29,10 @@ from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import InvalidArgumentError, NotACheckpointError
+from dcpbridge.formats.config import Config, load_config, resolve_storage_options
 from dcpbridge.storage import METADATA_FILE, Location, resolve
-from dcpbridge.storage.backends import Storage
+from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.errors import storage_faults
-from dcpbridge.tools.config import Config, load_config, resolve_storage_options
 
 log = logging.getLogger("dcpbridge")
 
@@ -84,7 +84,7 @@ class CheckpointManager:
 
     Every rank of ``process_group`` makes the same calls (``save``, ``load``, ``wait``,
     ``close``, ``should_stop``). Arguments left as None take the configuration file's
-    ``checkpoint:`` defaults (``dcpbridge.tools.config.CheckpointDefaults``); storage options
+    ``checkpoint:`` defaults (``dcpbridge.formats.config.CheckpointDefaults``); storage options
     come from ``storage_options`` over ``profile`` (or the file's default profile).
 
     With ``async_save``, ``save`` returns once the state is staged in host memory; the next
@@ -156,11 +156,11 @@ class CheckpointManager:
 
     def _scan(self) -> tuple[list[int], list[int]]:
         """(complete steps, steps without a commit), ascending; a storage fault raises."""
-        names = Storage.for_location(self._location()).list_names()
+        names = storage_for(self._location()).list_names()
         steps = sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
         complete, partial = [], []
         for step in steps:
-            committed = Storage.for_location(self._location(step)).exists(METADATA_FILE)
+            committed = storage_for(self._location(step)).exists(METADATA_FILE)
             (complete if committed else partial).append(step)
         return complete, partial
 
@@ -223,7 +223,7 @@ class CheckpointManager:
         def run() -> None:
             value = self._metric(metrics)
             location = self._location(step)
-            store = Storage.for_location(location)
+            store = storage_for(location)
             if not store.exists(METADATA_FILE) and store.list_names():
                 _remove_dir(location)
             store.makedirs()
@@ -280,7 +280,7 @@ class CheckpointManager:
             value = None
             try:
                 location = self._location(step)
-                doc = json.loads(Storage.for_location(location).read_file(location.path(SIDECAR)))
+                doc = json.loads(storage_for(location).read_file(location.path(SIDECAR)))
                 raw = doc["metrics"][self.best_metric]
                 if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                     value = float(raw)
@@ -410,7 +410,7 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
 
 def _remove_dir(location: Location) -> None:
     """Delete a step directory: its commit file first, so it never looks complete half-gone."""
-    store = Storage.for_location(location)
+    store = storage_for(location)
     if store.exists(METADATA_FILE):
         store.remove([METADATA_FILE])
     with storage_faults(f"{location.url}: remove"):

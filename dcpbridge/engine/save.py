@@ -29,6 +29,8 @@ from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.ownership import WriteOwners, write_owners
 from dcpbridge.engine.staging import stage
 from dcpbridge.errors import DistributedCheckpointError, InvalidArgumentError
+from dcpbridge.formats.config import resolve_storage_options
+from dcpbridge.formats.torch_dist import TorchDistSavePlanner, TorchDistWriter
 from dcpbridge.model.intake import SaveParts, for_save, normalize
 from dcpbridge.model.mapping import ShardedStateDict
 from dcpbridge.model.state import (
@@ -45,8 +47,6 @@ from dcpbridge.planners.leaves import refuse
 from dcpbridge.planners.protocol import leaf_kind
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointWriter
-from dcpbridge.tools.config import resolve_storage_options
-from dcpbridge.tools.torch_dist import TorchDistSavePlanner, TorchDistWriter
 
 PathLike = str | os.PathLike[str]
 FORMATS = ("dcpbridge", "torch_dist")

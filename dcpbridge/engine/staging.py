@@ -17,7 +17,7 @@ import torch
 
 from dcpbridge.engine.ownership import WriteOwners
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
-from dcpbridge.storage.device_copy import host_target
+from dcpbridge.storage.backends.device_copy import host_target
 
 _ALIGN = 64
 

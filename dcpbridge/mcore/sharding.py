@@ -41,11 +41,11 @@ from dcpbridge.errors import (
     PickleRefusedError,
     ShapeMismatchError,
 )
+from dcpbridge.formats.checkpoint import load_torch_file
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.model.state import HOLE, fill_holes, map_leaves
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage.errors import storage_error
-from dcpbridge.tools.formats import load_torch_file
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -306,7 +306,7 @@ def _read_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
 
 def _read_state_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
     if os.path.isdir(path):  # a checkpoint directory of any format: every tensor, whole
-        from dcpbridge.tools.sources import open_source
+        from dcpbridge.formats.sources import open_source
 
         source = open_source(path, allow_pickle=allow_pickle)
         try:

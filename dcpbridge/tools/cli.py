@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from dcpbridge.errors import CheckpointError
-from dcpbridge.tools import config as config_mod
-from dcpbridge.tools import layout as layout_mod
-from dcpbridge.tools.config import (
+from dcpbridge.formats import config as config_mod
+from dcpbridge.formats import layout as layout_mod
+from dcpbridge.formats.config import (
     Config,
     ConfigError,
     is_url,
@@ -26,7 +26,7 @@ from dcpbridge.tools.config import (
     parse_size,
     resolve_storage_options,
 )
-from dcpbridge.tools.layout import Layout, LayoutError, load_layout, whole_tensors
+from dcpbridge.formats.layout import Layout, LayoutError, load_layout, whole_tensors
 from dcpbridge.tools.report import human_bytes
 
 log = logging.getLogger("dcpbridge")
@@ -95,6 +95,22 @@ def _add_transfer(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _on_one_checkpoint(
+    sub: Any, name: str, summary: str, description: str
+) -> argparse.ArgumentParser:
+    """A command that reads one checkpoint (CKPT), with the options every command takes."""
+    p = sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=_FORMATS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", metavar="CKPT")
+    _add_common(p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -107,31 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dcpbridge {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser(
+    p = _on_one_checkpoint(
+        sub,
         "inspect",
-        help="show keys, shapes, dtypes, chunks, ranks, files (metadata only)",
-        description="Describe a checkpoint from its metadata: every tensor's global shape, "
+        "show keys, shapes, dtypes, chunks, ranks, files (metadata only)",
+        "Describe a checkpoint from its metadata: every tensor's global shape, "
         "dtype and stored chunks (box, writing rank, file, offset), objects, files and sizes, "
         "format version, and whether it is complete (files present, tensors fully covered).",
-        epilog=_FORMATS_HELP,
-        formatter_class=fmt,
     )
-    p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    _add_common(p)
 
-    p = sub.add_parser(
+    p = _on_one_checkpoint(
+        sub,
         "validate",
-        help="check completeness, coverage and (optionally) checksums",
-        description="Check that every data file exists and is long enough, that the stored "
+        "check completeness, coverage and (optionally) checksums",
+        "Check that every data file exists and is long enough, that the stored "
         "chunks cover every tensor exactly once, and with --checksums that every stored byte "
         "matches its recorded checksum. Exit 0 if valid, 1 with a list of problems if not.",
-        epilog=_FORMATS_HELP,
-        formatter_class=fmt,
     )
-    p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("--checksums", action="store_true", help="read all data and verify checksums")
-    _add_common(p)
     _add_progress(p)
 
     p = sub.add_parser(
@@ -251,7 +261,7 @@ def _size(text: str | None, what: str) -> int | None:
 
 
 def _open(args: argparse.Namespace, cfg: Config, url: str, profile: str | None = None) -> Any:
-    from dcpbridge.tools.sources import open_source
+    from dcpbridge.formats.sources import open_source
 
     return open_source(
         url,

@@ -33,13 +33,14 @@ from typing import Any
 import torch
 
 from dcpbridge.errors import CheckpointError
+from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX
+from dcpbridge.formats.sources import SAFETENSORS_DTYPES, Source, TensorInfo, _TorchFileSource
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.storage import resolve
-from dcpbridge.storage.backends import Storage
-from dcpbridge.storage.writer import CoalescingFile
-from dcpbridge.tools.formats import SAFETENSORS_INDEX
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.write.writer import CoalescingFile
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
-from dcpbridge.tools.sources import SAFETENSORS_DTYPES, Source, TensorInfo, _TorchFileSource
 
 log = logging.getLogger(__name__)
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -141,7 +142,7 @@ def export_safetensors(
 ) -> ExportResult:
     """Write ``source``'s tensors as Hugging Face style safetensors in ``destination``."""
     location = resolve(destination, storage_options)
-    store = Storage.for_location(location)
+    store = storage_for(location)
     created = location.is_local and not os.path.exists(location.root)  # removed if it fails
     store.makedirs()
     aliases = tied_aliases(source)

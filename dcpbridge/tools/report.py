@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcpbridge.formats.checkpoint import MEGATRON_COMMON, Format
+from dcpbridge.formats.sources import ProtocolSource, Source
 from dcpbridge.planners import Placed, coverage_problems
 from dcpbridge.planners.boxes import fmt_box
 from dcpbridge.storage import StorageIndex
-from dcpbridge.storage.backends import Storage
-from dcpbridge.storage.delivery import verify_stored_items
-from dcpbridge.tools.formats import MEGATRON_COMMON, Format
-from dcpbridge.tools.sources import ProtocolSource, Source
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.read.delivery import verify_stored_items
 
 
 def human_bytes(n: float) -> str:
@@ -40,7 +40,7 @@ def file_sizes(source: Source) -> dict[str, int]:
         source.format == Format.SAFETENSORS and loc.root.endswith(".safetensors")
     ):
         return {loc.root.rsplit("/", 1)[-1]: int(loc.fs.size(loc.root))}
-    return Storage.for_location(loc).file_sizes()  # spread folders included
+    return storage_for(loc).file_sizes()  # spread folders included
 
 
 def _extents(source: Source) -> list[tuple[str, str, int, int]]:

@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.metadata import (
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.formats.layout import Layout
+from dcpbridge.formats.sources import Source
 from dcpbridge.planners.boxes import Shape
 from dcpbridge.storage import Location, StoredItem, resolve
-from dcpbridge.storage.format import ItemKey
-from dcpbridge.storage.stream import StreamWriter, commit, discard_save, new_save_id
-from dcpbridge.storage.writer import tensor_bytes
-from dcpbridge.tools.layout import Layout
-from dcpbridge.tools.sources import Source
+from dcpbridge.storage.format.document import ItemKey
+from dcpbridge.storage.write.stream import StreamWriter, commit, discard_save, new_save_id
+from dcpbridge.storage.write.writer import tensor_bytes
 
 DEFAULT_SLAB_BYTES = 64 << 20
 

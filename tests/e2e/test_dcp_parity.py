@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import dcpbridge as db
 from dcpbridge.planners.walk import iter_leaves
-from dcpbridge.storage.reader import _byte_view
+from dcpbridge.storage.read.reader import _byte_view
 
 
 def nested() -> dict:

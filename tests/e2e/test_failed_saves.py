@@ -53,7 +53,8 @@ def _outcome(r: Rank, path: str) -> str:
 
 def save_interrupted(r: Rank, path: str, victims: list[int], where: str) -> str:
     """Save value 2 to ``path``; ranks in ``victims`` get a KeyboardInterrupt at ``where``."""
-    from dcpbridge.storage import backends, writer
+    from dcpbridge.storage.backends import store as backends
+    from dcpbridge.storage.write import writer
 
     if r.rank not in victims:
         return _outcome(r, path)
@@ -126,7 +127,7 @@ def test_an_interrupted_save_raises_everywhere_and_leaves_nothing(pool, tmp_path
 def save_with_commit_too_large(r: Rank, path: str) -> str:
     """Save value 2; the coordinator's commit file cannot be written (RLIMIT_FSIZE: EFBIG,
     as a full disk would fail it)."""
-    from dcpbridge.storage import backends
+    from dcpbridge.storage.backends import store as backends
 
     original = backends.LocalStorage.commit_file
 

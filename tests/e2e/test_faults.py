@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcpbridge as db
 from dcpbridge.storage import resolve
-from dcpbridge.storage.backends import Storage
-from dcpbridge.storage.stream import StreamWriter, new_save_id
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.write.stream import StreamWriter, new_save_id
 from tests.support.backends import Backend, local_backend, s3_backend
 from tests.support.dist_pool import Rank
 from tests.support.limits import file_size_limit
@@ -76,7 +76,9 @@ def _pause(signal_file: str) -> None:
 def _install_pause(phase: str, signal_file: str) -> None:
     """Wrap the step of a save where ``phase`` begins so that it pauses there."""
     from dcpbridge.engine import save as api
-    from dcpbridge.storage import backends, s3, writer
+    from dcpbridge.storage.backends import s3
+    from dcpbridge.storage.backends import store as backends
+    from dcpbridge.storage.write import writer
 
     if phase == "staging":  # async_save copies the shards to host buffers
         api.stage = lambda *a, **k: _pause(signal_file)
@@ -375,7 +377,8 @@ def _wait_for(path: Path, what: str) -> None:
 def save_after_another_job_committed(r: Rank, path: str, options: Any, signal_dir: str) -> str:
     """Job 0 (ranks 0-1) reads the commit it will replace, then job 1 (ranks 2-3) saves and
     commits, then job 0 commits: its commit must be refused, on both of its ranks."""
-    from dcpbridge.storage import backends, s3
+    from dcpbridge.storage.backends import s3
+    from dcpbridge.storage.backends import store as backends
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     job = r.rank // 2
@@ -432,7 +435,7 @@ def test_a_commit_racing_another_is_refused(kind, first, request, tmp_path, pool
 def test_conditional_commit_refuses_a_commit_it_did_not_read(backend):
     """The storage primitive: a commit conditional on what was read lands only if nothing
     else landed since, on every backend."""
-    store = Storage.for_location(resolve(backend.url("c"), backend.storage_options))
+    store = storage_for(resolve(backend.url("c"), backend.storage_options))
     store.makedirs()
     absent = store.read_committed("f")
     assert absent.data is None
@@ -455,7 +458,7 @@ def test_a_refused_s3_commit_that_is_already_there_counts_as_committed(s3_server
     """botocore retries a PUT whose answer was lost; if the first attempt landed, the retry
     is refused (the ETag changed), yet the commit is ours: no error."""
     backend = s3_backend(s3_server)
-    store = Storage.for_location(resolve(backend.url("c"), backend.storage_options))
+    store = storage_for(resolve(backend.url("c"), backend.storage_options))
     absent = store.read_committed("f")
     store.commit_file("f", b"one", "", sync=True, replaces=absent)
     store.commit_file("f", b"one", "", sync=True, replaces=absent)  # as a retry would
@@ -489,9 +492,9 @@ def _corrupt_chunk(path: str, key: str) -> None:
 def test_a_failed_offline_reshard_leaves_nothing_at_the_destination(kind, request, tmp_path):
     """The last tensor's stored chunk is damaged: the reshard fails after writing a file for
     each earlier item, and removes them all (and the directory it created)."""
-    from dcpbridge.tools.layout import parse_layout
+    from dcpbridge.formats.layout import parse_layout
+    from dcpbridge.formats.sources import open_source
     from dcpbridge.tools.reshard import reshard
-    from dcpbridge.tools.sources import open_source
 
     src = str(tmp_path / "src")
     tensors = _reshard_source(src)
@@ -532,9 +535,9 @@ def test_a_failed_offline_reshard_leaves_nothing_at_the_destination(kind, reques
 def reshard_with_full_disk_on_rank_1(r: Rank, src: str, dst: str) -> str:
     """Rank 1's writes fail with EFBIG past 64 KiB, after rank 0 wrote its share."""
     from dcpbridge.engine.collectives import Group
-    from dcpbridge.tools.layout import parse_layout
+    from dcpbridge.formats.layout import parse_layout
+    from dcpbridge.formats.sources import open_source
     from dcpbridge.tools.reshard import reshard
-    from dcpbridge.tools.sources import open_source
 
     source = open_source(src)
     try:

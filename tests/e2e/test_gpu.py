@@ -87,7 +87,7 @@ def _stored_items(path) -> dict:
 
 @pytest.mark.parametrize("slab_bytes", [1 << 20, 32 << 20])
 def test_sync_save_from_gpu_through_slabs_matches_a_cpu_save(tmp_path, monkeypatch, slab_bytes):
-    from dcpbridge.storage import device_copy
+    from dcpbridge.storage.backends import device_copy
 
     monkeypatch.setattr(device_copy, "SLAB_BYTES", slab_bytes)
     monkeypatch.setattr(device_copy, "SLABS", 2)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.storage.format import sign_document
+from dcpbridge.storage.format.document import sign_document
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
 from tests.support.limits import file_size_limit

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from dcpbridge.storage.format import METADATA_FILE
+from dcpbridge.storage.format.document import METADATA_FILE
 from tests.support.dist_pool import Rank
 from tests.support.old_formats import rewrite_as
 

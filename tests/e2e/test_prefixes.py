@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.storage.backends import Storage
-from dcpbridge.storage.paths import resolve, spread_dir
-from dcpbridge.storage.writer import FsspecCheckpointWriter
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.format.paths import resolve, spread_dir
+from dcpbridge.storage.write.writer import FsspecCheckpointWriter
 from tests.storage.test_backends import COMMON, check_loaded, layout_state
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
@@ -140,12 +140,12 @@ def test_prefixes_work_on_any_filesystem(backend_name, tmp_path, memory_store):
     state = {"common": COMMON, **layout_state("rows2", [0, 1])}
     db.save(state, url, storage_options={"prefixes": 3}, thread_count=2)
     loc = resolve(url)
-    names = Storage.for_location(loc).list_names()
+    names = storage_for(loc).list_names()
     first = {n for n in names if n.endswith(".bin")}
     assert "dcpbridge.json" in names and len(first) == 2
     assert not [n for n in loc.fs.ls(loc.root, detail=False) if n.endswith(".bin")]
     tmpl = layout_state("cols4", [0, 1, 2, 3], fill=False)
     assert check_loaded(db.load(tmpl, url), tmpl) == len(L.TENSORS) * 4
     db.save(state, url, storage_options={"prefixes": 3}, thread_count=2)
-    second = {n for n in Storage.for_location(loc).list_names() if n.endswith(".bin")}
+    second = {n for n in storage_for(loc).list_names() if n.endswith(".bin")}
     assert len(second) == 2 and not first & second  # the re-save removed the old files

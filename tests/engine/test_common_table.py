@@ -11,7 +11,7 @@ import torch
 
 import dcpbridge as db
 from dcpbridge.engine.common_table import check_common_table
-from dcpbridge.storage.format import sign_document
+from dcpbridge.storage.format.document import sign_document
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcpbridge as db
+from dcpbridge.formats.layout import even_pieces
 from dcpbridge.mcore.sharding import TensorInfo, _device_for, plan_broadcasts
-from dcpbridge.tools.layout import even_pieces
 from tests.support import layouts as L
 from tests.support.collective_counts import count_collectives
 from tests.support.dist_pool import Rank

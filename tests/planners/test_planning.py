@@ -20,7 +20,7 @@ from dcpbridge.planners import (
     plan_local_writes,
 )
 from dcpbridge.planners.walk import iter_leaves
-from dcpbridge.storage.regions import expand_to_blocks, plan_extents
+from dcpbridge.storage.backends.regions import expand_to_blocks, plan_extents
 
 
 def _grid(rows: int, cols: int, r: int, c: int) -> list[Placed]:

@@ -13,8 +13,9 @@ import torch.distributed.checkpoint as dcp
 import dcpbridge as db
 from dcpbridge.planners import ShardedLoadPlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from dcpbridge.storage.backends import RangeRead, ScatterRead, Storage
-from dcpbridge.storage.paths import resolve
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.store import RangeRead, ScatterRead
+from dcpbridge.storage.format.paths import resolve
 from tests.support import layouts as L
 from tests.support.backends import Backend
 from tests.support.dist_pool import Rank
@@ -371,7 +372,7 @@ def test_scatter_reads_fill_their_parts_and_skip_the_gaps(backend):
     fs.makedirs(backend.path("ck"), exist_ok=True)
     path = backend.path("ck", "blob")
     fs.pipe_file(path, data)
-    store = Storage.for_location(resolve(backend.url("ck"), backend.storage_options))
+    store = storage_for(resolve(backend.url("ck"), backend.storage_options))
     a, b, c, d = bytearray(1000), bytearray(70_000), bytearray(5), bytearray(3)
     done: list[str] = []
     parts = [memoryview(a), 5000, memoryview(b), 200_000, memoryview(c)]

@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from dcpbridge.storage import device_copy
+from dcpbridge.storage.backends import device_copy
 from dcpbridge.storage.errors import InvalidArgumentError
 
 

@@ -20,9 +20,9 @@ import torch
 
 import dcpbridge as db
 from dcpbridge.planners.boxes import Placed, chunk_arrays, coverage_problems, untiled_keys
-from dcpbridge.storage import format as fmt
-from dcpbridge.storage.table import pack_column, unpack_column
-from dcpbridge.storage.tiling import DISJOINT, OVERLAP, disjointness
+from dcpbridge.storage.format import document as fmt
+from dcpbridge.storage.format.table import pack_column, unpack_column
+from dcpbridge.storage.format.tiling import DISJOINT, OVERLAP, disjointness
 from dcpbridge.tools import cli
 from tests.support.old_formats import rewrite_as
 

@@ -40,10 +40,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpbridge as db
 from dcpbridge import dist_checkpointing as mdc
-from dcpbridge.storage import format as fmt
-from dcpbridge.storage.format import sign_document
+from dcpbridge.formats.config import load_config
+from dcpbridge.storage.format import document as fmt
+from dcpbridge.storage.format.document import sign_document
 from dcpbridge.tools import cli
-from dcpbridge.tools.config import load_config
 from tests.support.old_formats import rewrite_as
 
 pytestmark = [

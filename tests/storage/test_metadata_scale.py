@@ -19,11 +19,11 @@ from benchmarks import bench_planning as bp
 from dcpbridge.planners import build_metadata
 from dcpbridge.planners.errors import ShardingValidationError
 from dcpbridge.planners.save_planner import describe_plan
-from dcpbridge.storage.checksum import tensor_grid
 from dcpbridge.storage.errors import InvalidArgumentError
-from dcpbridge.storage.format import decode_metadata, planned_boxes
-from dcpbridge.storage.tiling import tile_counts
-from dcpbridge.storage.writer import index_results, results_table
+from dcpbridge.storage.format.checksum import tensor_grid
+from dcpbridge.storage.format.document import decode_metadata, planned_boxes
+from dcpbridge.storage.format.tiling import tile_counts
+from dcpbridge.storage.write.writer import index_results, results_table
 
 SAVE_ID = "5eed"
 

@@ -9,9 +9,16 @@ import numpy as np
 import pytest
 import xxhash
 
-from dcpbridge.storage import checksum
-from dcpbridge.storage.checksum import Grid, Hasher, digests, flat_grid, tensor_grid, tensor_tiles
-from dcpbridge.storage.read_plan import coalesce, plan_chunk_read
+from dcpbridge.storage.format import checksum
+from dcpbridge.storage.format.checksum import (
+    Grid,
+    Hasher,
+    digests,
+    flat_grid,
+    tensor_grid,
+    tensor_tiles,
+)
+from dcpbridge.storage.read.read_plan import coalesce, plan_chunk_read
 
 
 def _flat_blocks(data: memoryview, block: int) -> list[str]:
@@ -116,7 +123,7 @@ def test_coalesce_joins_close_ranges_of_a_file_up_to_a_size():
 def test_chunk_list_holds_exactly_its_boxes_for_one_chunk_many_and_none():
     """``holds`` answers one-chunk tensors from bulk lists and others row by row: the same
     exact-box answer either way, and a chunkless tensor holds nothing."""
-    from dcpbridge.storage.table import ChunkList, PlannedBoxes
+    from dcpbridge.storage.format.table import ChunkList, PlannedBoxes
 
     shapes = [(4, 6), (8, 2), (), (0, 3), (5,)]
     counts = np.array([1, 2, 1, 0, 1], dtype=np.int64)

@@ -15,9 +15,10 @@ import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from dcpbridge.storage.backends import RangeRead, Storage
-from dcpbridge.storage.paths import resolve
-from dcpbridge.storage.s3 import MultipartWriter, S3Storage, S3Transfer, split_parts
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.s3 import MultipartWriter, S3Storage, S3Transfer, split_parts
+from dcpbridge.storage.backends.store import RangeRead
+from dcpbridge.storage.format.paths import resolve
 from tests.support.s3_server import DEAD_ENDPOINT
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -56,8 +57,8 @@ def test_part_sizes_grow_so_ten_thousand_parts_cover_any_object():
 
 
 def test_s3_urls_get_the_s3_backend():
-    assert isinstance(Storage.for_location(resolve("s3://bucket/ck")), S3Storage)
-    assert not isinstance(Storage.for_location(resolve("memory://ck")), S3Storage)
+    assert isinstance(storage_for(resolve("s3://bucket/ck")), S3Storage)
+    assert not isinstance(storage_for(resolve("memory://ck")), S3Storage)
 
 
 # -- the server -----------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def test_ranged_reads_run_concurrently_within_the_bound(s3_server, bucket, monke
     data = os.urandom(24 * MiB)
     fs = _fs(s3_server, private=True, default_block_size=5 * MiB, max_concurrency=4)
     fs.pipe_file(f"{bucket}/ck/blob", data)
-    store = Storage.for_location(resolve(f"s3://{bucket}/ck", fs.storage_options))
+    store = storage_for(resolve(f"s3://{bucket}/ck", fs.storage_options))
     seen = _spy_concurrency(monkeypatch, store.fs, "get_object")
     outs = [memoryview(bytearray(n)) for n in (12 * MiB, 11 * MiB, 3)]
     done: list[int] = []
@@ -254,7 +255,7 @@ def test_environment_points_nowhere_without_options():
 def test_small_reads_and_listing_see_other_writers(s3_server, bucket):
     """One GET per small file (empty ones too); listings are never served from a stale cache."""
     options = s3_server.storage_options()
-    store = Storage.for_location(resolve(f"s3://{bucket}/ck", options))
+    store = storage_for(resolve(f"s3://{bucket}/ck", options))
     assert store.list_names() == [] and not store.exists("a")
     other = _fs(s3_server, private=True)  # another process, in effect
     other.pipe({f"{bucket}/ck/a": b"", f"{bucket}/ck/b": b"xyz"})

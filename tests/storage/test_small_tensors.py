@@ -13,11 +13,11 @@ import dcpbridge as db
 from dcpbridge.planners.load_planner import plan_local_reads
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointReader
-from dcpbridge.storage.backends import Storage
-from dcpbridge.storage.delivery import WholeJob, run_jobs
-from dcpbridge.storage.format import StoredItem
-from dcpbridge.storage.paths import resolve
-from dcpbridge.storage.read_plan import ReadTuning
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.format.document import StoredItem
+from dcpbridge.storage.format.paths import resolve
+from dcpbridge.storage.read.delivery import WholeJob, run_jobs
+from dcpbridge.storage.read.read_plan import ReadTuning
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -155,7 +155,7 @@ def test_whole_reads_are_joined_within_the_request_limit(tmp_path, max_request):
     jobs.reverse()  # any order
     loc = resolve(str(tmp_path))
     tuning = ReadTuning(min_piece_bytes=0, merge_gap=100, max_request=max_request)
-    fetched = run_jobs(jobs, Storage.for_location(loc), loc.data_path, tuning, threads=2)
+    fetched = run_jobs(jobs, storage_for(loc), loc.data_path, tuning, threads=2)
     for i, (lo, hi) in enumerate(spans):
         assert bytes(got[i].numpy()) == blob[lo:hi]
     assert fetched >= sum(hi - lo for lo, hi in spans)
@@ -199,8 +199,8 @@ def test_batch_lookup_answers_exactly_as_one_by_one(tmp_path):
 def test_local_files_are_written_in_calls_of_at_most_one_mib(tmp_path, monkeypatch):
     """Coalesced small items and a large tensor reach the kernel in writes of <= 1 MiB (bigger
     writes make ext4 use 2 MiB page-cache folios, measured 3-4x slower to write on these VMs)."""
-    from dcpbridge.storage import writer
-    from dcpbridge.storage.backends import LocalStorage
+    from dcpbridge.storage.backends.store import LocalStorage
+    from dcpbridge.storage.write import writer
 
     sizes: list[int] = []
 

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import dcpbridge as db
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
-from dcpbridge.storage.format import sign_document
+from dcpbridge.storage.format.document import sign_document
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
 

@@ -1,4 +1,4 @@
-"""Whole-chunk reads planned as columns (``dcpbridge.storage.whole_reads``): taken when the
+"""Whole-chunk reads planned as columns (``dcpbridge.storage.read.whole_reads``): taken when the
 planner and reader are dcpbridge's own under its driver, items otherwise; bit-exact either way,
 with every fallback and error as before."""
 
@@ -16,7 +16,7 @@ from dcpbridge.planners import ShardedLoadPlanner
 from dcpbridge.planners.load_planner import plan_local_reads
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointReader, StoredItem
-from dcpbridge.storage.whole_reads import WholeReads, whole_jobs
+from dcpbridge.storage.read.whole_reads import WholeReads, whole_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,12 +13,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-import dcpbridge.storage.format as fmt
+import dcpbridge.storage.format.document as fmt
+import dcpbridge.storage.write.written as written
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.errors import InvalidArgumentError
-from dcpbridge.storage.writer import results_table
-from dcpbridge.storage.written import WrittenResults
+from dcpbridge.storage.write.writer import results_table
+from dcpbridge.storage.write.written import WrittenResults
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
 
@@ -120,7 +121,7 @@ def test_missing_results_are_refused_naming_the_key(tmp_path):
 
 
 def _indexed(metadata, results):
-    from dcpbridge.storage.format import StorageIndex
+    from dcpbridge.storage.format.document import StorageIndex
 
     table = results_table(metadata, [results], checksums=True)
     metadata.storage_data = StorageIndex(
@@ -137,14 +138,14 @@ def _indexed(metadata, results):
 def _save_sharded(r: Rank, path: str) -> dict:
     """``db.save`` on every rank, counting on the coordinator which way the table was made."""
     made = {"columns": 0, "objects": 0}
-    real = fmt.columns_table
+    real = written.columns_table
 
     def counted(*args, **kwargs):
         table = real(*args, **kwargs)
         made["columns" if table is not None else "objects"] += 1
         return table
 
-    fmt.columns_table = counted
+    written.columns_table = counted
     try:
         sd = {
             key: [L.shard(key, box) for box in L.boxes("grid4", key, r.rank)]
@@ -153,7 +154,7 @@ def _save_sharded(r: Rank, path: str) -> dict:
         sd["step"] = 5
         db.save(sd, path, process_group=r.group, thread_count=2)
     finally:
-        fmt.columns_table = real
+        written.columns_table = real
     template = {
         key: [L.template(key, box) for box in L.boxes("rows4", key, r.rank)]
         for key in ("w", "w_bf16", "idx", "vec")

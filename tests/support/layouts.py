@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from dcpbridge import ShardedTensor
-from dcpbridge.tools.layout import even_pieces
+from dcpbridge.formats.layout import even_pieces
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

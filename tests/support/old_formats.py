@@ -6,8 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dcpbridge.storage import checksum
-from dcpbridge.storage import format as fmt
+from dcpbridge.storage.format import checksum
+from dcpbridge.storage.format import document as fmt
 
 
 def rewrite_as(path: str | Path, version: int) -> None:

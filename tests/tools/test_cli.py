@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import dcpbridge as db
-from dcpbridge.storage.backends import LocalStorage, parts_of
+from dcpbridge.storage.backends.store import LocalStorage, parts_of
 from dcpbridge.tools import cli
 from tests.e2e.test_reshard import COMMON, save_layout
 from tests.support import layouts as L

@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import dcpbridge as db
+from dcpbridge.formats.layout import parse_layout, whole_tensors
+from dcpbridge.formats.sources import open_source
 from dcpbridge.planners import ShardedSavePlanner
-from dcpbridge.tools.layout import parse_layout, whole_tensors
 from dcpbridge.tools.reshard import WorkItem, assign, plan_work, reshard, slabs
-from dcpbridge.tools.sources import open_source
 from tests.e2e.test_reshard import save_layout
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank

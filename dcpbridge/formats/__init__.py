@@ -1,0 +1,1 @@
+"""Checkpoints of every format opened and read: detection (checkpoint), torch's DCP files, Megatron's torch_dist, offline sources, metadata queries, and the YAML documents (schema, config, layouts)."""

@@ -1,0 +1,133 @@
+"""Reads torch's own DCP files (plain DCP, Megatron-Core torch_dist) through a checkpoint's byte I/O.
+
+torch's readers open their own filesystem (``FileSystemReader`` locally, ``FsspecReader``
+elsewhere); this one reads through the same ``Storage`` as everything else of an opened
+checkpoint, so storage options, faults (``StorageError``) and concurrency are dcpbridge's.
+The format is torch's: a pickled ``.metadata`` (read only when the caller allowed pickles)
+whose ``storage_data`` places each item in a ``.distcp`` file; tensors are ``torch.save``
+bytes of the whole stored chunk (loaded with ``weights_only=True``), objects raw bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError, NotACheckpointError
+from dcpbridge.storage.backends.store import RangeRead, Storage
+from dcpbridge.storage.format.paths import Location
+
+DCP_METADATA = ".metadata"
+_BATCH_BYTES = 256 << 20  # bytes fetched at once
+
+
+def read_dcp_metadata(location: Location, files: Storage) -> Metadata:
+    """Unpickle ``.metadata`` (the caller has checked that pickles are allowed)."""
+    raw = files.read_file(f"{location.root.rstrip('/')}/{DCP_METADATA}")  # a hidden name
+    try:
+        metadata = pickle.loads(raw)
+    except Exception as e:
+        raise CorruptCheckpointError(f"{location.url}: {DCP_METADATA} cannot be read: {e}") from e
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(
+            f"{location.url}: {DCP_METADATA} holds a {type(metadata).__name__}, not DCP Metadata"
+        )
+    return metadata
+
+
+def stored_place(location: Location, metadata: Metadata, index: MetadataIndex) -> Any:
+    """Where ``index``'s bytes are: torch's ``_StorageInfo`` (file, offset, length)."""
+    storage = metadata.storage_data or {}
+    info = storage.get(index)
+    if info is None:
+        raise CorruptCheckpointError(f"{location.url}: no stored bytes for {index.fqn!r}")
+    if getattr(info, "transform_descriptors", None):
+        raise NotACheckpointError(
+            f"{location.url}: {index.fqn!r} is stored with transforms "
+            f"{list(info.transform_descriptors)}, which dcpbridge does not read"
+        )
+    return info
+
+
+class DcpFileReader(StorageReader):
+    """DCP ``StorageReader`` for torch's file format over one opened checkpoint's byte I/O."""
+
+    def __init__(self, location: Location, files: Storage, *, thread_count: int = 4) -> None:
+        super().__init__()
+        self.location, self.files = location, files
+        self.thread_count = max(1, thread_count)
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None and str(checkpoint_id) != self.location.url:
+            raise InvalidArgumentError(
+                "a DcpFileReader is bound to the checkpoint it was opened for"
+            )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return bool(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.metadata is None:
+            self.metadata = read_dcp_metadata(self.location, self.files)
+            if getattr(self.metadata, "storage_meta", None) is None:
+                self.metadata.storage_meta = StorageMeta()
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **_: Any) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        metadata = self.read_metadata()
+        batch: list[RangeRead] = []
+        size = 0
+        for item in plan.items:
+            info = stored_place(self.location, metadata, item.storage_index)
+            buf = memoryview(bytearray(int(info.length)))
+            path = self.location.path(str(info.relative_path))
+            batch.append(RangeRead(path, int(info.offset), buf, _delivery(item, buf, planner)))
+            size += len(buf)
+            if size >= _BATCH_BYTES:
+                self.files.fetch(batch, self.thread_count)
+                batch, size = [], 0
+        if batch:
+            self.files.fetch(batch, self.thread_count)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _delivery(item: ReadItem, raw: memoryview, planner: LoadPlanner) -> Any:
+    """What to do with ``item``'s fetched bytes: hand an object over, or copy a tensor's box."""
+
+    def deliver() -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(bytes(raw)))
+            return
+        chunk = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            chunk = chunk.narrow(dim, start, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.shape != chunk.shape:
+            raise CorruptCheckpointError(
+                f"{item.storage_index.fqn!r}: stored chunk gives {tuple(chunk.shape)}, "
+                f"the read needs {tuple(target.shape)}"
+            )
+        target.copy_(chunk)
+        planner.commit_tensor(item, target)
+
+    return deliver

@@ -1,0 +1,438 @@
+"""Any checkpoint format opened for offline tools: its tensors, objects and box reads.
+
+``open_source`` reads metadata only. ``Source.read`` returns one box of a tensor through the
+same load planner as ``dcpbridge.load``: dcpbridge checkpoints and safetensors files fetch just
+the box's byte ranges; plain DCP and torch_dist files store whole chunks as ``torch.save``
+blobs, which are read whole (so callers read those box by box, see ``reads_whole_chunks``);
+``torch.save`` files are memory-mapped. Every format is opened once by
+``dcpbridge.formats.checkpoint.open_checkpoint``, whose handle also reads the objects.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+
+from dcpbridge.errors import CorruptCheckpointError, NotACheckpointError, PickleRefusedError
+from dcpbridge.formats.checkpoint import (
+    MEGATRON_COMMON,
+    MEGATRON_CONFIG,
+    SAFETENSORS_INDEX,
+    Checkpoint,
+    Format,
+    load_torch_file,
+    open_checkpoint,
+)
+from dcpbridge.formats.dcp_files import stored_place
+from dcpbridge.model.mapping import COMMON_KEY, ShardedTensor
+from dcpbridge.model.state import HOLE, extract, fill_holes
+from dcpbridge.planners import ShardedLoadPlanner, load_object
+from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
+
+Shape = tuple[int, ...]
+_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """One stored chunk of a tensor: its box, the rank that wrote it, and where it lives."""
+
+    offsets: Shape
+    sizes: Shape
+    nbytes: int
+    rank: int | None = None
+    file: str | None = None
+    offset: int | None = None
+    stored_nbytes: int | None = None  # bytes in the file (torch.save framing for DCP)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    key: str
+    shape: Shape
+    dtype: torch.dtype
+    chunks: tuple[ChunkInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    nbytes: int | None = None
+    rank: int | None = None
+    file: str | None = None
+    offset: int | None = None
+
+
+@dataclass
+class Source:
+    """A checkpoint opened for reading without a process group: what it stores, box by box."""
+
+    checkpoint: Checkpoint
+    tensors: dict[str, TensorInfo]
+    objects: dict[str, ObjectInfo]
+    header: dict[str, Any] = field(default_factory=dict)  # what the checkpoint says of itself
+    # A read loads whole stored chunks (torch's DCP files): read each box at once, not in slabs.
+    reads_whole_chunks: bool = False
+
+    @property
+    def location(self) -> Location:
+        return self.checkpoint.location
+
+    @property
+    def format(self) -> Format:
+        return self.checkpoint.format
+
+    @property
+    def allow_pickle(self) -> bool:
+        return self.checkpoint.allow_pickle
+
+    def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
+        """Elements ``offsets``+``sizes`` of tensor ``key`` (a new or memory-mapped tensor)."""
+        raise NotImplementedError
+
+    def object_bytes(self, key: str) -> bytes:
+        """Object ``key`` as ``torch.save`` bytes, the way a dcpbridge checkpoint stores it."""
+        raise NotImplementedError
+
+    def object(self, key: str) -> Any:
+        blob = self.object_bytes(key)
+        return load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")
+
+    def common_state(self) -> Any:
+        return self.object(COMMON_KEY) if COMMON_KEY in self.objects else {}
+
+    def close(self) -> None:
+        pass
+
+
+class ProtocolSource(Source):
+    """Reads boxes with ``ShardedLoadPlanner`` and the checkpoint's DCP reader, set up once."""
+
+    reader: StorageReader
+    metadata: Metadata
+
+    def bind(self, reader: StorageReader, metadata: Metadata) -> None:
+        self.reader, self.metadata = reader, metadata
+        reader.set_up_storage_reader(metadata, True)
+
+    def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
+        info = self.tensors[key]
+        out = torch.empty(sizes, dtype=info.dtype)
+        if out.numel() == 0:
+            return out
+        planner = ShardedLoadPlanner()
+        planner.set_up_planner(
+            {"t": ShardedTensor.from_box(key, out, info.shape, offsets)}, self.metadata
+        )
+        self.reader.read_data(planner.create_local_plan(), planner).wait()
+        return out
+
+    def object_bytes(self, key: str) -> bytes:
+        return self.checkpoint.object_bytes(self.metadata, key)
+
+    def common_state(self) -> Any:
+        if self.format == Format.TORCH_DIST:
+            return self.checkpoint.read_common()
+        return super().common_state()
+
+
+class _TorchFileSource(Source):
+    """A ``torch.save`` file: tensor leaves by dotted path, everything else common state."""
+
+    values: dict[str, torch.Tensor]
+    common: Any
+    scratch: tempfile.TemporaryDirectory[str] | None = None
+
+    def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
+        return self.values[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+
+    def object_bytes(self, key: str) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.common_state(), buf)
+        return buf.getvalue()
+
+    def common_state(self) -> Any:
+        return self.common
+
+    def close(self) -> None:
+        self.values, self.common = {}, {}
+        if self.scratch is not None:
+            self.scratch.cleanup()
+            self.scratch = None
+
+
+# -- opening ---------------------------------------------------------------------------------
+
+
+def _chunks_by_fqn(metadata: Metadata, where: Callable[[MetadataIndex], ChunkInfo | None]) -> dict:
+    out = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        chunks = []
+        for c in md.chunks:
+            placed = where(MetadataIndex(fqn, c.offsets))
+            nbytes = math.prod(c.sizes) * md.properties.dtype.itemsize
+            chunks.append(
+                ChunkInfo(
+                    tuple(c.offsets),
+                    tuple(c.sizes),
+                    nbytes,
+                    placed.rank if placed else None,
+                    placed.file if placed else None,
+                    placed.offset if placed else None,
+                    placed.nbytes if placed else None,
+                )
+            )
+        out[fqn] = TensorInfo(fqn, tuple(md.size), md.properties.dtype, tuple(chunks))
+    return out
+
+
+def _open_dcpbridge(checkpoint: Checkpoint, verify: bool) -> Source:
+    reader = checkpoint.reader(verify_checksums=verify)
+    metadata = reader.read_metadata()
+    index = metadata.storage_data
+    assert isinstance(index, StorageIndex)
+
+    def where(mi: MetadataIndex) -> ChunkInfo | None:
+        it = index.get(mi)
+        return ChunkInfo((), (), it.nbytes, it.rank, it.file, it.offset) if it else None
+
+    objects = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            it = index.get(MetadataIndex(fqn))
+            objects[fqn] = ObjectInfo(
+                fqn, *((it.nbytes, it.rank, it.file, it.offset) if it else ())
+            )
+    header = {
+        "format_version": int(str(metadata.version).rsplit("-", 1)[-1]),
+        "save_id": index.save_id,
+        "world_size": index.world_size,
+        "created_unix": index.created_unix,
+        "checksum": index.checksum_algorithm,
+        "checksum_block_size": index.checksum_block_size,
+        "files": list(index.files),
+        "planner_data": metadata.planner_data,
+    }
+    src = ProtocolSource(checkpoint, _chunks_by_fqn(metadata, where), objects, header)
+    src.bind(reader, metadata)
+    return src
+
+
+def _open_dcp(checkpoint: Checkpoint) -> Source:
+    location = checkpoint.location
+    reader = checkpoint.reader()
+    metadata = reader.read_metadata()
+    storage = metadata.storage_data or {}
+
+    def place(mi: MetadataIndex) -> tuple[str | None, int | None, int | None, int | None]:
+        if mi not in storage:
+            return None, None, None, None
+        info = stored_place(location, metadata, mi)
+        m = _DISTCP.match(os.path.basename(str(info.relative_path)))
+        rank = int(m.group(1)) if m else None
+        return str(info.relative_path), int(info.offset), int(info.length), rank
+
+    def where(mi: MetadataIndex) -> ChunkInfo | None:
+        file, offset, length, rank = place(mi)
+        return ChunkInfo((), (), length or 0, rank, file, offset) if file else None
+
+    objects = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            file, offset, length, rank = place(MetadataIndex(fqn))
+            objects[fqn] = ObjectInfo(fqn, length, rank, file, offset)
+    files = sorted({str(i.relative_path) for i in storage.values()})
+    header: dict[str, Any] = {"files": files, "format_version": getattr(metadata, "version", None)}
+    if checkpoint.format == Format.TORCH_DIST:
+        common = checkpoint.files.file_size(location.path(MEGATRON_COMMON))
+        objects[COMMON_KEY] = ObjectInfo(COMMON_KEY, common, file=MEGATRON_COMMON)
+        header["megatron_config"] = json.loads(
+            checkpoint.files.read_file(location.path(MEGATRON_CONFIG))
+        )
+    tensors = _chunks_by_fqn(metadata, where)
+    src = ProtocolSource(checkpoint, tensors, objects, header, reads_whole_chunks=True)
+    src.bind(reader, metadata)
+    return src
+
+
+def _parent_url(location: Location) -> str:
+    url = location.url.rstrip("/")
+    return os.path.dirname(os.path.abspath(url)) if location.is_local else url.rsplit("/", 1)[0]
+
+
+def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, Any], int]:
+    """The JSON header of safetensors file ``name`` and the offset where its data starts."""
+    path = location.path(name)
+    head = location.fs.cat_file(path, start=0, end=8)
+    size = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 2 <= size <= 100 << 20:
+        raise CorruptCheckpointError(f"{path}: not a safetensors file (bad header length)")
+    try:
+        header = json.loads(location.fs.cat_file(path, start=8, end=8 + size))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: safetensors header is not JSON: {e}") from None
+    return header, 8 + size
+
+
+def _open_safetensors(checkpoint: Checkpoint) -> Source:
+    location, store = checkpoint.location, checkpoint.files
+    if store.exists(SAFETENSORS_INDEX):
+        index = json.loads(store.read_file(location.path(SAFETENSORS_INDEX)))
+        names = sorted(set(index.get("weight_map", {}).values()))
+        folder = location
+    elif location.root.endswith(".safetensors"):
+        folder = resolve(_parent_url(location), checkpoint.storage_options)
+        names = [location.root.rstrip("/").rsplit("/", 1)[-1]]
+    else:
+        names = sorted(n for n in store.list_names() if n.endswith(".safetensors"))
+        folder = location
+    state: dict[str, TensorStorageMetadata] = {}
+    items = {}
+    tensors = {}
+    for name in names:
+        header, data_start = read_safetensors_header(folder, name)
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            if key in state:
+                raise CorruptCheckpointError(f"{folder.url}: tensor {key!r} is in two files")
+            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+            if dtype is None:
+                raise CorruptCheckpointError(
+                    f"{name}: {key!r} has unsupported dtype {entry.get('dtype')!r}"
+                )
+            shape = tuple(int(s) for s in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+            if end - begin != math.prod(shape) * dtype.itemsize:
+                raise CorruptCheckpointError(f"{name}: {key!r} byte range does not match its shape")
+            zero = torch.Size([0] * len(shape))
+            state[key] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype),
+                torch.Size(shape),
+                [ChunkStorageMetadata(zero, torch.Size(shape))],
+            )
+            items[(key, tuple(zero))] = StoredItem(
+                name, data_start + begin, end - begin, 0, None, shape, dtype
+            )
+            chunk = ChunkInfo(
+                (0,) * len(shape), shape, end - begin, None, name, data_start + begin, end - begin
+            )
+            tensors[key] = TensorInfo(key, shape, dtype, (chunk,))
+    metadata = Metadata(
+        state_dict_metadata=dict(state),
+        storage_data=StorageIndex(items=items, save_id="safetensors", files=tuple(names)),
+    )
+    reader = FsspecCheckpointReader(
+        folder,  # type: ignore[arg-type]  (resolved already)
+        storage_options=checkpoint.storage_options,
+        verify_checksums=False,
+    )
+    src = ProtocolSource(checkpoint, tensors, {}, {"files": names})
+    src.bind(reader, metadata)
+    return src
+
+
+def _open_torch_file(checkpoint: Checkpoint) -> Source:
+    location, allow_pickle = checkpoint.location, checkpoint.allow_pickle
+    scratch = None
+    path = location.root
+    if not location.is_local:  # memory-map a local copy
+        scratch = tempfile.TemporaryDirectory(prefix="dcpbridge-")
+        path = os.path.join(scratch.name, "checkpoint.pt")
+        location.fs.get_file(location.root, path)
+    try:
+        loaded = load_torch_file(path, weights_only=not allow_pickle)
+    except pickle.UnpicklingError:
+        if scratch is not None:
+            scratch.cleanup()
+        raise PickleRefusedError(
+            f"{location.url} holds Python objects that safe (weights_only) loading refuses; "
+            "if you trust this file, pass allow_pickle=True (CLI: --allow-pickle)"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise NotACheckpointError(
+            f"{location.url} holds a {type(loaded).__name__}, not a state dict"
+        )
+    values: dict[str, torch.Tensor] = {}
+    for leaf in iter_leaves(loaded):
+        if isinstance(leaf.value, torch.Tensor):
+            if leaf.path in values:
+                raise CorruptCheckpointError(f"{location.url}: two tensors are named {leaf.path!r}")
+            values[leaf.path] = leaf.value
+    _, rest = extract(loaded, lambda x: isinstance(x, torch.Tensor))
+    tensors = {
+        k: TensorInfo(
+            k,
+            tuple(t.shape),
+            t.dtype,
+            (ChunkInfo((0,) * t.dim(), tuple(t.shape), t.numel() * t.element_size()),),
+        )
+        for k, t in values.items()
+    }
+    common = fill_holes(rest) if rest is not HOLE else {}
+    objects = {COMMON_KEY: ObjectInfo(COMMON_KEY)} if common else {}
+    src = _TorchFileSource(checkpoint, tensors, objects, {"files": [location.root]})
+    src.values, src.common, src.scratch = values, common, scratch
+    return src
+
+
+def open_source(
+    url: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+    verify_checksums: bool = True,
+) -> Source:
+    """Open the checkpoint or file at ``url`` (any supported format), reading metadata only."""
+    checkpoint = open_checkpoint(url, storage_options=storage_options, allow_pickle=allow_pickle)
+    if checkpoint.format == Format.DCPBRIDGE:
+        return _open_dcpbridge(checkpoint, verify_checksums)
+    if checkpoint.format.pickled_metadata:
+        return _open_dcp(checkpoint)
+    if checkpoint.format == Format.SAFETENSORS:
+        return _open_safetensors(checkpoint)
+    return _open_torch_file(checkpoint)

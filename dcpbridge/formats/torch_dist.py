@@ -1,0 +1,186 @@
+"""Save in Megatron-Core's ``torch_dist`` format, which ``dist_checkpointing.load`` reads.
+
+On disk: torch's own DCP data files (``__{rank}_{i}.distcp``) and pickled ``.metadata``,
+tensors under their ShardedTensor keys, each ShardedObject under its unique key stored as a
+one-element list, the common state in ``common.pt``, and ``metadata.json`` naming the
+backend, written last (Megatron treats a directory without it as unfinished).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.formats.checkpoint import MEGATRON_COMMON, MEGATRON_CONFIG
+from dcpbridge.planners import ShardedSavePlanner
+from dcpbridge.planners.save_planner import serialize_object
+from dcpbridge.storage import METADATA_FILE, Location, resolve
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.errors import StorageError, is_storage_fault, storage_error
+from dcpbridge.storage.format.paths import fsspec_options
+from dcpbridge.storage.write.writer import remove_stale_files
+
+MEGATRON_CHECKPOINT_CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+class TorchDistSavePlanner(ShardedSavePlanner):
+    """Our save planning, with each ShardedObject stored as ``[data]`` as Megatron stores it."""
+
+    list_wrapped_objects = True
+
+
+class TorchDistWriter(StorageWriter):
+    """torch's DCP writer for the data, plus Megatron's ``common.pt`` and ``metadata.json``.
+
+    The coordinator removes the commit files of an earlier save to the directory before any
+    data is written, then writes ``common.pt`` before the DCP metadata and ``metadata.json``
+    after it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        common_state: Any,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+    ) -> None:
+        super().__init__()
+        self.location: Location = resolve(path, storage_options)
+        self.common_state = common_state
+        self.sync_files = sync_files
+        self.store = storage_for(self.location)
+        self._created: list[Any] = []  # data files this save opened (removed if it fails)
+        self._committed: list[str] = []  # commit files it wrote, likewise
+        if self.location.is_local:
+            self.inner: StorageWriter = FileSystemWriter(
+                self.location.root, thread_count=thread_count, sync_files=sync_files
+            )
+        else:  # os.sync() per file is pointless on object stores
+            self.inner = FsspecWriter(
+                self.location.url,
+                thread_count=thread_count,
+                sync_files=False,
+                **fsspec_options(storage_options),
+            )
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.location.url:
+            raise InvalidArgumentError("TorchDistWriter is bound to one checkpoint location")
+        self.inner.reset(None)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return self.inner.storage_meta()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return self.inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Before any data is overwritten, unpublish what this directory held, so that an
+        # interrupted save leaves an incomplete checkpoint rather than a corrupt one.
+        store = self.store
+        stale = [n for n in (MEGATRON_CONFIG, METADATA_FILE) if store.exists(n)]
+        store.remove(stale)
+        if METADATA_FILE in stale:
+            remove_stale_files(store, save_id="")
+        return self.inner.prepare_global_plan(plans)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """torch's writer, made to fail when any of its files failed.
+
+        torch's extra writer threads drop their exceptions and their files' results, so a
+        full disk would commit a checkpoint missing those items; and its ``torch.save``
+        reports a failed write as a ``RuntimeError``. Failures inside each file's stream are
+        recorded here and raised (storage faults as ``StorageError`` naming the file).
+        """
+        failed: list[tuple[str, BaseException]] = []
+        fs: Any = self.inner.fs  # type: ignore[attr-defined]
+        create_stream = fs.create_stream
+
+        @contextlib.contextmanager
+        def recording(path: Any, mode: str) -> Iterator[Any]:
+            self._created.append(path)
+            try:
+                with create_stream(path, mode) as stream:
+                    yield stream
+            except BaseException as e:
+                failed.append((os.path.basename(str(path)), e))
+                raise
+
+        fs.create_stream = recording
+        results: list[WriteResult] = []
+        try:
+            results = self.inner.write_data(plan, planner).wait()
+        except Exception as e:
+            if not failed:
+                failed.append(("", e))
+        finally:
+            del fs.create_stream
+        written = {r.index for r in results}
+        missing = [item.index.fqn for item in plan.items if item.index not in written]
+        if failed:
+            raise _write_failure(self.location.url, *failed[0])
+        if missing:
+            raise StorageError(
+                f"{self.location.url}: {len(missing)} item(s) were not written "
+                f"(e.g. {missing[0]!r}): a writer thread failed"
+            )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        store = self.store
+        common = serialize_object(self.common_state, "the common state").getvalue()
+        self._committed.append(MEGATRON_COMMON)
+        store.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
+        self.inner.finish(metadata, results)
+        config = json.dumps(MEGATRON_CHECKPOINT_CONFIG).encode()
+        store.commit_file(MEGATRON_CONFIG, config, f"{MEGATRON_CONFIG}.tmp", sync=self.sync_files)
+
+    def abort(self) -> None:
+        """Remove what this failed save wrote: its data files and ``common.pt`` (the previous
+        checkpoint's commit files were removed before any data was written)."""
+        fs: Any = self.inner.fs  # type: ignore[attr-defined]
+        for path in self._created:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(path)
+        self._created.clear()
+        self.store.remove([n for n in self._committed if self.store.exists(n)])
+        self._committed.clear()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return bool(os.fspath(checkpoint_id))
+
+
+def _write_failure(url: str, name: str, error: BaseException) -> BaseException:
+    """A failed file write as raised to the caller: the storage fault behind it (torch.save
+    wraps it in a ``RuntimeError``) as ``StorageError``, anything else as it was."""
+    fault: BaseException | None = error
+    while fault is not None and not is_storage_fault(fault):
+        fault = fault.__cause__ or fault.__context__
+    if fault is None:
+        return error
+    where = f"{url}: write {name}" if name else f"{url}: write"
+    return storage_error(where, fault)

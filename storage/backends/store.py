@@ -1,0 +1,527 @@
+"""Byte movers: local files through the OS (pread, fsync, rename), anything else through fsspec."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import functools
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, BinaryIO, TypeVar
+
+from dcpbridge.storage.errors import ConcurrentSaveError, is_storage_fault, storage_error
+from dcpbridge.storage.format.paths import SPREAD_DIR, Location
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+
+
+@dataclass(slots=True)
+class RangeRead:
+    """Fill ``out`` with bytes ``[start, start + len(out))`` of ``path``, then call ``on_done``."""
+
+    path: str
+    start: int
+    out: memoryview
+    on_done: Callable[[], None] | None = None
+
+
+@dataclass(slots=True)
+class ScatterRead:
+    """One request for bytes ``[start, start + nbytes)`` of ``path``, laid out over ``parts``
+    in order (a buffer takes its length of bytes, an int skips that many); then ``on_done``."""
+
+    path: str
+    start: int
+    parts: list[memoryview | int]
+    on_done: Callable[[], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p if isinstance(p, int) else len(p) for p in self.parts)
+
+
+Read = RangeRead | ScatterRead
+
+
+def parts_of(r: Read) -> list[memoryview | int]:
+    return [r.out] if isinstance(r, RangeRead) else r.parts
+
+
+def read_size(r: Read) -> int:
+    return len(r.out) if isinstance(r, RangeRead) else r.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A commit file as read: its bytes (None: absent) and a tag that changes with every
+    commit (None where the storage offers no such tag)."""
+
+    data: bytes | None
+    tag: object = None
+
+
+# How long a local commit waits for another process's commit of the same directory.
+COMMIT_LOCK_TIMEOUT = 60.0
+
+
+def _target(arg: object) -> str | None:
+    """What a byte operation's first argument names: a path, a file, or some range reads."""
+    if isinstance(arg, str):
+        return arg
+    if isinstance(arg, Sequence) and arg and isinstance(arg[0], (RangeRead, ScatterRead)):
+        paths = sorted({r.path for r in arg})
+        return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    name = getattr(arg, "name", None) or getattr(arg, "path", None)
+    return str(name) if name is not None else None
+
+
+def storage_op(op: str) -> Callable[[F], F]:
+    """Raise a storage fault of method ``op`` as ``StorageError`` naming the URL and file."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: Storage, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:
+                if not is_storage_fault(e):
+                    raise
+                target = _target(args[0]) if args else None
+                where = f"{self.location.url}: {op}" + (f" {target}" if target else "")
+                raise storage_error(where, e) from e
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
+class Storage:
+    """The byte operations on one checkpoint location (local disk, S3, any fsspec URL): write,
+    ranged reads, commit, list, remove; ``storage_for`` picks the implementation.
+
+    Every operation raises storage faults as ``StorageError`` naming the location and file.
+    """
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self.fs = location.fs
+        self._paths: dict[str, str] = {}  # files found in spread folders by the last listing
+
+    @storage_op("create directory")
+    def makedirs(self) -> None:
+        self.fs.makedirs(self.location.root, exist_ok=True)
+
+    @storage_op("open for writing")
+    def open_write(self, path: str) -> BinaryIO:
+        parent = path.rsplit("/", 1)[0]
+        if parent != self.location.root.rstrip("/"):  # a spread folder
+            self.fs.makedirs(parent, exist_ok=True)
+        return self.fs.open(path, "wb")
+
+    @storage_op("sync")
+    def sync(self, f: BinaryIO) -> None:
+        """Make ``f``'s bytes durable before the commit (no-op on object stores)."""
+
+    def write_behind(self, f: BinaryIO, start: int, nbytes: int) -> None:
+        """Hint that bytes ``[start, start + nbytes)`` of ``f`` are final: storage may begin
+        making them durable now, so ``sync`` has less left to wait for (no-op here)."""
+
+    @storage_op("read")
+    def read_file(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    @storage_op("read")
+    def read_committed(self, name: str) -> Committed:
+        """The commit file ``name`` as it is now, to pass to ``commit_file(replaces=...)``."""
+        try:
+            return Committed(self.fs.cat_file(self.location.path(name)))
+        except FileNotFoundError:
+            return Committed(None)
+
+    @storage_op("commit")
+    def commit_file(
+        self,
+        name: str,
+        data: bytes,
+        temp_name: str,
+        *,
+        sync: bool,
+        replaces: Committed | None = None,
+    ) -> None:
+        """Publish ``data`` under ``name`` atomically.
+
+        With ``replaces`` (what ``read_committed`` returned) the commit is conditional: if
+        another commit replaced that one meanwhile, raise ``ConcurrentSaveError`` and publish
+        nothing. This generic version can only check just before writing.
+        """
+        if replaces is not None and self.read_committed(name).data != replaces.data:
+            raise _conflict(self.location.path(name))
+        self.fs.pipe_file(self.location.path(name), data)
+
+    @storage_op("look up")
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self.location.path(name))
+
+    def _entries(self) -> list[dict[str, Any]]:
+        """Listing entries under the checkpoint root, plus the files in its spread folders
+        (whose full paths ``remove`` then uses)."""
+        try:
+            entries = self.fs.ls(self.location.root, detail=True)
+        except FileNotFoundError:
+            return []
+        if not any(e.get("type") == "directory" and SPREAD_DIR.match(_base(e)) for e in entries):
+            return entries
+        root = self.location.root.rstrip("/")
+        found = self.fs.find(root, detail=True)  # one listing on S3, not one per folder
+        for path, e in found.items():
+            parent, name = path.rstrip("/").rsplit("/", 1)
+            if parent != root and SPREAD_DIR.match(parent.rsplit("/", 1)[-1]):
+                self._paths[name] = path
+                entries.append(e)
+        return entries
+
+    @storage_op("list")
+    def list_names(self) -> list[str]:
+        """Plain names under the checkpoint root and its spread folders ([] if none)."""
+        return [
+            n
+            for e in self._entries()
+            if not (SPREAD_DIR.match(n := _base(e)) and e.get("type") == "directory")
+        ]
+
+    @storage_op("list")
+    def file_sizes(self) -> dict[str, int]:
+        """Size of every file under the checkpoint root and its spread folders."""
+        sizes = {}
+        for e in self._entries():
+            size = e.get("size", e.get("Size"))
+            if e.get("type", "file") == "file" and size is not None:
+                sizes[_base(e)] = int(size)
+        return sizes
+
+    @storage_op("look up")
+    def info(self, path: str) -> dict[str, Any]:
+        """The file's listing entry (size, mtime, ETag...); raises if it does not exist."""
+        return self.fs.info(path)
+
+    @storage_op("look up")
+    def file_size(self, path: str) -> int:
+        """Size of one file (raises ``StorageFileNotFoundError`` if it does not exist)."""
+        return int(self.fs.size(path))
+
+    @storage_op("remove")
+    def remove(self, names: Sequence[str]) -> None:
+        if names:
+            self.fs.rm([self._paths.get(n) or self.location.path(n) for n in names])
+
+    @storage_op("read")
+    def fetch(self, reads: Sequence[Read], threads: int) -> None:
+        """Perform ``reads`` (grouped, possibly concurrently); raise the first failure."""
+        by_path: dict[str, list[Read]] = {}
+        for r in reads:
+            by_path.setdefault(r.path, []).append(r)
+        paths, starts, ends, order = [], [], [], []
+        for path, group in by_path.items():
+            for r in group:
+                paths.append(path)
+                starts.append(r.start)
+                ends.append(r.start + read_size(r))
+                order.append(r)
+        blobs = self.fs.cat_ranges(paths, starts, ends, on_error="raise")
+        for r, blob in zip(order, blobs):
+            if isinstance(blob, BaseException):
+                raise blob
+            _fill(r, blob)
+
+
+def _base(entry: dict[str, Any]) -> str:
+    return str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+
+
+def is_s3(fs: object) -> bool:
+    """Whether ``fs`` is an S3 filesystem (s3fs)."""
+    protocol = getattr(fs, "protocol", ())
+    return "s3" in ((protocol,) if isinstance(protocol, str) else protocol)
+
+
+def _fill(r: Read, blob: bytes) -> None:
+    if len(blob) != read_size(r):
+        raise OSError(
+            f"short read from {r.path}: wanted {read_size(r)} bytes at offset {r.start}, "
+            f"got {len(blob)} (file truncated?)"
+        )
+    pos = 0
+    for part in parts_of(r):
+        if isinstance(part, int):
+            pos += part
+            continue
+        part[:] = blob[pos : pos + len(part)]
+        pos += len(part)
+    if r.on_done is not None:
+        r.on_done()
+
+
+class LocalStorage(Storage):
+    """Local disk: unbuffered writes, fsync, temp+rename commit and threaded ``preadv``."""
+
+    @storage_op("open for writing")
+    def open_write(self, path: str) -> BinaryIO:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # a spread folder, the first time
+        return open(path, "wb", buffering=0)
+
+    @storage_op("sync")
+    def sync(self, f: BinaryIO) -> None:
+        os.fsync(f.fileno())
+
+    def write_behind(self, f: BinaryIO, start: int, nbytes: int) -> None:
+        """Start the writeback of that range now (Linux ``sync_file_range``, which does not
+        wait), overlapping it with the rest of the save; ``sync`` still makes it durable.
+        Measured: the closing fsync of 20,000 x 16 KiB fell from about 85 ms to under 10 ms."""
+        if _SYNC_FILE_RANGE is not None and nbytes > 0:
+            _SYNC_FILE_RANGE(f.fileno(), start, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+    @storage_op("read")
+    def read_file(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    @storage_op("read")
+    def read_committed(self, name: str) -> Committed:
+        """The bytes and identity (inode, change time, size) of the commit file, read through
+        one descriptor so they agree."""
+        try:
+            with open(self.location.path(name), "rb") as f:
+                return Committed(f.read(), _identity(os.fstat(f.fileno())))
+        except FileNotFoundError:
+            return Committed(None)
+
+    @storage_op("commit")
+    def commit_file(
+        self,
+        name: str,
+        data: bytes,
+        temp_name: str,
+        *,
+        sync: bool,
+        replaces: Committed | None = None,
+    ) -> None:
+        """Write a temp file, then rename it over ``name``.
+
+        With ``replaces``, the check and the rename happen under an exclusive lock of the
+        directory (released by the kernel if the process dies), and a first commit links
+        the temp file without replacing anything, so of two commits made from the same
+        state only one lands; the other raises ``ConcurrentSaveError``.
+        """
+        final, tmp = self.location.path(name), self.location.path(temp_name)
+        conditional = replaces is not None
+        lock = _directory_lock(self.location.root) if conditional else contextlib.nullcontext()
+        with lock as locked:
+            if replaces is not None and _current_identity(final) != replaces.tag:
+                raise _conflict(final)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    if sync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                if replaces is not None and replaces.data is None:
+                    _publish_new(tmp, final)
+                else:
+                    os.replace(tmp, final)
+            except BaseException:  # a full disk, an interrupt: no half-written temp file stays
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            if sync:
+                _sync_directory(self.location.root)
+            if locked:  # temp files left by commits that were killed (live ones hold the lock)
+                _remove_temp_files(self.location.root, f"{name}.tmp")
+
+    @storage_op("read")
+    def fetch(self, reads: Sequence[Read], threads: int) -> None:
+        with _FdCache() as fds:
+
+            def run(r: Read) -> None:
+                fd = fds.get(r.path)
+                parts = parts_of(r)
+                gap = max((p for p in parts if isinstance(p, int)), default=0)
+                skip = memoryview(bytearray(gap))  # bytes between pieces land here
+                views = [v for p in parts if len(v := skip[:p] if isinstance(p, int) else p)]
+                pos, i = r.start, 0
+                while i < len(views):
+                    n = os.preadv(fd, views[i : i + _IOV_MAX], pos)
+                    if n == 0:
+                        raise OSError(
+                            f"short read from {r.path}: file ends before byte {pos} "
+                            f"(needed up to {r.start + read_size(r)}; file truncated?)"
+                        )
+                    pos += n
+                    while i < len(views) and n >= len(views[i]):
+                        n -= len(views[i])
+                        i += 1
+                    if n:
+                        views[i] = views[i][n:]
+                if r.on_done is not None:
+                    r.on_done()
+
+            def run_all(batch: Sequence[Read]) -> None:
+                for r in batch:
+                    run(r)
+
+            batches = _balanced_batches(reads, threads)
+            if len(batches) <= 1:
+                run_all(reads)
+                return
+            with ThreadPoolExecutor(len(batches), thread_name_prefix="dcpb-read") as pool:
+                for fut in [pool.submit(run_all, b) for b in batches]:
+                    fut.result()
+
+
+def _sync_file_range() -> Callable[..., int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range, do not wait
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size)
+
+
+def _current_identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        return _identity(os.stat(path))
+    except FileNotFoundError:
+        return None
+
+
+def _conflict(path: str) -> ConcurrentSaveError:
+    return ConcurrentSaveError(
+        f"{path}: another save committed here while this one was committing; this save did "
+        "not commit (the other one's checkpoint is in place)"
+    )
+
+
+def _publish_new(tmp: str, final: str) -> None:
+    """Move ``tmp`` to ``final`` unless ``final`` exists (then ``ConcurrentSaveError``)."""
+    try:
+        os.link(tmp, final)  # never replaces anything
+    except FileExistsError as e:
+        os.unlink(tmp)
+        raise _conflict(final) from e
+    except OSError as e:  # no hard links here: the (locked) check above must do
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)
+
+
+def _sync_directory(root: str) -> None:
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_temp_files(root: str, prefix: str) -> None:
+    for entry in os.listdir(root):
+        if entry.startswith(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, entry))
+
+
+@contextlib.contextmanager
+def _directory_lock(root: str) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on directory ``root``; yields False (no lock, best effort)
+    where the file system does not support it. Waits at most ``COMMIT_LOCK_TIMEOUT``."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        yield _flock(fd, root)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _flock(fd: int, root: str) -> bool:
+    deadline = time.monotonic() + COMMIT_LOCK_TIMEOUT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ConcurrentSaveError(
+                    f"{root}: another process held the commit lock of this directory for "
+                    f"{COMMIT_LOCK_TIMEOUT:.0f}s; nothing was committed"
+                ) from None
+            time.sleep(0.005)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            log.debug("no commit lock on %s (%s): committing without it", root, e)
+            return False
+
+
+class _FdCache:
+    """Read-only file descriptors shared by reader threads (pread needs no seek position)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    def __enter__(self) -> _FdCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _balanced_batches(reads: Sequence[Read], parts: int) -> list[Sequence[Read]]:
+    """Cut ``reads`` into at most ``parts`` consecutive runs of about equal bytes.
+
+    One task per thread keeps per-read overhead at a loop iteration, not a pool submission.
+    """
+    total = sum(read_size(r) for r in reads)
+    if parts <= 1 or len(reads) <= 1 or total == 0:
+        return [reads] if reads else []
+    batches, start, acc = [], 0, 0
+    target = total / parts
+    for i, r in enumerate(reads):
+        acc += read_size(r)
+        if acc >= target * (len(batches) + 1) and len(batches) < parts - 1:
+            batches.append(reads[start : i + 1])
+            start = i + 1
+    if start < len(reads):
+        batches.append(reads[start:])
+    return batches

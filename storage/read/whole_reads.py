@@ -1,0 +1,110 @@
+"""Whole stored chunks read into plain CPU tensors, planned as columns instead of ReadItems.
+
+When dcpbridge's load planner and reader run together under dcpbridge's driver, a request
+that is exactly one stored chunk (the same layout as at save: most requests of most loads)
+needs no DCP ``ReadItem``, no ``MetadataIndex`` and no resolve/commit round trip: the planner
+records its key and destination here, and the reader looks every entry up at once and reads
+each chunk straight into its destination's memory, verifying its checksums as before. Plain
+``dcp.load`` never sees these columns: it gets ``ReadItem``s as always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dcpbridge.storage.errors import CorruptCheckpointError
+from dcpbridge.storage.format import checksum
+from dcpbridge.storage.format.table import ItemKey, StoredItem, describe_item
+from dcpbridge.storage.read.delivery import WholeJob, byte_view
+
+
+@dataclass(slots=True)
+class WholeReads:
+    """Requests that are each one whole stored chunk, as columns (entry ``i`` of each list).
+
+    ``targets[i]`` is a plain, contiguous CPU tensor of the chunk's dtype and sizes;
+    ``copies[i]`` lists further tensors asking for the same box (copied from the target once
+    it is read and verified).
+    """
+
+    keys: list[ItemKey] = field(default_factory=list)  # (fqn, chunk offsets)
+    targets: list[torch.Tensor] = field(default_factory=list)
+    copies: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def nbytes(self) -> int:
+        """Bytes these reads fill (copies not counted)."""
+        return sum(t.nbytes for t in self.targets)
+
+
+def _done(_: torch.Tensor) -> None:
+    """Nothing to hand over: the chunk was read into its only destination."""
+
+
+def _copier(copies: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+    def commit(target: torch.Tensor) -> None:
+        for view in copies:
+            view.copy_(target)
+
+    return commit
+
+
+class _Describe:
+    """How a failed check names the entry (built only when one fails)."""
+
+    __slots__ = ("file", "key")
+
+    def __init__(self, key: ItemKey, file: str) -> None:
+        self.key, self.file = key, file
+
+    def __call__(self) -> str:
+        return f"{describe_item(self.key)} in {self.file}"
+
+
+def whole_jobs(
+    reads: WholeReads,
+    found: Sequence[StoredItem | None],
+    *,
+    block: int,
+    tiled: bool,
+    url: str,
+) -> list[WholeJob]:
+    """One ``WholeJob`` per entry of ``reads``, given each entry's ``StoredItem`` (``block``:
+    the checksum block size, 0 to skip verification). Raises ``CorruptCheckpointError``
+    naming the entry if the checkpoint does not store it as a chunk of its target's layout."""
+    jobs = []
+    copies = reads.copies
+    for i, (key, target, stored) in enumerate(zip(reads.keys, reads.targets, found)):
+        if stored is None:
+            raise CorruptCheckpointError(
+                f"{url}: metadata has no stored bytes for {describe_item(key)}"
+            )
+        sizes, dtype = stored.sizes, stored.dtype
+        view = byte_view(target)
+        if (
+            sizes is None
+            or dtype != target.dtype
+            or sizes != target.shape
+            or view is None
+            or len(view) != stored.nbytes
+        ):
+            raise CorruptCheckpointError(
+                f"{url}: {describe_item(key)} in {stored.file} is stored as "
+                f"{'an object' if sizes is None else f'{dtype} {list(sizes)}'} of "
+                f"{stored.nbytes} bytes, which is not the chunk its metadata describes "
+                f"({target.dtype} {list(target.shape)})"
+            )
+        grid = (
+            checksum.tensor_grid(sizes, dtype.itemsize, block, tiled=tiled)
+            if block and stored.checksums
+            else None
+        )
+        more = copies.get(i) if copies else None
+        commit = _done if more is None else _copier(more)
+        jobs.append(WholeJob(stored, view, target, commit, grid, _Describe(key, stored.file)))
+    return jobs

@@ -1,0 +1,649 @@
+"""DCP ``StorageWriter`` over fsspec: raw bytes, a few files per rank, JSON metadata written last."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import io
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcpbridge.storage.backends import device_copy
+from dcpbridge.storage.backends.location_mixin import LocationMixin
+from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
+from dcpbridge.storage.format import checksum
+from dcpbridge.storage.format.document import (
+    DATA_FILE_RE,
+    ITEM_ALIGN,
+    METADATA_FILE,
+    TEMP_METADATA_PREFIX,
+    ItemKey,
+    ItemTable,
+    StorageIndex,
+    StoredItem,
+    data_file_name,
+    encode_metadata,
+    temp_metadata_name,
+)
+from dcpbridge.storage.write.written import written_columns, written_table
+
+log = logging.getLogger(__name__)
+
+_SMALL_ITEM = 256 << 10
+_COALESCE_BYTES = 8 << 20
+# The most one write() call hands the kernel. Larger writes make ext4 (6.x) fill the page
+# cache with 2 MiB folios; on VMs whose balloon reports free memory to the host (these
+# machines: virtio_balloon), such folios are often memory the host took back and refaults
+# page by page. Measured, 320 MiB written + fsynced: 2 MiB writes 0.55-0.68 s, 1 MiB 0.15-0.19 s.
+_WRITE_PIECE = 1 << 20
+ALIGN = ITEM_ALIGN
+_PADDING = memoryview(bytes(ALIGN))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RankTarget:
+    """What the coordinator tells each rank: the save id and its rank number for file names."""
+
+    save_id: str
+    rank: int
+
+
+def new_save_id() -> str:
+    """A fresh id that names this save's data files (so re-saves never overwrite them)."""
+    return uuid.uuid4().hex[:16]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's elements in C order as bytes (copies only if not contiguous on the CPU)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Bytes this item writes: the chunk's size, not the global tensor's (unlike DCP's helper)."""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _mostly_small(sizes: list[int]) -> bool:
+    """Whether items under ``_SMALL_ITEM`` hold most of these bytes: then writing is per-item
+    Python work, which threads serialize on the GIL rather than share (measured on local disk,
+    20,000 x 16 KiB, medians of 7 alternated saves: 0.44 s with one thread, 0.51 s with two)."""
+    small = sum(n for n in sizes if n < _SMALL_ITEM)
+    return 2 * small >= sum(sizes)
+
+
+def split_into_files(items: list[WriteItem], files: int, sizes: list[int]) -> list[list[WriteItem]]:
+    """Spread items (of ``sizes`` bytes) over ``files`` buckets, largest first, keeping plan
+    order inside."""
+    if files <= 1 or len(items) <= 1:
+        return [items] if items else []
+    loads = [0] * files
+    owner: dict[int, int] = {}
+    for pos in sorted(range(len(items)), key=lambda i: -sizes[i]):
+        b = min(range(files), key=loads.__getitem__)
+        owner[pos] = b
+        loads[b] += sizes[pos]
+    buckets: list[list[WriteItem]] = [[] for _ in range(files)]
+    for pos, item in enumerate(items):
+        buckets[owner[pos]].append(item)
+    return [b for b in buckets if b]
+
+
+class CoalescingFile:
+    """Writes many small items as few large writes; large items go straight through.
+
+    Small items are copied into one reused buffer (``copy_in`` takes a raw address, so a
+    tensor's bytes arrive with a single memmove and no Python objects per item).
+    """
+
+    def __init__(self, f: BinaryIO, written: Callable[[int, int], None] | None = None) -> None:
+        self._f = f
+        self._written = written  # told (start, nbytes) of each write that went out
+        self._out = 0  # bytes handed to ``f`` so far
+        self._buf = bytearray(_COALESCE_BYTES + _SMALL_ITEM)
+        self._view = memoryview(self._buf)
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        self._fill = 0
+        self.pos = 0
+
+    def align(self) -> int:
+        """Pad with zeros to the next ``ALIGN`` boundary and return that position."""
+        pad = -self.pos % ALIGN
+        if pad:
+            self.write(_PADDING[:pad])
+        return self.pos
+
+    def write(self, data: memoryview) -> None:
+        n = len(data)
+        self.pos += n
+        if n < _SMALL_ITEM:
+            self._view[self._fill : self._fill + n] = data
+            self._advance(n)
+            return
+        self.flush()
+        self._emit(data)
+
+    def copy_in(self, address: int, n: int) -> memoryview:
+        """Append ``n`` (< ``_SMALL_ITEM``) bytes at ``address``; a view of the copy, valid
+        until the next call."""
+        start = self._fill
+        if n:
+            ctypes.memmove(self._addr + start, address, n)
+        self.pos += n
+        view = self._view[start : start + n]
+        self._advance(n)
+        return view
+
+    def _advance(self, n: int) -> None:
+        self._fill += n
+        if self._fill >= _COALESCE_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._fill:
+            self._emit(self._view[: self._fill])
+            self._fill = 0
+
+    def _emit(self, data: memoryview) -> None:
+        _write_all(self._f, data)
+        if self._written is not None:
+            self._written(self._out, len(data))
+        self._out += len(data)
+
+
+def _write_all(f: BinaryIO, data: memoryview) -> None:
+    for at in range(0, len(data), _WRITE_PIECE):
+        piece = data[at : at + _WRITE_PIECE]
+        while len(piece):
+            n = f.write(piece)
+            if n is None:  # buffered/remote writers consume everything
+                break
+            piece = piece[n:]
+
+
+class ItemAppender:
+    """Appends one item to ``out`` from its bytes in parts (at the next aligned position),
+    checksumming them as they pass; for items whose bytes arrive in pieces."""
+
+    def __init__(
+        self,
+        out: CoalescingFile,
+        nbytes: int,
+        sizes: tuple[int, ...] | None,
+        dtype: torch.dtype | None,
+        block: int,
+    ) -> None:
+        self._out = out
+        self.start = out.align()
+        self.written = 0
+        grid = checksum.item_grid(nbytes, sizes, dtype, block) if block else None
+        self._hasher = checksum.Hasher(grid) if grid is not None else None
+
+    def add(self, part: memoryview) -> None:
+        part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
+        if self._hasher is not None:
+            self._hasher.update(part)
+        self._out.write(part)
+        self.written += len(part)
+
+    def digests(self) -> tuple[str, ...] | None:
+        return self._hasher.finish() if self._hasher is not None else None
+
+
+class FsspecCheckpointWriter(LocationMixin, StorageWriter):
+    """Writes a checkpoint to any fsspec location; usable with ``torch.distributed.checkpoint.save``.
+
+    Each rank writes raw tensor bytes into up to ``thread_count`` files (one thread each), records
+    block checksums, and syncs its files; the coordinator then publishes ``dcpbridge.json``
+    atomically. Until that file exists the directory is not a loadable checkpoint.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 2,
+        sync_files: bool = True,
+        checksums: bool = True,
+        checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if thread_count < 1:
+            raise InvalidArgumentError(f"thread_count must be >= 1, got {thread_count}")
+        if checksum_block_size <= 0:
+            raise InvalidArgumentError(
+                f"checksum_block_size must be > 0, got {checksum_block_size}"
+            )
+        LocationMixin.__init__(self, storage_options)
+        self.thread_count = thread_count
+        self.sync_files = sync_files
+        self.checksums = checksums
+        self.checksum_block_size = checksum_block_size
+        self._save_id = ""
+        self._is_coordinator = False
+        self._written: set[str] = set()
+        if path is not None:
+            self.reset(path)
+
+    # -- DCP StorageWriter protocol -------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self._relocate(checkpoint_id)
+        self._save_id = ""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._loc.url) if self.location else None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._store.makedirs()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = new_save_id()
+        return [
+            dataclasses.replace(p, storage_data=self.storage_data_for(rank, save_id))
+            for rank, p in enumerate(plans)
+        ]
+
+    def storage_data_for(self, rank: int, save_id: str) -> Any:
+        """What ``prepare_global_plan`` gives ``rank`` for save ``save_id``; lets a caller that
+        cached the global plan start a new save without another exchange."""
+        self._save_id = save_id
+        return _RankTarget(save_id, rank)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target = plan.storage_data
+        if not isinstance(target, _RankTarget):
+            raise InvalidArgumentError(
+                "plan has no storage target: the writer's prepare_global_plan did not run"
+            )
+        self._save_id = target.save_id
+        self._written = set()
+        device_copy.settle_device_work()  # GPU tensors are copied from writer threads
+        sizes = [item_nbytes(item) for item in plan.items]
+        buckets = split_into_files(plan.items, self.thread_count, sizes)
+
+        def write_file(index: int) -> list[WriteResult]:
+            name = data_file_name(target.rank, index, target.save_id)
+            return self._write_file(name, buckets[index], planner, target.rank)
+
+        if len(buckets) <= 1 or (self._loc.is_local and _mostly_small(sizes)):
+            results = [r for i in range(len(buckets)) for r in write_file(i)]
+        else:
+            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpb-write") as pool:
+                results = [r for rs in pool.map(write_file, range(len(buckets))) for r in rs]
+        digest_of = getattr(planner, "plan_digest", None)  # dcpbridge's planners have one
+        digest = digest_of(plan) if digest_of is not None else None
+        if digest is not None:
+            results = written_columns(results, _positions(plan.items, buckets), digest)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        publish(
+            self._store,
+            metadata,
+            results_table(metadata, results, checksums=self.checksums),
+            save_id=self._save_id,
+            world_size=len(results),
+            checksums=self.checksums,
+            checksum_block_size=self.checksum_block_size,
+            sync=self.sync_files,
+        )
+
+    def abort(self) -> None:
+        """Remove the data files this rank wrote for a save that failed (best effort).
+
+        The engine calls it on every rank when any rank's write or the commit failed. Only
+        files named with this save's id are touched, so the previous checkpoint at the same
+        location stays intact; nothing is removed if the commit did land.
+        """
+        names, self._written = sorted(self._written), set()
+        if not names:
+            return
+        try:
+            if committed_save_id(self._store) == self._save_id:
+                return
+            present = set(self._store.list_names())
+            self._store.remove([n for n in names if n in present])
+        except Exception as e:  # cleanup must not hide the failure being reported
+            log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
+    ) -> list[WriteResult]:
+        self._written.add(name)
+        with storage_faults(lambda: f"{self._loc.url}: write {name}"):
+            return self._write_items(name, items, planner, rank)
+
+    def _write_items(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
+    ) -> list[WriteResult]:
+        with self._store.open_write(self._loc.data_path(name)) as raw:
+            behind = functools.partial(self._store.write_behind, raw) if self.sync_files else None
+            out = CoalescingFile(raw, behind)
+            block = self.checksum_block_size if self.checksums else 0
+            datas = [planner.resolve_data(item) for item in items]
+            stage = device_copy.on_device
+            if any(map(stage, datas)):
+                results = _write_carried(out, name, items, datas, rank, block, stage)
+            else:  # host data only: one pass, nothing staged
+                results = [
+                    _append_item(out, name, item, data, rank, block)
+                    for item, data in zip(items, datas)
+                ]
+            out.flush()
+            if self.sync_files:
+                self._store.sync(raw)
+        return results
+
+
+def _positions(items: list[WriteItem], buckets: list[list[WriteItem]]) -> list[int] | range:
+    """Each bucketed item's position in ``items``, bucket by bucket."""
+    if len(buckets) == 1 and buckets[0] is items:
+        return range(len(items))
+    where = {id(item): i for i, item in enumerate(items)}
+    return [where[id(item)] for bucket in buckets for item in bucket]
+
+
+def _write_carried(
+    out: CoalescingFile,
+    name: str,
+    items: list[WriteItem],
+    datas: list[Any],
+    rank: int,
+    block: int,
+    stage: Callable[[Any], bool],
+) -> list[WriteResult]:
+    """Append the items in order, the data ``stage`` picks (device tensors) carried through
+    host slabs (``device_copy.carry``), the rest as ``_append_item`` does."""
+    results: list[WriteResult] = []
+    carried = _Carried(out, block)
+    for piece in device_copy.carry(zip(items, datas), stage=stage):
+        item = piece.tag
+        if piece.view is None:
+            results.append(_append_item(out, name, item, piece.data, rank, block))
+            continue
+        done = carried.add(item, piece)  # a device tensor, carried in host slices
+        if done is not None:
+            start, nbytes, digests = done
+            results.append(_result(item, name, start, nbytes, rank, digests))
+    return results
+
+
+def _append_item(
+    out: CoalescingFile, name: str, item: WriteItem, data: Any, rank: int, block: int
+) -> WriteResult:
+    """Append one item's host bytes at the next aligned position of ``out``; its result.
+
+    A small, plain, contiguous CPU tensor is copied straight from its memory into the
+    coalescing buffer; any other tensor goes through ``tensor_bytes``.
+    """
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise InvalidArgumentError(f"{item.index.fqn!r}: BYTE_IO item resolved to {type(data)}")
+        mv = data.getbuffer()
+        start = out.align()
+        out.write(mv)
+        digests = checksum.item_digests(mv, None, None, block) if block else None
+        return _result(item, name, start, len(mv), rank, digests)
+    td = item.tensor_data
+    assert td is not None  # DCP's tensor write items always describe their chunk
+    expected = item_nbytes(item)
+    start = out.align()
+    if (
+        expected < _SMALL_ITEM
+        and type(data) in _PLAIN
+        and data.is_cpu
+        and data.is_contiguous()
+        and data.nbytes == expected
+    ):
+        mv = out.copy_in(data.data_ptr(), expected)
+    else:
+        mv = tensor_bytes(data)
+        _check_size(item, len(mv))
+        out.write(mv)
+    digests = (
+        checksum.chunk_digests(mv, td.chunk.sizes, td.properties.dtype, block) if block else None
+    )
+    return _result(item, name, start, len(mv), rank, digests)
+
+
+class _Carried:
+    """Appends a carried tensor's slices to ``out``, one item at a time."""
+
+    def __init__(self, out: CoalescingFile, block: int) -> None:
+        self._out, self._block = out, block
+        self._item: ItemAppender | None = None
+        self._expected = 0
+
+    def add(self, item: WriteItem, piece: device_copy.Piece[Any]) -> tuple[int, int, Any] | None:
+        """Write one slice; after the item's last: (position, bytes, digests)."""
+        mv = piece.view
+        assert mv is not None
+        if piece.first:
+            td = item.tensor_data
+            assert td is not None
+            self._expected = item_nbytes(item)
+            self._item = ItemAppender(
+                self._out, self._expected, tuple(td.chunk.sizes), td.properties.dtype, self._block
+            )
+        appender = self._item
+        assert appender is not None
+        if appender.written + len(mv) > self._expected:  # more bytes than planned: refuse now
+            _check_size(item, appender.written + len(mv))
+        appender.add(mv)
+        if not piece.last:
+            return None
+        _check_size(item, appender.written)
+        self._item = None
+        return appender.start, appender.written, appender.digests()
+
+
+def _check_size(item: WriteItem, nbytes: int) -> None:
+    expected = item_nbytes(item)
+    if nbytes != expected:
+        raise InvalidArgumentError(
+            f"{item.index.fqn!r} at offsets {list(item.index.offset or ())}: resolved "
+            f"data has {nbytes} bytes, the plan expects {expected}"
+        )
+
+
+def _result(
+    item: WriteItem, file: str, start: int, nbytes: int, rank: int, digests: Any
+) -> WriteResult:
+    """What the writer reports for one written item: where its bytes are and their digests."""
+    td = item.tensor_data
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=nbytes,
+        storage_data=StoredItem(
+            file,
+            start,
+            nbytes,
+            rank,
+            digests,
+            None if td is None else tuple(td.chunk.sizes),
+            None if td is None else td.properties.dtype,
+        ),
+    )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def publish(
+    store: Storage,
+    metadata: Metadata,
+    items: Mapping[ItemKey, StoredItem],
+    *,
+    save_id: str,
+    world_size: int,
+    checksums: bool,
+    checksum_block_size: int,
+    sync: bool,
+    makedirs: bool = False,
+) -> None:
+    """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
+    the checkpoint it replaced."""
+    raw = encode_index(
+        metadata,
+        items,
+        save_id=save_id,
+        world_size=world_size,
+        checksums=checksums,
+        checksum_block_size=checksum_block_size,
+        prefixes=store.location.prefixes,
+    )
+    if makedirs:
+        store.makedirs()
+    current = store.read_committed(METADATA_FILE)
+    replaced = files_of(_document(current.data))
+    # Conditional: if another save committed since ``current`` was read, this one raises
+    # (and its caller removes its files) instead of replacing a commit it never saw.
+    store.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
+    remove_replaced_files(store, replaced, save_id)
+
+
+def _document(raw: bytes | None) -> dict[str, Any] | None:
+    """``raw`` as a JSON object, or None if absent or unreadable."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def encode_index(
+    metadata: Metadata,
+    items: Mapping[ItemKey, StoredItem],
+    *,
+    save_id: str,
+    world_size: int,
+    checksums: bool,
+    checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+    prefixes: int = 1,
+) -> bytes:
+    """The commit document of ``metadata`` with ``items`` (a mapping or an ``ItemTable``) as
+    its storage index (data files spread over ``prefixes`` folders)."""
+    files = (
+        items.files if isinstance(items, ItemTable) else sorted({i.file for i in items.values()})
+    )
+    metadata.storage_data = StorageIndex(
+        items=items,
+        save_id=save_id,
+        files=tuple(files),
+        checksum_algorithm=checksum.ALGORITHM if checksums else None,
+        checksum_block_size=checksum_block_size if checksums else 0,
+        world_size=world_size,
+        prefixes=prefixes,
+    )
+    return encode_metadata(metadata)
+
+
+def results_table(
+    metadata: Metadata, results: list[list[WriteResult]], *, checksums: bool
+) -> ItemTable:
+    """Every rank's write results as the item table of ``metadata``."""
+    return written_table(metadata, results, checksums=checksums)
+
+
+def index_results(
+    metadata: Metadata, results: list[list[WriteResult]], *, save_id: str, checksums: bool
+) -> bytes:
+    """The commit document of ``metadata`` for every rank's write ``results``."""
+    return encode_index(
+        metadata,
+        results_table(metadata, results, checksums=checksums),
+        save_id=save_id,
+        world_size=len(results),
+        checksums=checksums,
+    )
+
+
+def _committed_document(store: Storage) -> dict[str, Any] | None:
+    """The JSON of the commit file at ``store``'s location, or None if absent or unreadable."""
+    try:
+        return _document(store.read_file(store.location.path(METADATA_FILE)))
+    except OSError:
+        return None
+
+
+def committed_save_id(store: Storage) -> str | None:
+    """The save id the location's commit file names (None if there is none)."""
+    doc = _committed_document(store)
+    save_id = doc.get("save_id") if doc is not None else None
+    return save_id if isinstance(save_id, str) else None
+
+
+def files_of(doc: dict[str, Any] | None) -> list[str]:
+    """Data files a commit document names ([] if none or malformed)."""
+    files = doc.get("files") if doc is not None else None
+    if not isinstance(files, list):
+        return []
+    return [f for f in files if isinstance(f, str) and DATA_FILE_RE.match(f)]
+
+
+def _save_id_of(name: str) -> str | None:
+    m = DATA_FILE_RE.match(name)
+    return m.group(3) if m else None
+
+
+def remove_replaced_files(store: Storage, replaced: list[str], save_id: str) -> None:
+    """After ``save_id`` committed: delete the files of the commit it replaced (local temp
+    files of killed commits go in the commit itself, under its lock).
+
+    Data files of other save ids are left alone: they may belong to a save to this location
+    that is still running (deleting them would break its commit). A failed save removes its
+    own files; only a killed process leaves some behind.
+    """
+    try:
+        names = set(store.list_names())
+        stale = [n for n in replaced if n in names and _save_id_of(n) != save_id]
+        if not store.location.is_local:  # no commit writes temp files there: all are stale
+            stale += [n for n in names if n.startswith(TEMP_METADATA_PREFIX)]
+        store.remove(sorted(set(stale)))
+    except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
+        log.warning("could not remove replaced files in %s: %s", store.location.url, e)
+
+
+def remove_stale_files(store: Storage, save_id: str) -> None:
+    """Delete every data file not of ``save_id`` (and temp files) at ``store``'s location."""
+    try:
+        stale = [
+            n
+            for n in store.list_names()
+            if ((m := DATA_FILE_RE.match(n)) and m.group(3) != save_id)
+            or n.startswith(TEMP_METADATA_PREFIX)
+        ]
+        store.remove(stale)
+    except OSError as e:  # the checkpoint is committed; leftovers are only wasted space
+        log.warning("could not remove stale files in %s: %s", store.location.url, e)

@@ -1,0 +1,65 @@
+"""A checkpoint opened once: one handle per format, whose byte I/O serves loads and tools alike."""
+
+from __future__ import annotations
+
+import os
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+import dcpbridge as db
+from dcpbridge.formats.checkpoint import Format, open_checkpoint
+from dcpbridge.formats.dcp_files import DcpFileReader
+from dcpbridge.formats.sources import open_source
+from dcpbridge.storage import FsspecCheckpointReader
+from tests.support import layouts as L
+
+
+@pytest.fixture
+def dcp_on_memory(memory_store):
+    """A plain DCP checkpoint written by torch's own writer to memory://."""
+    url = "memory://plain-dcp/ck"
+    state = {"w": L.full("w"), "step": 7}
+    dcp.save(state, storage_writer=FsspecWriter(url), no_dist=True)
+    return url
+
+
+def test_plain_dcp_on_a_url_loads_through_the_handles_byte_io(dcp_on_memory):
+    checkpoint = open_checkpoint(dcp_on_memory, allow_pickle=True)
+    assert checkpoint.format == Format.DCP
+    reader = checkpoint.reader()
+    assert isinstance(reader, DcpFileReader) and reader.files is checkpoint.files
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(6, 8), (12, 8), (3, 0)), "step": 0}
+    out = db.load(tmpl, dcp_on_memory, allow_pickle=True)
+    assert torch.equal(out["w"], L.full("w")[3:9]) and out["step"] == 7
+    source = open_source(dcp_on_memory, allow_pickle=True)
+    assert source.checkpoint.files is not None and source.object("step") == 7
+    assert torch.equal(source.read("w", (0, 2), (12, 3)), L.full("w")[:, 2:5])
+
+
+def test_a_truncated_dcp_file_raises_a_storage_error_naming_it(dcp_on_memory):
+    fs = fsspec.filesystem("memory")
+    (data,) = [p for p in fs.ls("/plain-dcp/ck", detail=False) if p.endswith(".distcp")]
+    fs.pipe_file(data, fs.cat_file(data)[:100])
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(12, 8), (12, 8), (0, 0))}
+    with pytest.raises(db.StorageError) as info:
+        db.load(tmpl, dcp_on_memory, allow_pickle=True)
+    assert os.path.basename(data) in str(info.value) and "short read" in str(info.value)
+
+
+def test_each_format_gives_its_own_reader_or_a_clear_refusal(tmp_path, dcp_on_memory):
+    with pytest.raises(db.PickleRefusedError, match="allow_pickle=True"):
+        open_checkpoint(dcp_on_memory).reader()
+    bridge = str(tmp_path / "bridge")
+    db.save({"w": db.ShardedTensor.from_box("w", L.full("w"), (12, 8), (0, 0))}, bridge)
+    checkpoint = open_checkpoint(bridge)
+    reader = checkpoint.reader()
+    assert isinstance(reader, FsspecCheckpointReader)
+    assert reader.checkpoint_id == checkpoint.location.url
+    single = str(tmp_path / "model.pt")
+    torch.save({"w": L.full("w")}, single)
+    with pytest.raises(db.NotACheckpointError, match="convert"):
+        open_checkpoint(single).reader()
