@@ -8,6 +8,7 @@ allocate far more than the checkpoint holds.
 
 from __future__ import annotations
 
+import fractions
 import json
 import random
 import re
@@ -683,7 +684,8 @@ def test_full_state_dict_files_that_cannot_be_read_raise_checkpoint_errors(tmp_p
     with pytest.raises(db.InvalidArgumentError, match=r"list\.pt holds a list, not a state dict"):
         db.load_state_dict(listed)
     pickled = tmp_path / "pickled.pt"
-    torch.save({"x": Path("/")}, pickled)  # needs a global that weights_only refuses
+    # a global weights_only refuses (not Path: megatron.core allows PosixPath process-wide)
+    torch.save({"x": fractions.Fraction(1, 3)}, pickled)
     with pytest.raises(db.PickleRefusedError, match=r"pickled\.pt: holds objects"):
         db.load_state_dict(pickled)
     truncated = tmp_path / "truncated.pt"
