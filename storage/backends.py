@@ -128,6 +128,9 @@ class Storage:
             return S3Storage(location)
         return Storage(location)
 
+    def new_operation(self) -> None:
+        """A new save or load begins: forget the timeouts of an earlier one (S3 bounds them)."""
+
     @storage_op("create directory")
     def makedirs(self) -> None:
         self.fs.makedirs(self.location.root, exist_ok=True)
