@@ -253,10 +253,11 @@ class TensorAwareStateDict:
         no usable member kept (with ``atomic``, only the rank itself is usable), and
         stored-not-requested (Megatron's *missing*) when a member kept it and no member
         requests it. ShardedObjects are named by their key. Every member raises the same
-        error. ``return_mismatch_keys`` (Megatron's argument) returns ``(state_dict, missing,
+        error, except that ``atomic`` without validation and with a policy that needs no
+        other rank's request runs no collective: a rank then raises alone, as in Megatron.
+        ``return_mismatch_keys`` (Megatron's argument) returns ``(state_dict, missing,
         unexpected)`` as Megatron's ``to_state_dict`` does; left None, the ``return_*``
-        policies return it, as ``load`` does. ``atomic`` without validation and with a
-        policy that needs no other rank's request runs no collective.
+        policies return it, as ``load`` does.
         """
         algo = _check_algo(self.algo if algo is None else algo)
         if exchange_algo not in EXCHANGE_ALGOS:
