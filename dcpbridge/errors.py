@@ -5,6 +5,7 @@ from __future__ import annotations
 from dcpbridge.planners.errors import (
     DTypeMismatchError,
     InvalidRequestError,
+    KeyMismatchError,
     MissingKeysError,
     PickleRefusedError,
     SerializationError,
@@ -37,10 +38,6 @@ class OptimizerStateError(CheckpointError, ValueError):
 
 class HollowStateError(CheckpointError, RuntimeError):
     """A TensorAwareStateDict call needs the tensors that were popped (or finds them present)."""
-
-
-class KeyMismatchError(MissingKeysError, UnexpectedKeysError):
-    """Keys requested but not in the checkpoint and keys in it but not requested, together."""
 
 
 class DistributedCheckpointError(CheckpointError):

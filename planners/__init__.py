@@ -7,6 +7,7 @@ from dcpbridge.planners.distribution import is_main_replica
 from dcpbridge.planners.errors import (
     DTypeMismatchError,
     InvalidRequestError,
+    KeyMismatchError,
     MissingKeysError,
     PickleRefusedError,
     SerializationError,
@@ -27,6 +28,7 @@ from dcpbridge.planners.save_planner import ShardedSavePlanner, build_metadata, 
 __all__ = [
     "DTypeMismatchError",
     "InvalidRequestError",
+    "KeyMismatchError",
     "MissingKeysError",
     "ObjectShard",
     "PickleRefusedError",

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from dcpbridge.storage.errors import CheckpointError
+
+KEY_LIST_LIMIT = 100
+"""A key-mismatch message names every key up to this many, then says how many more there are."""
+
+
+def key_list(items: Iterable[str], sep: str = ", ", limit: int = KEY_LIST_LIMIT) -> str:
+    """``items`` (already formatted) for an error message: the first ``limit``, then
+    "and N more"."""
+    items = list(items)
+    shown = sep.join(items[:limit])
+    return shown + (f"{sep}and {len(items) - limit} more" if len(items) > limit else "")
 
 
 class ShardingValidationError(CheckpointError):
@@ -18,6 +31,10 @@ class MissingKeysError(CheckpointError, KeyError):
 
 class UnexpectedKeysError(CheckpointError):
     """The checkpoint holds keys no rank requested (strict load)."""
+
+
+class KeyMismatchError(MissingKeysError, UnexpectedKeysError):
+    """Keys requested but not in the checkpoint and keys in it but not requested, together."""
 
 
 class ShapeMismatchError(CheckpointError):

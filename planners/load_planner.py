@@ -27,13 +27,19 @@ from dcpbridge.planners.boxes import Shape, fmt_box, intersect, sweep_dim
 from dcpbridge.planners.errors import (
     DTypeMismatchError,
     InvalidRequestError,
-    MissingKeysError,
     PickleRefusedError,
     ShapeMismatchError,
-    UnexpectedKeysError,
+    key_list,
 )
 from dcpbridge.planners.leaves import TENSOR_KINDS, refuse, tensor_boxes
-from dcpbridge.planners.protocol import TensorShard, chunk_sizes, chunk_view, leaf_kind
+from dcpbridge.planners.protocol import (
+    TensorShard,
+    chunk_sizes,
+    chunk_view,
+    leaf_kind,
+    object_key,
+)
+from dcpbridge.planners.strict import decide, parse_strict, requested_keys, stored_keys
 from dcpbridge.planners.walk import Leaf, iter_leaves
 from dcpbridge.storage.backends.regions import narrow_box
 from dcpbridge.storage.errors import CorruptCheckpointError
@@ -47,12 +53,12 @@ _INDEX_THRESHOLD = 32
 
 
 class StrictMode(str, enum.Enum):
-    """How a load treats missing keys (requested, not stored) and unexpected keys (stored,
-    requested by no rank)."""
+    """dcpbridge's first three strict policies by name; ``strict=`` takes every Megatron
+    ``StrictHandling`` value too (``dcpbridge.planners.strict``)."""
 
-    RAISE_MISSING = "raise_missing"  # default: missing raise, unexpected are ignored
-    RAISE_ALL = "raise_all"  # both raise
-    RETURN_ALL = "return_all"  # neither raises; both lists are returned
+    RAISE_MISSING = "raise_missing"  # default: requested-not-stored keys raise
+    RAISE_ALL = "raise_all"  # both kinds of mismatch raise, in one error
+    RETURN_ALL = "return_all"  # neither raises; Megatron's (missing, unexpected) are returned
 
 
 def _read_item(
@@ -428,8 +434,14 @@ class ShardedLoadPlanner(LoadPlanner):
     """DCP ``LoadPlanner`` that reshards: any box split of the stored tensors to any other.
 
     Works with ``dcp.load`` too. Tensor shards are filled in place; objects are unpickled
-    with ``weights_only`` unless ``allow_pickle``; ``strict`` decides what happens to
-    missing and unexpected keys (see ``StrictMode``).
+    with ``weights_only`` unless ``allow_pickle``. ``strict`` takes dcpbridge's and every
+    Megatron-Core policy (``dcpbridge.planners.strict``): key mismatches are named as Megatron
+    names them, raised inside planning (so every rank raises, before any read) and, for
+    policies that need them, stored-not-requested keys are found on the coordinator from every
+    rank's request. After planning, ``requested_not_stored`` (this rank's; Megatron's
+    *unexpected*) and ``stored_not_requested`` (all ranks'; Megatron's *missing*, empty unless
+    the policy needs it) hold the keys; ``missing_keys`` (the storage names of the former)
+    and ``unexpected_keys`` (the latter, sorted) keep ``nn.Module``'s naming.
     """
 
     collect_whole_reads = False
@@ -439,13 +451,15 @@ class ShardedLoadPlanner(LoadPlanner):
     def __init__(
         self,
         *,
-        strict: StrictMode | str = StrictMode.RAISE_MISSING,
+        strict: Any = StrictMode.RAISE_MISSING,
         allow_pickle: bool = False,
         allow_dtype_cast: bool = False,
     ) -> None:
-        self.strict = StrictMode(strict)
+        self.policy = parse_strict(strict)
         self.allow_pickle = allow_pickle
         self.allow_dtype_cast = allow_dtype_cast
+        self.requested_not_stored: set[str] = set()
+        self.stored_not_requested: set[str] = set()
         self.missing_keys: list[str] = []
         self.unexpected_keys: list[str] = []
         self.loaded_objects: dict[str, Any] = {}
@@ -466,6 +480,10 @@ class ShardedLoadPlanner(LoadPlanner):
         """The leaves to fill: the state dict's, keyed as DCP keys them."""
         return iter_leaves(self._state_dict)
 
+    def common_keys(self) -> set[str]:
+        """Stored names that are common state, not keys (none for a plain planner)."""
+        return set()
+
     def create_local_plan(self) -> LoadPlan:
         assert self._metadata is not None
         self._local = plan_local_reads(
@@ -475,28 +493,36 @@ class ShardedLoadPlanner(LoadPlanner):
             whole_columns=self.collect_whole_reads,
         )
         self.missing_keys = sorted(self._local.missing)
-        if self.missing_keys and self.strict != StrictMode.RETURN_ALL:
-            raise MissingKeysError(
-                f"{len(self.missing_keys)} requested key(s) are not in the checkpoint: "
-                f"{_preview(self.missing_keys)}"
-            )
-        wants_global = self.strict != StrictMode.RAISE_MISSING
-        return LoadPlan(
-            self._local.items, planner_data=self._local.requested if wants_global else None
-        )
+        common = self.common_keys()
+        requested, names = requested_keys(self._local.requested, common)
+        stored = stored_keys(self._metadata, common)
+        absent = set()
+        for name in self.missing_keys:
+            key = names.get(name, name)
+            if key != name and key in stored:
+                raise _other_grid(key, name, self._metadata)
+            if name not in common:
+                absent.add(key)
+        self.requested_not_stored = absent
+        if not self.policy.needs_stored:  # the decision needs only this rank's request
+            error = decide(self.policy, absent, ()).error
+            if error is not None:
+                raise error
+        data = (requested if self.policy.needs_stored else None, sorted(absent))
+        return LoadPlan(self._local.items, planner_data=data)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        if not self.policy.needs_stored:
+            return [dataclasses.replace(p, planner_data=None) for p in global_plan]
         assert self._metadata is not None
-        if self.strict == StrictMode.RAISE_MISSING:
-            return global_plan
-        requested: set[str] = set().union(*(p.planner_data or () for p in global_plan))
-        unexpected = sorted(set(self._metadata.state_dict_metadata) - requested)
-        if unexpected and self.strict == StrictMode.RAISE_ALL:
-            raise UnexpectedKeysError(
-                f"{len(unexpected)} key(s) in the checkpoint were requested by no rank: "
-                f"{_preview(unexpected)}"
-            )
-        return [dataclasses.replace(p, planner_data=unexpected) for p in global_plan]
+        common = self.common_keys()
+        requested: set[str] = set().union(*(p.planner_data[0] for p in global_plan))
+        stored = sorted(stored_keys(self._metadata, common) - requested)
+        absent = {rank: p.planner_data[1] for rank, p in enumerate(global_plan)}
+        error = decide(self.policy, absent, stored).error
+        if error is not None:
+            raise error
+        return [dataclasses.replace(p, planner_data=stored) for p in global_plan]
 
     @property
     def whole_reads(self) -> WholeReads | None:
@@ -504,8 +530,9 @@ class ShardedLoadPlanner(LoadPlanner):
         return self._local.whole
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        if self.strict != StrictMode.RAISE_MISSING:
-            self.unexpected_keys = list(central_plan.planner_data or [])
+        if self.policy.needs_stored:
+            self.stored_not_requested = set(central_plan.planner_data or ())
+        self.unexpected_keys = sorted(self.stored_not_requested)
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -549,6 +576,10 @@ def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.
     return narrow_box(t, offsets, lengths)
 
 
-def _preview(keys: list[str], limit: int = 10) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+def _other_grid(key: str, name: str, metadata: Metadata) -> ShapeMismatchError:
+    """ShardedObject ``key`` is stored, but not cell ``name``: another grid of it is."""
+    cells = sorted(n for n in metadata.state_dict_metadata if object_key(n) == key)
+    return ShapeMismatchError(
+        f"ShardedObject {key!r}: cell {name!r} is requested but not in the checkpoint, which "
+        f"stores another grid of {key!r}: {key_list(cells, limit=4)}"
+    )

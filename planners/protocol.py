@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -41,6 +42,27 @@ class ObjectShard(Protocol):
 
     @property
     def unique_key(self) -> str: ...
+
+
+_OBJECT_NAME = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
+
+
+def parse_object_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    """(key, global_offset, global_shape) of a ShardedObject storage name, or None."""
+    m = _OBJECT_NAME.match(name)
+    if m is None:
+        return None
+    offset = tuple(int(x) for x in m["offset"].split("."))
+    shape = tuple(int(x) for x in m["shape"].split("."))
+    if len(offset) != len(shape):
+        return None
+    return m["key"], offset, shape
+
+
+def object_key(name: str) -> str:
+    """The ShardedObject key a storage name belongs to (other names are returned unchanged)."""
+    parsed = parse_object_name(name)
+    return name if parsed is None else parsed[0]
 
 
 LeafKind = Literal[

@@ -118,7 +118,7 @@ def load(
     **options: Any,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Megatron's ``load``: every rank calls it; ``strict`` has Megatron's meaning and
-    return shape (``dcpbridge.engine.strict``). Any sharded format dcpbridge reads loads."""
+    return shape (``dcpbridge.planners.strict``). Any sharded format dcpbridge reads loads."""
     _, parallel = _strategy(sharded_strategy, "sharded_strategy")
     _common_strategy(common_strategy)
     return engine_load.load(

@@ -1,4 +1,4 @@
-"""Megatron-Core's ``dist_checkpointing.validation`` strict names (semantics: ``dcpbridge.engine.strict``)."""
+"""Megatron-Core's ``dist_checkpointing.validation`` strict names (semantics: ``dcpbridge.planners.strict``)."""
 
 from __future__ import annotations
 

@@ -17,11 +17,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from dcpbridge.engine.common_table import check_common_table
-from dcpbridge.engine.strict import StrictLoadPlanner
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
-from dcpbridge.planners import ShardedSavePlanner
+from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
 from dcpbridge.planners.walk import Leaf, ObjPath, like, set_path
@@ -163,7 +162,7 @@ def lookup(tree: Any, path: ObjPath) -> Any:
     return node
 
 
-class BridgeLoadPlanner(StrictLoadPlanner):
+class BridgeLoadPlanner(ShardedLoadPlanner):
     """Plans ``load``: the template's shards and values plus the checkpoint's common state."""
 
     def __init__(
@@ -222,7 +221,7 @@ class BridgeLoadPlanner(StrictLoadPlanner):
             yield Leaf(COMMON_KEY, None, self.values, COMMON_KEY)
 
     def common_keys(self) -> set[str]:
-        return set(self.table["keys"]) if self.table else set()
+        return {COMMON_KEY, *(self.table["keys"] if self.table else ())}
 
     @staticmethod
     def _stored_tensor(key: str, md: TensorStorageMetadata) -> ShardedTensor:

@@ -59,7 +59,7 @@ def load(
     factories merged, LocalNonpersistentObjects unwrapped. Plain values are common state, as
     in Megatron: the result holds the checkpoint's whole common state, template values replaced
     by the stored ones. ``strict`` takes dcpbridge's and Megatron's policies
-    (``dcpbridge.engine.strict``); ``"return_all"`` returns Megatron's ``(state_dict, missing,
+    (``dcpbridge.planners.strict``); ``"return_all"`` returns Megatron's ``(state_dict, missing,
     unexpected)``. With ``fully_parallel``, a box several ranks of ``parallelization_group``
     need is read from storage by one of them and sent to the others. Plain DCP and
     Megatron-Core torch_dist directories load too, with ``allow_pickle=True`` (their metadata

@@ -14,14 +14,9 @@ import torch
 
 from dcpbridge.engine.ownership import ShardId
 from dcpbridge.model.mapping import ShardedTensor
-from dcpbridge.planners import (
-    DTypeMismatchError,
-    MissingKeysError,
-    ShapeMismatchError,
-    ShardingValidationError,
-    StrictMode,
-    UnexpectedKeysError,
-)
+from dcpbridge.planners import DTypeMismatchError, ShapeMismatchError, ShardingValidationError
+from dcpbridge.planners.errors import key_list
+from dcpbridge.planners.protocol import object_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +68,7 @@ class Transfer:
 class Gap:
     """A shard or object a restore cannot place as asked, and the ranks concerned."""
 
-    key: str  # tensor key, or object unique key
+    key: str  # tensor key, or object key
     where: str
     ranks: tuple[int, ...]
 
@@ -89,19 +84,28 @@ class RestorePlan:
     local_only: bool
     transfers: list[Transfer] = field(default_factory=list)
     missing: list[Gap] = field(default_factory=list)  # wanted, kept by no usable rank
-    unexpected: list[Gap] = field(default_factory=list)  # kept, wanted by no rank
     duplicates: list[Gap] = field(default_factory=list)  # kept by several ranks
     shape_mismatches: list[str] = field(default_factory=list)
     dtype_mismatches: list[str] = field(default_factory=list)
+    kept_keys: set[str] = field(default_factory=set)  # tensor and object keys, all members
+    wanted_keys: set[str] = field(default_factory=set)
 
-    def missing_keys(self, rank: int) -> list[str]:
-        return sorted({g.key for g in self.missing if rank in g.ranks})
+    def requested_not_kept(self) -> dict[int, set[str]]:
+        """Rank -> the keys it requests some shard of that no usable rank kept (Megatron's
+        *unexpected*, per rank)."""
+        out: dict[int, set[str]] = {}
+        for gap in self.missing:
+            for rank in gap.ranks:
+                out.setdefault(rank, set()).add(gap.key)
+        return out
 
-    def unexpected_keys(self, rank: int) -> list[str]:
-        return sorted({g.key for g in self.unexpected if not self.local_only or rank in g.ranks})
+    def kept_not_requested(self) -> set[str]:
+        """Keys kept by some member that no member requests (Megatron's *missing*)."""
+        return self.kept_keys - self.wanted_keys
 
-    def check(self, *, validate: bool, strict: StrictMode) -> None:
-        """Raise the group's first kind of problem (identically on every member)."""
+    def check(self, *, validate: bool) -> None:
+        """Raise the group's layout problems (identically on every member); key mismatches
+        are the strict policy's to judge."""
         if self.shape_mismatches:
             raise ShapeMismatchError(
                 "requested shards differ from the kept ones: " + _preview(self.shape_mismatches)
@@ -115,22 +119,6 @@ class RestorePlan:
                 f"{len(self.duplicates)} shard(s) are kept by more than one rank of the group "
                 "(states from different saves, or an atomic state restored fully parallel?): "
                 + _preview([g.describe() for g in self.duplicates])
-            )
-        if self.missing and strict != StrictMode.RETURN_ALL:
-            where = (
-                "not kept by the rank that requests them (algo='atomic' restores only what "
-                "each rank kept itself)"
-                if self.local_only
-                else "kept by no rank of the group"
-            )
-            raise MissingKeysError(
-                f"{len(self.missing)} requested shard(s) are {where}: "
-                + _preview([g.describe() for g in self.missing])
-            )
-        if self.unexpected and strict == StrictMode.RAISE_ALL:
-            raise UnexpectedKeysError(
-                f"{len(self.unexpected)} kept shard(s) were requested by no rank: "
-                + _preview([g.describe() for g in self.unexpected])
             )
 
 
@@ -146,6 +134,10 @@ def plan_restore(manifests: Mapping[int, Manifest], *, local_only: bool) -> Rest
     for rank, m in manifests.items():
         for meta in m.kept:
             keepers.setdefault(meta.shard, {}).setdefault(rank, meta)
+        plan.kept_keys.update(meta.key for meta in m.kept)
+        plan.wanted_keys.update(meta.key for meta in m.wanted)
+        plan.kept_keys.update(map(object_key, m.kept_objects))
+        plan.wanted_keys.update(map(object_key, m.wanted_objects))
     receivers: dict[ShardId, list[int]] = {}
     missing: dict[ShardId, list[int]] = {}
     wanted_by: dict[ShardId, set[int]] = {}
@@ -168,10 +160,6 @@ def plan_restore(manifests: Mapping[int, Manifest], *, local_only: bool) -> Rest
     plan.missing = [Gap(k, f" at offset {o}", tuple(r)) for (k, o), r in sorted(missing.items())]
     for shard, held in sorted(keepers.items()):
         key, offset = shard
-        wanted = wanted_by.get(shard, set())
-        idle = [r for r in held if r not in wanted] if local_only else ([] if wanted else held)
-        if idle:
-            plan.unexpected.append(Gap(key, f" at offset {offset}", tuple(sorted(idle))))
         if len(held) > 1:
             plan.duplicates.append(Gap(key, f" at offset {offset}", tuple(sorted(held))))
     _plan_objects(plan, manifests)
@@ -207,18 +195,16 @@ def _compare(plan: RestorePlan, need: ShardMeta, rank: int, kept: ShardMeta, src
 
 
 def _plan_objects(plan: RestorePlan, manifests: Mapping[int, Manifest]) -> None:
+    """Each rank restores the objects it kept itself: one it requests but did not keep is
+    missing (named by its key, as Megatron names objects)."""
     missing: dict[str, list[int]] = {}
-    unexpected: dict[str, list[int]] = {}
     for rank, m in manifests.items():
-        kept, wanted = set(m.kept_objects), set(m.wanted_objects)
-        for key in wanted - kept:
-            missing.setdefault(key, []).append(rank)
-        for key in kept - wanted:
-            unexpected.setdefault(key, []).append(rank)
-    plan.missing += [Gap(k, " (object)", tuple(r)) for k, r in sorted(missing.items())]
-    plan.unexpected += [Gap(k, " (object)", tuple(r)) for k, r in sorted(unexpected.items())]
+        for name in sorted(set(m.wanted_objects) - set(m.kept_objects)):
+            missing.setdefault(name, []).append(rank)
+    plan.missing += [
+        Gap(object_key(name), f" (object {name})", tuple(r)) for name, r in sorted(missing.items())
+    ]
 
 
-def _preview(items: list[str], limit: int = 10) -> str:
-    shown = "; ".join(items[:limit])
-    return shown + (f"; ... ({len(items) - limit} more)" if len(items) > limit else "")
+def _preview(items: list[str]) -> str:
+    return key_list(items, sep="; ")

@@ -44,6 +44,7 @@ from dcpbridge.errors import (
 from dcpbridge.formats.checkpoint import load_torch_file
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.model.state import HOLE, fill_holes, map_leaves
+from dcpbridge.planners.errors import key_list
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage.errors import storage_error
 
@@ -415,9 +416,9 @@ class DistModule(nn.Module):
         if strict and (missing or unexpected):
             parts = []
             if unexpected:
-                parts.append("Unexpected key(s) in state_dict: " + ", ".join(map(repr, unexpected)))
+                parts.append("Unexpected key(s) in state_dict: " + key_list(map(repr, unexpected)))
             if missing:
-                parts.append("Missing key(s) in state_dict: " + ", ".join(map(repr, missing)))
+                parts.append("Missing key(s) in state_dict: " + key_list(map(repr, missing)))
             raise ModuleKeysError(
                 f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t"
                 + "\n\t".join(parts)

@@ -13,6 +13,7 @@ every member raise, never wait.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +41,15 @@ from dcpbridge.model.state import (
 )
 from dcpbridge.planners import StrictMode
 from dcpbridge.planners.distribution import Holding
+from dcpbridge.planners.strict import Policy, decide, parse_strict
+
+log = logging.getLogger(__name__)
 
 ALGOS = ("fully_parallel", "atomic")
 EXCHANGE_ALGOS = ("broadcast", "p2p")
+# What the stored state is, in key-mismatch messages.
+KEPT_BY_GROUP = "the state kept by the group"
+KEPT_BY_EACH = "the state each rank kept itself (algo='atomic' restores only that)"
 
 
 @dataclass(frozen=True)
@@ -224,8 +231,9 @@ class TensorAwareStateDict:
         exchange_algo: str = "broadcast",
         validate_access_integrity: bool = True,
         parallelization_group: dist.ProcessGroup | None = None,
-        strict: StrictMode | str = StrictMode.RAISE_MISSING,
-    ) -> StateDict | tuple[StateDict, list[str], list[str]]:
+        strict: StrictMode | str | Any = StrictMode.RAISE_MISSING,
+        return_mismatch_keys: bool | None = None,
+    ) -> StateDict | tuple[StateDict, set[str], set[str]]:
         """The state dict ``sharded_state_dict`` asks for, like ``load`` does from dcpbridge.storage.
 
         Each requested ShardedTensor gets the kept tensor of the same key and global offset:
@@ -237,17 +245,26 @@ class TensorAwareStateDict:
         come from this rank's kept ones, factories are merged, the common state and the
         template's non-persistent objects are added. ``validate_access_integrity`` checks
         first, on every member, that no shard was kept twice in the group; shape or dtype
-        disagreements always raise. ``strict`` treats missing (requested, kept by no member)
-        and unexpected (kept, requested by none) shards as in ``load``; with ``"return_all"``
-        returns ``(state_dict, missing_keys, unexpected_keys)``. ``atomic`` without validation
-        runs no collective.
+        disagreements always raise.
+
+        ``strict`` takes ``load``'s policies with ``load``'s meaning (Megatron's;
+        ``dcpbridge.planners.strict``), the kept state standing for the checkpoint: a key is
+        requested-not-stored (Megatron's *unexpected*) on a rank that requests a shard of it
+        no usable member kept (with ``atomic``, only the rank itself is usable), and
+        stored-not-requested (Megatron's *missing*) when a member kept it and no member
+        requests it. ShardedObjects are named by their key. Every member raises the same
+        error, except that ``atomic`` without validation and with a policy that needs no
+        other rank's request runs no collective: a rank then raises alone, as in Megatron.
+        ``return_mismatch_keys`` (Megatron's argument) returns ``(state_dict, missing,
+        unexpected)`` as Megatron's ``to_state_dict`` does; left None, the ``return_*``
+        policies return it, as ``load`` does.
         """
         algo = _check_algo(self.algo if algo is None else algo)
         if exchange_algo not in EXCHANGE_ALGOS:
             raise InvalidArgumentError(
                 f"exchange_algo must be one of {EXCHANGE_ALGOS}, got {exchange_algo!r}"
             )
-        strict = _strict_mode(strict)
+        policy = parse_strict(strict)
         local_only = algo == "atomic"
         group = Group.resolve(parallelization_group)
         nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
@@ -268,7 +285,7 @@ class TensorAwareStateDict:
             )
         except Exception as e:  # raised on every member by the exchange below
             mine = e
-        if local_only and not validate_access_integrity:
+        if local_only and not validate_access_integrity and not policy.needs_stored:
             if isinstance(mine, BaseException):
                 raise mine
             manifests = {group.rank: mine}
@@ -276,7 +293,8 @@ class TensorAwareStateDict:
             everyone = protocol.agree(group, "restore exchange", lambda: _mine(mine))
             manifests = dict(enumerate(everyone))
         plan = plan_restore(manifests, local_only=local_only)
-        plan.check(validate=validate_access_integrity and not local_only, strict=strict)
+        plan.check(validate=validate_access_integrity and not local_only)
+        mismatch = _judge(policy, plan, group.rank, KEPT_BY_EACH if local_only else KEPT_BY_GROUP)
         sources = self._sources(group, plan, requests, exchange_algo)
         objects = {s.unique_key: s.data for s in self.shards if _is_object(s)}
 
@@ -297,8 +315,8 @@ class TensorAwareStateDict:
 
         loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
         result = assemble(self.common, loaded, tree, nonpersistent)
-        if strict == StrictMode.RETURN_ALL:
-            return result, plan.missing_keys(group.rank), plan.unexpected_keys(group.rank)
+        if return_mismatch_keys or (return_mismatch_keys is None and policy.returns):
+            return result, *mismatch
         return result
 
     def _sources(
@@ -359,12 +377,19 @@ def _check_algo(algo: str) -> str:
     return algo
 
 
-def _strict_mode(strict: Any) -> StrictMode:
-    try:
-        return StrictMode(strict)
-    except ValueError as e:
-        names = ", ".join(m.value for m in StrictMode)
-        raise InvalidArgumentError(f"strict must be one of {names}; got {strict!r}") from e
+def _judge(policy: Policy, plan: RestorePlan, rank: int, where: str) -> tuple[set[str], set[str]]:
+    """Raise the plan's key mismatches as ``policy`` says (the same error on every member) or
+    log this rank's; Megatron's ``(missing, unexpected)`` for this rank."""
+    requested = plan.requested_not_kept()
+    stored = plan.kept_not_requested() if policy.needs_stored else set()
+    error = decide(policy, requested, stored, where).error
+    if error is not None:
+        raise error
+    mine = requested.get(rank, set())
+    warning = decide(policy, {rank: mine}, stored, where).warning
+    if warning:
+        log.warning("dcpbridge to_state_dict: %s", warning)
+    return policy.reported(mine, stored)
 
 
 def _is_object(x: Any) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,7 @@ import torch
 
 from dcpbridge.errors import InvalidShardError
 from dcpbridge.planners.distribution import is_main_replica
-from dcpbridge.planners.protocol import ReplicaId
+from dcpbridge.planners.protocol import ReplicaId, object_key, parse_object_name
 
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
@@ -431,27 +430,6 @@ def check_not_flattened(x: Any) -> None:
             "supported (Megatron-Core 0.16 rejects it too); describe the shard as a box "
             "(global_shape, global_offset) of an unflattened tensor instead"
         )
-
-
-_OBJECT_NAME = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
-
-
-def parse_object_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
-    """(key, global_offset, global_shape) of a ShardedObject storage name, or None."""
-    m = _OBJECT_NAME.match(name)
-    if m is None:
-        return None
-    offset = tuple(int(x) for x in m["offset"].split("."))
-    shape = tuple(int(x) for x in m["shape"].split("."))
-    if len(offset) != len(shape):
-        return None
-    return m["key"], offset, shape
-
-
-def object_key(name: str) -> str:
-    """The ShardedObject key a storage name belongs to (other names are returned unchanged)."""
-    parsed = parse_object_name(name)
-    return name if parsed is None else parsed[0]
 
 
 @dataclass

@@ -9,7 +9,9 @@ error or retries on its own. Part size and requests in flight come from s3fs's o
 Every request, retries included, must finish within ``request_timeout`` seconds (a storage
 option, default 120): a server that accepts a connection and never answers fails the
 operation with a ``StorageError`` naming the URL instead of hanging the job, and the engine's
-collectives carry that failure to every rank.
+collectives carry that failure to every rank. The cleanup requests that follow a timeout share
+``cleanup_timeout`` seconds (default 30; ``dcpbridge.storage.backends.deadlines``), so a stalled store
+fails an operation within ``request_timeout + cleanup_timeout`` (150 s by default).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ import s3fs.core
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
+from dcpbridge.storage.backends.deadlines import (
+    DEFAULT_CLEANUP_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    RequestBudget,
+    failure_bound,
+)
 from dcpbridge.storage.backends.store import (
     Committed,
     Read,
@@ -47,7 +55,6 @@ MAX_PART_SIZE = 5 << 30
 MAX_PARTS = 10_000
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_CONCURRENCY = 8
-DEFAULT_REQUEST_TIMEOUT = 120.0  # seconds; well under torch's 30 min collective timeout
 # Parts double in size every this many parts, so a file never needs more than MAX_PARTS.
 _PARTS_PER_SIZE_STEP = 1000
 
@@ -62,6 +69,8 @@ class S3Transfer:
     fixed_part_size: bool = False
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     """Seconds one request (with its retries) may take before the operation fails."""
+    cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT
+    """Seconds all requests after a timed-out one (the failed operation's cleanup) share."""
 
     def __post_init__(self) -> None:
         if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
@@ -71,24 +80,42 @@ class S3Transfer:
             )
         if self.concurrency < 1:
             raise InvalidArgumentError(f"S3 max_concurrency must be >= 1, got {self.concurrency}")
-        if not self.request_timeout > 0:
-            raise InvalidArgumentError(
-                f"S3 request_timeout must be > 0 seconds, got {self.request_timeout}"
-            )
+        for name in ("request_timeout", "cleanup_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(
+                    f"S3 {name} must be > 0 seconds, got {getattr(self, name)}"
+                )
+
+    @property
+    def failure_bound(self) -> float:
+        """Seconds within which a stalled store fails a save or load on the stalled rank."""
+        return failure_bound(self.request_timeout, self.cleanup_timeout)
+
+    def budget(self) -> RequestBudget:
+        """A fresh per-storage request budget with these timeouts."""
+        return RequestBudget(self.request_timeout, self.cleanup_timeout)
 
     @staticmethod
     def from_fs(fs: Any, settings: dict[str, Any] | None = None) -> S3Transfer:
         """Our defaults, overridden by ``default_block_size`` / ``max_concurrency`` (s3fs's
-        options) and ``request_timeout`` (``settings``: dcpbridge's own) if given."""
+        options) and ``request_timeout`` / ``cleanup_timeout`` (``settings``: dcpbridge's
+        own) if given."""
         opts = getattr(fs, "storage_options", {}) or {}
-        timeout = (settings or {}).get("request_timeout", DEFAULT_REQUEST_TIMEOUT)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise InvalidArgumentError(f"S3 request_timeout must be seconds, got {timeout!r}")
+        settings = settings or {}
+        timeouts = {}
+        for name, default in (
+            ("request_timeout", DEFAULT_REQUEST_TIMEOUT),
+            ("cleanup_timeout", DEFAULT_CLEANUP_TIMEOUT),
+        ):
+            value = settings.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgumentError(f"S3 {name} must be seconds, got {value!r}")
+            timeouts[name] = float(value)
         return S3Transfer(
             part_size=opts.get("default_block_size") or DEFAULT_PART_SIZE,
             concurrency=opts.get("max_concurrency") or DEFAULT_CONCURRENCY,
             fixed_part_size=bool(getattr(fs, "fixed_upload_size", False)),
-            request_timeout=float(timeout),
+            **timeouts,
         )
 
     def part_size_for(self, part_number: int) -> int:
@@ -99,35 +126,16 @@ class S3Transfer:
         return min(self.part_size << step, MAX_PART_SIZE)
 
 
-class RequestTimeoutError(OSError):
-    """An object store request (retries included) did not finish within ``request_timeout``."""
-
-
-def _timed_out(timeout: float, what: str) -> RequestTimeoutError:
-    return RequestTimeoutError(
-        f"no answer within {timeout:g} s ({what}; storage option request_timeout): the object "
-        "store or the network to it is stalled"
-    )
-
-
-async def _bounded(awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
-    """``awaitable``, cancelled and failed with ``RequestTimeoutError`` after ``timeout`` s."""
-    try:
-        return await asyncio.wait_for(awaitable, timeout)
-    except asyncio.TimeoutError:
-        raise _timed_out(timeout, what) from None
-
-
 class _BoundedFS:
-    """An s3fs filesystem whose blocking calls each fail after ``timeout`` seconds (fsspec's
+    """An s3fs filesystem whose blocking calls each fail at the budget's timeout (fsspec's
     ``sync`` takes the ``timeout`` and cancels the request); everything else passes through."""
 
     _BOUNDED = frozenset(
         {"ls", "find", "exists", "info", "rm", "size", "cat_file", "cat_ranges", "pipe_file"}
     )
 
-    def __init__(self, fs: Any, timeout: float) -> None:
-        self._fs, self._timeout = fs, timeout
+    def __init__(self, fs: Any, budget: RequestBudget) -> None:
+        self._fs, self._budget = fs, budget
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._fs, name)
@@ -136,10 +144,13 @@ class _BoundedFS:
 
         @functools.wraps(attr)
         def call(*args: Any, **kwargs: Any) -> Any:
+            timeout = self._budget.timeout()
+            if timeout <= 0:
+                raise self._budget.spent(name)
             try:
-                return attr(*args, timeout=self._timeout, **kwargs)
+                return attr(*args, timeout=timeout, **kwargs)
             except FSTimeoutError:
-                raise _timed_out(self._timeout, name) from None
+                raise self._budget.timed_out(timeout, name) from None
 
         return call
 
@@ -150,7 +161,12 @@ class S3Storage(Storage):
     def __init__(self, location: Any) -> None:
         super().__init__(location)
         self.transfer = S3Transfer.from_fs(self.fs, location.settings)
-        self.fs = _BoundedFS(self.fs, self.transfer.request_timeout)
+        self.budget = self.transfer.budget()
+        self.fs = _BoundedFS(self.fs, self.budget)
+
+    def new_operation(self) -> None:
+        """Requests get their full ``request_timeout`` again (after an earlier one's cleanup)."""
+        self.budget.restart()
 
     @storage_op("create directory")
     def makedirs(self) -> None:
@@ -158,20 +174,19 @@ class S3Storage(Storage):
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> MultipartWriter:
-        return MultipartWriter(self.fs._fs, path, self.transfer)
+        return MultipartWriter(self.fs._fs, path, self.transfer, self.budget)
 
     @storage_op("read")
     def read_file(self, path: str) -> bytes:
         """One GET (no size lookup first, and empty objects read as b"")."""
-        t = self.transfer.request_timeout
-        return _wait(self.fs.loop, _bounded(self.fs._cat_file(path, max_concurrency=1), t, "GET"))
+        got = self.budget.bounded(self.fs._cat_file(path, max_concurrency=1), "GET")
+        return _wait(self.fs.loop, got)
 
     @storage_op("read")
     def read_committed(self, name: str) -> Committed:
         """One GET: the commit object's bytes and its ETag (for a conditional commit)."""
-        t = self.transfer.request_timeout
         try:
-            got = _bounded(_get_with_etag(self.fs._fs, self.location.path(name)), t, "GET")
+            got = self.budget.bounded(_get_with_etag(self.fs._fs, self.location.path(name)), "GET")
             data, etag = _wait(self.fs.loop, got)
         except FileNotFoundError:
             return Committed(None)
@@ -194,7 +209,7 @@ class S3Storage(Storage):
         refuses it and ``ConcurrentSaveError`` is raised.
         """
         path = self.location.path(name)
-        fs, timeout = self.fs._fs, self.transfer.request_timeout
+        fs, budget = self.fs._fs, self.budget
         condition: dict[str, str] = {}
         if replaces is not None:
             if replaces.data is None:
@@ -203,7 +218,7 @@ class S3Storage(Storage):
                 condition["IfMatch"] = replaces.tag
         try:
             try:
-                _request(fs, "put_object", path, timeout, Body=data, **condition)
+                _request(fs, "put_object", path, budget, Body=data, **condition)
             except OSError as e:
                 if not condition or _error_code(e) not in _UNSUPPORTED_CODES:
                     raise
@@ -213,7 +228,7 @@ class S3Storage(Storage):
                     e,
                     name,
                 )
-                _request(fs, "put_object", path, timeout, Body=data)
+                _request(fs, "put_object", path, budget, Body=data)
         except OSError as e:
             if not condition or _error_code(e) not in _CONFLICT_CODES:
                 raise
@@ -256,8 +271,8 @@ class S3Storage(Storage):
         thread's GIL slice."""
         if reads:
             limit = max(self.transfer.concurrency, threads)
-            t = self.transfer
-            sync(self.fs.loop, _fetch_all, self.fs, reads, t.part_size, limit, t.request_timeout)
+            part_size = self.transfer.part_size
+            sync(self.fs.loop, _fetch_all, self.fs, reads, part_size, limit, self.budget)
 
 
 def _wait(loop: Any, coro: Awaitable[Any]) -> Any:
@@ -268,14 +283,14 @@ def _wait(loop: Any, coro: Awaitable[Any]) -> Any:
 
 
 async def _fetch_all(
-    fs: Any, reads: Sequence[Read], piece: int, limit: int, timeout: float
+    fs: Any, reads: Sequence[Read], piece: int, limit: int, budget: RequestBudget
 ) -> None:
     gate = asyncio.Semaphore(limit)
 
     async def fetch_one(r: Read) -> None:
         async def get(start: int, parts: list[memoryview | int]) -> None:
             async with gate:
-                await _bounded(_read_into(fs, r.path, start, parts), timeout, "GET")
+                await budget.bounded(_read_into(fs, r.path, start, parts), "GET")
 
         await asyncio.gather(*(get(*span) for span in split_parts(r.start, parts_of(r), piece)))
         if r.on_done is not None:
@@ -396,22 +411,25 @@ def _split(fs: Any, path: str) -> tuple[str, str]:
     return bucket, key
 
 
-def _request(fs: Any, method: str, path: str, timeout: float, **kwargs: Any) -> Any:
-    """One S3 request about object ``path``, waited for at most ``timeout`` seconds (s3fs
+def _request(fs: Any, method: str, path: str, budget: RequestBudget, **kwargs: Any) -> Any:
+    """One S3 request about object ``path``, waited for at most the budget's timeout (s3fs
     and botocore retry it meanwhile)."""
     bucket, key = _split(fs, path)
     call = fs._call_s3(method, Bucket=bucket, Key=key, **kwargs)
-    return _wait(fs.loop, _bounded(call, timeout, method))
+    return _wait(fs.loop, budget.bounded(call, method))
 
 
 class MultipartWriter:
     """Write-only file object: a single PUT if it stays under one part, else a multipart
     upload with up to ``concurrency`` parts in flight. Leaving its ``with`` block with an
-    exception (or ``abort()``) cancels the upload, so no partial object ever appears."""
+    exception (or ``abort()``) cancels the upload, so no partial object ever appears. Requests
+    wait as ``budget`` allows (by default a budget of its own, from ``transfer``)."""
 
-    def __init__(self, fs: Any, path: str, transfer: S3Transfer) -> None:
+    def __init__(
+        self, fs: Any, path: str, transfer: S3Transfer, budget: RequestBudget | None = None
+    ) -> None:
         self.fs, self.path, self.transfer = fs, path, transfer
-        self._timeout = transfer.request_timeout
+        self._budget = budget or transfer.budget()
         self.bucket, self.key = _split(fs, path)
         self._buf = io.BytesIO()  # the part being filled (botocore sends BytesIO uncopied)
         self._upload_id: str | None = None
@@ -449,7 +467,7 @@ class MultipartWriter:
         self._closed = True
         try:
             if self._upload_id is None:
-                _request(self.fs, "put_object", self.path, self._timeout, Body=self._take_buffer())
+                _request(self.fs, "put_object", self.path, self._budget, Body=self._take_buffer())
             else:
                 if self._buf.tell():
                     self._send(self._take_buffer())
@@ -495,7 +513,7 @@ class MultipartWriter:
         try:
             if self._upload_id is None:
                 self._upload_id = _request(
-                    self.fs, "create_multipart_upload", self.path, self._timeout
+                    self.fs, "create_multipart_upload", self.path, self._budget
                 )["UploadId"]
             self._wait(self.transfer.concurrency - 1)
         except BaseException:
@@ -512,7 +530,7 @@ class MultipartWriter:
             Body=body,
         )
         fut = asyncio.run_coroutine_threadsafe(
-            _bounded(call, self._timeout, "upload_part"), self.fs.loop
+            self._budget.bounded(call, "upload_part"), self.fs.loop
         )
         self._pending[fut] = number
 
@@ -535,7 +553,7 @@ class MultipartWriter:
             self.fs,
             "complete_multipart_upload",
             self.path,
-            self._timeout,
+            self._budget,
             UploadId=self._upload_id,
             MultipartUpload={"Parts": parts},
         )
@@ -552,9 +570,7 @@ class MultipartWriter:
             return
         upload_id, self._upload_id = self._upload_id, None
         try:
-            _request(
-                self.fs, "abort_multipart_upload", self.path, self._timeout, UploadId=upload_id
-            )
+            _request(self.fs, "abort_multipart_upload", self.path, self._budget, UploadId=upload_id)
         except Exception as e:  # the bucket's lifecycle rules reap what we could not abort
             log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.path, e)
 

@@ -118,6 +118,9 @@ class Storage:
         self.fs = location.fs
         self._paths: dict[str, str] = {}  # files found in spread folders by the last listing
 
+    def new_operation(self) -> None:
+        """A new save or load begins: forget the timeouts of an earlier one (S3 bounds them)."""
+
     @storage_op("create directory")
     def makedirs(self) -> None:
         self.fs.makedirs(self.location.root, exist_ok=True)

@@ -15,7 +15,7 @@ from dcpbridge.storage.errors import InvalidArgumentError, UnsafePathError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 # Storage options that are dcpbridge's own (the filesystem never sees them).
-OWN_OPTIONS = ("request_timeout", "prefixes")
+OWN_OPTIONS = ("request_timeout", "cleanup_timeout", "prefixes")
 MAX_PREFIXES = 4096
 # The folders data files are spread over (``prefixes`` > 1): "p" and a hash of the file name.
 SPREAD_DIR = re.compile(r"^p[0-9a-f]{1,3}$")

@@ -110,6 +110,8 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             self._metadata = None
             self._file_sizes = None
             self._all_ranges_checked = False
+        if self._io is not None:
+            self._io.new_operation()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:

@@ -253,6 +253,8 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
+        if self._io is not None:
+            self._io.new_operation()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._loc.url) if self.location else None

@@ -176,9 +176,9 @@ def test_plan_restore_sources_and_problems():
         ("b", 1, (0,)),  # lowest keeper sends; rank 2 kept b but nobody needs its copy
     ]
     assert [(g.key, g.ranks) for g in plan.missing] == [("c", (0, 2)), ("d", (1,))]
-    assert plan.missing_keys(1) == ["d"]
+    assert plan.requested_not_kept() == {0: {"c"}, 1: {"d"}, 2: {"c"}}
     assert [(g.key, g.ranks) for g in plan.duplicates] == [("b", (1, 2))]
-    assert plan.unexpected == []
+    assert plan.kept_not_requested() == set()
     local = plan_restore(manifests, local_only=True)
     assert local.transfers == []
     assert [(g.key, g.ranks) for g in local.missing] == [
@@ -187,7 +187,9 @@ def test_plan_restore_sources_and_problems():
         ("c", (0, 2)),
         ("d", (1,)),
     ]
-    assert [(g.key, g.ranks) for g in local.unexpected] == [("b", (2,))]
+    assert local.kept_not_requested() == set()  # rank 2's b is wanted by ranks 0 and 1
+    idle = plan_restore({0: Manifest(kept=(a, b), wanted=(a,))}, local_only=True)
+    assert idle.kept_not_requested() == {"b"} and idle.requested_not_kept() == {}
     wrong = plan_restore(
         {0: Manifest(kept=(a,)), 1: Manifest(wanted=(_meta("a", 5),))}, local_only=False
     )
@@ -196,7 +198,7 @@ def test_plan_restore_sources_and_problems():
         "rank 0 kept local shape (4,) of (4,), torch.float32"
     ]
     with pytest.raises(db.ShapeMismatchError):
-        wrong.check(validate=False, strict=db.StrictMode.RETURN_ALL)
+        wrong.check(validate=False)
 
 
 @pytest.mark.gpu
@@ -400,7 +402,13 @@ def _bad_build(key, data, replica_id):
         ("duplicate", ["kept by more than one rank", "'w' at offset (0, 0) (ranks [0, 1, 2, 3])"]),
         ("hollow", ["rank 1", "to_state_dict: the tensors were popped"]),
         ("dtype", ["'w'", "rank 3 requests", "torch.float16", "torch.float32"]),
-        ("missing", ["1 requested shard(s)", "kept by no rank", "'extra' at offset (0,) (rank 2)"]),
+        (
+            "missing",
+            [
+                "1 key(s) requested but not in the state kept by the group",
+                "(Megatron calls them 'unexpected'): 'extra' (rank 2)",
+            ],
+        ),
     ],
 )
 def test_failures_raise_on_every_rank(pool, case, needles):
@@ -412,7 +420,7 @@ def test_failures_raise_on_every_rank(pool, case, needles):
 
 
 def test_missing_shards_returned_and_duplicates_tolerated_without_validation(pool):
-    results = pool.run(failure_case, 4, "missing_return_all")
-    assert results == [([], []), ([], []), (["extra"], []), ([], [])]
+    results = pool.run(failure_case, 4, "missing_return_all")  # Megatron's (missing, unexpected)
+    assert results == [(set(), set()), (set(), set()), (set(), {"extra"}), (set(), set())]
     calls = pool.run(failure_case, 4, "duplicate_unvalidated")
     assert calls == [{"all_gather": 1}] * 4

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import re
+import time
 from typing import Any
 
 import fsspec
@@ -16,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 import dcpbridge as db
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.deadlines import RequestBudget, RequestTimeoutError
 from dcpbridge.storage.backends.s3 import MultipartWriter, S3Storage, S3Transfer, split_parts
 from dcpbridge.storage.backends.store import RangeRead
 from dcpbridge.storage.format.paths import resolve
@@ -40,6 +42,28 @@ def test_transfer_settings_come_from_s3fs_options():
         S3Transfer(part_size=MiB)
     with pytest.raises(ValueError, match="max_concurrency"):
         S3Transfer(concurrency=0)
+
+
+def test_timeout_settings_and_the_cleanup_budget():
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    settings = {"request_timeout": 9, "cleanup_timeout": 2}
+    assert S3Transfer.from_fs(fs, settings) == S3Transfer(request_timeout=9, cleanup_timeout=2)
+    for bad in ({"cleanup_timeout": 0}, {"cleanup_timeout": "5"}, {"request_timeout": True}):
+        with pytest.raises(db.InvalidArgumentError, match="timeout"):
+            S3Transfer.from_fs(fs, bad)
+    budget = RequestBudget(request_timeout=9, cleanup_timeout=0.2)
+    assert budget.timeout() == 9 and not budget.cleaning_up
+    first = budget.timed_out(9, "GET")
+    assert "no answer within 9 s (GET; storage option request_timeout)" in str(first)
+    assert budget.cleaning_up and 0 < budget.timeout() <= 0.2  # later requests share 0.2 s
+    later = budget.timed_out(0.1, "list")
+    assert "cleanup budget" in str(later) and "cleanup_timeout = 0.2 s" in str(later)
+    time.sleep(0.25)
+    assert budget.timeout() == 0
+    with pytest.raises(RequestTimeoutError, match=r"abort not sent.*budget .* is spent"):
+        asyncio.run(budget.bounded(asyncio.sleep(1), "abort"))  # never started, never awaited
+    budget.restart()
+    assert budget.timeout() == 9 and not budget.cleaning_up
 
 
 def test_part_sizes_grow_so_ten_thousand_parts_cover_any_object():

@@ -1,5 +1,6 @@
 """A TCP proxy on 127.0.0.1 in front of the test S3 server: counts what clients download and
-turns chosen requests into transient failures (a 503 SlowDown answer, or a reset connection)."""
+turns chosen requests into transient failures (a 503 SlowDown answer, or a reset connection)
+or freezes the server from a chosen request on (nothing is answered any more)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ _ANSWERS = {
 class Fault:
     """Fail the next ``times`` requests whose method is ``method`` and whose target contains
     ``contains``: ``"slowdown"`` answers 503 SlowDown, ``"internal"`` 500 InternalError,
-    ``"reset"`` resets the connection."""
+    ``"reset"`` resets the connection, ``"freeze"`` stalls it and every later request and
+    answer (a frozen server: connections stay open, nothing comes back)."""
 
     method: str
     contains: str
@@ -48,10 +50,12 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._closed = False
+        self._done = threading.Event()
+        self.frozen = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
 
     def inject(self, method: str, contains: str, kind: str, times: int = 1) -> Fault:
-        if kind not in (*_ANSWERS, "reset"):
+        if kind not in (*_ANSWERS, "reset", "freeze"):
             raise ValueError(kind)
         fault = Fault(method, contains, kind, times)
         with self._lock:
@@ -65,6 +69,7 @@ class FaultProxy:
 
     def close(self) -> None:
         self._closed = True
+        self._done.set()
         self._listener.close()
         with self._lock:
             for s in list(self._sockets):
@@ -102,6 +107,11 @@ class FaultProxy:
                     fault = next((f for f in self._faults if f.matches(method, target)), None)
                     if fault is not None:
                         fault.hits += 1
+                if fault is not None and fault.kind == "freeze":
+                    self.frozen.set()
+                if self.frozen.is_set():
+                    self._done.wait()  # read, never answered, until the proxy closes
+                    return
                 if fault is not None:
                     self._fail(fault, reader, client, headers)
                     return
@@ -136,6 +146,9 @@ class FaultProxy:
     def _pump_down(self, upstream: socket.socket, client: socket.socket) -> None:
         try:
             while data := upstream.recv(1 << 20):
+                if self.frozen.is_set():
+                    self._done.wait()
+                    return
                 with self._lock:  # counted before the client can have seen it
                     self.bytes_to_clients += len(data)
                 client.sendall(data)
