@@ -252,6 +252,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._save_id = ""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._check_process()
         self._is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta | None:
