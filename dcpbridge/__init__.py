@@ -33,6 +33,7 @@ from dcpbridge.errors import (
     StorageFileNotFoundError,
     UnexpectedKeysError,
     UnsafePathError,
+    UnsupportedExtensionError,
 )
 from dcpbridge.mcore.optimizer import (
     get_optim_param_to_id_map,
@@ -131,6 +132,7 @@ __all__ = [
     "TensorAwareStateDict",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "UnsupportedExtensionError",
     "apply_factories",
     "apply_factory_merges",
     "async_save",

@@ -43,6 +43,11 @@ class KeyMismatchError(MissingKeysError, UnexpectedKeysError):
     """Keys requested but not in the checkpoint and keys in it but not requested, together."""
 
 
+class UnsupportedExtensionError(CheckpointError):
+    """A checkpoint's bytes pass through a DCP extension (a stream transform such as
+    ZStandard) that cannot be undone here: unknown to torch, or its package is missing."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -78,4 +83,5 @@ __all__ = [
     "StorageFileNotFoundError",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "UnsupportedExtensionError",
 ]
