@@ -39,7 +39,8 @@ from dcpbridge.storage.backends import Storage
 from dcpbridge.storage.writer import CoalescingFile
 from dcpbridge.tools.formats import SAFETENSORS_INDEX
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
-from dcpbridge.tools.sources import SAFETENSORS_DTYPES, Source, TensorInfo, _TorchFileSource
+from dcpbridge.tools.safetensors_chunks import SAFETENSORS_DTYPES
+from dcpbridge.tools.sources import Source, TensorInfo, _TorchFileSource
 
 log = logging.getLogger(__name__)
 SAFETENSORS_SINGLE = "model.safetensors"
