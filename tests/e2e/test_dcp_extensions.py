@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import multiprocessing
 import os
 import pickle
@@ -270,3 +269,369 @@ def test_process_executor_without_a_process_group_fails_at_once(tmp_path):
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
         )
     assert not os.path.exists(os.path.join(path, "dcpbridge.json"))
+
+
+# -- stream extensions: ZStandard, unknown extensions, a missing decoder ----------------------
+
+
+class XorBytes(StreamTransformExtension):
+    """A stream transform of our own (XOR 0x5A), unknown to torch's default registry."""
+
+    @staticmethod
+    def registry_name() -> str:
+        return "test.xor"
+
+    @staticmethod
+    def from_descriptor(version: str) -> XorBytes:
+        return XorBytes()
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1"
+
+    def transform_to(self, output: io.IOBase) -> io.IOBase:
+        return _Xor(output)
+
+    def transform_from(self, input: io.IOBase) -> io.IOBase:
+        return io.BytesIO(_xor(input.read()))
+
+
+def _xor(data: bytes) -> bytes:
+    return (torch.frombuffer(bytearray(data), dtype=torch.uint8) ^ 0x5A).numpy().tobytes()
+
+
+class _Xor(io.RawIOBase):
+    def __init__(self, output: io.IOBase) -> None:
+        self.output = output
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: bytes) -> int:
+        data = bytes(b)
+        self.output.write(_xor(data) if data else b"")
+        return len(data)
+
+    def close(self) -> None:
+        self.output.close()
+        super().close()
+
+
+def plain_state() -> dict:
+    """A nested state dict of several dtypes, a compressible tensor and objects."""
+    return {
+        "model": {"w": full("w"), "h": full("h"), "b": full("b"), "zeros": torch.zeros(256, 64)},
+        "cfg": {"lr": 0.25, "betas": (0.9, 0.95)},
+        "step": 11,
+    }
+
+
+def plain_template() -> dict:
+    return {
+        "model": {
+            "w": db.ShardedTensor.from_box("model.w", torch.zeros(4, 3), (8, 6), (2, 3)),
+            "h": torch.zeros(5, 3, dtype=torch.bfloat16),
+            "b": torch.zeros(7, dtype=torch.int64),
+            "zeros": torch.ones(256, 64),
+        },
+        "cfg": {"lr": 0.0, "betas": None},
+        "step": 0,
+    }
+
+
+def check_plain(out: dict) -> None:
+    want = plain_state()
+    assert torch.equal(out["model"]["w"], want["model"]["w"][2:6, 3:6])
+    for k in ("h", "b", "zeros"):
+        assert torch.equal(out["model"][k], want["model"][k]), k
+    assert out["cfg"] == want["cfg"] and out["step"] == 11
+
+
+def test_zstd_checkpoint_loads_bit_exact(tmp_path):
+    """dcp.save with ZStandard: db.load, a source and plain dcp.load through dcpbridge's
+    DCP-file reader give the saved bytes; FsspecCheckpointReader says what the directory is."""
+    path = str(tmp_path / "ck")
+    dcp.save(
+        plain_state(),
+        storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()]),
+        no_dist=True,
+    )
+    metadata = open_checkpoint(path, allow_pickle=True).reader().read_metadata()
+    assert {tuple(i.transform_descriptors) for i in metadata.storage_data.values()} == {
+        ("stream.zstd/1",)
+    }
+    raw_bytes = sum(t.numel() * t.element_size() for t in plain_state()["model"].values())
+    stored = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    assert stored < raw_bytes / 2  # compressed indeed
+
+    check_plain(db.load(plain_template(), path, allow_pickle=True))
+    source = db.open_source(path, allow_pickle=True)
+    assert torch.equal(source.read("model.w", (1, 2), (6, 3)), full("w")[1:7, 2:5])
+    assert source.object("cfg.lr") == 0.25
+    template = plain_template()
+    dcp.load(
+        template,
+        storage_reader=open_checkpoint(path, allow_pickle=True).reader(),
+        planner=db.ShardedLoadPlanner(),
+        no_dist=True,
+    )
+    check_plain({**template, "model": {**template["model"], "w": template["model"]["w"].data}})
+    with pytest.raises(CheckpointException, match=r"plain torch\.distributed\.checkpoint"):
+        dcp.load(plain_template(), storage_reader=db.FsspecCheckpointReader(path), no_dist=True)
+
+
+def test_unknown_extension_and_damaged_streams_raise(tmp_path):
+    """An extension dcpbridge cannot undo is named; a damaged zstd stream is refused."""
+    xor = str(tmp_path / "xor")
+    dcp.save(
+        plain_state(),
+        storage_writer=dcp.FileSystemWriter(xor, _extensions=[XorBytes()]),
+        no_dist=True,
+    )
+    registry = ExtensionRegistry()
+    registry.register(XorBytes)  # torch reads it with the extension registered: it is valid
+    template = {"model": {"w": torch.zeros(8, 6)}}
+    dcp.load(
+        template, storage_reader=FileSystemReader(xor, _extension_registry=registry), no_dist=True
+    )
+    assert torch.equal(template["model"]["w"], full("w"))
+    with pytest.raises(db.UnsupportedExtensionError, match=r"'test\.xor/1'.*cannot decode"):
+        db.load({"model": {"w": torch.zeros(8, 6)}}, xor, allow_pickle=True)
+    with pytest.raises(db.UnsupportedExtensionError, match=r"test\.xor/1"):
+        db.open_source(xor, allow_pickle=True).object("step")
+
+    zst = str(tmp_path / "zst")
+    dcp.save(
+        plain_state(),
+        storage_writer=dcp.FileSystemWriter(zst, _extensions=[ZStandard()]),
+        no_dist=True,
+    )
+    metadata = open_checkpoint(zst, allow_pickle=True).reader().read_metadata()
+    info = next(i for k, i in metadata.storage_data.items() if k.fqn == "model.w")
+    with open(os.path.join(zst, info.relative_path), "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\0\0\0\0")  # the frame's magic number
+    with pytest.raises(db.CorruptCheckpointError, match=r"'model\.w'.*stream\.zstd/1.*decode"):
+        db.load({"model": {"w": torch.zeros(8, 6)}}, zst, allow_pickle=True)
+
+
+def test_zstd_decoding_is_bounded_and_complete():
+    """Cut-short or trailing streams and streams that decode past their bound are refused."""
+    data = full("w").numpy().tobytes() * 4
+    frame = zstandard.ZstdCompressor().compress(data)
+    zstd = ["stream.zstd/1"]
+    assert decode(frame, zstd, limit=len(data), what="x") == data
+    with pytest.raises(db.CorruptCheckpointError, match="cut short"):
+        decode(frame[:-7], zstd, limit=len(data), what="x")
+    with pytest.raises(db.CorruptCheckpointError, match="stray bytes"):
+        decode(frame + b"junk", zstd, limit=len(data), what="x")
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    assert len(bomb) < 4096
+    with pytest.raises(db.CorruptCheckpointError, match="more than the 1048576 bytes"):
+        decode(bomb, zstd, limit=1 << 20, what="x")
+    with pytest.raises(db.UnsupportedExtensionError, match=r"stream\.zstd/2"):
+        decode(frame, ["stream.zstd/2"], limit=len(data), what="x")
+
+    class Info:
+        transform_descriptors = "stream.zstd/1"  # a string, not a list
+
+    with pytest.raises(db.CorruptCheckpointError, match="list of strings"):
+        descriptors_of(Info(), "x")
+
+
+BLOCK_ZSTD = """
+import sys
+sys.modules["zstandard"] = None  # not installed, as far as this process can tell
+sys.modules["pyzstd"] = None
+import torch
+import dcpbridge as db
+try:
+    db.load({"model": {"w": torch.zeros(8, 6)}}, sys.argv[1], allow_pickle=True)
+except db.UnsupportedExtensionError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_missing_zstandard_names_the_extension_and_package(tmp_path):
+    path = str(tmp_path / "ck")
+    dcp.save(
+        plain_state(),
+        storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()]),
+        no_dist=True,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_ZSTD, path], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "REFUSED" in proc.stdout and "'stream.zstd/1'" in proc.stdout, proc.stdout
+    assert "pip install zstandard" in proc.stdout
+
+
+def mesh_of(r: Rank) -> DeviceMesh:
+    return DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
+
+
+SAVE_PLACEMENTS = {"w": Shard(0), "h": Shard(1), "b": Replicate(), "z": Shard(0)}
+LOAD_PLACEMENTS = {"w": Shard(1), "h": Shard(0), "b": Shard(0), "z": Replicate()}
+
+
+def dtensor_state(r: Rank, placements: dict, fill: bool = True) -> dict:
+    mesh = mesh_of(r)
+    return {
+        "model": {
+            k: distribute_tensor(full(k) if fill else torch.zeros_like(full(k)), mesh, [p])
+            for k, p in placements.items()
+        }
+    }
+
+
+def check_dtensors(r: Rank, model: dict) -> list[str]:
+    for k, v in model.items():
+        assert isinstance(v, DTensor) and v.placements == (LOAD_PLACEMENTS[k],), k
+        assert torch.equal(v.full_tensor(), full(k)), k
+    return sorted(model)
+
+
+def zstd_dtensor_save(r: Rank, path: str) -> None:
+    state = {**dtensor_state(r, SAVE_PLACEMENTS), "step": 3}
+    writer = dcp.FileSystemWriter(path, _extensions=[ZStandard()])
+    dcp.save(state, storage_writer=writer, process_group=r.group)
+
+
+def zstd_dtensor_load(r: Rank, path: str) -> list[str]:
+    template = {**dtensor_state(r, LOAD_PLACEMENTS, fill=False), "step": 0}
+    out = db.load(template, path, process_group=r.group, allow_pickle=True)
+    assert out["step"] == 3
+    return check_dtensors(r, out["model"])
+
+
+def test_zstd_dtensor_checkpoint_of_two_ranks_loads_on_three(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    pool.run(zstd_dtensor_save, 2, path, timeout=120)
+    assert pool.run(zstd_dtensor_load, 3, path, timeout=120) == [["b", "h", "w", "z"]] * 3
+
+
+# -- DCP's HuggingFace writer: sharded safetensors with DCP's offsets --------------------------
+
+
+def hf_save(r: Rank, path: str, consolidate: bool) -> None:
+    placements = SAVE_PLACEMENTS
+    if consolidate:  # torch's consolidation takes floating point tensors only (torch.finfo)
+        placements = {k: p for k, p in placements.items() if SHAPES[k][1].is_floating_point}
+    writer = HuggingFaceStorageWriter(path, save_distributed=True, enable_consolidation=consolidate)
+    dcp.save(dtensor_state(r, placements), storage_writer=writer, process_group=r.group)
+
+
+def resharded_load(r: Rank, path: str) -> list[str]:
+    template = dtensor_state(r, LOAD_PLACEMENTS, fill=False)
+    return check_dtensors(r, db.load(template, path, process_group=r.group)["model"])
+
+
+TP3 = {
+    "world_size": 3,
+    "rules": [
+        {"match": "model.w", "split": {"axis": 1, "parts": 3}},
+        {"match": "model.h", "split": {"axis": 0, "parts": 3}},
+        {"match": "*", "replicate": True},
+    ],
+}
+
+
+def check_hf_source(url: str, keys: str = "whbz") -> None:
+    source = db.open_source(url)
+    assert {k: v.shape for k, v in source.tensors.items()} == {
+        f"model.{k}": SHAPES[k][0] for k in keys
+    }
+    assert source.tensors["model.h"].dtype == torch.bfloat16
+    for key in keys:
+        want = full(key)
+        box = tuple(max(0, n - 1) for n in want.shape)
+        got = source.read(f"model.{key}", (0,) * want.dim(), box)
+        assert torch.equal(got, want[tuple(slice(0, n) for n in box)]), key
+    source.close()
+
+
+def test_hf_writer_output_of_two_ranks_loads_resharded(pool, tmp_path):
+    """DTensors saved by DCP's HuggingFaceStorageWriter from 2 ranks (one file per rank, DCP's
+    offsets in each) open as a source, reshard to 3 ranks and load as other placements."""
+    sharded = str(tmp_path / "hf")
+    pool.run(hf_save, 2, sharded, False, timeout=120)
+    names = sorted(os.listdir(sharded))
+    assert names == [f"shard-0000{i}-model-00001-of-00001.safetensors" for i in (1, 2)]
+    check_hf_source(sharded)
+    source = db.open_source(sharded)
+    assert [len(source.tensors[f"model.{k}"].chunks) for k in "whbz"] == [2, 2, 1, 1]
+    dst = str(tmp_path / "tp3")
+    db.reshard(source, dst, db.parse_layout(TP3))
+    assert pool.run(resharded_load, 3, dst, timeout=120) == [["b", "h", "w", "z"]] * 3
+    whole = db.load_state_dict(sharded)  # every tensor, whole, in one process
+    assert all(torch.equal(whole[f"model.{k}"], full(k)) for k in SHAPES)
+
+    consolidated = str(tmp_path / "hf_full")
+    pool.run(hf_save, 2, consolidated, True, timeout=120)
+    assert "model.safetensors.index.json" in os.listdir(consolidated)
+    check_hf_source(consolidated, "whz")  # the index and its whole tensors
+    check_hf_source(os.path.join(consolidated, "sharded"), "whz")
+
+
+def test_hf_writer_single_rank_with_index(tmp_path):
+    """One process, two files by fqn_to_index_mapping, and the index torch writes."""
+    path = str(tmp_path / "hf")
+    state = {"model": {k: full(k) for k in SHAPES}}
+    mapping = {"model.w": 1, "model.h": 2, "model.b": 2, "model.z": 1}
+    writer = HuggingFaceStorageWriter(path, fqn_to_index_mapping=mapping)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        assert json.load(f)["weight_map"]["model.h"] == "model-00002-of-00002.safetensors"
+    check_hf_source(path)
+    dst = str(tmp_path / "ck")
+    db.reshard(db.open_source(path), dst, db.parse_layout({"world_size": 1}))
+    out = db.load({"model": {k: torch.zeros_like(full(k)) for k in SHAPES}}, dst)
+    assert all(torch.equal(out["model"][k], full(k)) for k in SHAPES)
+
+
+def _hf_file(folder, name: str, tensors: dict, offsets: object) -> None:
+    info = offsets if isinstance(offsets, str) else json.dumps(offsets)
+    save_file(tensors, os.path.join(folder, name), metadata={"DCP_SHARDING_INFO": info})
+
+
+@pytest.mark.parametrize(
+    ("files", "error"),
+    [
+        ({"a": [0, 0], "b": [1, 0]}, r"chunks of tensor 'w' overlap: \[0:2, 0:4\] in a"),
+        ({"a": [0, 0], "b": [3, 0]}, r"'w' .*shape \(5, 4\).* elements \[2:3, 0:4\] in no file"),
+        ({"a": [0, 0], "b": [-1, 0]}, r"b\.safetensors: tensor 'w': saved_offsets must hold"),
+        ({"a": [0, 0], "b": [True, 0]}, r"saved_offsets must hold integers"),
+        ({"a": [0, 0], "b": [2]}, r"saved_offsets has 1 entries, the tensor 2 dims"),
+        ({"a": [0, 0], "b": [2**62, 0]}, r"saved_offsets reach past 2\^62"),
+        ({"a": [0, 0], "b": [2**70, 0]}, r"saved_offsets must hold integers in \[0, 2\^62\]"),
+        ({"a": [0, 0], "b": [2**40, 2**40]}, r"'w' .*shape \(1099511627778, 1099511627780\)"),
+        ({"a": [0, 0], "b": "{not json"}, r"b\.safetensors: DCP_SHARDING_INFO is not a JSON"),
+        ({"a": [0, 0], "b": None}, r"tensor 'w' is in 2 places \(a\.safetensors, b\.safetensors\)"),
+    ],
+)
+def test_hostile_dcp_offsets_are_refused(tmp_path, files, error):
+    """DCP's offsets in safetensors metadata are checked before anything is sized by them."""
+    w = torch.arange(8.0).reshape(2, 4)
+    for name, offsets in files.items():
+        if offsets is None:
+            save_file({"w": w}, str(tmp_path / f"{name}.safetensors"))  # a plain file
+        elif isinstance(offsets, str):
+            _hf_file(tmp_path, f"{name}.safetensors", {"w": w}, offsets)
+        else:
+            _hf_file(tmp_path, f"{name}.safetensors", {"w": w}, {"w": {"saved_offsets": offsets}})
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.open_source(str(tmp_path))
+
+
+def test_hf_metadata_and_index_must_name_what_the_files_hold(tmp_path):
+    w = torch.arange(8.0).reshape(2, 4)
+    _hf_file(tmp_path, "a.safetensors", {"w": w}, {"v": {"saved_offsets": [0, 0]}})
+    with pytest.raises(db.CorruptCheckpointError, match="DCP_SHARDING_INFO gives it no offsets"):
+        db.open_source(str(tmp_path))
+    folder = tmp_path / "indexed"
+    folder.mkdir()
+    save_file({"w": w}, str(folder / "a.safetensors"))
+    index = {"weight_map": {"w": "a.safetensors", "lost": "a.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(db.CorruptCheckpointError, match=r"places 'lost' in a\.safetensors"):
+        db.open_source(str(folder))
