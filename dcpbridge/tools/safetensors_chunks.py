@@ -122,7 +122,8 @@ def file_chunks(
         what = f"{name}: tensor {key!r:.200}"
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(f"{what}: its header entry is not a JSON object")
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+        name_of_dtype = entry.get("dtype")
+        dtype = SAFETENSORS_DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
         if dtype is None:
             raise CorruptCheckpointError(f"{what} has unsupported dtype {entry.get('dtype')!r:.50}")
         sizes = _ints(entry.get("shape"), f"{what}: shape")

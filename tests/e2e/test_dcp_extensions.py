@@ -635,3 +635,21 @@ def test_hf_metadata_and_index_must_name_what_the_files_hold(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(db.CorruptCheckpointError, match=r"places 'lost' in a\.safetensors"):
         db.open_source(str(folder))
+
+
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        ({"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}, "unsupported dtype"),
+        ({"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}, "shape must hold integers"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "byte range does not match"),
+        ({"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}, "past the end of"),
+        ([1, 2], "header entry is not a JSON object"),
+    ],
+)
+def test_hostile_safetensors_headers_are_refused(tmp_path, entry, error):
+    """Header numbers are checked before anything is sized by them (the file holds 8 bytes)."""
+    header = json.dumps({"w": entry}).encode()
+    (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.open_source(str(tmp_path))
