@@ -28,7 +28,7 @@ from torch.distributed.checkpoint._extension import (
     ZStandard,
 )
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -201,6 +201,7 @@ def test_writer_and_planner_pickle_without_their_io_or_last_state(tmp_path, memo
         ("s3://bucket/run/ck", opts),  # its byte I/O (timeouts, transfers) recursed before
     ]:
         writer = db.FsspecCheckpointWriter(url, storage_options=options, thread_count=3)
+        assert not isinstance(writer, AsyncStager)  # async_stager (or torch's default) stages
         back = pickle.loads(pickle.dumps(writer))
         assert back.location == writer.location and back.thread_count == 3
         assert back.location.fs.storage_options == writer.location.fs.storage_options
