@@ -38,6 +38,7 @@ from dcpbridge.errors import (
     StorageFileNotFoundError,
     UnexpectedKeysError,
     UnsafePathError,
+    UnsupportedExtensionError,
 )
 from dcpbridge.formats.config import ConfigError, load_config
 from dcpbridge.formats.layout import Layout, LayoutError, load_layout, parse_layout
@@ -132,6 +133,7 @@ __all__ = [
     "TensorAwareStateDict",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "UnsupportedExtensionError",
     "apply_factories",
     "apply_factory_merges",
     "async_save",

@@ -40,6 +40,11 @@ class HollowStateError(CheckpointError, RuntimeError):
     """A TensorAwareStateDict call needs the tensors that were popped (or finds them present)."""
 
 
+class UnsupportedExtensionError(CheckpointError):
+    """A checkpoint's bytes pass through a DCP extension (a stream transform such as
+    ZStandard) that cannot be undone here: unknown to torch, or its package is missing."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -75,4 +80,5 @@ __all__ = [
     "StorageFileNotFoundError",
     "UnexpectedKeysError",
     "UnsafePathError",
+    "UnsupportedExtensionError",
 ]

@@ -593,6 +593,15 @@ class ShardedSavePlanner(SavePlanner):
         self._columns: PlanColumns | None = None
         self._planned: tuple[WriteItem, ...] = ()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for DCP's checkpoint process: the settings travel, not the state dict,
+        sources or plan of a previous save (a reused planner would send them all)."""
+        state = self.__dict__.copy()
+        state.update(
+            _state_dict=None, _is_coordinator=False, _sources={}, _columns=None, _planned=()
+        )
+        return state
+
     def set_up_planner(
         self,
         state_dict: Any,

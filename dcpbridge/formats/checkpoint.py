@@ -28,7 +28,7 @@ from dcpbridge.errors import (
     NotACheckpointError,
     PickleRefusedError,
 )
-from dcpbridge.formats.dcp_files import DCP_METADATA, DcpFileReader, stored_place
+from dcpbridge.formats.dcp_files import DCP_METADATA, DcpFileReader, stored_place, undo_transforms
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.planners import load_object
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
@@ -206,7 +206,8 @@ class Checkpoint:
         path = self.location.path(str(info.relative_path))
         buf = memoryview(bytearray(int(info.length)))
         self.files.fetch([RangeRead(path, int(info.offset), buf)], threads=1)
-        blob = bytes(buf)
+        what = f"{self.location.url}: {key!r} in {info.relative_path}"
+        blob = bytes(undo_transforms(info, buf, what, limit=lambda: None))
         if self.format != Format.TORCH_DIST:
             return blob
         value = load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")

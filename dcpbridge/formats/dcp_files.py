@@ -10,17 +10,31 @@ bytes of the whole stored chunk (loaded with ``weights_only=True``), objects raw
 
 from __future__ import annotations
 
+import functools
 import io
+import math
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError, NotACheckpointError
+from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError
+from dcpbridge.formats.dcp_transforms import (
+    TORCH_SAVE_SLACK,
+    decode,
+    descriptors_of,
+    object_limit,
+)
 from dcpbridge.storage.backends.store import RangeRead, Storage
 from dcpbridge.storage.format.paths import Location
 
@@ -48,12 +62,32 @@ def stored_place(location: Location, metadata: Metadata, index: MetadataIndex) -
     info = storage.get(index)
     if info is None:
         raise CorruptCheckpointError(f"{location.url}: no stored bytes for {index.fqn!r}")
-    if getattr(info, "transform_descriptors", None):
-        raise NotACheckpointError(
-            f"{location.url}: {index.fqn!r} is stored with transforms "
-            f"{list(info.transform_descriptors)}, which dcpbridge does not read"
-        )
     return info
+
+
+def chunk_limits(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], int]:
+    """The most bytes each stored tensor chunk's ``torch.save`` blob may decode to."""
+    out = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            itemsize = md.properties.dtype.itemsize
+            for c in md.chunks:
+                out[(fqn, tuple(c.offsets))] = math.prod(c.sizes) * itemsize + TORCH_SAVE_SLACK
+    return out
+
+
+def undo_transforms(
+    info: Any, raw: memoryview, what: str, limit: Callable[[], int | None]
+) -> bytes | memoryview:
+    """An item's stored bytes with DCP's stream extensions undone (``raw`` if it has none);
+    ``limit()`` bounds what it may decode to (None: an object, bounded by its stored size)."""
+    descriptors = descriptors_of(info, what)
+    if not descriptors:
+        return raw
+    bound = limit()
+    return decode(
+        raw, descriptors, limit=object_limit(len(raw)) if bound is None else bound, what=what
+    )
 
 
 class DcpFileReader(StorageReader):
@@ -64,6 +98,7 @@ class DcpFileReader(StorageReader):
         self.location, self.files = location, files
         self.thread_count = max(1, thread_count)
         self.metadata: Metadata | None = None
+        self._limits: dict[tuple[str, tuple[int, ...]], int] | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.location.url:
@@ -83,7 +118,23 @@ class DcpFileReader(StorageReader):
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **_: Any) -> None:
+        if metadata is not self.metadata:
+            self._limits = None
         self.metadata = metadata
+
+    def _limit(self, item: ReadItem) -> int | None:
+        """What ``item``'s stored bytes may decode to (None for an object)."""
+        if item.type == LoadItemType.BYTE_IO:
+            return None
+        if self._limits is None:
+            self._limits = chunk_limits(self.read_metadata())
+        index = item.storage_index
+        limit = self._limits.get((index.fqn, tuple(index.offset or ())))
+        if limit is None:
+            raise CorruptCheckpointError(
+                f"{self.location.url}: {index.fqn!r} has no chunk at {list(index.offset or ())}"
+            )
+        return limit
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -99,7 +150,11 @@ class DcpFileReader(StorageReader):
             info = stored_place(self.location, metadata, item.storage_index)
             buf = memoryview(bytearray(int(info.length)))
             path = self.location.path(str(info.relative_path))
-            batch.append(RangeRead(path, int(info.offset), buf, _delivery(item, buf, planner)))
+            what = f"{self.location.url}: {item.storage_index.fqn!r} in {info.relative_path}"
+            limit = functools.partial(self._limit, item)
+            decoded = functools.partial(undo_transforms, info, what=what, limit=limit)
+            deliver = _delivery(item, buf, planner, decoded, what)
+            batch.append(RangeRead(path, int(info.offset), buf, deliver))
             size += len(buf)
             if size >= _BATCH_BYTES:
                 self.files.fetch(batch, self.thread_count)
@@ -111,14 +166,27 @@ class DcpFileReader(StorageReader):
         return fut
 
 
-def _delivery(item: ReadItem, raw: memoryview, planner: LoadPlanner) -> Any:
-    """What to do with ``item``'s fetched bytes: hand an object over, or copy a tensor's box."""
+def _delivery(
+    item: ReadItem,
+    raw: memoryview,
+    planner: LoadPlanner,
+    decoded: Callable[[memoryview], bytes | memoryview],
+    what: str,
+) -> Any:
+    """What to do with ``item``'s fetched bytes (``decoded`` undoes DCP's transforms): hand
+    an object over, or copy a tensor's box."""
 
     def deliver() -> None:
+        data = decoded(raw)
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(bytes(raw)))
+            planner.load_bytes(item, io.BytesIO(bytes(data)))
             return
-        chunk = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        try:
+            chunk = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptCheckpointError(f"{what}: not a stored tensor: {e}") from e
+        if not isinstance(chunk, torch.Tensor):
+            raise CorruptCheckpointError(f"{what}: holds a {type(chunk).__name__}, not a tensor")
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             chunk = chunk.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()

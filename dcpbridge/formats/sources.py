@@ -43,32 +43,20 @@ from dcpbridge.formats.checkpoint import (
     open_checkpoint,
 )
 from dcpbridge.formats.dcp_files import stored_place
+from dcpbridge.formats.safetensors_chunks import (
+    FileChunk,
+    file_chunks,
+    global_tensors,
+)
 from dcpbridge.model.mapping import COMMON_KEY, ShardedTensor
 from dcpbridge.model.state import HOLE, extract, fill_holes
 from dcpbridge.planners import ShardedLoadPlanner, load_object
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
+from dcpbridge.storage.backends import storage_for
 
 Shape = tuple[int, ...]
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
-
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,50 +306,63 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
     return header, 8 + size
 
 
-def _open_safetensors(checkpoint: Checkpoint) -> Source:
+def _weight_map(raw: bytes, where: str) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index (key -> file name), checked."""
+    try:
+        weight_map = json.loads(raw).get("weight_map")
+    except (ValueError, AttributeError, RecursionError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpointError(f"{where}: {SAFETENSORS_INDEX} has no weight_map of names")
+    return weight_map
+
+
+def _safetensors_files(checkpoint: Checkpoint) -> tuple[Location, list[str], dict[str, str] | None]:
+    """The folder, the file names and the index's weight map (None without an index)."""
     location, store = checkpoint.location, checkpoint.files
     if store.exists(SAFETENSORS_INDEX):
-        index = json.loads(store.read_file(location.path(SAFETENSORS_INDEX)))
-        names = sorted(set(index.get("weight_map", {}).values()))
-        folder = location
-    elif location.root.endswith(".safetensors"):
+        weight_map = _weight_map(store.read_file(location.path(SAFETENSORS_INDEX)), location.url)
+        return location, sorted(set(weight_map.values())), weight_map
+    if location.root.endswith(".safetensors"):
         folder = resolve(_parent_url(location), checkpoint.storage_options)
-        names = [location.root.rstrip("/").rsplit("/", 1)[-1]]
-    else:
-        names = sorted(n for n in store.list_names() if n.endswith(".safetensors"))
-        folder = location
+        return folder, [location.root.rstrip("/").rsplit("/", 1)[-1]], None
+    return location, sorted(n for n in store.list_names() if n.endswith(".safetensors")), None
+
+
+def _open_safetensors(checkpoint: Checkpoint) -> Source:
+    folder, names, weight_map = _safetensors_files(checkpoint)
+    files = storage_for(folder)
+    chunks: list[FileChunk] = []
+    for name in names:
+        header, data_start = read_safetensors_header(folder, name)
+        size = files.file_size(folder.path(name))
+        chunks += file_chunks(header, name, data_start, size)
+    held = {(c.key, c.file) for c in chunks}
+    for key, name in (weight_map or {}).items():
+        if (key, name) not in held:
+            raise CorruptCheckpointError(
+                f"{folder.url}: {SAFETENSORS_INDEX} places {key!r} in {name}, which lacks it"
+            )
     state: dict[str, TensorStorageMetadata] = {}
     items = {}
     tensors = {}
-    for name in names:
-        header, data_start = read_safetensors_header(folder, name)
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            if key in state:
-                raise CorruptCheckpointError(f"{folder.url}: tensor {key!r} is in two files")
-            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
-            if dtype is None:
-                raise CorruptCheckpointError(
-                    f"{name}: {key!r} has unsupported dtype {entry.get('dtype')!r}"
-                )
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-            if end - begin != math.prod(shape) * dtype.itemsize:
-                raise CorruptCheckpointError(f"{name}: {key!r} byte range does not match its shape")
-            zero = torch.Size([0] * len(shape))
-            state[key] = TensorStorageMetadata(
-                TensorProperties(dtype=dtype),
-                torch.Size(shape),
-                [ChunkStorageMetadata(zero, torch.Size(shape))],
+    for key, t in global_tensors(chunks, folder.url).items():
+        state[key] = TensorStorageMetadata(
+            TensorProperties(dtype=t.dtype),
+            torch.Size(t.shape),
+            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
+        )
+        for c in t.chunks:
+            items[(key, c.offsets)] = StoredItem(
+                c.file, c.start, c.nbytes, 0, None, c.sizes, c.dtype
             )
-            items[(key, tuple(zero))] = StoredItem(
-                name, data_start + begin, end - begin, 0, None, shape, dtype
-            )
-            chunk = ChunkInfo(
-                (0,) * len(shape), shape, end - begin, None, name, data_start + begin, end - begin
-            )
-            tensors[key] = TensorInfo(key, shape, dtype, (chunk,))
+        infos = (
+            ChunkInfo(c.offsets, c.sizes, c.nbytes, None, c.file, c.start, c.nbytes)
+            for c in t.chunks
+        )
+        tensors[key] = TensorInfo(key, t.shape, t.dtype, tuple(infos))
     metadata = Metadata(
         state_dict_metadata=dict(state),
         storage_data=StorageIndex(items=items, save_id="safetensors", files=tuple(names)),

@@ -34,7 +34,8 @@ import torch
 
 from dcpbridge.errors import CheckpointError
 from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX
-from dcpbridge.formats.sources import SAFETENSORS_DTYPES, Source, TensorInfo, _TorchFileSource
+from dcpbridge.formats.safetensors_chunks import SAFETENSORS_DTYPES
+from dcpbridge.formats.sources import Source, TensorInfo, _TorchFileSource
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.storage import resolve
 from dcpbridge.storage.backends import storage_for

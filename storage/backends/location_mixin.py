@@ -23,6 +23,7 @@ class LocationMixin:
         self.storage_options = dict(storage_options or {})
         self.location: Location | None = None
         self._io: Storage | None = None
+        self._pid = os.getpid()  # the process this writer or reader was made in
 
     def _relocate(self, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Point at ``checkpoint_id``; True if that is a different location than before."""
@@ -32,6 +33,31 @@ class LocationMixin:
         self.location = location
         self._io = storage_for(location)
         return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for DCP's checkpoint process: the location travels, its open byte I/O
+        (file descriptors, S3 wrappers, locks) does not."""
+        state = self.__dict__.copy()
+        state["_io"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.location is not None:
+            self._io = storage_for(self.location)
+
+    def _check_process(self) -> None:
+        """Refuse a process-local location (``memory://``) from another process than the one
+        this object was made in: it would write to, or read from, that process's own memory."""
+        if self.location is None or not self.location.process_local or os.getpid() == self._pid:
+            return
+        raise InvalidArgumentError(
+            f"{self.location.url} lives in the memory of process {self._pid}, but this "
+            f"{type(self).__name__} runs in process {os.getpid()} (for example the checkpoint "
+            "process of dcp.async_save(async_checkpointer_type=AsyncCheckpointerType.PROCESS)), "
+            "which has a memory:// of its own: whatever it wrote there would be lost. Use the "
+            "THREAD executor, or a location every process sees (a path, s3://...)"
+        )
 
     @property
     def checkpoint_id(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import fsspec
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from dcpbridge.storage.errors import InvalidArgumentError, UnsafePathError
 
@@ -39,6 +40,12 @@ class Location:
         """Full path of ``name`` inside the checkpoint; ``name`` must be a plain file name."""
         check_file_name(name)
         return f"{self.root.rstrip('/')}/{name}"
+
+    @property
+    def process_local(self) -> bool:
+        """Whether the files live in this process's own memory (``memory://``), which no
+        other process sees."""
+        return isinstance(self.fs, MemoryFileSystem)
 
     @property
     def prefixes(self) -> int:

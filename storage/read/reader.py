@@ -121,6 +121,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        self._check_process()
         _index_of(self._loc, metadata)
         if metadata is not self._metadata:
             self._file_sizes = None

@@ -252,6 +252,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._save_id = ""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._check_process()
         self._is_coordinator = is_coordinator
         if self._io is not None:
             self._io.new_operation()
