@@ -13,6 +13,8 @@ from dcpbridge.errors import (
     CollectiveError,
     ConcurrentSaveError,
     CorruptCheckpointError,
+    DataLayoutError,
+    DataStateError,
     DistributedCheckpointError,
     DTypeMismatchError,
     HollowStateError,
@@ -53,6 +55,7 @@ from dcpbridge.mcore.sharding import (
     shard_broadcasted_state_dict,
 )
 from dcpbridge.mcore.tensor_aware_state_dict import ShardDistribution, TensorAwareStateDict
+from dcpbridge.model.data_position import GlobalBatchSampler
 from dcpbridge.model.key_map import KeyMap
 from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
@@ -65,6 +68,8 @@ from dcpbridge.model.mapping import (
     apply_factory_merges,
 )
 from dcpbridge.model.optim_layout import from_model_space, to_model_space
+from dcpbridge.model.per_rank import DataStateDroppedWarning, PerRankState
+from dcpbridge.model.rng_state import RNGState
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.tools.config import ConfigError, load_config
@@ -90,11 +95,15 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
+    "DataLayoutError",
+    "DataStateDroppedWarning",
+    "DataStateError",
     "DistModule",
     "DistributedCheckpointError",
     "DistributedKeys",
     "FsspecCheckpointReader",
     "FsspecCheckpointWriter",
+    "GlobalBatchSampler",
     "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
@@ -111,7 +120,9 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerStateError",
     "ParamKey",
+    "PerRankState",
     "PickleRefusedError",
+    "RNGState",
     "SaveOptions",
     "SerializationError",
     "ShapeMismatchError",

@@ -43,6 +43,16 @@ class KeyMismatchError(MissingKeysError, UnexpectedKeysError):
     """Keys requested but not in the checkpoint and keys in it but not requested, together."""
 
 
+class DataStateError(CheckpointError, ValueError):
+    """A saved data position that does not fit this job (dataset, seed, global batch size) or
+    is not a valid position at all."""
+
+
+class DataLayoutError(DataStateError):
+    """Per-rank data state (loader, RNG, buffers) that cannot follow the loading job's layout:
+    saved by another number of ranks, or missing a rank's cell."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -59,6 +69,8 @@ __all__ = [
     "ConcurrentSaveError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
+    "DataLayoutError",
+    "DataStateError",
     "DistributedCheckpointError",
     "HollowStateError",
     "IncompleteCheckpointError",
