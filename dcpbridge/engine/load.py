@@ -23,6 +23,7 @@ from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.ownership import read_owners
 from dcpbridge.engine.save import parallel_group
 from dcpbridge.engine.strict import Policy, decide, load_result, parse_strict
+from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.model.intake import LoadParts, for_load
 from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
@@ -31,6 +32,7 @@ from dcpbridge.model.mapping import (
     StateDict,
 )
 from dcpbridge.model.per_rank import (
+    RESHARD_MODES,
     DataStateDroppedWarning,
     Dropped,
     PerRankState,
@@ -116,6 +118,10 @@ def _load(
     error: BaseException | None = None  # raised inside the first load step, on every rank
     warned: list[str] = []  # dropped per-rank states, reported once the load succeeded
     try:
+        if reshard_data_state not in RESHARD_MODES:
+            raise InvalidArgumentError(
+                f"reshard_data_state must be 'raise' or 'drop', got {reshard_data_state!r}"
+            )
         if isinstance(template, dict) and any(
             isinstance(v, PerRankState) for v in template.values()
         ):
@@ -123,8 +129,12 @@ def _load(
                 checkpoint_dir = open_checkpoint(
                     checkpoint_dir, storage_options=storage_options, allow_pickle=allow_pickle
                 )
-            stateful, warned = _per_rank_layout(template, checkpoint_dir, reshard_data_state)
-        template = state_dicts(stateful)
+            stateful, requests, warned = _per_rank_layout(
+                template, checkpoint_dir, reshard_data_state
+            )
+            template = state_dicts({**stateful, **requests})
+        else:
+            template = state_dicts(template)
         parts = for_load(template)
     except Exception as e:
         error = e
@@ -177,16 +187,19 @@ def _load(
     return load_result(planner, load_into(stateful, result))
 
 
-def _per_rank_layout(template: Any, checkpoint: Checkpoint, mode: str) -> tuple[Any, list[str]]:
-    """``template`` with the per-rank states that start fresh (``mode="drop"`` on a layout
-    change) left out of the load, and their warnings; raises where one cannot follow."""
+def _per_rank_layout(
+    template: dict[str, Any], checkpoint: Checkpoint, mode: str
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(``template`` with the per-rank states that start fresh left out of the load, the cells
+    the others request, the warnings of the dropped); raises where one cannot follow."""
     states = {k: v for k, v in template.items() if isinstance(v, PerRankState)}
     stored = checkpoint.reader().read_metadata().state_dict_metadata
     dropped = check_per_rank(states, stored, mode)
     out = dict(template)
     for d in dropped:
         out[d.path] = LocalNonpersistentObject(d.state)
-    return out, [drop_message(d, _counts(checkpoint, d)) for d in dropped]
+    requests = {k: v.request() for k, v in states.items() if k not in {d.path for d in dropped}}
+    return out, requests, [drop_message(d, _counts(checkpoint, d)) for d in dropped]
 
 
 def _counts(checkpoint: Checkpoint, dropped: Dropped) -> dict[str, Any] | None:
@@ -194,7 +207,7 @@ def _counts(checkpoint: Checkpoint, dropped: Dropped) -> dict[str, Any] | None:
     requests = count_requests(dropped)
     if not requests:
         return None
-    return _load(
+    out = _load(
         requests,
         checkpoint,
         Group(None, 0, 1, 0),
@@ -202,6 +215,7 @@ def _counts(checkpoint: Checkpoint, dropped: Dropped) -> dict[str, Any] | None:
         storage_options=None,
         allow_pickle=checkpoint.allow_pickle,
     )
+    return {k: out[k] for k in requests}  # without the common state every load returns
 
 
 def _or_raise(error: BaseException | None, value: Any) -> Any:

@@ -76,6 +76,14 @@ class PerRankState:
             "samples": self._cell(self.key + SAMPLES_SUFFIX, count),
         }
 
+    def request(self) -> dict[str, ShardedObject]:
+        """This rank's cells as a load asks for them (no ``state_dict()`` of the value: a
+        StatefulDataLoader would start its workers for it)."""
+        return {
+            "state": self._cell(self.key, None),
+            "samples": self._cell(self.key + SAMPLES_SUFFIX, None),
+        }
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's stream from its loaded cell."""
         inner = state_dict["state"]
@@ -142,32 +150,30 @@ def check_per_rank(
     if mode not in RESHARD_MODES:
         raise InvalidArgumentError(f"reshard_data_state must be 'raise' or 'drop', got {mode!r}")
     grids = saved_grids(stored_keys)
-    dropped = []
+    dropped, refused = [], []
     for path, state in states.items():
         what = f"per-rank state {path!r} (ShardedObject {state.key!r})"
         grid = grids.get(state.key)
         if not grid:
-            if mode != "drop":
-                raise DataLayoutError(
-                    f"{what} is not in the checkpoint; load with reshard_data_state='drop' to "
-                    "start it fresh"
-                )
+            refused.append(f"{what} is not in the checkpoint")
             dropped.append(Dropped(path, state, 0, ()))
             continue
         size = _saved_size(path, state, grid)
         if size == state.size:
             continue
-        if mode != "drop":
-            raise DataLayoutError(
-                f"{what} was saved by {size} ranks and cannot follow this job's {state.size}: "
-                "each cell is one rank's own stream (loader position, RNG, buffers), which no "
-                f"other layout continues. Resume with {size} ranks, or load with "
-                "reshard_data_state='drop' to start these streams fresh (a GlobalBatchSampler's "
-                "global position follows any layout)"
-            )
+        refused.append(
+            f"{what} was saved by {size} ranks and cannot follow this job's {state.size}"
+        )
         counts = grids.get(state.key + SAMPLES_SUFFIX, {}).get((size,), set())
         full = {o[0] for o in counts} == set(range(size))
         dropped.append(Dropped(path, state, size, tuple(range(size)) if full else ()))
+    if refused and mode != "drop":
+        raise DataLayoutError(
+            "; ".join(refused) + ". Each cell is one rank's own stream (loader position, RNG, "
+            "buffers), which no other layout continues: resume with the saving layout, or "
+            "load with reshard_data_state='drop' to start these streams fresh (a "
+            "GlobalBatchSampler's global position follows any layout)"
+        )
     return dropped
 
 
@@ -186,12 +192,11 @@ def drop_message(dropped: Dropped, counts: Mapping[str, Any] | None) -> str:
     if values and all(
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in values
     ):
-        held = f"{sum(values)} samples its streams held will be replayed or skipped"
+        held = f"the {sum(values)} samples they held (as samples= counted them)"
     else:
-        held = "an unknown number of samples (pass samples= to PerRankState to count them)"
-        held += " will be replayed or skipped"
+        held = "an unknown number of samples they held (pass samples= to PerRankState to count)"
     return (
         f"{what} was saved by {dropped.saved_size} ranks and this job has "
         f"{dropped.state.size}: dropped as asked (reshard_data_state='drop'); its streams "
-        f"start fresh and {held}"
+        f"start fresh, and {held} will be replayed or skipped"
     )

@@ -218,3 +218,17 @@ def test_a_plain_value_per_rank_state_comes_back(tmp_path):
         warnings.simplefilter("error")
         out = db.load({"buf": back}, path)
     assert out["buf"] is back and back.value == [1, 2, 3]
+
+
+def test_dropping_counts_the_samples_every_saved_rank_held(tmp_path):
+    path = str(tmp_path / "two")
+    cells = {
+        f"r{r}": db.PerRankState("loader", [r], r, 2, samples=lambda r=r: 5 + r) for r in (0, 1)
+    }
+    db.save({**cells, "step": 3}, path)  # one process holding both ranks' cells
+    with pytest.raises(db.DataLayoutError, match="saved by 2 ranks and cannot follow this job's 1"):
+        db.load({"loader": db.PerRankState("loader", [], 0, 1)}, path)
+    fresh = db.PerRankState("loader", [], 0, 1)
+    with pytest.warns(db.DataStateDroppedWarning, match="the 11 samples they held"):
+        out = db.load({"loader": fresh}, path, reshard_data_state="drop")
+    assert out["loader"] is fresh and fresh.value == [] and out["step"] == 3
