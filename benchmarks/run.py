@@ -22,6 +22,7 @@ SECTIONS = {
     "planning": "bench_planning",
     "s3": "bench_s3",
     "gpu": "bench_gpu",
+    "data": "bench_data",
 }
 
 

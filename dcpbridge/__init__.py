@@ -18,6 +18,8 @@ from dcpbridge.errors import (
     CollectiveError,
     ConcurrentSaveError,
     CorruptCheckpointError,
+    DataLayoutError,
+    DataStateError,
     DistributedCheckpointError,
     DTypeMismatchError,
     HollowStateError,
@@ -64,6 +66,7 @@ from dcpbridge.mcore.sharding import (
     shard_broadcasted_state_dict,
 )
 from dcpbridge.mcore.tensor_aware_state_dict import ShardDistribution, TensorAwareStateDict
+from dcpbridge.model.data_position import GlobalBatchSampler
 from dcpbridge.model.key_map import KeyMap
 from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
@@ -75,6 +78,8 @@ from dcpbridge.model.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from dcpbridge.model.per_rank import DataStateDroppedWarning, PerRankState
+from dcpbridge.model.rng_state import RNGState
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.tools.export import export_safetensors, export_torch
@@ -92,11 +97,15 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
+    "DataLayoutError",
+    "DataStateDroppedWarning",
+    "DataStateError",
     "DistModule",
     "DistributedCheckpointError",
     "DistributedKeys",
     "FsspecCheckpointReader",
     "FsspecCheckpointWriter",
+    "GlobalBatchSampler",
     "HollowStateError",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
@@ -113,7 +122,9 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerStateError",
     "ParamKey",
+    "PerRankState",
     "PickleRefusedError",
+    "RNGState",
     "SaveOptions",
     "SerializationError",
     "ShapeMismatchError",

@@ -45,6 +45,16 @@ class UnsupportedExtensionError(CheckpointError):
     ZStandard) that cannot be undone here: unknown to torch, or its package is missing."""
 
 
+class DataStateError(CheckpointError, ValueError):
+    """A saved data position that does not fit this job (dataset, seed, global batch size) or
+    is not a valid position at all."""
+
+
+class DataLayoutError(DataStateError):
+    """Per-rank data state (loader, RNG, buffers) that cannot follow the loading job's layout:
+    saved by another number of ranks, or missing a rank's cell."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -61,6 +71,8 @@ __all__ = [
     "ConcurrentSaveError",
     "CorruptCheckpointError",
     "DTypeMismatchError",
+    "DataLayoutError",
+    "DataStateError",
     "DistributedCheckpointError",
     "HollowStateError",
     "IncompleteCheckpointError",

@@ -9,6 +9,7 @@ load step, and hands the result back in the template's structure.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -22,12 +23,27 @@ from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.ownership import read_owners
 from dcpbridge.engine.save import parallel_group
 from dcpbridge.engine.strict import Policy, decide, load_result, parse_strict
+from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.formats import metadata as stored
 from dcpbridge.formats.checkpoint import Checkpoint, Format, open_checkpoint
 from dcpbridge.formats.config import resolve_storage_options
 from dcpbridge.formats.metadata import tensors_metadata
 from dcpbridge.model.intake import LoadParts, for_load
-from dcpbridge.model.mapping import ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.model.mapping import (
+    LocalNonpersistentObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+)
+from dcpbridge.model.per_rank import (
+    RESHARD_MODES,
+    DataStateDroppedWarning,
+    Dropped,
+    PerRankState,
+    check_per_rank,
+    count_requests,
+    drop_message,
+)
 from dcpbridge.model.stateful import load_into, state_dicts
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata, resolve
@@ -50,6 +66,7 @@ def load(
     fully_parallel: bool = False,
     parallelization_group: dist.ProcessGroup | None = None,
     profile: str | None = None,
+    reshard_data_state: str = "raise",
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load into a template state dict, in any parallel layout, from any format it reads.
 
@@ -63,7 +80,9 @@ def load(
     unexpected)``. With ``fully_parallel``, a box several ranks of ``parallelization_group``
     need is read from storage by one of them and sent to the others. Plain DCP and
     Megatron-Core torch_dist directories load too, with ``allow_pickle=True`` (their metadata
-    is a pickle); ``profile`` names a storage profile of the configuration file.
+    is a pickle); ``profile`` names a storage profile of the configuration file. Top-level
+    ``PerRankState`` values saved by another number of ranks raise ``DataLayoutError``, or
+    with ``reshard_data_state="drop"`` start fresh with a ``DataStateDroppedWarning``.
     """
     group = Group.resolve(process_group)
     return _load(
@@ -77,6 +96,7 @@ def load(
         verify_checksums=verify_checksums,
         thread_count=thread_count,
         parallel=parallel_group(fully_parallel, parallelization_group, group),
+        reshard_data_state=reshard_data_state,
     )
 
 
@@ -92,12 +112,30 @@ def _load(
     verify_checksums: bool = True,
     thread_count: int = 4,
     parallel: Group | None = None,
+    reshard_data_state: str = "raise",
 ) -> Any:
     stateful = template
     parts = LoadParts(template)
     error: BaseException | None = None  # raised inside the first load step, on every rank
+    warned: list[str] = []  # dropped per-rank states, reported once the load succeeded
     try:
-        template = state_dicts(template)
+        if reshard_data_state not in RESHARD_MODES:
+            raise InvalidArgumentError(
+                f"reshard_data_state must be 'raise' or 'drop', got {reshard_data_state!r}"
+            )
+        if isinstance(template, dict) and any(
+            isinstance(v, PerRankState) for v in template.values()
+        ):
+            if not isinstance(checkpoint_dir, Checkpoint):
+                checkpoint_dir = open_checkpoint(
+                    checkpoint_dir, storage_options=storage_options, allow_pickle=allow_pickle
+                )
+            stateful, requests, warned = _per_rank_layout(
+                template, checkpoint_dir, reshard_data_state
+            )
+            template = state_dicts({**stateful, **requests})
+        else:
+            template = state_dicts(template)
         parts = for_load(template)
     except Exception as e:
         error = e
@@ -145,7 +183,40 @@ def _load(
         late_error = decide(strict, late, ()).error
         if late_error is not None:
             raise late_error
+    for message in warned:
+        warnings.warn(message, DataStateDroppedWarning, stacklevel=3)
     return load_result(planner, load_into(stateful, result))
+
+
+def _per_rank_layout(
+    template: dict[str, Any], checkpoint: Checkpoint, mode: str
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(``template`` with the per-rank states that start fresh left out of the load, the cells
+    the others request, the warnings of the dropped); raises where one cannot follow."""
+    states = {k: v for k, v in template.items() if isinstance(v, PerRankState)}
+    stored = checkpoint.reader().read_metadata().state_dict_metadata
+    dropped = check_per_rank(states, stored, mode)
+    out = dict(template)
+    for d in dropped:
+        out[d.path] = LocalNonpersistentObject(d.state)
+    requests = {k: v.request() for k, v in states.items() if k not in {d.path for d in dropped}}
+    return out, requests, [drop_message(d, _counts(checkpoint, d)) for d in dropped]
+
+
+def _counts(checkpoint: Checkpoint, dropped: Dropped) -> dict[str, Any] | None:
+    """The sample counts every saved rank recorded for a dropped state (read here alone)."""
+    requests = count_requests(dropped)
+    if not requests:
+        return None
+    out = _load(
+        requests,
+        checkpoint,
+        Group(None, 0, 1, 0),
+        strict=parse_strict("raise_missing"),
+        storage_options=None,
+        allow_pickle=checkpoint.allow_pickle,
+    )
+    return {k: out[k] for k in requests}  # without the common state every load returns
 
 
 def _or_raise(error: BaseException | None, value: Any) -> Any:

@@ -8,6 +8,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dcpbridge.errors import DataStateError
+
 
 def is_stateful(value: Any) -> bool:
     """DCP's ``isinstance(value, Stateful)``, answered by two ``hasattr`` first: a Protocol
@@ -28,11 +30,15 @@ def state_dicts(tree: Any) -> Any:
 
 def load_into(template: Any, result: Any) -> Any:
     """Hand each top-level Stateful of ``template`` its loaded state; ``result`` keeps the
-    Stateful object itself at that key, as ``dcp.load`` leaves it in the state dict."""
+    Stateful object itself at that key, as ``dcp.load`` leaves it in the state dict. A data
+    position or stream that refuses its state is named by its key."""
     if not isinstance(template, Mapping) or not isinstance(result, dict):
         return result
     for key, value in template.items():
         if key in result and is_stateful(value):
-            value.load_state_dict(result[key])
+            try:
+                value.load_state_dict(result[key])
+            except DataStateError as e:
+                raise type(e)(f"state {key!r}: {e}") from e
             result[key] = value
     return result

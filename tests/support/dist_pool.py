@@ -21,7 +21,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -39,6 +39,19 @@ class Rank:
     rank: int
     size: int
     group: Any  # the sub-group of the first ``size`` ranks; None means the default group
+
+
+@contextlib.contextmanager
+def children_allowed() -> Iterator[None]:
+    """Let a test body start processes of its own (DataLoader workers) in a pool worker, a
+    daemon process: those workers watch their parent and end with their iterator."""
+    config = mp.current_process()._config  # type: ignore[attr-defined]
+    was = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = was
 
 
 class RankFailure(AssertionError):

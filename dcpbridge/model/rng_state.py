@@ -1,0 +1,73 @@
+"""``RNGState``: this process's random generators as one ``Stateful`` (Python, NumPy, torch).
+
+Generators are per process: save one as ``PerRankState("rng", RNGState(), rank, world_size)``
+so that every rank gets its own streams back. The stored form holds only tensors, ints,
+floats and tuples, so it loads with ``weights_only`` safety.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from dcpbridge.errors import DataStateError
+
+_KEYS = frozenset({"python", "numpy", "torch", "cuda"})
+
+
+class RNGState:
+    """Python ``random``, NumPy's global generator, torch's CPU generator and, where CUDA is
+    available, every CUDA device's generator."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generators' states now."""
+        name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return {
+            "python": random.getstate(),
+            "numpy": (str(name), torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
+            "torch": torch.get_rng_state(),
+            "cuda": list(cuda),
+        }
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Set every generator to a stored state (checked: it comes from storage)."""
+        if not isinstance(state_dict, Mapping) or set(state_dict) != _KEYS:
+            got = (
+                sorted(map(str, state_dict))
+                if isinstance(state_dict, Mapping)
+                else type(state_dict)
+            )
+            raise DataStateError(f"RNG state must be a mapping with keys {sorted(_KEYS)}: {got!r}")
+        cuda = state_dict["cuda"]
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not isinstance(cuda, list) or (cuda and len(cuda) != devices):
+            raise DataStateError(
+                f"the RNG state holds {len(cuda) if isinstance(cuda, list) else '?'} CUDA "
+                f"generator(s) and this process sees {devices} device(s)"
+            )
+        try:
+            name, key, pos, has_gauss, gauss = state_dict["numpy"]
+            if not isinstance(key, torch.Tensor) or key.dtype != torch.int64:
+                raise TypeError(f"numpy key must be an int64 tensor, got {type(key).__name__}")
+            np_state = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
+            for what, check in (("torch", state_dict["torch"]), *(("cuda", c) for c in cuda)):
+                if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
+                    raise TypeError(f"{what} state must be a uint8 tensor")
+            python = state_dict["python"]
+            saved = random.getstate()
+            random.setstate(python)
+            try:
+                np.random.set_state(np_state)
+                torch.set_rng_state(state_dict["torch"])
+                if cuda:
+                    torch.cuda.set_rng_state_all(cuda)
+            except BaseException:
+                random.setstate(saved)
+                raise
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise DataStateError(f"RNG state cannot be restored: {e}") from e

@@ -1,0 +1,234 @@
+"""GlobalBatchSampler and PerRankState in one process: the order does not depend on the DP
+size, the position jumps without replay, hostile saved state is refused, the load checks."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import dcpbridge as db
+from dcpbridge.model.data_position import epoch_seed
+from dcpbridge.model.per_rank import check_per_rank
+
+pytestmark = pytest.mark.timeout(120)
+
+N, GBS = 100, 12  # 96 samples per epoch: 8 global batches, 4 samples dropped
+
+
+def sampler(rank: int = 0, size: int = 1, **kw) -> db.GlobalBatchSampler:
+    return db.GlobalBatchSampler(N, GBS, rank, size, seed=kw.pop("seed", 3), **kw)
+
+
+def global_batches(size: int, steps: int) -> list[list[int]]:
+    """``steps`` global batches as ``size`` DP ranks draw them, concatenated in rank order."""
+    ranks = [sampler(r, size) for r in range(size)]
+    out = []
+    while len(out) < steps:
+        iters = [iter(s) for s in ranks]
+        for parts in zip(*iters):
+            out.append([i for p in parts for i in p])
+            for s in ranks:
+                s.mark_consumed()
+            if len(out) == steps:
+                break
+    return out
+
+
+def test_global_batches_do_not_depend_on_the_dp_size():
+    one = global_batches(1, 20)
+    for size in (2, 3, 4, 6, 12):
+        assert global_batches(size, 20) == one
+    epoch0 = [i for b in one[:8] for i in b]
+    assert len(set(epoch0)) == 96 and set(epoch0) <= set(range(N))  # no duplicate
+    assert epoch0 == sampler().permutation(0)[:96].tolist()  # the permutation's prefix
+    epoch1 = [i for b in one[8:16] for i in b]
+    assert len(set(epoch1)) == 96 and epoch1 != epoch0  # the next epoch: another permutation
+    assert epoch1 == sampler().permutation(1)[:96].tolist()
+
+
+def test_epoch_seeds_are_mixed():
+    seeds = {epoch_seed(s, e) for s in range(50) for e in range(50)}
+    assert len(seeds) == 2500 and all(0 <= x < 1 << 63 for x in seeds)
+
+
+def test_resume_jumps_to_the_position_in_a_dataloader_with_workers():
+    s = sampler()
+    loader = DataLoader(range(N), batch_sampler=s, num_workers=2, prefetch_factor=2)
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(3)]
+    for _ in seen:
+        s.mark_consumed()
+    assert s._drawn > s.consumed_samples  # the workers were fed ahead of training
+    state = s.state_dict()
+    del it
+    assert state["consumed_samples"] == 36 and state["sample_in_epoch"] == 36
+    t = sampler(0, 4)
+    t.load_state_dict(state)
+    assert len(t) == 5
+    parts = [sampler(r, 4) for r in range(4)]
+    for p in parts:
+        p.load_state_dict(state)
+    nxt = [i for p in parts for i in next(iter(p))]
+    assert nxt == global_batches(1, 4)[3]
+    assert seen == global_batches(1, 3)
+
+
+def test_mark_consumed_refuses_more_than_was_drawn():
+    s = sampler()
+    with pytest.raises(db.InvalidArgumentError, match="past what this sampler yielded"):
+        s.mark_consumed()
+    it = iter(s)
+    next(it)
+    s.mark_consumed()
+    with pytest.raises(db.InvalidArgumentError):
+        s.mark_consumed()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("epoch", -1, "epoch"),
+        ("epoch", True, "epoch"),
+        ("seed", 1.5, "seed"),
+        ("consumed_samples", 1 << 70, "consumed_samples"),
+        ("consumed_samples", 13, "multiples"),
+        ("sample_in_epoch", 96, "past the epoch"),
+        ("sample_in_epoch", 48, "less than"),
+        ("global_batch_size", 0, "global_batch_size"),
+        ("num_samples", "100", "num_samples"),
+        ("dataset_id", 5, "dataset_id"),
+        ("version", 2, "version"),
+        ("extra", 1, "fields"),
+    ],
+)
+def test_hostile_saved_positions_are_refused(field, value, match):
+    state = sampler().state_dict()
+    state["consumed_samples"] = 24
+    state["sample_in_epoch"] = 24
+    state[field] = value
+    with pytest.raises(db.DataStateError, match=match):
+        sampler().load_state_dict(state)
+
+
+def test_not_a_mapping_is_refused():
+    with pytest.raises(db.DataStateError, match="mapping"):
+        sampler().load_state_dict([1, 2])
+
+
+def _saved(tmp_path, **kw) -> str:
+    s = sampler(**kw)
+    it = iter(s)
+    for _ in range(2):
+        next(it)
+        s.mark_consumed()
+    path = str(tmp_path / "ckpt")
+    db.save({"data": s, "step": 2}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [
+        ({"dataset_id": "other"}, "dataset"),
+        ({"seed": 4}, "seed"),
+        ({"gbs": 24}, "global_batch_size"),
+    ],
+)
+def test_a_checkpoint_of_other_data_seed_or_batch_raises_unless_allowed(tmp_path, kw, name):
+    path = _saved(tmp_path, dataset_id="ids")
+    kw = {"dataset_id": "ids", **kw}
+    gbs = kw.pop("gbs", GBS)
+    s = db.GlobalBatchSampler(N, gbs, 0, 1, seed=kw.pop("seed", 3), **kw)
+    with pytest.raises(db.DataStateError, match=f"state 'data'.*allow_changed=\\('{name}',\\)"):
+        db.load({"data": s}, path)
+    assert s.consumed_samples == 0
+    allowed = db.GlobalBatchSampler(
+        N, gbs, 0, 1, seed=s.seed, dataset_id=s.dataset_id, allow_changed=(name,)
+    )
+    out = db.load({"data": allowed}, path)
+    assert out["data"] is allowed and allowed.consumed_samples == 24 and out["step"] == 2
+
+
+def test_a_batch_change_must_land_on_a_multiple(tmp_path):
+    path = _saved(tmp_path)  # 24 consumed
+    s = db.GlobalBatchSampler(N, 36, 0, 1, seed=3, allow_changed=("global_batch_size",))
+    with pytest.raises(db.DataStateError, match="not a multiple of the new global_batch_size"):
+        db.load({"data": s}, path)
+
+
+def test_a_tampered_position_in_a_checkpoint_is_refused(tmp_path):
+    state = sampler().state_dict()
+    state["consumed_samples"] = -12
+    path = str(tmp_path / "bad")
+    db.save({"data": state}, path)
+    with pytest.raises(db.DataStateError, match=r"state 'data'.*consumed_samples") as err:
+        db.load({"data": sampler()}, path)
+    assert isinstance(err.value.__cause__, db.DataStateError)
+
+
+def test_rng_state_round_trips(tmp_path):
+    rng = db.RNGState()
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    path = str(tmp_path / "rng")
+    db.save({"rng": db.PerRankState("rng", rng, 0, 1)}, path)
+    expect = (random.random(), np.random.rand(), torch.rand(2).tolist())
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    db.load({"rng": db.PerRankState("rng", db.RNGState(), 0, 1)}, path)
+    assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == expect
+
+
+def test_rng_state_refuses_garbage():
+    with pytest.raises(db.DataStateError, match="RNG state"):
+        db.RNGState().load_state_dict({"python": 1, "numpy": 2, "torch": 3, "cuda": []})
+    with pytest.raises(db.DataStateError, match="keys"):
+        db.RNGState().load_state_dict({"python": 1})
+
+
+def test_per_rank_decisions_from_stored_keys():
+    state = db.PerRankState("loader", None, 0, 2)
+    cells = ["loader/shard_0_2", "loader/shard_1_2", "loader.samples/shard_0_2"]
+    assert check_per_rank({"l": state}, cells, "raise") == []
+    with pytest.raises(db.DataLayoutError, match=r"holds no state of rank\(s\) 1"):
+        check_per_rank({"l": state}, cells[:1], "drop")
+    with pytest.raises(db.DataLayoutError, match="not in the checkpoint"):
+        check_per_rank({"l": state}, [], "raise")
+    grown = db.PerRankState("loader", None, 0, 4)
+    with pytest.raises(db.DataLayoutError, match="saved by 2 ranks and cannot follow"):
+        check_per_rank({"l": grown}, cells, "raise")
+    (dropped,) = check_per_rank({"l": grown}, cells, "drop")
+    assert (dropped.saved_size, dropped.counted) == (2, ())  # one count cell missing
+    with pytest.raises(db.InvalidArgumentError, match="reshard_data_state"):
+        check_per_rank({"l": grown}, cells, "keep")
+
+
+def test_a_plain_value_per_rank_state_comes_back(tmp_path):
+    path = str(tmp_path / "buf")
+    db.save({"buf": db.PerRankState("buf", [1, 2, 3], 0, 1, samples=lambda: 3)}, path)
+    back = db.PerRankState("buf", [], 0, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = db.load({"buf": back}, path)
+    assert out["buf"] is back and back.value == [1, 2, 3]
+
+
+def test_dropping_counts_the_samples_every_saved_rank_held(tmp_path):
+    path = str(tmp_path / "two")
+    cells = {
+        f"r{r}": db.PerRankState("loader", [r], r, 2, samples=lambda r=r: 5 + r) for r in (0, 1)
+    }
+    db.save({**cells, "step": 3}, path)  # one process holding both ranks' cells
+    with pytest.raises(db.DataLayoutError, match="saved by 2 ranks and cannot follow this job's 1"):
+        db.load({"loader": db.PerRankState("loader", [], 0, 1)}, path)
+    fresh = db.PerRankState("loader", [], 0, 1)
+    with pytest.warns(db.DataStateDroppedWarning, match="the 11 samples they held"):
+        out = db.load({"loader": fresh}, path, reshard_data_state="drop")
+    assert out["loader"] is fresh and fresh.value == [] and out["step"] == 3
