@@ -105,7 +105,9 @@ def _torch_dist_files(path: str) -> dict[str, Any]:
 def _safetensors(path: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    files = (
+        sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    )
     out: dict[str, Any] = {}
     for name in files:
         out.update(load_file(name))
