@@ -10,12 +10,13 @@ lies inside its file.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -25,12 +26,29 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+)
 
 from dcpbridge.errors import CorruptCheckpointError, UnsafePathError
 from dcpbridge.storage.paths import check_file_name
 from dcpbridge.storage.table import MAX_NDIM, MAX_SIZE
 
 MAX_DEPTH = 32  # nesting of plain values (planner_data, mcore_data)
+# What Megatron-Core's ``all_local_plans`` are made of (kept, never used by dcpbridge).
+_PLAN_RECORDS = (
+    SavePlan,
+    WriteItem,
+    TensorWriteData,
+    BytesIOWriteData,
+    MetadataIndex,
+    ChunkStorageMetadata,
+    TensorProperties,
+    _StoragePrefix,
+)
 _PLAIN = (str, int, float, bool, bytes, type(None))
 
 
@@ -54,9 +72,11 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def check_plain(value: Any, what: str) -> None:
-    """``value`` is made of None, bools, numbers, strings, bytes, lists, tuples and dicts
+def check_plain(value: Any, what: str, records: tuple[type, ...] = ()) -> None:
+    """``value`` is made of None, bools, numbers, strings, bytes, lists, tuples, dicts (and
+    instances of ``records``, their fields checked alike, with dtypes, layouts and enums)
     only, at most MAX_DEPTH deep, without cycles (a shared value is checked once)."""
+    leaves = (torch.dtype, torch.layout, torch.memory_format, enum.Enum) if records else ()
     done: set[int] = set()
     todo: list[tuple[Any, int]] = [(value, 0)]
     while todo:
@@ -73,7 +93,9 @@ def check_plain(value: Any, what: str) -> None:
             todo.extend((x, depth + 1) for x in v.values())
         elif isinstance(v, (list, tuple)) and type(v) in (list, tuple, torch.Size):
             todo.extend((x, depth + 1) for x in v)
-        else:
+        elif type(v) in records:
+            todo.extend((x, depth + 1) for x in vars(v).values())
+        elif not isinstance(v, leaves):
             raise CorruptCheckpointError(f"{what} holds a {type(v).__name__}")
 
 
@@ -235,6 +257,12 @@ def _check(metadata: Metadata, file_sizes: Mapping[str, int] | None) -> None:
             raise CorruptCheckpointError(f"{key!r}: described by a {type(md).__name__}")
     check_plain(_missing(metadata, "planner_data"), "planner_data")
     check_plain(getattr(metadata, "mcore_data", None), "mcore_data")
+    plans = getattr(metadata, "all_local_plans", None)
+    if plans is not None and (
+        type(plans) is not list or not all(type(p) is SavePlan for p in plans)
+    ):
+        raise CorruptCheckpointError("all_local_plans is not a list of SavePlans")
+    check_plain(plans, "all_local_plans", _PLAN_RECORDS)
     _optional(_missing(metadata, "version"), str, "version")
     meta = _optional(_missing(metadata, "storage_meta"), StorageMeta, "storage_meta")
     if meta is not None:

@@ -1,9 +1,11 @@
 """torch's DCP ``.metadata`` pickle, read through the restricted unpickler without running code.
 
 The allow-list is what torch 2.4 to 2.13 and Megatron-Core write into ``.metadata`` (checked
-by disassembling real files): DCP's metadata dataclasses and ``_StorageInfo``, ``torch.Size``,
-dtypes, layouts (``torch.serialization._get_layout``), the memory-format encoding of
-``TensorProperties``, ``collections.OrderedDict`` and the ``pathlib`` path of
+by disassembling real files): DCP's metadata dataclasses and ``_StorageInfo``, the save plans
+Megatron-Core keeps in ``Metadata.all_local_plans`` (``SavePlan``, ``WriteItem``,
+``WriteItemType``, ``TensorWriteData``, ``BytesIOWriteData``, ``_StoragePrefix``),
+``torch.Size``, dtypes, layouts (``torch.serialization._get_layout``), the memory-format
+encoding of ``TensorProperties``, ``collections.OrderedDict`` and the ``pathlib`` path of
 ``StorageMeta.checkpoint_id`` (read as a string), and ``builtins.list`` (a list of chunks as
 dcpbridge's planners pickle it under torch's writer). Anything else is refused with a
 ``PickleRefusedError`` naming it; ``allow_pickle=True`` reads such metadata with ``pickle``.
@@ -17,7 +19,7 @@ import pathlib
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -26,6 +28,13 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
 )
 
 from dcpbridge.errors import CorruptCheckpointError, PickleRefusedError
@@ -41,7 +50,8 @@ from dcpbridge.tools.unpickler import (
 )
 
 _DCP = "torch.distributed.checkpoint.metadata"
-# Fields each class may carry; Metadata's ``mcore_data`` is what Megatron-Core <= 0.15 added.
+# Fields each class may carry; Metadata's ``all_local_plans`` (Megatron-Core 0.16) and
+# ``mcore_data`` (earlier Megatron-Core) are Megatron's additions.
 _FIELDS: dict[type, tuple[str, ...]] = {
     Metadata: (
         "state_dict_metadata",
@@ -49,6 +59,7 @@ _FIELDS: dict[type, tuple[str, ...]] = {
         "storage_data",
         "storage_meta",
         "version",
+        "all_local_plans",
         "mcore_data",
     ),
     TensorStorageMetadata: ("properties", "size", "chunks"),
@@ -58,6 +69,11 @@ _FIELDS: dict[type, tuple[str, ...]] = {
     MetadataIndex: ("fqn", "offset", "index"),
     StorageMeta: ("checkpoint_id", "save_id", "load_id", "modules"),
     _StorageInfo: ("relative_path", "offset", "length", "transform_descriptors"),
+    _StoragePrefix: ("prefix",),
+    SavePlan: ("items", "storage_data", "planner_data", "usable"),
+    WriteItem: ("index", "type", "bytes_io_data", "tensor_data"),
+    TensorWriteData: ("chunk", "properties", "size"),
+    BytesIOWriteData: ("nbytes",),
 }
 _MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.preserve_format)
 _PATHS = {
@@ -90,6 +106,13 @@ def _memory_format(code: Any) -> torch.memory_format:
     if type(code) is not int or not 0 <= code < len(_MEMORY_FORMATS):
         raise Malformed("an unknown memory format encoding")
     return _MEMORY_FORMATS[code]
+
+
+def _write_item_type(value: Any) -> WriteItemType:
+    members = {m.value: m for m in WriteItemType}
+    if type(value) is not int or value not in members:
+        raise Malformed("an unknown WriteItemType")
+    return members[value]
 
 
 def _ordered_dict(*args: Any) -> collections.OrderedDict[Any, Any]:
@@ -142,6 +165,7 @@ def allow_list() -> dict[tuple[str, str], Entry]:
     allowed[("torch", "Size")] = Factory(_size)
     allowed[("torch.serialization", "_get_layout")] = Factory(_layout)
     allowed[(_DCP, "_MEM_FORMAT_ENCODING")] = Factory(_memory_format)
+    allowed[(WriteItemType.__module__, "WriteItemType")] = Factory(_write_item_type)
     allowed[("collections", "OrderedDict")] = Factory(_ordered_dict)
     allowed[("builtins", "list")] = Factory(_list)
     for name, kind in _PATHS.items():
