@@ -86,6 +86,8 @@ _COPYREG = {
     ("copyreg", "__newobj_ex__"): _Copyreg("__newobj_ex__"),
     ("builtins", "object"): _OBJECT,
 }
+# Python 2 module names that protocols 0-2 write for these (pickle's ``fix_imports``)
+_PY2_MODULES = {"copy_reg": "copyreg", "__builtin__": "builtins"}
 _FLAT = (str, int, float, bool, bytes, type(None))
 _REFUSED_OPS = {
     b"P"[0]: "PERSID",
@@ -121,6 +123,7 @@ class _Reader:
         self.data, self.allowed = data, allowed
         self.kinds = {e.cls: e for e in allowed.values() if isinstance(e, Buildable)}
         self.unbuilt: dict[int, Any] = {}  # instances made here and not yet filled, by id
+        self.protocol = 0
 
     # -- reading arguments --------------------------------------------------------------
 
@@ -140,6 +143,8 @@ class _Reader:
     def resolve(self, module: Any, name: Any) -> Any:
         if type(module) is not str or type(name) is not str:
             raise Malformed("a global's module and name must be strings")
+        if self.protocol < 3:
+            module = _PY2_MODULES.get(module, module)
         entry = self.allowed.get((module, name))
         if entry is None:
             entry = _COPYREG.get((module, name))
@@ -165,7 +170,9 @@ class _Reader:
         if isinstance(func, _Copyreg):
             if func.name == "_reconstructor":
                 if len(args) != 3 or args[1] is not _OBJECT or args[2] is not None:
-                    raise Refused("copyreg._reconstructor with a base other than object")
+                    raise Refused(
+                        "copyreg._reconstructor with a base other than object, or a state"
+                    )
                 return self.new(args[0], ())
             if func.name == "__newobj__" and args:
                 return self.new(args[0], args[1:])
@@ -430,6 +437,7 @@ def _run(r: _Reader) -> Any:
         elif op == 0x80:  # PROTO
             if data[pos] > MAX_PROTOCOL:
                 raise Malformed(f"pickle protocol {data[pos]} is newer than {MAX_PROTOCOL}")
+            r.protocol = data[pos]
             pos += 1
         elif op == 0x2E:  # STOP
             if len(stack) != 1 or marks:
