@@ -203,12 +203,14 @@ def _tensor(key: str, md: Any, places: Mapping[Any, _StorageInfo], seen: set[int
             raise CorruptCheckpointError(f"{key!r}: a chunk is a {type(chunk).__name__}")
         offsets = _shape(_missing(chunk, "offsets"), len(size), f"{key!r}: chunk offsets")
         sizes = _shape(_missing(chunk, "sizes"), len(size), f"{key!r}: chunk sizes")
+        volume = math.prod(sizes)
+        if volume == 0:  # an empty shard (a DTensor's last ranks): nothing to read or place
+            continue
         if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
             raise CorruptCheckpointError(
                 f"{key!r}: chunk at {tuple(offsets)} of size {tuple(sizes)} lies outside "
                 f"{tuple(size)}"
             )
-        volume = math.prod(sizes)
         covered += volume
         info = places.get((key, offsets))
         if info is None:

@@ -127,14 +127,17 @@ def test_get_state_dict_model_and_optimizer_load_without_allow_pickle(tmp_path):
 
 
 def torch_save_dtensor_and_sharded(r: Rank, path: str) -> None:
-    """torch's own ``dcp.save`` of DTensors and a torch ShardedTensor on 2 ranks."""
+    """torch's own ``dcp.save`` of DTensors (on 3 ranks: ``u`` split 2/2/1, ``z`` 1/1/0, an
+    empty shard) and a torch ShardedTensor."""
     state = {**dstate(mesh_of(r), SAVE_1D), "st": torch_sharded(r, "w", 0, True)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=r.group)
 
 
 def test_dtensor_and_torch_sharded_tensor_checkpoints_load_without_allow_pickle(pool, tmp_path):
     path = str(tmp_path / "dist")
-    pool.run(torch_save_dtensor_and_sharded, 2, path)
+    pool.run(torch_save_dtensor_and_sharded, 3, path)
+    z = _metadata(path).state_dict_metadata["model.z"]
+    assert [tuple(c.sizes) for c in z.chunks] == [(1, 4), (1, 4), (0, 4)]
     template = {
         "model": {k: torch.zeros(full(k).shape) for k in SAVE_1D},
         "st": torch.zeros(full("w").shape),
