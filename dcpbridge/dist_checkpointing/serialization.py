@@ -10,7 +10,8 @@ dcpbridge function underneath. What cannot be honoured raises ``CheckpointError`
   an ``AsyncRequest`` for the caller to schedule.
 * ``load``'s ``validate_access_integrity`` is accepted and unused: dcpbridge reads any
   requested boxes, overlapping or not. Megatron's torch_dist checkpoints keep pickled
-  metadata: load them with ``allow_pickle=True``.
+  metadata, which dcpbridge reads without running code (``allow_pickle=True`` only where it
+  needs classes beyond DCP's).
 * ``load_plain_tensors`` returns tensors only, as Megatron documents (its code also merges
   the common state).
 """

@@ -46,7 +46,7 @@ from dcpbridge.model.per_rank import (
 )
 from dcpbridge.model.stateful import load_into, state_dicts
 from dcpbridge.planners import StrictMode
-from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata, resolve
+from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata
 
 PathLike = str | os.PathLike[str]
 
@@ -79,10 +79,12 @@ def load(
     (``dcpbridge.planners.strict``); ``"return_all"`` returns Megatron's ``(state_dict, missing,
     unexpected)``. With ``fully_parallel``, a box several ranks of ``parallelization_group``
     need is read from storage by one of them and sent to the others. Plain DCP and
-    Megatron-Core torch_dist directories load too, with ``allow_pickle=True`` (their metadata
-    is a pickle); ``profile`` names a storage profile of the configuration file. Top-level
-    ``PerRankState`` values saved by another number of ranks raise ``DataLayoutError``, or
-    with ``reshard_data_state="drop"`` start fresh with a ``DataStateDroppedWarning``.
+    Megatron-Core torch_dist directories load too: their pickled ``.metadata`` is read without
+    running code (DCP's own classes only; ``allow_pickle=True`` for metadata that needs others,
+    and for objects ``weights_only`` loading refuses); ``profile`` names a storage profile of
+    the configuration file. Top-level ``PerRankState`` values saved by another number of ranks
+    raise ``DataLayoutError``, or with ``reshard_data_state="drop"`` start fresh with a
+    ``DataStateDroppedWarning``.
     """
     group = Group.resolve(process_group)
     return _load(
@@ -230,10 +232,16 @@ def load_tensors_metadata(
     *,
     storage_options: dict[str, Any] | None = None,
     profile: str | None = None,
+    allow_pickle: bool = False,
 ) -> dict[str, ShardedTensor]:
-    """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group)."""
+    """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group),
+    of a dcpbridge, torch_dist or plain DCP checkpoint (pickled DCP metadata is read without
+    running code; ``allow_pickle`` only for metadata that needs other classes)."""
     options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
-    return tensors_metadata(read_checkpoint_metadata(resolve(checkpoint_dir, options)))
+    checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
+    if checkpoint.format == Format.DCPBRIDGE:
+        return tensors_metadata(read_checkpoint_metadata(checkpoint.location))
+    return tensors_metadata(checkpoint.reader().read_metadata())
 
 
 def load_common_state_dict(

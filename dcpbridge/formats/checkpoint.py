@@ -26,7 +26,6 @@ from dcpbridge.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotACheckpointError,
-    PickleRefusedError,
 )
 from dcpbridge.formats.dcp_files import DCP_METADATA, DcpFileReader, stored_place, undo_transforms
 from dcpbridge.model.mapping import COMMON_KEY
@@ -131,14 +130,6 @@ def detect(location: Location, files: Storage | None = None) -> Format:
     raise diagnose_missing_metadata(store, location.url)
 
 
-def refuse_pickled_metadata(location: Location, fmt: Format) -> PickleRefusedError:
-    return PickleRefusedError(
-        f"{location.url} is a {fmt.description}; its metadata ({DCP_METADATA}) is a Python "
-        "pickle, and unpickling can run arbitrary code, so dcpbridge reads it only when "
-        "allowed: pass allow_pickle=True (CLI: --allow-pickle) if you trust this checkpoint"
-    )
-
-
 @dataclass
 class Checkpoint:
     """A checkpoint opened once: where it is, its format, and the byte I/O every read uses."""
@@ -150,7 +141,8 @@ class Checkpoint:
     allow_pickle: bool = False
 
     def reader(self, *, thread_count: int = 4, verify_checksums: bool = True) -> StorageReader:
-        """A DCP ``StorageReader`` of this checkpoint (refusing pickled metadata unless allowed)."""
+        """A DCP ``StorageReader`` of this checkpoint (DCP metadata read without running code,
+        or with ``pickle`` where ``allow_pickle`` and other classes are needed)."""
         if self.format == Format.DCPBRIDGE:
             return FsspecCheckpointReader(
                 self.location,  # type: ignore[arg-type]  (resolved already)
@@ -163,9 +155,9 @@ class Checkpoint:
                 f"{self.location.url} is a single {self.format.description}, not a sharded "
                 "checkpoint; turn it into one with `dcpbridge convert SRC DST --to dcpbridge`"
             )
-        if not self.allow_pickle:
-            raise refuse_pickled_metadata(self.location, self.format)
-        return DcpFileReader(self.location, self.files, thread_count=thread_count)
+        return DcpFileReader(
+            self.location, self.files, thread_count=thread_count, allow_pickle=self.allow_pickle
+        )
 
     def loaded_objects(self, loaded: dict[str, Any]) -> dict[str, Any]:
         """Loaded objects by storage key, unwrapped from torch_dist's one-element lists."""

@@ -3,7 +3,8 @@
 torch's readers open their own filesystem (``FileSystemReader`` locally, ``FsspecReader``
 elsewhere); this one reads through the same ``Storage`` as everything else of an opened
 checkpoint, so storage options, faults (``StorageError``) and concurrency are dcpbridge's.
-The format is torch's: a pickled ``.metadata`` (read only when the caller allowed pickles)
+The format is torch's: a pickled ``.metadata``, read by default without running code (only
+the classes DCP metadata is made of, then checked, see ``dcp_pickle`` and ``dcp_checks``),
 whose ``storage_data`` places each item in a ``.distcp`` file; tensors are ``torch.save``
 bytes of the whole stored chunk (loaded with ``weights_only=True``), objects raw bytes.
 """
@@ -28,7 +29,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError
+from dcpbridge.errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    PickleRefusedError,
+)
+from dcpbridge.formats.dcp_checks import check_metadata
+from dcpbridge.formats.dcp_pickle import loads_dcp_metadata
 from dcpbridge.formats.dcp_transforms import (
     TORCH_SAVE_SLACK,
     decode,
@@ -42,9 +49,27 @@ DCP_METADATA = ".metadata"
 _BATCH_BYTES = 256 << 20  # bytes fetched at once
 
 
-def read_dcp_metadata(location: Location, files: Storage) -> Metadata:
-    """Unpickle ``.metadata`` (the caller has checked that pickles are allowed)."""
+def read_dcp_metadata(
+    location: Location, files: Storage, *, allow_pickle: bool = False
+) -> Metadata:
+    """``.metadata``, unpickled without running code and checked against the files.
+
+    A pickle that needs classes beyond DCP's raises ``PickleRefusedError``, unless
+    ``allow_pickle``: then it is unpickled with ``pickle`` (the caller trusts the checkpoint).
+    """
     raw = files.read_file(f"{location.root.rstrip('/')}/{DCP_METADATA}")  # a hidden name
+    where = f"{location.url}/{DCP_METADATA}"
+    try:
+        metadata = loads_dcp_metadata(raw, where)
+    except PickleRefusedError:
+        if not allow_pickle:
+            raise
+        return _trusted_metadata(raw, location)
+    return check_metadata(metadata, where, files.file_sizes())
+
+
+def _trusted_metadata(raw: bytes, location: Location) -> Metadata:
+    """``pickle.loads`` of ``.metadata``, which the caller allowed."""
     try:
         metadata = pickle.loads(raw)
     except Exception as e:
@@ -93,9 +118,17 @@ def undo_transforms(
 class DcpFileReader(StorageReader):
     """DCP ``StorageReader`` for torch's file format over one opened checkpoint's byte I/O."""
 
-    def __init__(self, location: Location, files: Storage, *, thread_count: int = 4) -> None:
+    def __init__(
+        self,
+        location: Location,
+        files: Storage,
+        *,
+        thread_count: int = 4,
+        allow_pickle: bool = False,
+    ) -> None:
         super().__init__()
         self.location, self.files = location, files
+        self.allow_pickle = allow_pickle
         self.thread_count = max(1, thread_count)
         self.metadata: Metadata | None = None
         self._limits: dict[tuple[str, tuple[int, ...]], int] | None = None
@@ -112,7 +145,9 @@ class DcpFileReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
-            self.metadata = read_dcp_metadata(self.location, self.files)
+            self.metadata = read_dcp_metadata(
+                self.location, self.files, allow_pickle=self.allow_pickle
+            )
             if getattr(self.metadata, "storage_meta", None) is None:
                 self.metadata.storage_meta = StorageMeta()
         return self.metadata

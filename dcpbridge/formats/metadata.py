@@ -44,8 +44,8 @@ def read_metadata(
     profile: str | None = None,
     allow_pickle: bool = False,
 ) -> Metadata:
-    """The DCP metadata of a dcpbridge, torch_dist or plain DCP checkpoint (pickled metadata of
-    the latter two only with ``allow_pickle``)."""
+    """The DCP metadata of a dcpbridge, torch_dist or plain DCP checkpoint (the latter two's
+    pickle read without running code; ``allow_pickle`` where it needs classes beyond DCP's)."""
     options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
     checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
     return checkpoint.reader().read_metadata()

@@ -4,6 +4,10 @@ On disk: torch's own DCP data files (``__{rank}_{i}.distcp``) and pickled ``.met
 tensors under their ShardedTensor keys, each ShardedObject under its unique key stored as a
 one-element list, the common state in ``common.pt``, and ``metadata.json`` naming the
 backend, written last (Megatron treats a directory without it as unfinished).
+
+Every file holds torch and Python standard-library types only, so Megatron-Core, ``dcp.load``
+and ``torch.load(weights_only=True)`` read it where dcpbridge is not installed: ``.metadata``
+is rebuilt from DCP's own classes (``portable_metadata``) before it is pickled.
 """
 
 from __future__ import annotations
@@ -14,14 +18,22 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.errors import InvalidArgumentError, SerializationError
 from dcpbridge.formats.checkpoint import MEGATRON_COMMON, MEGATRON_CONFIG
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
@@ -43,6 +55,25 @@ class TorchDistSavePlanner(ShardedSavePlanner):
     """Our save planning, with each ShardedObject stored as ``[data]`` as Megatron stores it."""
 
     list_wrapped_objects = True
+
+
+class _PortableStorageMeta:
+    """A torch writer whose ``.metadata`` names its checkpoint by a string, not a ``Path``
+    (a pickled ``PosixPath`` cannot be unpickled on Windows)."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()  # type: ignore[misc]
+        if meta is not None and meta.checkpoint_id is not None:
+            meta.checkpoint_id = os.fspath(meta.checkpoint_id)
+        return meta
+
+
+class _FileWriter(_PortableStorageMeta, FileSystemWriter):
+    """torch's local writer, with a portable ``StorageMeta``."""
+
+
+class _FsspecWriter(_PortableStorageMeta, FsspecWriter):
+    """torch's fsspec writer, with a portable ``StorageMeta``."""
 
 
 class TorchDistWriter(StorageWriter):
@@ -70,11 +101,11 @@ class TorchDistWriter(StorageWriter):
         self._created: list[Any] = []  # data files this save opened (removed if it fails)
         self._committed: list[str] = []  # commit files it wrote, likewise
         if self.location.is_local:
-            self.inner: StorageWriter = FileSystemWriter(
+            self.inner: StorageWriter = _FileWriter(
                 self.location.root, thread_count=thread_count, sync_files=sync_files
             )
         else:  # os.sync() per file is pointless on object stores
-            self.inner = FsspecWriter(
+            self.inner = _FsspecWriter(
                 self.location.url,
                 thread_count=thread_count,
                 sync_files=False,
@@ -154,7 +185,7 @@ class TorchDistWriter(StorageWriter):
         common = serialize_object(self.common_state, "the common state").getvalue()
         self._committed.append(MEGATRON_COMMON)
         store.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
-        self.inner.finish(metadata, results)
+        self.inner.finish(portable_metadata(metadata), results)
         config = json.dumps(MEGATRON_CHECKPOINT_CONFIG).encode()
         store.commit_file(MEGATRON_CONFIG, config, f"{MEGATRON_CONFIG}.tmp", sync=self.sync_files)
 
@@ -184,3 +215,47 @@ def _write_failure(url: str, name: str, error: BaseException) -> BaseException:
         return error
     where = f"{url}: write {name}" if name else f"{url}: write"
     return storage_error(where, fault)
+
+
+def portable_metadata(metadata: Metadata) -> Metadata:
+    """``metadata`` rebuilt from DCP's classes, ``torch.Size``, dtypes and plain Python values
+    only (a dcpbridge planner's chunk views become lists), for torch's writer to complete and
+    pickle."""
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            state[key] = BytesStorageMetadata()
+            continue
+        p = md.properties
+        state[key] = TensorStorageMetadata(
+            properties=TensorProperties(
+                dtype=p.dtype,
+                layout=p.layout,
+                requires_grad=bool(p.requires_grad),
+                memory_format=p.memory_format,
+                pin_memory=bool(p.pin_memory),
+            ),
+            size=torch.Size(md.size),
+            chunks=[
+                ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in md.chunks
+            ],
+        )
+    return Metadata(
+        state_dict_metadata=state, planner_data=_plain(metadata.planner_data, "planner_data")
+    )
+
+
+def _plain(value: Any, what: str, depth: int = 0) -> Any:
+    """A copy of ``value`` made of None, bools, numbers, strings, lists, tuples and dicts."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if depth > 32:
+        raise SerializationError(f"{what} is nested too deeply for a portable .metadata")
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v, what, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return {_plain(k, what, depth + 1): _plain(v, what, depth + 1) for k, v in value.items()}
+    raise SerializationError(
+        f"{what} holds a {type(value).__name__}, which only its own package could unpickle; "
+        "a torch_dist .metadata holds torch and Python types only"
+    )

@@ -346,7 +346,8 @@ def load_state_dict(
     """Every rank calls it; only rank 0 (global, or of ``process_group``) reads
     ``checkpoint_file`` (torch.save, ``.safetensors`` or a ``*.index.json`` of shards, or a
     checkpoint directory of any format: its tensors, whole) and gets its state dict, the
-    others get ``{}``. ``allow_pickle`` is for DCP / torch_dist directories (pickled metadata).
+    others get ``{}``. ``allow_pickle`` is for trusted files whose objects (or DCP metadata)
+    need classes that safe loading refuses.
 
     ``device_map`` places entries as accelerate does: one device for all, or a dict from
     module prefix to device (longest prefix wins). A read failure raises on every rank.

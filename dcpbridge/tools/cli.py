@@ -35,8 +35,10 @@ _FORMATS_HELP = """\
 checkpoint formats read (detected automatically):
   dcpbridge     a directory with dcpbridge.json (written by dcpbridge.save or this tool)
   torch_dist    a Megatron-Core torch_dist directory (metadata.json, .metadata, *.distcp,
-                common.pt); its .metadata is a pickle: pass --allow-pickle
-  dcp           a plain torch.distributed.checkpoint directory (.metadata): --allow-pickle
+                common.pt)
+  dcp           a plain torch.distributed.checkpoint directory (.metadata)
+                (their pickled .metadata is read without running code: DCP's own classes
+                only; --allow-pickle reads one that needs other classes)
   torch         a single torch.save file
   safetensors   a .safetensors file, or a directory of them (model.safetensors.index.json)
 
@@ -65,7 +67,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-pickle",
         action="store_true",
-        help="read pickled metadata/objects (DCP, torch_dist, torch files); trusted input only",
+        help="unpickle what safe loading refuses (objects, torch files, DCP metadata with "
+        "classes beyond DCP's); trusted input only",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")

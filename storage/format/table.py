@@ -528,6 +528,11 @@ class ChunkList(Sequence[ChunkStorageMetadata]):
     def __repr__(self) -> str:
         return repr(self._all())
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the plain list DCP's own planner makes, so a ``.metadata`` that torch's
+        writer pickles from a dcpbridge planner's metadata names no dcpbridge class."""
+        return (list, (self._all(),))
+
 
 # -- building -----------------------------------------------------------------------------------
 

@@ -412,11 +412,12 @@ def save_with_torch_writer(r: Rank, path: str) -> None:
 
 
 def load_dtensors_pickled_metadata(r: Rank, path: str) -> list[str]:
+    """torch's pickled ``.metadata`` is read without ``allow_pickle`` (DCP's classes only)."""
     mesh = mesh_of(r)
     template = {
         "model": {k: distribute_tensor(torch.zeros(SHAPES[k]), mesh, p) for k, p in LOAD_1D.items()}
     }
-    out = db.load(template, path, process_group=r.group, allow_pickle=True)
+    out = db.load(template, path, process_group=r.group)
     assert "step" not in out  # plain DCP records no common state: only what was asked
     return [k for k, v in out["model"].items() if torch.equal(v.full_tensor(), full(k))]
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tests.support import import_block
 from tests.support.s3_server import free_port
 
 
@@ -64,7 +65,11 @@ def _dumps(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) -> None:
+def _worker(
+    rank: int, size: int, port: int, conn: Connection, log_path: str, blocked: tuple[str, ...]
+) -> None:
+    if blocked:  # before the task modules: they must run without these packages
+        import_block.install(blocked)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -100,10 +105,11 @@ def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) ->
 
 
 class WorkerPool:
-    """``size`` spawned gloo ranks that run test functions on demand."""
+    """``size`` spawned gloo ranks that run test functions on demand; ``blocked`` packages
+    cannot be imported in them (readers of other tools, run where dcpbridge is absent)."""
 
-    def __init__(self, size: int = 4) -> None:
-        self.size = size
+    def __init__(self, size: int = 4, *, blocked: tuple[str, ...] = ()) -> None:
+        self.size, self.blocked = size, blocked
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._logdir = tempfile.mkdtemp(prefix="dcpb-pool-")
@@ -114,7 +120,11 @@ class WorkerPool:
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             log = os.path.join(self._logdir, f"rank{rank}.log")
-            p = ctx.Process(target=_worker, args=(rank, self.size, port, child, log), daemon=True)
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, self.size, port, child, log, self.blocked),
+                daemon=True,
+            )
             p.start()
             child.close()
             self._procs.append(p)
