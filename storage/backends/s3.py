@@ -182,25 +182,14 @@ class S3Storage(Storage):
         got = self.budget.bounded(self.fs._cat_file(path, max_concurrency=1), "GET")
         return _wait(self.fs.loop, got)
 
-    @storage_op("read")
-    def read_committed(self, name: str) -> Committed:
+    def _read_committed(self, path: str) -> Committed:
         """One GET: the commit object's bytes and its ETag (for a conditional commit)."""
-        try:
-            got = self.budget.bounded(_get_with_etag(self.fs._fs, self.location.path(name)), "GET")
-            data, etag = _wait(self.fs.loop, got)
-        except FileNotFoundError:
-            return Committed(None)
+        got = self.budget.bounded(_get_with_etag(self.fs._fs, path), "GET")
+        data, etag = _wait(self.fs.loop, got)
         return Committed(data, etag)
 
-    @storage_op("commit")
-    def commit_file(
-        self,
-        name: str,
-        data: bytes,
-        temp_name: str,
-        *,
-        sync: bool,
-        replaces: Committed | None = None,
+    def _publish(
+        self, name: str, data: bytes, temp_name: str, sync: bool, replaces: Committed | None
     ) -> None:
         """One PUT: S3 replaces an object atomically, so readers see old or new, never a mix.
 

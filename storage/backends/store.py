@@ -146,11 +146,16 @@ class Storage:
 
     @storage_op("read")
     def read_committed(self, name: str) -> Committed:
-        """The commit file ``name`` as it is now, to pass to ``commit_file(replaces=...)``."""
+        """The commit file ``name`` as it is now (``Committed(None)`` when there is none), to
+        pass to ``commit_file(replaces=...)``."""
         try:
-            return Committed(self.fs.cat_file(self.location.path(name)))
+            return self._read_committed(self.location.path(name))
         except FileNotFoundError:
             return Committed(None)
+
+    def _read_committed(self, path: str) -> Committed:
+        """This backend's read of a commit file: its bytes and what identifies this version."""
+        return Committed(self.fs.cat_file(path))
 
     @storage_op("commit")
     def commit_file(
@@ -162,12 +167,19 @@ class Storage:
         sync: bool,
         replaces: Committed | None = None,
     ) -> None:
-        """Publish ``data`` under ``name`` atomically.
+        """Publish ``data`` under ``name`` atomically (through ``temp_name`` where the backend
+        needs one).
 
         With ``replaces`` (what ``read_committed`` returned) the commit is conditional: if
         another commit replaced that one meanwhile, raise ``ConcurrentSaveError`` and publish
-        nothing. This generic version can only check just before writing.
+        nothing. How atomic and how conditional is each backend's ``_publish``.
         """
+        self._publish(name, data, temp_name, sync, replaces)
+
+    def _publish(
+        self, name: str, data: bytes, temp_name: str, sync: bool, replaces: Committed | None
+    ) -> None:
+        """Any fsspec store: one whole-file write; the condition is checked just before it."""
         if replaces is not None and self.read_committed(name).data != replaces.data:
             raise _conflict(self.location.path(name))
         self.fs.pipe_file(self.location.path(name), data)
@@ -299,25 +311,14 @@ class LocalStorage(Storage):
         with open(path, "rb") as f:
             return f.read()
 
-    @storage_op("read")
-    def read_committed(self, name: str) -> Committed:
+    def _read_committed(self, path: str) -> Committed:
         """The bytes and identity (inode, change time, size) of the commit file, read through
         one descriptor so they agree."""
-        try:
-            with open(self.location.path(name), "rb") as f:
-                return Committed(f.read(), _identity(os.fstat(f.fileno())))
-        except FileNotFoundError:
-            return Committed(None)
+        with open(path, "rb") as f:
+            return Committed(f.read(), _identity(os.fstat(f.fileno())))
 
-    @storage_op("commit")
-    def commit_file(
-        self,
-        name: str,
-        data: bytes,
-        temp_name: str,
-        *,
-        sync: bool,
-        replaces: Committed | None = None,
+    def _publish(
+        self, name: str, data: bytes, temp_name: str, sync: bool, replaces: Committed | None
     ) -> None:
         """Write a temp file, then rename it over ``name``.
 
