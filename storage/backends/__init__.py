@@ -1,4 +1,4 @@
-"""Byte movers: one Storage over fsspec (store: local disk, memory, any URL), S3, and device tensors through pinned host slabs (device_copy)."""
+"""Byte movers: one Storage over fsspec (store: local disk, memory, any URL), S3 with bounded requests (s3, deadlines), device tensors through pinned host slabs (device_copy)."""
 
 from __future__ import annotations
 
