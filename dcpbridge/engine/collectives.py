@@ -159,6 +159,21 @@ class Group:
         return torch.device("cpu")
 
 
+def new_gloo_group(group: Group) -> Group:
+    """A gloo process group of ``group``'s members, for side traffic (the local tier's copies
+    and fetches) that must never queue behind the training group's collectives.
+
+    Collective over ``group``'s members only (``use_local_synchronization``), so a sub-group
+    of a larger world may create its own; a group of one stays one process.
+    """
+    if not group.distributed:
+        return Group(None, group.rank, group.size, group.coordinator)
+    with _exchanging(group, "creating the local tier's gloo group"):
+        ranks = dist.get_process_group_ranks(group.pg)
+        pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return Group.resolve(pg)
+
+
 def _as_bytes(
     t: torch.Tensor, error: str = "point-to-point transfers need contiguous tensors"
 ) -> torch.Tensor:
