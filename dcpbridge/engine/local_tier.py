@@ -3,8 +3,8 @@
 A local step is an ordinary dcpbridge checkpoint (``dcpbridge.engine.save``, checksummed)
 whose data files stay in the writing ranks' node directories
 (``local_dir/step_00000100/`` on each node) and whose document is then written to every node
-directory. Each rank's data files are copied to ``replicas`` ranks on other nodes over a
-dedicated gloo group, and only once every part and copy is durable (agreed by one collective)
+directory. Each rank's data files are copied to ``replicas`` ranks on other nodes over the
+manager's side group (``collectives.SideGroup``: never the training group), and only once every part and copy is durable (agreed by one collective)
 does each node's lead rank publish the step's marker (``local.json``, atomically). A node's
 directory keeps the newest committed step and the one being written.
 """
@@ -25,7 +25,7 @@ import torch
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
-from dcpbridge.engine.collectives import Group, new_gloo_group
+from dcpbridge.engine.collectives import Group, SideGroup
 from dcpbridge.engine.local_plan import (
     LocalStep,
     Nodes,
@@ -101,7 +101,8 @@ class LocalTier:
         self.replicas = replicas
         self.nodes = Nodes(group.size, ranks_per_node)
         self.storage_options = storage_options
-        self.group = new_gloo_group(group)
+        self.training = group
+        self.group = SideGroup.for_group(group, "local-tier")
         self.node = self.nodes.node_of(self.group.rank)
         self.is_lead = self.group.rank == self.nodes.lead(self.node)
         if replicas > self.nodes.count - 1 and self.group.is_coordinator:
@@ -112,7 +113,6 @@ class LocalTier:
                 self.nodes.count - 1,
                 min(replicas, self.nodes.count - 1),
             )
-        self._pg = self.group.pg
 
     # -- locations ----------------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class LocalTier:
     def _write(self, step: int, state: Any, options: dict[str, Any]) -> None:
         g = self.group
         protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
-        save_mod.save(state, self.step_url(step), process_group=self._pg, **options)
+        save_mod.save(state, self.step_url(step), process_group=self.training.pg, **options)
         raw = g.broadcast(protocol.on_coordinator(g, "local document", self._read_document(step)))
         decoded: list[StorageIndex] = []
 

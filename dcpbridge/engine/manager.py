@@ -423,7 +423,9 @@ class CheckpointManager:
             allow_pickle=options.get("allow_pickle", False),
             allow_dtype_cast=options.get("allow_dtype_cast", False),
         )
-        return load_mod.load_opened(template, opened, self._local.group, strict=strict, **options)
+        return load_mod.load_opened(
+            template, opened, self._local.training, strict=strict, **options
+        )
 
     def _agree_on_step(self, step: int | None) -> int:
         def choose() -> int:

@@ -101,7 +101,7 @@ def test_a_report_whose_files_disagree_with_its_digest_is_ignored():
 
 def test_sources_prefer_the_own_node_and_spread_over_holders():
     files = ["f0", "f1", "f2", "f3"]
-    report = [_step(1, files, [DOC, *files])] * 2 + [_step(1, files, [DOC])] * 2
+    report = [[_step(1, files, [DOC, *files])]] * 2 + [[_step(1, files, [DOC])]] * 2
     chosen = newest_recoverable(report, DOC)
     assert choose_sources(files, 0, chosen) == dict.fromkeys(files, 0)
     got = choose_sources(files, 2, chosen)
