@@ -71,8 +71,14 @@ def manager(r: Rank, root: str, local: str, **kwargs) -> db.CheckpointManager:
 def train(r: Rank, root: str, local: str, kwargs: dict) -> dict:
     """Steps 1..STEPS; returns rank 0's on_commit calls and the log."""
     calls: list[tuple[int, str, str]] = []
+
+    def on_commit(*args) -> None:
+        calls.append(args)
+        if args[0] == 2:
+            raise RuntimeError("tracker down")  # logged, never raised
+
     log = _capture()
-    mgr = manager(r, root, local, on_commit=lambda *a: calls.append(a), **kwargs)
+    mgr = manager(r, root, local, on_commit=on_commit, **kwargs)
     w = piece(weights(0), r.rank, r.size, 0)
     started = time.perf_counter()
     stalls = []
@@ -137,6 +143,7 @@ def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_p
     ]
     assert calls[3][2].endswith("step_00000004") and "node0" in calls[-1][2]
     assert out[1]["calls"] == []  # rank 0 only
+    assert any("on_commit(2, 'local'" in line and "tracker down" in line for line in out[0]["log"])
     shutil.rmtree(node_dir(tmp_path, 1))  # node 1 died; its replacement starts empty
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [6] * 4 and [b["latest"] for b in back] == [6] * 4
