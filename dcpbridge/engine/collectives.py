@@ -269,12 +269,14 @@ SIDE_TIMEOUT = timedelta(minutes=5)
 class SideGroup(StoreGroup):
     """A ``StoreGroup`` that also moves bytes, over a private gloo backend of its members.
 
-    The local tier's copies and peer fetches travel here, never on the training group. The
-    backend is made directly (not with ``new_group``, whose names depend on how many groups
+    The local tier's copies and peer fetches travel here, never on the training group, from
+    a background thread too: the group has its own store client (a blocking ``get`` holds
+    the client it runs on, so sharing async_save's would deadlock). The backend is made directly (not with ``new_group``, whose names depend on how many groups
     each rank created before), rendezvousing under the group's own store prefix.
     """
 
     def __init__(self, group: Group, store: Any, name: str) -> None:
+        store = store.clone()  # its own client: a store call blocks the client it runs on
         super().__init__(group, store, name)
         prefix = dist.PrefixStore(f"dcpbridge/{name}/gloo/", store)
         with _exchanging(self, "connecting the side group"):

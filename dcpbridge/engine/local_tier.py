@@ -18,6 +18,8 @@ import logging
 import os
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +42,7 @@ from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.model.stateful import state_dicts
 from dcpbridge.storage import METADATA_FILE, Location, StorageIndex, resolve
 from dcpbridge.storage.backends import storage_for
-from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.backends.store import RangeRead, Storage
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import DATA_FILE_RE, decode_metadata
 
@@ -101,6 +103,7 @@ class LocalTier:
         self.replicas = replicas
         self.nodes = Nodes(group.size, ranks_per_node)
         self.storage_options = storage_options
+        self._behind: threading.Thread | None = None
         self.training = group
         self.group = SideGroup.for_group(group, "local-tier")
         self.node = self.nodes.node_of(self.group.rank)
@@ -131,9 +134,21 @@ class LocalTier:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, options: dict[str, Any]) -> bool:
-        """Write local step ``step`` and commit it; False (with a warning) where a node lacks
-        space or any part of it failed: the previous local step and the persistent tier stay."""
+    def save(
+        self,
+        step: int,
+        state: Any,
+        options: dict[str, Any],
+        *,
+        behind: bool = False,
+        committed: Callable[[], None] | None = None,
+    ) -> bool:
+        """Write local step ``step``, then copy and commit it (on a background thread with
+        ``behind``: the caller may change its tensors once this returns) and call
+        ``committed()``. False (with a warning) where a node lacks space or the write failed;
+        a failed copy or commit is logged too. The previous local step and the persistent tier
+        always stay."""
+        self.wait()
         g = self.group
         share = state_share(state)
         reports = protocol.agree(
@@ -156,22 +171,51 @@ class LocalTier:
                     what,
                 )
             return False
+        started = time.perf_counter()
         try:
-            self._write(step, state, options)
-        except CheckpointError as e:
-            log.warning(
-                "dcpbridge: local step %d not committed (the previous local step and the "
-                "persistent tier remain): %s",
-                step,
-                e,
-            )
+            protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
+            save_mod.save(state, self.step_url(step), process_group=self.training.pg, **options)
+        except Exception as e:  # the local tier is best effort: logged, training goes on
+            self._failed(step, e)
             return False
+        written = time.perf_counter() - started
+
+        def finish() -> None:
+            try:
+                self._replicate(step, written)
+            except Exception as e:  # every rank fails this step alike (protocol steps)
+                self._failed(step, e)
+                return
+            if committed is not None:
+                committed()
+
+        if behind:
+            self._behind = threading.Thread(target=finish, name="dcpb-local-tier", daemon=True)
+            self._behind.start()
+        else:
+            finish()
         return True
 
-    def _write(self, step: int, state: Any, options: dict[str, Any]) -> None:
+    def wait(self) -> None:
+        """Until the background copies and commit of the last local step are done."""
+        if self._behind is not None:
+            self._behind.join()
+            self._behind = None
+
+    @staticmethod
+    def _failed(step: int, error: BaseException) -> None:
+        log.warning(
+            "dcpbridge: local step %d not committed (the previous local step and the "
+            "persistent tier remain): %s",
+            step,
+            error,
+        )
+
+    def _replicate(self, step: int, written: float) -> None:
+        """Copy this rank's files of written step ``step`` to its targets, receive the copies
+        it keeps, and commit the step once all are durable (collective on the side group)."""
         g = self.group
-        protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
-        save_mod.save(state, self.step_url(step), process_group=self.training.pg, **options)
+        started = time.perf_counter()
         raw = g.broadcast(protocol.on_coordinator(g, "local document", self._read_document(step)))
         decoded: list[StorageIndex] = []
 
@@ -183,24 +227,29 @@ class LocalTier:
 
         protocol.agree(g, "local document", decode)
         index = decoded[0]
-        mine: dict[str, bytes] = {}
+        mine: dict[str, torch.Tensor] = {}
 
         def read_mine() -> dict[str, int]:
-            store = storage_for(self._location(step))
+            location = self._location(step)
+            store = storage_for(location)
+            present = store.file_sizes()
+            reads = []
             for name in index.files:
                 if writer_rank(name) == g.rank:
-                    mine[name] = store.read_file(
-                        self._location(step).data_path(name, index.prefixes)
-                    )
-            return {name: len(data) for name, data in mine.items()}
+                    mine[name] = torch.empty(present.get(name, 0), dtype=torch.uint8)
+                    view = memoryview(mine[name].numpy())
+                    reads.append(RangeRead(location.data_path(name, index.prefixes), 0, view))
+            store.fetch(reads, threads=2)
+            return {name: t.numel() for name, t in mine.items()}
 
         sizes = protocol.agree(g, "local copies: read", read_mine)
         received = self._send_copies(sizes, mine)
+        sent = time.perf_counter()
 
         def write_received() -> None:
             store = storage_for(self._location(step))
             for name, data in received.items():
-                store.commit_file(name, data, f"{name}.tmp", sync=True)
+                store.commit_file(name, memoryview(data.numpy()), f"{name}.tmp", sync=True)
             if self.is_lead and not store.exists(METADATA_FILE):
                 store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True)
 
@@ -217,7 +266,15 @@ class LocalTier:
                 )
             ),
         )
-        log.info("dcpbridge: local step %d committed in %s", step, self.local_dir)
+        done = time.perf_counter()
+        log.info(
+            "dcpbridge: local step %d committed in %s (write %.3fs, copies %.3fs, commit %.3fs)",
+            step,
+            self.local_dir,
+            written,
+            sent - started,
+            done - sent,
+        )
         self._on_lead(lambda: self._retain(step))
 
     def _read_document(self, step: int) -> Callable[[], bytes]:
@@ -227,7 +284,9 @@ class LocalTier:
 
         return read
 
-    def _send_copies(self, sizes: list[dict[str, int]], mine: dict[str, bytes]) -> dict[str, bytes]:
+    def _send_copies(
+        self, sizes: list[dict[str, int]], mine: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Send this rank's files to its copy targets and receive the files it keeps for
         others (one message per file, tagged by the file's place in the exchange)."""
         g = self.group
@@ -239,21 +298,12 @@ class LocalTier:
                 tag += 1
                 for dst in targets:
                     if src == g.rank:
-                        sends.append(
-                            (
-                                torch.frombuffer(bytearray(mine[name]), dtype=torch.uint8)
-                                if mine[name]
-                                else torch.empty(0, dtype=torch.uint8),
-                                dst,
-                                tag,
-                            )
-                        )
+                        sends.append((mine[name], dst, tag))
                     elif dst == g.rank:
-                        buf = torch.empty(files[name], dtype=torch.uint8)
-                        recvs.append((buf, src, tag))
-                        received[name] = buf
+                        received[name] = torch.empty(files[name], dtype=torch.uint8)
+                        recvs.append((received[name], src, tag))
         g.exchange([s for s in sends if s[0].numel()], [r for r in recvs if r[0].numel()])
-        return {name: buf.numpy().tobytes() for name, buf in received.items()}
+        return received
 
     def _on_lead(self, work: Callable[[], Any]) -> None:
         if self.is_lead:
@@ -313,11 +363,13 @@ class LocalTier:
     def newest(self, after: int | None, step: int | None = None) -> Recoverable | None:
         """The newest local step at least ``after`` (exactly ``step`` if given) that the ranks
         can recover together (collective: one all-gather of what each node holds)."""
+        self.wait()
         reports = protocol.agree(self.group, "local holdings", self.holdings)
         return newest_recoverable(reports, METADATA_FILE, after, step)
 
     def close(self) -> None:
-        """Nothing to release: the gloo group lives as long as the process group."""
+        """Wait for the background copies and commit of the last local step."""
+        self.wait()
 
 
 def held_step(location: Location) -> LocalStep | None:

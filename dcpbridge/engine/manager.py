@@ -236,8 +236,14 @@ class CheckpointManager:
         options = dict(
             thread_count=self.threads, checksums=True, fully_parallel=self.fully_parallel
         )
-        if self._local.save(step, state, options):
-            self._notify(step, "local", self._local.step_url(step, node=0))
+        url = self._local.step_url(step, node=0)
+        self._local.save(
+            step,
+            state,
+            options,
+            behind=self.async_save,
+            committed=lambda: self._notify(step, "local", url),
+        )
 
     def _notify(self, step: int, tier: str, url: str) -> None:
         """Call ``on_commit(step, tier, url)`` on rank 0; its exceptions are logged only."""
@@ -348,7 +354,10 @@ class CheckpointManager:
         return self._metrics[step]
 
     def wait(self) -> None:
-        """Block until the pending background save is committed (raises its failure)."""
+        """Block until the pending background save is committed (raises its failure) and
+        the local step's copies and commit are done."""
+        if self._local is not None:
+            self._local.wait()
         if self._finish_pending():
             self._settle()
 
@@ -490,6 +499,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the pending save (raising its failure) and restore signal handlers."""
         try:
+            if self._local is not None:
+                self._local.close()
             if self._finish_pending():
                 self._settle()
         finally:

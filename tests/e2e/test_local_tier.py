@@ -154,6 +154,16 @@ def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_p
     )
 
 
+def test_copies_and_commit_behind_the_training_loop(pool, tmp_path):
+    root, local, out = _train(pool, tmp_path, async_save=True)
+    assert sorted(s for s, t, _ in out[0]["calls"] if t == "local") == list(range(1, STEPS + 1))
+    assert sorted(os.listdir(node_dir(tmp_path, 1))) == ["step_00000006"]
+    shutil.rmtree(node_dir(tmp_path, 0))
+    back = pool.run(restore, 4, root, local, 1, 2, timeout=120)  # columns now
+    assert [b["step"] for b in back] == [6] * 4
+    print(f"local save stall, copies behind: {max(o['stall'] for o in out) * 1e3:.1f} ms")
+
+
 def test_fewer_ranks_and_another_split_restore_the_newest_local_step(pool, tmp_path):
     root, local, _ = _train(pool, tmp_path)
     back = pool.run(restore, 2, root, local, 1, 2, timeout=120)  # one node: own parts + copies
