@@ -150,10 +150,13 @@ class LocalTier:
         always stay."""
         self.wait()
         g = self.group
-        share = state_share(state)
-        reports = protocol.agree(
-            g, "local space", lambda: (share, free_bytes(self.node_dir(self.node)))
-        )
+        try:
+            reports = protocol.agree(
+                g, "local space", lambda: (state_share(state), free_bytes(self.node_dir(self.node)))
+            )
+        except Exception as e:  # raised alike on every rank: all skip this local step
+            self._failed(step, e)
+            return False
         lacking = lacking_space(
             [r[0] for r in reports], [r[1] for r in reports], self.nodes, self.replicas
         )
