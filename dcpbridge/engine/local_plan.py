@@ -160,15 +160,24 @@ def newest_recoverable(
     return None
 
 
-def choose_sources(needed: Iterable[str], rank: int, chosen: Recoverable) -> dict[str, int]:
+def choose_sources(
+    needed: Iterable[str], rank: int, chosen: Recoverable, *, avoid: Iterable[int] = ()
+) -> dict[str, int]:
     """Who serves each file ``rank`` needs: ``rank`` itself where its node holds the file,
-    else one of the holders, spread over them by the file's place and ``rank``."""
+    else one of the holders, spread over them by the file's place and ``rank``. Holders in
+    ``avoid`` (a second try passes this node's ranks, after its files failed verification)
+    serve only files nobody else holds."""
+    shunned = set(avoid)
     out = {}
     for i, name in enumerate(sorted(set(needed))):
         holders = chosen.holders.get(name)
         if not holders:
             raise InvalidArgumentError(f"no rank holds {name} of local step {chosen.step}")
-        out[name] = rank if rank in holders else holders[(i + rank) % len(holders)]
+        others = [h for h in holders if h not in shunned]
+        if not others or (rank in others):
+            out[name] = rank if rank in holders else holders[(i + rank) % len(holders)]
+        else:
+            out[name] = others[(i + rank) % len(others)]
     return out
 
 

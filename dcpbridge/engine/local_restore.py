@@ -200,12 +200,15 @@ def open_local_step(
     strict: Policy,
     allow_pickle: bool,
     allow_dtype_cast: bool,
+    copies: bool = False,
 ) -> PeerCheckpoint:
     """This rank's view of local step ``chosen``: its document (fetched if the node lacks
-    it) and every byte range its load will read, local or received (collective)."""
+    it) and every byte range its load will read, local or received (collective). With
+    ``copies``, files are read from other nodes' copies wherever there are some."""
     group = tier.group
     location = tier._location(chosen.step)
     rank = group.rank
+    avoid = tier.nodes.ranks_of(tier.node) if copies else ()
 
     def want_document() -> dict[int, list[Extent]]:
         if chosen.holds(rank, METADATA_FILE):
@@ -235,13 +238,13 @@ def open_local_step(
             allow_pickle=allow_pickle,
             allow_dtype_cast=allow_dtype_cast,
         )
-        sources.update(choose_sources({e.name for e in extents}, rank, chosen))
+        sources.update(choose_sources({e.name for e in extents}, rank, chosen, avoid=avoid))
         return _by_source(extents, sources, rank)
 
     received = fetch(group, location, want_data, f"local step {chosen.step}: data")
     index = metadata[0].storage_data
     assert isinstance(index, StorageIndex)
-    own = {n for n in index.files if chosen.holds(rank, n)}
+    own = {n for n in index.files if sources.get(n) == rank}
     sizes = {  # every file's, as its source (or else its first holder) reports it
         name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
         for name in index.files

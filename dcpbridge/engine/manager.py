@@ -32,7 +32,12 @@ from dcpbridge.engine.local_plan import Recoverable
 from dcpbridge.engine.local_restore import open_local_step
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
 from dcpbridge.engine.strict import parse_strict
-from dcpbridge.errors import CheckpointError, InvalidArgumentError, NotACheckpointError
+from dcpbridge.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NotACheckpointError,
+)
 from dcpbridge.formats.config import Config, load_config, resolve_storage_options
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
@@ -401,9 +406,7 @@ class CheckpointManager:
             )
         if local is not None:
             try:
-                out = self._load_local(template, local, kwargs)
-                log.info("dcpbridge: loaded step %d from the local tier", local.step)
-                return out
+                return self._load_local_or_copies(template, local, kwargs)
             except CheckpointError as e:
                 if step is not None or not complete:
                     raise
@@ -419,7 +422,29 @@ class CheckpointManager:
         log.warning("dcpbridge: loading persistent step %d from %s (%s)", step, self.root, why)
         return self._load_persistent(template, step, kwargs)
 
-    def _load_local(self, template: Any, chosen: Recoverable, kwargs: dict[str, Any]) -> Any:
+    def _load_local_or_copies(
+        self, template: Any, chosen: Recoverable, kwargs: dict[str, Any]
+    ) -> Any:
+        """Load local step ``chosen``; where a part fails verification, once more reading
+        every part from another node's copy where one exists."""
+        try:
+            out = self._load_local(template, chosen, kwargs)
+        except CorruptCheckpointError as e:
+            log.warning(
+                "dcpbridge: local step %d failed verification (%s); reading it from the copies "
+                "on other nodes",
+                chosen.step,
+                e,
+            )
+            out = self._load_local(template, chosen, kwargs, copies=True)
+            log.info("dcpbridge: loaded step %d from the local tier's copies", chosen.step)
+            return out
+        log.info("dcpbridge: loaded step %d from the local tier", chosen.step)
+        return out
+
+    def _load_local(
+        self, template: Any, chosen: Recoverable, kwargs: dict[str, Any], copies: bool = False
+    ) -> Any:
         assert self._local is not None
         known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count"}
         options = {k: v for k, v in kwargs.items() if k in known}
@@ -431,6 +456,7 @@ class CheckpointManager:
             strict=strict,
             allow_pickle=options.get("allow_pickle", False),
             allow_dtype_cast=options.get("allow_dtype_cast", False),
+            copies=copies,
         )
         return load_mod.load_opened(
             template, opened, self._local.training, strict=strict, **options

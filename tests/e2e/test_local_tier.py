@@ -183,17 +183,28 @@ def test_all_nodes_wiped_fall_back_to_the_persistent_step(pool, tmp_path):
     assert any("loading persistent step 4" in line for line in back[0]["log"])
 
 
-def test_a_flipped_byte_never_loads_wrong_data(pool, tmp_path):
-    root, local, _ = _train(pool, tmp_path)
-    step_dir = os.path.join(node_dir(tmp_path, 0), "step_00000006")
-    victim = next(n for n in sorted(os.listdir(step_dir)) if n.startswith("__0_"))
-    path = os.path.join(step_dir, victim)
+def _flip(path: str) -> None:
     with open(path, "r+b") as f:
-        f.seek(0)
         byte = f.read(1)
         f.seek(0)
         f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["one-copy", "both-copies"])
+def test_a_flipped_byte_never_loads_wrong_data(pool, tmp_path, both):
+    root, local, _ = _train(pool, tmp_path)
+    step_dir = os.path.join(node_dir(tmp_path, 0), "step_00000006")
+    victim = next(n for n in sorted(os.listdir(step_dir)) if n.startswith("__0_"))
+    _flip(os.path.join(step_dir, victim))
+    if both:  # its copy on node 1 too
+        _flip(os.path.join(node_dir(tmp_path, 1), "step_00000006", victim))
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    retry = next(x for x in back[0]["log"] if "reading it from the copies" in x)
+    assert victim in retry
+    if not both:  # node 0's ranks read the file from node 1's copy
+        assert [b["step"] for b in back] == [6] * 4
+        assert any("from the local tier's copies" in x for x in back[0]["log"])
+        return
     assert [b["step"] for b in back] == [4] * 4
     line = next(x for x in back[0]["log"] if "loading persistent step 4" in x)
     assert "could not be restored" in line and victim in line

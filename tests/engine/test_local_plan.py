@@ -118,3 +118,12 @@ def test_extents_merge_when_close_and_transfers_turn_requests_around():
     ]
     requests = [{}, {0: [Extent("a", 0, 1)]}, {0: [Extent("b", 0, 2)], 2: [Extent("c", 0, 1)]}]
     assert transfers(requests) == {0: {1: [Extent("a", 0, 1)], 2: [Extent("b", 0, 2)]}}
+
+
+def test_a_second_try_reads_other_nodes_copies_where_there_are_some():
+    files = ["f0", "f1"]
+    report = [[_step(1, files, [DOC, *files])]] * 2 + [[_step(1, files, [DOC, "f0"])]] * 2
+    chosen = newest_recoverable(report, DOC)
+    got = choose_sources(files, 0, chosen, avoid=[0, 1])
+    assert got["f0"] in (2, 3) and got["f1"] == 0  # f1 has no copy elsewhere
+    assert choose_sources(files, 2, chosen, avoid=[2, 3]) == {"f0": 0, "f1": 1}
