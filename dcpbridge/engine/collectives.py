@@ -8,6 +8,7 @@ import pickle
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -184,8 +185,8 @@ class StoreGroup(Group):
 
     _created: Counter[tuple[str, tuple[int, ...]]] = Counter()
 
-    @staticmethod
-    def for_group(group: Group, purpose: str) -> Group:
+    @classmethod
+    def for_group(cls, group: Group, purpose: str) -> Group:
         """A store-backed twin of ``group`` (one process alone when there is nothing to sync).
 
         Its key prefix depends only on ``purpose``, the member ranks and how many twins for
@@ -198,7 +199,7 @@ class StoreGroup(Group):
         ranks = tuple(dist.get_process_group_ranks(group.pg))
         serial = StoreGroup._created[(purpose, ranks)]
         StoreGroup._created[(purpose, ranks)] += 1
-        return StoreGroup(group, store, f"{purpose}/{'-'.join(map(str, ranks))}/{serial}")
+        return cls(group, store, f"{purpose}/{'-'.join(map(str, ranks))}/{serial}")
 
     @property
     def distributed(self) -> bool:
@@ -259,3 +260,37 @@ class StoreGroup(Group):
         out = [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.size)]
         self._done(key, [f"{key}/{r}" for r in range(self.size)])
         return out
+
+
+SIDE_TIMEOUT = timedelta(minutes=5)
+"""How long a side group's byte transfer waits for a silent peer (a dead one fails at once)."""
+
+
+class SideGroup(StoreGroup):
+    """A ``StoreGroup`` that also moves bytes, over a private gloo backend of its members.
+
+    The local tier's copies and peer fetches travel here, never on the training group, from
+    a background thread too: the group has its own store client (a blocking ``get`` holds
+    the client it runs on, so sharing async_save's would deadlock). The backend is made directly (not with ``new_group``, whose names depend on how many groups
+    each rank created before), rendezvousing under the group's own store prefix.
+    """
+
+    def __init__(self, group: Group, store: Any, name: str) -> None:
+        store = store.clone()  # its own client: a store call blocks the client it runs on
+        super().__init__(group, store, name)
+        prefix = dist.PrefixStore(f"dcpbridge/{name}/gloo/", store)
+        with _exchanging(self, "connecting the side group"):
+            backend = dist.ProcessGroupGloo(prefix, group.rank, group.size, SIDE_TIMEOUT)
+        object.__setattr__(self, "_gloo", backend)
+
+    @collective("exchange")
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int, int]],
+        recvs: list[tuple[torch.Tensor, int, int]],
+    ) -> None:
+        """Point-to-point over the side backend (group ranks), as ``Group.exchange``."""
+        works = [self._gloo.send([_as_bytes(t)], dst, tag) for t, dst, tag in sends]
+        works += [self._gloo.recv([_as_bytes(t)], src, tag) for t, src, tag in recvs]
+        for work in works:
+            work.wait()

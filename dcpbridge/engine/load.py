@@ -102,6 +102,29 @@ def load(
     )
 
 
+def load_opened(
+    template: ShardedStateDict,
+    checkpoint: Checkpoint,
+    group: Group,
+    *,
+    strict: Policy,
+    allow_pickle: bool = False,
+    allow_dtype_cast: bool = False,
+    thread_count: int = 4,
+) -> Any:
+    """``load`` from a checkpoint the caller opened (the local tier's peer view) over ``group``."""
+    return _load(
+        template,
+        checkpoint,
+        group,
+        strict=strict,
+        storage_options=None,
+        allow_pickle=allow_pickle,
+        allow_dtype_cast=allow_dtype_cast,
+        thread_count=thread_count,
+    )
+
+
 def _load(
     template: ShardedStateDict,
     checkpoint_dir: PathLike | Checkpoint,

@@ -28,8 +28,18 @@ from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import InvalidArgumentError, NotACheckpointError
+from dcpbridge.engine.local_plan import Recoverable
+from dcpbridge.engine.local_restore import open_local_step
+from dcpbridge.engine.local_tier import LocalTier, check_local_args
+from dcpbridge.engine.strict import parse_strict
+from dcpbridge.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NotACheckpointError,
+)
 from dcpbridge.formats.config import Config, load_config, resolve_storage_options
+from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.errors import storage_faults
@@ -110,6 +120,11 @@ class CheckpointManager:
         *,
         profile: str | None = None,
         config: Config | str | os.PathLike[str] | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_every: int = 1,
+        replicas: int = 1,
+        ranks_per_node: int | None = None,
+        on_commit: Callable[[int, str, str], Any] | None = None,
     ) -> None:
         cfg = config if isinstance(config, Config) else load_config(config)
         defaults = cfg.checkpoint
@@ -144,6 +159,18 @@ class CheckpointManager:
         self._received: int | None = None
         self._stop = False
         self._final_saved = False
+        self.on_commit = on_commit
+        self._local: LocalTier | None = None
+        self.local_every = local_every
+        if local_dir is not None:
+            self.local_every, replicas, ranks_per_node = check_local_args(
+                local_every, replicas, ranks_per_node
+            )
+            if not os.fspath(local_dir):
+                raise InvalidArgumentError("local_dir must name a directory")
+            self._local = LocalTier(
+                os.fspath(local_dir), self._group, replicas=replicas, ranks_per_node=ranks_per_node
+            )
 
     # -- locations ----------------------------------------------------------------------------
 
@@ -172,9 +199,15 @@ class CheckpointManager:
         return self._scan()[0]
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint, or None."""
+        """The newest complete checkpoint, or None; with a local tier, the newer of the
+        persistent one and the newest local step the ranks can recover (collective)."""
         steps = self.all_steps()
-        return steps[-1] if steps else None
+        persistent = steps[-1] if steps else None
+        if self._local is None:
+            return persistent
+        persistent = self._agree(lambda: persistent)
+        local = self._local.newest(persistent)
+        return local.step if local is not None else persistent
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -193,8 +226,43 @@ class CheckpointManager:
         preempted = self._agree_on_signal() if self._signals else False
         if preempted and self._final_saved:
             return False
-        if not (force or preempted or step % self.every == 0):
+        persist = force or preempted or step % self.every == 0
+        local = self._local is not None and not preempted and step % self.local_every == 0
+        if not (persist or local):
             return False
+        if persist:
+            self._persist(step, state, metrics, preempted)
+        if local:
+            self._save_local(step, state)
+        return True
+
+    def _save_local(self, step: int, state: Any) -> None:
+        assert self._local is not None
+        options = dict(
+            thread_count=self.threads, checksums=True, fully_parallel=self.fully_parallel
+        )
+        url = self._local.step_url(step, node=0)
+        self._local.save(
+            step,
+            state,
+            options,
+            behind=self.async_save,
+            committed=lambda: self._notify(step, "local", url),
+        )
+
+    def _notify(self, step: int, tier: str, url: str) -> None:
+        """Call ``on_commit(step, tier, url)`` on rank 0; its exceptions are logged only."""
+        if self.on_commit is None or not self._group.is_coordinator:
+            return
+        try:
+            self.on_commit(step, tier, url)
+        except Exception as e:
+            log.warning("dcpbridge: on_commit(%d, %r, %r) failed: %r", step, tier, url, e)
+
+    def _persist(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None, preempted: bool
+    ) -> None:
+        """The persistent save of ``step`` (async unless preempted)."""
         self._finish_pending()
         self._prepare(step, metrics)
         url = self.step_url(step)
@@ -207,14 +275,14 @@ class CheckpointManager:
         )
         if self.async_save and not preempted:
             self._pending = (step, save_mod.async_save(state, url, **options))
-            return True
+            return
         save_mod.save(state, url, **options)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
         self._after_commit()
+        self._notify(step, "persistent", url)
         self._settle()
         if preempted:
             self._final_saved = True
-        return True
 
     def _prepare(self, step: int, metrics: Mapping[str, Any] | None) -> None:
         """Rank 0 clears leftovers of a killed save of ``step`` and records its metrics; the
@@ -254,6 +322,7 @@ class CheckpointManager:
         handle.result()
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
         self._after_commit()
+        self._notify(step, "persistent", handle.checkpoint_dir)
         return True
 
     def _settle(self) -> None:
@@ -290,7 +359,10 @@ class CheckpointManager:
         return self._metrics[step]
 
     def wait(self) -> None:
-        """Block until the pending background save is committed (raises its failure)."""
+        """Block until the pending background save is committed (raises its failure) and
+        the local step's copies and commit are done."""
+        if self._local is not None:
+            self._local.wait()
         if self._finish_pending():
             self._settle()
 
@@ -300,10 +372,94 @@ class CheckpointManager:
         """Load ``step`` (default: the newest complete one, as rank 0 sees it) into
         ``template``, in any layout or world size; ``kwargs`` go to ``dcpbridge.load``."""
         self._finish_pending()
+        if self._local is not None:
+            return self._load_either(template, step, kwargs)
         chosen = self._agree_on_step(step)
+        return self._load_persistent(template, chosen, kwargs)
+
+    def _load_persistent(self, template: Any, step: int, kwargs: dict[str, Any]) -> Any:
         kwargs.setdefault("storage_options", self.storage_options)
         return load_mod.load(
-            template, self.step_url(chosen), process_group=self.process_group, **kwargs
+            template, self.step_url(step), process_group=self.process_group, **kwargs
+        )
+
+    def _agree(self, work: Callable[[], Any]) -> Any:
+        """``work()`` run on rank 0, its result on every rank (its failure raised on all)."""
+        size = self._group.size
+        return protocol.decide(self._group, "agree", lambda: None, lambda _: [work()] * size)
+
+    def _load_either(self, template: Any, step: int | None, kwargs: dict[str, Any]) -> Any:
+        """Load ``step`` (default: the newest of both tiers) from the local tier where the
+        ranks can recover it, else from the persistent tier, logging which and why."""
+        assert self._local is not None
+        complete = self._agree(lambda: self._scan()[0])
+        persistent = (complete[-1] if complete else None) if step is None else step
+        if step is not None and step in complete:
+            local = None
+            why = f"step {step} is in the persistent tier"
+        else:
+            local = self._local.newest(persistent, step)
+            why = (
+                "no complete local step newer than the persistent tier's"
+                if step is None
+                else f"the local tier cannot recover step {step}"
+            )
+        if local is not None:
+            try:
+                return self._load_local_or_copies(template, local, kwargs)
+            except CheckpointError as e:
+                if step is not None or not complete:
+                    raise
+                why = f"local step {local.step} could not be restored: {e}"
+        if step is None:
+            if not complete:
+                raise NotACheckpointError(
+                    f"{self.root}: no complete checkpoint (step_*) and no recoverable local step"
+                )
+            step = complete[-1]
+        elif step not in complete:
+            raise NotACheckpointError(f"step {step} is in neither tier ({why})")
+        log.warning("dcpbridge: loading persistent step %d from %s (%s)", step, self.root, why)
+        return self._load_persistent(template, step, kwargs)
+
+    def _load_local_or_copies(
+        self, template: Any, chosen: Recoverable, kwargs: dict[str, Any]
+    ) -> Any:
+        """Load local step ``chosen``; where a part fails verification, once more reading
+        every part from another node's copy where one exists."""
+        try:
+            out = self._load_local(template, chosen, kwargs)
+        except CorruptCheckpointError as e:
+            log.warning(
+                "dcpbridge: local step %d failed verification (%s); reading it from the copies "
+                "on other nodes",
+                chosen.step,
+                e,
+            )
+            out = self._load_local(template, chosen, kwargs, copies=True)
+            log.info("dcpbridge: loaded step %d from the local tier's copies", chosen.step)
+            return out
+        log.info("dcpbridge: loaded step %d from the local tier", chosen.step)
+        return out
+
+    def _load_local(
+        self, template: Any, chosen: Recoverable, kwargs: dict[str, Any], copies: bool = False
+    ) -> Any:
+        assert self._local is not None
+        known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count"}
+        options = {k: v for k, v in kwargs.items() if k in known}
+        strict = parse_strict(options.pop("strict", StrictMode.RAISE_MISSING))
+        opened = open_local_step(
+            self._local,
+            chosen,
+            template,
+            strict=strict,
+            allow_pickle=options.get("allow_pickle", False),
+            allow_dtype_cast=options.get("allow_dtype_cast", False),
+            copies=copies,
+        )
+        return load_mod.load_opened(
+            template, opened, self._local.training, strict=strict, **options
         )
 
     def _agree_on_step(self, step: int | None) -> int:
@@ -369,6 +525,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the pending save (raising its failure) and restore signal handlers."""
         try:
+            if self._local is not None:
+                self._local.close()
             if self._finish_pending():
                 self._settle()
         finally:

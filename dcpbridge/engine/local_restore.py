@@ -1,0 +1,264 @@
+"""Restoring a local step in any layout: plan with the load planner, fetch missing bytes from
+peers, then load through the normal reader (checksums verified) from this node's directory
+and the received byte ranges.
+
+Every exchange is a ``protocol`` step on the local tier's gloo group, so a failure on any rank
+(a missing file, a short read, a bad document) is raised on every rank and nobody waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader
+
+from dcpbridge.engine import protocol
+from dcpbridge.engine.bridge import BridgeLoadPlanner
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.local_plan import (
+    Extent,
+    Recoverable,
+    choose_sources,
+    merge_extents,
+    transfers,
+)
+from dcpbridge.engine.local_tier import LocalTier, document_digest
+from dcpbridge.engine.strict import Policy
+from dcpbridge.errors import CorruptCheckpointError
+from dcpbridge.formats.checkpoint import Checkpoint, Format
+from dcpbridge.model.intake import for_load
+from dcpbridge.model.stateful import state_dicts
+from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, StorageIndex
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.store import RangeRead, Read, Storage, parts_of
+from dcpbridge.storage.format.document import decode_metadata
+
+Received = dict[str, list[tuple[int, memoryview]]]  # file -> (offset, bytes) ranges
+
+
+class PeerStorage(Storage):
+    """This node's step directory for the files it holds, received ranges for the others."""
+
+    def __init__(self, local: Storage, own: set[str], received: Received, sizes: dict[str, int]):
+        super().__init__(local.location)
+        self._local, self._own, self._received, self._sizes = local, own, received, sizes
+
+    def file_sizes(self) -> dict[str, int]:
+        present = self._local.file_sizes() if self._own else {}
+        out = {n: s for n, s in present.items() if n in self._own}
+        out.update(self._sizes)
+        return out
+
+    def fetch(self, reads: Sequence[Read], threads: int) -> None:
+        mine = [r for r in reads if _name(r.path) in self._own]
+        if mine:
+            self._local.fetch(mine, threads)
+        for r in reads:
+            if _name(r.path) not in self._own:
+                self._serve(r)
+
+    def _serve(self, r: Read) -> None:
+        name, pos = _name(r.path), r.start
+        for part in parts_of(r):
+            if isinstance(part, int):
+                pos += part
+                continue
+            part[:] = self._bytes(name, pos, len(part))
+            pos += len(part)
+        if r.on_done is not None:
+            r.on_done()
+
+    def _bytes(self, name: str, start: int, n: int) -> memoryview:
+        for offset, data in self._received.get(name, ()):
+            if offset <= start and start + n <= offset + len(data):
+                return data[start - offset : start - offset + n]
+        raise CorruptCheckpointError(
+            f"{self.location.url}: bytes {start}..{start + n} of {name} were neither in this "
+            "node's directory nor received from a peer"
+        )
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+class PeerReader(FsspecCheckpointReader):
+    """The normal reader over a ``PeerStorage``, with the already decoded document."""
+
+    def __init__(self, location: Location, store: Storage, metadata: Metadata, **kwargs: Any):
+        super().__init__(location, **kwargs)  # type: ignore[arg-type]
+        self._io, self._metadata = store, metadata
+
+
+@dataclass
+class PeerCheckpoint(Checkpoint):
+    """A local step opened for one rank: its document and its ``PeerStorage``."""
+
+    metadata: Metadata | None = None
+
+    def reader(self, *, thread_count: int = 4, verify_checksums: bool = True) -> StorageReader:
+        assert self.metadata is not None
+        return PeerReader(
+            self.location,
+            self.files,
+            self.metadata,
+            thread_count=thread_count,
+            verify_checksums=True,
+        )
+
+
+def fetch(
+    group: Group, location: Location, wanted: Callable[[], dict[int, list[Extent]]], what: str
+) -> Received:
+    """Receive the extents ``wanted()`` names (source rank -> extents) from their sources, and
+    serve what the other ranks want of this rank's node directory (collective)."""
+    requests = protocol.agree(group, f"{what}: requests", wanted)
+    plan = transfers(requests)
+    store = storage_for(location)
+    failure: list[BaseException] = []
+    sends = []
+    for dst, extents in sorted(plan.get(group.rank, {}).items()):
+        buf = torch.zeros(sum(e.nbytes for e in extents), dtype=torch.uint8)
+        view, pos = memoryview(buf.numpy()), 0
+        reads = []
+        for e in extents:
+            reads.append(
+                RangeRead(
+                    location.data_path(e.name)
+                    if e.name != METADATA_FILE
+                    else location.path(e.name),
+                    e.offset,
+                    view[pos : pos + e.nbytes],
+                )
+            )
+            pos += e.nbytes
+        try:
+            store.fetch(reads, threads=2)
+        except Exception as err:  # still sent (zeros), so no peer waits; raised below on all
+            failure.append(err)
+        sends.append((buf, dst, 0))
+    recvs, mine = [], requests[group.rank]
+    bufs: dict[int, torch.Tensor] = {}
+    for src, extents in sorted(mine.items()):
+        if src != group.rank and extents:
+            bufs[src] = torch.empty(sum(e.nbytes for e in extents), dtype=torch.uint8)
+            recvs.append((bufs[src], src, 0))
+    group.exchange([s for s in sends if s[0].numel()], [r for r in recvs if r[0].numel()])
+
+    def served() -> None:
+        if failure:
+            raise failure[0]
+
+    protocol.agree(group, f"{what}: served", served)
+    out: Received = {}
+    for src, buf in bufs.items():
+        view, pos = memoryview(buf.numpy()), 0
+        for e in mine[src]:
+            out.setdefault(e.name, []).append((e.offset, view[pos : pos + e.nbytes]))
+            pos += e.nbytes
+    return out
+
+
+def _by_source(
+    extents: list[Extent], sources: dict[str, int], rank: int
+) -> dict[int, list[Extent]]:
+    out: dict[int, list[Extent]] = {}
+    for e in merge_extents(extents):
+        if sources[e.name] != rank:
+            out.setdefault(sources[e.name], []).append(e)
+    return out
+
+
+def needed_extents(
+    template: Any, metadata: Metadata, group: Group, **planner_options: Any
+) -> list[Extent]:
+    """The stored items this rank's load of ``template`` reads, planned by the load planner
+    (a dry run: nothing is read)."""
+    parts = for_load(state_dicts(template))
+    planner = BridgeLoadPlanner(parts, parts.shards, legacy_common=False, **planner_options)
+    planner.set_up_planner(None, metadata, group.is_coordinator)
+    plan = planner.create_local_plan()
+    index = metadata.storage_data
+    assert isinstance(index, StorageIndex)
+    out = []
+    for item in plan.items:
+        stored = index.get(item.storage_index)
+        if stored is not None:
+            out.append(Extent(stored.file, stored.offset, stored.nbytes))
+    return out
+
+
+def open_local_step(
+    tier: LocalTier,
+    chosen: Recoverable,
+    template: Any,
+    *,
+    strict: Policy,
+    allow_pickle: bool,
+    allow_dtype_cast: bool,
+    copies: bool = False,
+) -> PeerCheckpoint:
+    """This rank's view of local step ``chosen``: its document (fetched if the node lacks
+    it) and every byte range its load will read, local or received (collective). With
+    ``copies``, files are read from other nodes' copies wherever there are some."""
+    group = tier.group
+    location = tier._location(chosen.step)
+    rank = group.rank
+    avoid = tier.nodes.ranks_of(tier.node) if copies else ()
+
+    def want_document() -> dict[int, list[Extent]]:
+        if chosen.holds(rank, METADATA_FILE):
+            return {}
+        src = choose_sources([METADATA_FILE], rank, chosen)[METADATA_FILE]
+        return {src: [Extent(METADATA_FILE, 0, chosen.sizes[(METADATA_FILE, src)])]}
+
+    got = fetch(group, location, want_document, f"local step {chosen.step}: document")
+    metadata: list[Metadata] = []
+    sources: dict[str, int] = {}
+
+    def want_data() -> dict[int, list[Extent]]:
+        if chosen.holds(rank, METADATA_FILE):
+            raw = storage_for(location).read_file(location.path(METADATA_FILE))
+        else:
+            raw = bytes(got[METADATA_FILE][0][1])
+        if document_digest(raw) != chosen.digest:
+            raise CorruptCheckpointError(
+                f"{location.url}: the document of local step {chosen.step} changed"
+            )
+        metadata.append(decode_metadata(raw, where=location.path(METADATA_FILE)))
+        extents = needed_extents(
+            template,
+            metadata[0],
+            group,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast,
+        )
+        sources.update(choose_sources({e.name for e in extents}, rank, chosen, avoid=avoid))
+        return _by_source(extents, sources, rank)
+
+    received = fetch(group, location, want_data, f"local step {chosen.step}: data")
+    index = metadata[0].storage_data
+    assert isinstance(index, StorageIndex)
+    own = {n for n in index.files if sources.get(n) == rank}
+    sizes = {  # every file's, as its source (or else its first holder) reports it
+        name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
+        for name in index.files
+        if name not in own
+    }
+    store = PeerStorage(storage_for(location), own, received, sizes)
+    return PeerCheckpoint(location, Format.DCPBRIDGE, store, metadata=metadata[0])
+
+
+__all__ = [
+    "PeerCheckpoint",
+    "PeerReader",
+    "PeerStorage",
+    "fetch",
+    "needed_extents",
+    "open_local_step",
+]

@@ -1,0 +1,432 @@
+"""The local tier: frequent checkpoints in node-local directories, copied to other nodes.
+
+A local step is an ordinary dcpbridge checkpoint (``dcpbridge.engine.save``, checksummed)
+whose data files stay in the writing ranks' node directories
+(``local_dir/step_00000100/`` on each node) and whose document is then written to every node
+directory. Each rank's data files are copied to ``replicas`` ranks on other nodes over the
+manager's side group (``collectives.SideGroup``: never the training group), and only once every part and copy is durable (agreed by one collective)
+does each node's lead rank publish the step's marker (``local.json``, atomically). A node's
+directory keeps the newest committed step and the one being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dcpbridge.engine import protocol
+from dcpbridge.engine import save as save_mod
+from dcpbridge.engine.collectives import Group, SideGroup
+from dcpbridge.engine.local_plan import (
+    LocalStep,
+    Nodes,
+    Recoverable,
+    copy_targets,
+    lacking_space,
+    newest_recoverable,
+)
+from dcpbridge.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
+from dcpbridge.model.intake import for_save
+from dcpbridge.model.mapping import ShardedTensor
+from dcpbridge.model.stateful import state_dicts
+from dcpbridge.storage import METADATA_FILE, Location, StorageIndex, resolve
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.store import RangeRead, Storage
+from dcpbridge.storage.errors import storage_faults
+from dcpbridge.storage.format.document import DATA_FILE_RE, decode_metadata
+
+log = logging.getLogger("dcpbridge")
+
+MARKER = "local.json"
+"""A local step's commit marker, published atomically in a node's step directory last."""
+_STEP_DIR = re.compile(r"^step_(\d{1,18})$")
+_SLACK = 1 << 20  # bytes per rank beyond its tensors: objects, common state, alignment
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes of the file system holding ``path`` (None for remote URLs); tests replace it."""
+    if "://" in path:
+        return None
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    return shutil.disk_usage(probe).free
+
+
+def state_share(state: Any) -> int:
+    """An upper bound of the bytes this rank writes for ``state``: its tensors plus slack."""
+    parts = for_save(state_dicts(state))
+    held = sum(s.data.nbytes for s in parts.shards if isinstance(s, ShardedTensor))
+    return held + _SLACK
+
+
+def document_digest(raw: bytes) -> str:
+    """What tells two documents of one step apart."""
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def writer_rank(name: str) -> int:
+    """The rank that wrote data file ``name``."""
+    m = DATA_FILE_RE.match(name)
+    if m is None:
+        raise CorruptCheckpointError(f"{name!r} is not a data file name")
+    return int(m.group(1))
+
+
+class LocalTier:
+    """The local tier of one ``CheckpointManager``: its directories, gloo group and steps."""
+
+    def __init__(
+        self,
+        local_dir: str,
+        group: Group,
+        *,
+        replicas: int,
+        ranks_per_node: int,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.local_dir = local_dir.rstrip("/") or "/"
+        self.replicas = replicas
+        self.nodes = Nodes(group.size, ranks_per_node)
+        self.storage_options = storage_options
+        self._behind: threading.Thread | None = None
+        self.training = group
+        self.group = SideGroup.for_group(group, "local-tier")
+        self.node = self.nodes.node_of(self.group.rank)
+        self.is_lead = self.group.rank == self.nodes.lead(self.node)
+        if replicas > self.nodes.count - 1 and self.group.is_coordinator:
+            log.warning(
+                "dcpbridge: local tier: replicas=%d but only %d other node(s): %d copies of each "
+                "part will be kept",
+                replicas,
+                self.nodes.count - 1,
+                min(replicas, self.nodes.count - 1),
+            )
+
+    # -- locations ----------------------------------------------------------------------------
+
+    def node_dir(self, node: int) -> str:
+        """The local directory of ``node`` (``{node}`` in ``local_dir`` replaced)."""
+        return self.local_dir.replace("{node}", str(node))
+
+    def step_url(self, step: int, node: int | None = None) -> str:
+        """Where ``node``'s (default: this rank's) part of local step ``step`` lives."""
+        base = self.node_dir(self.node if node is None else node).rstrip("/")
+        return f"{base}/step_{step:08d}"
+
+    def _location(self, step: int | None = None) -> Location:
+        url = self.node_dir(self.node) if step is None else self.step_url(step)
+        return resolve(url, self.storage_options)
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        options: dict[str, Any],
+        *,
+        behind: bool = False,
+        committed: Callable[[], None] | None = None,
+    ) -> bool:
+        """Write local step ``step``, then copy and commit it (on a background thread with
+        ``behind``: the caller may change its tensors once this returns) and call
+        ``committed()``. False (with a warning) where a node lacks space or the write failed;
+        a failed copy or commit is logged too. The previous local step and the persistent tier
+        always stay."""
+        self.wait()
+        g = self.group
+        try:
+            reports = protocol.agree(
+                g, "local space", lambda: (state_share(state), free_bytes(self.node_dir(self.node)))
+            )
+        except Exception as e:  # raised alike on every rank: all skip this local step
+            self._failed(step, e)
+            return False
+        lacking = lacking_space(
+            [r[0] for r in reports], [r[1] for r in reports], self.nodes, self.replicas
+        )
+        if lacking:
+            if g.is_coordinator:
+                what = ", ".join(
+                    f"node {n}: {f} bytes free, {need} needed"
+                    for n, (f, need) in sorted(lacking.items())
+                )
+                log.warning(
+                    "dcpbridge: local step %d skipped: not enough space in %s (%s); training "
+                    "continues, the persistent tier is unaffected",
+                    step,
+                    self.local_dir,
+                    what,
+                )
+            return False
+        started = time.perf_counter()
+        try:
+            protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
+            save_mod.save(state, self.step_url(step), process_group=self.training.pg, **options)
+        except Exception as e:  # the local tier is best effort: logged, training goes on
+            self._failed(step, e)
+            return False
+        written = time.perf_counter() - started
+
+        def finish() -> None:
+            try:
+                self._replicate(step, written)
+            except Exception as e:  # every rank fails this step alike (protocol steps)
+                self._failed(step, e)
+                return
+            if committed is not None:
+                committed()
+
+        if behind:
+            self._behind = threading.Thread(target=finish, name="dcpb-local-tier", daemon=True)
+            self._behind.start()
+        else:
+            finish()
+        return True
+
+    def wait(self) -> None:
+        """Until the background copies and commit of the last local step are done."""
+        if self._behind is not None:
+            self._behind.join()
+            self._behind = None
+
+    @staticmethod
+    def _failed(step: int, error: BaseException) -> None:
+        log.warning(
+            "dcpbridge: local step %d not committed (the previous local step and the "
+            "persistent tier remain): %s",
+            step,
+            error,
+        )
+
+    def _replicate(self, step: int, written: float) -> None:
+        """Copy this rank's files of written step ``step`` to its targets, receive the copies
+        it keeps, and commit the step once all are durable (collective on the side group)."""
+        g = self.group
+        started = time.perf_counter()
+        raw = g.broadcast(protocol.on_coordinator(g, "local document", self._read_document(step)))
+        decoded: list[StorageIndex] = []
+
+        def decode() -> None:
+            index = decode_metadata(raw, where=self.step_url(step)).storage_data
+            if not isinstance(index, StorageIndex):
+                raise CorruptCheckpointError(f"{self.step_url(step)}: no dcpbridge storage index")
+            decoded.append(index)
+
+        protocol.agree(g, "local document", decode)
+        index = decoded[0]
+        mine: dict[str, torch.Tensor] = {}
+
+        def read_mine() -> dict[str, int]:
+            location = self._location(step)
+            store = storage_for(location)
+            present = store.file_sizes()
+            reads = []
+            for name in index.files:
+                if writer_rank(name) == g.rank:
+                    mine[name] = torch.empty(present.get(name, 0), dtype=torch.uint8)
+                    view = memoryview(mine[name].numpy())
+                    reads.append(RangeRead(location.data_path(name, index.prefixes), 0, view))
+            store.fetch(reads, threads=2)
+            return {name: t.numel() for name, t in mine.items()}
+
+        sizes = protocol.agree(g, "local copies: read", read_mine)
+        received = self._send_copies(sizes, mine)
+        sent = time.perf_counter()
+
+        def write_received() -> None:
+            store = storage_for(self._location(step))
+            for name, data in received.items():
+                store.commit_file(name, memoryview(data.numpy()), f"{name}.tmp", sync=True)
+            if self.is_lead and not store.exists(METADATA_FILE):
+                store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True)
+
+        protocol.agree(g, "local copies: write", write_received)
+        marker = json.dumps(
+            {"step": step, "save_id": index.save_id, "digest": document_digest(raw)}, sort_keys=True
+        ).encode()
+        protocol.agree(
+            g,
+            "local commit",
+            lambda: self._on_lead(
+                lambda: storage_for(self._location(step)).commit_file(
+                    MARKER, marker, f"{MARKER}.tmp", sync=True
+                )
+            ),
+        )
+        done = time.perf_counter()
+        log.info(
+            "dcpbridge: local step %d committed in %s (write %.3fs, copies %.3fs, commit %.3fs)",
+            step,
+            self.local_dir,
+            written,
+            sent - started,
+            done - sent,
+        )
+        self._on_lead(lambda: self._retain(step))
+
+    def _read_document(self, step: int) -> Callable[[], bytes]:
+        def read() -> bytes:
+            location = self._location(step)
+            return storage_for(location).read_file(location.path(METADATA_FILE))
+
+        return read
+
+    def _send_copies(
+        self, sizes: list[dict[str, int]], mine: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Send this rank's files to its copy targets and receive the files it keeps for
+        others (one message per file, tagged by the file's place in the exchange)."""
+        g = self.group
+        sends, recvs, received = [], [], {}
+        tag = 0
+        for src, files in enumerate(sizes):
+            targets = copy_targets(src, self.nodes, self.replicas)
+            for name in sorted(files):
+                tag += 1
+                for dst in targets:
+                    if src == g.rank:
+                        sends.append((mine[name], dst, tag))
+                    elif dst == g.rank:
+                        received[name] = torch.empty(files[name], dtype=torch.uint8)
+                        recvs.append((received[name], src, tag))
+        g.exchange([s for s in sends if s[0].numel()], [r for r in recvs if r[0].numel()])
+        return received
+
+    def _on_lead(self, work: Callable[[], Any]) -> None:
+        if self.is_lead:
+            work()
+
+    def _clear(self, step: int) -> None:
+        """Lead: remove this node's uncommitted step directories and an old one of ``step``."""
+        store = storage_for(self._location())
+        for name in store.list_names():
+            m = _STEP_DIR.match(name)
+            if m is None:
+                continue
+            s = int(m.group(1))
+            location = resolve(self.step_url(s), self.storage_options)
+            if s == step or not storage_for(location).exists(MARKER):
+                remove_step(location)
+
+    def _retain(self, step: int) -> None:
+        """Lead: keep only committed step ``step`` in this node's directory (best effort)."""
+        try:
+            for name in storage_for(self._location()).list_names():
+                m = _STEP_DIR.match(name)
+                if m is not None and int(m.group(1)) != step:
+                    remove_step(resolve(self.step_url(int(m.group(1))), self.storage_options))
+        except (CheckpointError, OSError) as e:
+            log.warning(
+                "dcpbridge: removing older local steps in %s failed: %s",
+                self.node_dir(self.node),
+                e,
+            )
+
+    # -- what the nodes hold ------------------------------------------------------------------
+
+    def holdings(self) -> list[LocalStep]:
+        """The committed local steps this rank's node directory holds (checked documents)."""
+        try:
+            names = storage_for(self._location()).list_names()
+        except (CheckpointError, OSError) as e:
+            log.warning("dcpbridge: local tier: cannot list %s: %s", self.node_dir(self.node), e)
+            return []
+        out = []
+        for name in names:
+            m = _STEP_DIR.match(name)
+            if m is None:
+                continue
+            try:
+                found = held_step(resolve(self.step_url(int(m.group(1))), self.storage_options))
+            except (CheckpointError, OSError, ValueError) as e:
+                log.warning(
+                    "dcpbridge: local tier: ignoring %s: %s", self.step_url(int(m.group(1))), e
+                )
+                continue
+            if found is not None:
+                out.append(found)
+        return out
+
+    def newest(self, after: int | None, step: int | None = None) -> Recoverable | None:
+        """The newest local step at least ``after`` (exactly ``step`` if given) that the ranks
+        can recover together (collective: one all-gather of what each node holds)."""
+        self.wait()
+        reports = protocol.agree(self.group, "local holdings", self.holdings)
+        return newest_recoverable(reports, METADATA_FILE, after, step)
+
+    def close(self) -> None:
+        """Wait for the background copies and commit of the last local step."""
+        self.wait()
+
+
+def held_step(location: Location) -> LocalStep | None:
+    """The committed local step at ``location`` as this node holds it (None: no marker);
+    raises if its marker or document is not what a commit writes."""
+    store = storage_for(location)
+    try:
+        marker = json.loads(store.read_file(location.path(MARKER)))
+    except FileNotFoundError:
+        return None
+    if not isinstance(marker, dict) or not all(
+        isinstance(marker.get(k), t) and not isinstance(marker.get(k), bool)
+        for k, t in (("step", int), ("save_id", str), ("digest", str))
+    ):
+        raise CorruptCheckpointError(f"{location.path(MARKER)} is not a local step marker")
+    raw = store.read_file(location.path(METADATA_FILE))
+    digest = document_digest(raw)
+    if digest != marker["digest"]:
+        raise CorruptCheckpointError(f"{location.url}: {METADATA_FILE} does not match {MARKER}")
+    index = decode_metadata(raw, where=location.path(METADATA_FILE)).storage_data
+    if not isinstance(index, StorageIndex) or index.save_id != marker["save_id"]:
+        raise CorruptCheckpointError(f"{location.url}: {MARKER} names another save")
+    present = store.file_sizes()
+    held = {n: present[n] for n in index.files if n in present}
+    held[METADATA_FILE] = len(raw)
+    return LocalStep(marker["step"], index.save_id, digest, tuple(index.files), held)
+
+
+def remove_step(location: Location) -> None:
+    """Delete a local step directory, its marker first, so it never looks committed half-gone."""
+    store: Storage = storage_for(location)
+    with contextlib.suppress(FileNotFoundError):
+        if store.exists(MARKER):
+            store.remove([MARKER])
+    with storage_faults(f"{location.url}: remove"):
+        location.fs.invalidate_cache(location.root)
+        with contextlib.suppress(FileNotFoundError):
+            location.fs.rm(location.root, recursive=True)
+
+
+def check_local_args(local_every: Any, replicas: Any, ranks_per_node: Any) -> tuple[int, int, int]:
+    """Validated (local_every, replicas, ranks_per_node); ranks_per_node None reads torchrun's
+    ``LOCAL_WORLD_SIZE`` (1 without it)."""
+    if ranks_per_node is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        try:
+            ranks_per_node = int(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"LOCAL_WORLD_SIZE must be an int, got {raw!r}") from None
+    for name, value, low in (
+        ("local_every", local_every, 1),
+        ("replicas", replicas, 0),
+        ("ranks_per_node", ranks_per_node, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+    return local_every, replicas, ranks_per_node

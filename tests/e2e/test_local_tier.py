@@ -1,0 +1,259 @@
+"""The local tier on real gloo ranks: nodes are ``{node}`` directories with 2 ranks each.
+
+Local steps beyond the persistent one restore bit-exact after a node's directory is wiped
+(its parts come from the copies), into another world size and split, and fall back to the
+persistent step (with a log line) when the local tier cannot serve a step or a byte is bad.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+import dcpbridge as db
+from dcpbridge.engine import local_tier
+from tests.support.dist_pool import Rank, RankFailure
+
+SHAPE = (16, 12)
+STEPS = 6  # persistent every 4, local every step: persistent 4, local 5 and 6
+
+
+def weights(step: int) -> torch.Tensor:
+    """The global weight after ``step`` steps (elementwise, so any sharding agrees)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(SHAPE, generator=g)
+    for s in range(1, step + 1):
+        w.mul_(0.5).add_(s)
+    return w
+
+
+def piece(w: torch.Tensor, rank: int, size: int, axis: int) -> torch.Tensor:
+    return w.chunk(size, dim=axis)[rank].clone()
+
+
+def state(w_local: torch.Tensor, rank: int, size: int, step: int) -> dict:
+    return {
+        "w": db.ShardedTensor.from_rank_offsets("w", w_local, (0, rank, size)),
+        "rng": db.ShardedObject("rng", {"rank": rank, "step": step}, (size,), (rank,)),
+        "step": step,
+    }
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _capture() -> Captured:
+    handler = Captured()
+    logger = logging.getLogger("dcpbridge")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
+
+
+def manager(r: Rank, root: str, local: str, **kwargs) -> db.CheckpointManager:
+    options = dict(every=4, local_every=1, replicas=1, ranks_per_node=2, async_save=False)
+    options.update(kwargs)
+    return db.CheckpointManager(root, local_dir=local, process_group=r.group, **options)
+
+
+def train(r: Rank, root: str, local: str, kwargs: dict) -> dict:
+    """Steps 1..STEPS; returns rank 0's on_commit calls and the log."""
+    calls: list[tuple[int, str, str]] = []
+
+    def on_commit(*args) -> None:
+        calls.append(args)
+        if args[0] == 2:
+            raise RuntimeError("tracker down")  # logged, never raised
+
+    log = _capture()
+    mgr = manager(r, root, local, on_commit=on_commit, **kwargs)
+    w = piece(weights(0), r.rank, r.size, 0)
+    started = time.perf_counter()
+    stalls = []
+    for step in range(1, STEPS + 1):
+        w.mul_(0.5).add_(step)
+        t = time.perf_counter()
+        mgr.save(step, state(w, r.rank, r.size, step))
+        stalls.append(time.perf_counter() - t)
+    mgr.close()
+    logging.getLogger("dcpbridge").removeHandler(log)
+    return {
+        "calls": calls,
+        "log": log.lines,
+        "stall": stalls[-1],
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def restore(r: Rank, root: str, local: str, axis: int, rpn: int) -> dict:
+    """Restart in ``r.size`` ranks split on ``axis``: the chosen step, bit-exact, and the log."""
+    log = _capture()
+    mgr = manager(r, root, local, ranks_per_node=rpn)
+    latest = mgr.latest_step()
+    tmpl = {
+        "w": db.ShardedTensor.from_rank_offsets(
+            "w", torch.zeros(SHAPE).chunk(r.size, dim=axis)[r.rank].clone(), (axis, r.rank, r.size)
+        )
+    }
+    t = time.perf_counter()
+    out = mgr.load(tmpl)
+    seconds = time.perf_counter() - t
+    got = out["step"]
+    assert torch.equal(out["w"], piece(weights(got), r.rank, r.size, axis)), (r.rank, got)
+    mgr.close()
+    logging.getLogger("dcpbridge").removeHandler(log)
+    return {"latest": latest, "step": got, "log": log.lines, "seconds": seconds}
+
+
+def node_dir(tmp_path, node: int) -> str:
+    return str(tmp_path / f"node{node}")
+
+
+def _train(pool, tmp_path, **kwargs) -> tuple[str, str, list[dict]]:
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    out = pool.run(train, 4, root, local, kwargs, timeout=120)
+    return root, local, out
+
+
+def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_path):
+    root, local, out = _train(pool, tmp_path)
+    for node in (0, 1):
+        assert sorted(os.listdir(node_dir(tmp_path, node))) == ["step_00000006"]
+    calls = out[0]["calls"]
+    assert [(s, t) for s, t, _ in calls] == [
+        (1, "local"),
+        (2, "local"),
+        (3, "local"),
+        (4, "persistent"),
+        (4, "local"),
+        (5, "local"),
+        (6, "local"),
+    ]
+    assert calls[3][2].endswith("step_00000004") and "node0" in calls[-1][2]
+    assert out[1]["calls"] == []  # rank 0 only
+    assert any("on_commit(2, 'local'" in line and "tracker down" in line for line in out[0]["log"])
+    shutil.rmtree(node_dir(tmp_path, 1))  # node 1 died; its replacement starts empty
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [6] * 4 and [b["latest"] for b in back] == [6] * 4
+    assert any("from the local tier" in line for line in back[0]["log"])
+    print(
+        f"local save stall (4 ranks, {SHAPE}): {max(o['stall'] for o in out) * 1e3:.1f} ms; "
+        f"restore {max(b['seconds'] for b in back) * 1e3:.1f} ms"
+    )
+
+
+def test_copies_and_commit_behind_the_training_loop(pool, tmp_path):
+    root, local, out = _train(pool, tmp_path, async_save=True)
+    assert sorted(s for s, t, _ in out[0]["calls"] if t == "local") == list(range(1, STEPS + 1))
+    assert sorted(os.listdir(node_dir(tmp_path, 1))) == ["step_00000006"]
+    shutil.rmtree(node_dir(tmp_path, 0))
+    back = pool.run(restore, 4, root, local, 1, 2, timeout=120)  # columns now
+    assert [b["step"] for b in back] == [6] * 4
+    print(f"local save stall, copies behind: {max(o['stall'] for o in out) * 1e3:.1f} ms")
+
+
+def test_fewer_ranks_and_another_split_restore_the_newest_local_step(pool, tmp_path):
+    root, local, _ = _train(pool, tmp_path)
+    back = pool.run(restore, 2, root, local, 1, 2, timeout=120)  # one node: own parts + copies
+    assert [b["step"] for b in back] == [6, 6]
+    shutil.rmtree(node_dir(tmp_path, 0))  # rank 0 (node 0, empty) fetches from rank 1 (node 1)
+    back = pool.run(restore, 2, root, local, 1, 1, timeout=120)
+    assert [b["step"] for b in back] == [6, 6]
+    assert any("from the local tier" in line for line in back[0]["log"])
+
+
+def test_all_nodes_wiped_fall_back_to_the_persistent_step(pool, tmp_path):
+    root, local, _ = _train(pool, tmp_path)
+    for node in (0, 1):
+        shutil.rmtree(node_dir(tmp_path, node))
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [4] * 4 and back[0]["latest"] == 4
+    assert any("loading persistent step 4" in line for line in back[0]["log"])
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["one-copy", "both-copies"])
+def test_a_flipped_byte_never_loads_wrong_data(pool, tmp_path, both):
+    root, local, _ = _train(pool, tmp_path)
+    step_dir = os.path.join(node_dir(tmp_path, 0), "step_00000006")
+    victim = next(n for n in sorted(os.listdir(step_dir)) if n.startswith("__0_"))
+    _flip(os.path.join(step_dir, victim))
+    if both:  # its copy on node 1 too
+        _flip(os.path.join(node_dir(tmp_path, 1), "step_00000006", victim))
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    retry = next(x for x in back[0]["log"] if "reading it from the copies" in x)
+    assert victim in retry
+    if not both:  # node 0's ranks read the file from node 1's copy
+        assert [b["step"] for b in back] == [6] * 4
+        assert any("from the local tier's copies" in x for x in back[0]["log"])
+        return
+    assert [b["step"] for b in back] == [4] * 4
+    line = next(x for x in back[0]["log"] if "loading persistent step 4" in x)
+    assert "could not be restored" in line and victim in line
+
+
+def no_space(r: Rank, root: str, local: str) -> dict:
+    local_tier.free_bytes = lambda path: 1000
+    return train(r, root, local, {})
+
+
+def test_not_enough_space_skips_the_local_step_and_training_continues(pool, tmp_path):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    try:
+        out = pool.run(no_space, 4, root, local, timeout=120)
+    finally:
+        pool.kill()  # the workers' free_bytes is patched: start afresh
+    assert [(s, t) for s, t, _ in out[0]["calls"]] == [(4, "persistent")]
+    skipped = [x for x in out[0]["log"] if "skipped: not enough space" in x]
+    assert len(skipped) == STEPS
+    assert not any(
+        os.path.exists(node_dir(tmp_path, n)) and os.listdir(node_dir(tmp_path, n)) for n in (0, 1)
+    )
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [4] * 4
+
+
+def killed_mid_local_save(r: Rank, root: str, local: str) -> None:
+    original = local_tier.LocalTier._send_copies
+
+    def die(self, sizes, mine):
+        if self.group.rank == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, sizes, mine)
+
+    mgr = manager(r, root, local)
+    w = piece(weights(0), r.rank, r.size, 0)
+    for step in range(1, STEPS + 1):
+        w.mul_(0.5).add_(step)
+        if step == STEPS:
+            local_tier.LocalTier._send_copies = die
+        mgr.save(step, state(w, r.rank, r.size, step))
+
+
+def test_a_rank_killed_mid_local_save_leaves_the_previous_local_step(pool, tmp_path):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    try:
+        with pytest.raises(RankFailure):
+            pool.run(killed_mid_local_save, 4, root, local, timeout=60)
+    finally:
+        pool.kill()
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [STEPS - 1] * 4
