@@ -43,6 +43,14 @@ class KeyMismatchError(MissingKeysError, UnexpectedKeysError):
     """Keys requested but not in the checkpoint and keys in it but not requested, together."""
 
 
+class StagingError(CheckpointError, RuntimeError):
+    """Copying an async save's state into host memory failed (the message names the cause)."""
+
+
+class StagingMutationError(StagingError):
+    """A saved tensor changed before its async save had staged it (``verify_staging``)."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -74,6 +82,8 @@ __all__ = [
     "SerializationError",
     "ShapeMismatchError",
     "ShardingValidationError",
+    "StagingError",
+    "StagingMutationError",
     "StorageError",
     "StorageFileNotFoundError",
     "UnexpectedKeysError",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dcpbridge.engine import load as load_mod
@@ -28,6 +29,7 @@ from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.step_guard import StepGuard
 from dcpbridge.errors import InvalidArgumentError, NotACheckpointError
 from dcpbridge.formats.config import Config, load_config, resolve_storage_options
 from dcpbridge.storage import METADATA_FILE, Location, resolve
@@ -89,7 +91,10 @@ class CheckpointManager:
 
     With ``async_save``, ``save`` returns once the state is staged in host memory; the next
     saving ``save``, ``wait``, ``load`` or ``close`` first waits for that commit and raises its
-    failure, on every rank (and then starts nothing). Retention and the removal of uncommitted
+    failure, on every rank (and then starts nothing). With ``background_staging`` too, ``save``
+    returns at once and stages on a thread: the next ``step()`` of each optimizer given in
+    ``optimizers`` (or to ``watch``) first waits until staging is done; ``verify_staging``
+    fails the save (``StagingMutationError``) if a saved tensor changed before that. Retention and the removal of uncommitted
     directories run on the group's rank 0 after a commit; a failure to delete is logged, never
     raised (the new checkpoint is safe).
     """
@@ -110,6 +115,9 @@ class CheckpointManager:
         *,
         profile: str | None = None,
         config: Config | str | os.PathLike[str] | None = None,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        background_staging: bool = False,
+        verify_staging: bool = False,
     ) -> None:
         cfg = config if isinstance(config, Config) else load_config(config)
         defaults = cfg.checkpoint
@@ -144,6 +152,14 @@ class CheckpointManager:
         self._received: int | None = None
         self._stop = False
         self._final_saved = False
+        self.background_staging, self.verify_staging = background_staging, verify_staging
+        self._guard = StepGuard(lambda: self._pending[1] if self._pending else None)
+        for optimizer in optimizers:
+            self.watch(optimizer)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait until a background-staged save has its copy."""
+        self._guard.watch(optimizer)
 
     # -- locations ----------------------------------------------------------------------------
 
@@ -195,6 +211,12 @@ class CheckpointManager:
             return False
         if not (force or preempted or step % self.every == 0):
             return False
+        background = self.async_save and self.background_staging and not preempted
+        if background and not self._guard.watching:
+            raise InvalidArgumentError(
+                "background_staging needs the optimizers that change the saved state: "
+                "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
+            )
         self._finish_pending()
         self._prepare(step, metrics)
         url = self.step_url(step)
@@ -206,7 +228,14 @@ class CheckpointManager:
             checksums=self.checksums,
         )
         if self.async_save and not preempted:
-            self._pending = (step, save_mod.async_save(state, url, **options))
+            handle = save_mod.async_save(
+                state,
+                url,
+                background_staging=background,
+                verify_staging=self.verify_staging,
+                **options,
+            )
+            self._pending = (step, handle)
             return True
         save_mod.save(state, url, **options)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
@@ -367,11 +396,13 @@ class CheckpointManager:
     # -- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the pending save (raising its failure) and restore signal handlers."""
+        """Wait for the pending save (raising its failure), restore signal handlers and stop
+        watching optimizers."""
         try:
             if self._finish_pending():
                 self._settle()
         finally:
+            self._guard.close()
             for signum, previous in self._signals.items():
                 signal.signal(signum, previous)
             self._signals.clear()
