@@ -218,7 +218,7 @@ class CheckpointManager:
                 "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
             )
         self._finish_pending()
-        self._prepare(step, metrics)
+        prepare = self._prepare(step, metrics, behind=background)
         url = self.step_url(step)
         options = dict(
             process_group=self.process_group,
@@ -233,6 +233,7 @@ class CheckpointManager:
                 url,
                 background_staging=background,
                 verify_staging=self.verify_staging,
+                before_write=prepare,
                 **options,
             )
             self._pending = (step, handle)
@@ -245,23 +246,31 @@ class CheckpointManager:
             self._final_saved = True
         return True
 
-    def _prepare(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+    def _prepare(
+        self, step: int, metrics: Mapping[str, Any] | None, *, behind: bool = False
+    ) -> Callable[[], None] | None:
         """Rank 0 clears leftovers of a killed save of ``step`` and records its metrics; the
-        outcome reaches every rank before anyone writes."""
+        outcome reaches every rank before anyone writes. With ``behind``, only the metrics are
+        checked here; the rest is returned, for the background save to run first."""
 
-        def run() -> None:
-            value = self._metric(metrics)
+        def check() -> tuple[float | None, dict[str, float]]:
+            return self._metric(metrics), _plain_metrics(metrics)
+
+        def run(value: float | None, plain: dict[str, float]) -> None:
             location = self._location(step)
             store = storage_for(location)
             if not store.exists(METADATA_FILE) and store.list_names():
                 _remove_dir(location)
             store.makedirs()
-            doc = {"step": step, "metrics": _plain_metrics(metrics)}
-            raw = json.dumps(doc, sort_keys=True).encode()
+            raw = json.dumps({"step": step, "metrics": plain}, sort_keys=True).encode()
             store.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
             self._metrics[step] = value
 
-        protocol.on_coordinator(self._group, "prepare", run)
+        if not behind:
+            protocol.on_coordinator(self._group, "prepare", lambda: run(*check()))
+            return None
+        checked = protocol.on_coordinator(self._group, "prepare", check)
+        return (lambda: run(*checked)) if checked is not None else (lambda: None)
 
     def _metric(self, metrics: Mapping[str, Any] | None) -> float | None:
         if self.retention.keep_best is None:

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from dcpbridge.engine import stats
+from dcpbridge.engine import protocol, stats
 from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.engine.bridge import BridgeSavePlanner
 from dcpbridge.engine.cache import Reuse, SaveCache, agree_to_reuse, save_cache, structure_of
@@ -311,6 +312,7 @@ def async_save(
     max_in_flight: int = 1,
     background_staging: bool = False,
     verify_staging: bool = False,
+    before_write: Callable[[], None] | None = None,
     **options: Any,
 ) -> AsyncSaveHandle:
     """``save`` (same ``options``, any format) that returns once the data is staged in host
@@ -328,7 +330,8 @@ def async_save(
     process groups. Failures (of staging too) surface on every rank at ``handle.result()``
     (or ``wait()``), or else at the async_save that has to wait for that save because
     ``max_in_flight`` saves are outstanding (that call raises and starts nothing). A failed
-    save never commits.
+    save never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
+    background before any rank writes; its failure fails the save on every rank.
     """
     opts = _options(options, "async_save")
     group = Group.resolve(process_group)
@@ -340,7 +343,7 @@ def async_save(
         planned = plan_save(group, cache, sharded_state_dict, opts)
     except Exception as e:  # raised alike on every rank: reported where each waits
         return saver.submit(target, _raiser(e), None)
-    job = functools.partial(write_planned, saver.group, cache, planned, target, opts)
+    job = functools.partial(_write_behind, saver.group, cache, planned, target, opts, before_write)
     staging = _Staging(planned, saver.area, target, verify_staging)
     buffers, later = None, None
     try:
@@ -360,6 +363,21 @@ def async_save(
         saver.submit(target, job, None).reported()  # this rank's report is the interrupt
         raise
     return saver.submit(target, job, buffers, stage=later)
+
+
+def _write_behind(
+    group: Group,
+    cache: SaveCache,
+    planned: PlannedSave,
+    target: str,
+    options: SaveOptions,
+    before_write: Callable[[], None] | None,
+) -> None:
+    """The background half of ``async_save``: ``before_write`` on the coordinator, then the
+    write (each step collective over ``group``, the saver's own)."""
+    if before_write is not None:
+        protocol.on_coordinator(group, "prepare", before_write)
+    write_planned(group, cache, planned, target, options)
 
 
 def _raiser(error: BaseException) -> Any:

@@ -8,6 +8,7 @@ by events, never by timing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import dcpbridge as db
+from dcpbridge.engine.manager import SIDECAR
 from tests.support.collective_counts import record_collectives
 from tests.support.dist_pool import Rank
 
@@ -227,14 +229,27 @@ def test_background_staging_never_communicates(pool, tmp_path):
 
 
 def test_the_manager_refuses_background_staging_without_an_optimizer(tmp_path):
-    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=True, background_staging=True)
+    mgr = db.CheckpointManager(
+        str(tmp_path),
+        every=1,
+        async_save=True,
+        background_staging=True,
+        keep_best=1,
+        best_metric="loss",
+    )
     state = {"w": db.ShardedTensor.from_box("w", torch.ones(4), (4,), (0,))}
     with pytest.raises(db.InvalidArgumentError, match="optimizers=\\[opt\\]"):
-        mgr.save(1, state)
+        mgr.save(1, state, metrics={"loss": 1.0})
     w = torch.nn.Parameter(torch.ones(4))
     mgr.watch(torch.optim.SGD([w], lr=1.0))
-    assert mgr.save(1, {"w": db.ShardedTensor.from_box("w", w.detach(), (4,), (0,))})
+    with pytest.raises(db.InvalidArgumentError, match="keep_best ranks checkpoints by 'loss'"):
+        mgr.save(1, state)  # still raised in the call, the sidecar's writing is behind
+    assert mgr.save(
+        1, {"w": db.ShardedTensor.from_box("w", w.detach(), (4,), (0,))}, metrics={"loss": 2.0}
+    )
     mgr.close()
     assert mgr.all_steps() == [1]
+    sidecar = json.loads((tmp_path / "step_00000001" / SIDECAR).read_text())
+    assert sidecar == {"metrics": {"loss": 2.0}, "step": 1}
     with pytest.raises(db.InvalidArgumentError):
         mgr.watch(object())  # type: ignore[arg-type]
