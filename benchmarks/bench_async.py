@@ -161,7 +161,13 @@ def _loop_worker(
     forward_backward(50)
     reps = torch.tensor([max(1, int(50 * 0.15 / (time.perf_counter() - t0)))])  # ~150 ms
     dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # the same step on both ranks
-    out: dict[str, list[float]] = {"call": [], "wait": [], "commit": [], "compute": []}
+    out: dict[str, list[float]] = {
+        "call": [],
+        "wait": [],
+        "commit": [],
+        "compute": [],
+        "exchange": [],
+    }
     flag = torch.zeros(1)
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -175,6 +181,11 @@ def _loop_worker(
             t0 = time.perf_counter()
             mgr.wait()  # the previous save's commit (writes are section 3's subject), timed apart
             out["commit"].append(time.perf_counter() - t0)
+            dist.barrier()  # the ranks' skew is not the call's cost
+            t0 = time.perf_counter()
+            dist.all_gather_object([None] * world, step)  # one exchange: the call holds one
+            out["exchange"].append(time.perf_counter() - t0)
+            dist.barrier()
             t0 = time.perf_counter()
             mgr.save(step, state())
             out["call"].append(time.perf_counter() - t0)
@@ -235,6 +246,7 @@ def loop_case(root: str, quick: bool) -> list[str]:
         staged = [max(s) for s in zip(*(r["staged"] for r in per_rank))]
         compute = statistics.median(per_rank[0]["compute"])
         commit = statistics.median(max(c) for c in zip(*(r["commit"] for r in per_rank)))
+        exchange = statistics.median(max(c) for c in zip(*(r["exchange"] for r in per_rank)))
         med[label] = {
             "call": statistics.median(calls),
             "wait": statistics.median(waits),
@@ -250,6 +262,7 @@ def loop_case(root: str, quick: bool) -> list[str]:
                 f"{m['wait'] * 1000:.2f} ms",
                 f"{(m['call'] + m['wait']) / m['staged']:.3f}",
                 f"{commit * 1000:.0f} ms",
+                f"{exchange * 1000:.2f} ms",
             )
         )
     table(
@@ -264,6 +277,7 @@ def loop_case(root: str, quick: bool) -> list[str]:
             "step() wait",
             "stall/staging",
             "prev. commit wait",
+            "one all_gather",
         ),
     )
     bg, fg = med["background"], med["in the call"]

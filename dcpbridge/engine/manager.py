@@ -269,6 +269,8 @@ class CheckpointManager:
         if not behind:
             protocol.on_coordinator(self._group, "prepare", lambda: run(*check()))
             return None
+        if metrics is None and self.retention.keep_best is None:  # nothing to check: no exchange
+            return lambda: run(None, {})
         checked = protocol.on_coordinator(self._group, "prepare", check)
         return (lambda: run(*checked)) if checked is not None else (lambda: None)
 
