@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ class StepGuard:
 
     def __init__(self, pending: Callable[[], AsyncSaveHandle | None]) -> None:
         self._pending = pending
-        self._hooks: dict[int, Any] = {}  # id(optimizer) -> its hook's removable handle
+        self._hooks: list[tuple[weakref.ref[Any], Any]] = []  # (optimizer, its hook's handle)
         self.waited = 0.0
 
     @property
@@ -31,8 +32,9 @@ class StepGuard:
             raise InvalidArgumentError(
                 f"watch() takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if id(optimizer) not in self._hooks:
-            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(self._before_step)
+        if not any(ref() is optimizer for ref, _ in self._hooks):
+            hook = optimizer.register_step_pre_hook(self._before_step)
+            self._hooks.append((weakref.ref(optimizer), hook))
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         handle = self._pending()
@@ -43,6 +45,6 @@ class StepGuard:
 
     def close(self) -> None:
         """Remove the hooks."""
-        for hook in self._hooks.values():
+        for _, hook in self._hooks:
             hook.remove()
         self._hooks.clear()
