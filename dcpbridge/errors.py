@@ -55,6 +55,14 @@ class DataLayoutError(DataStateError):
     saved by another number of ranks, or missing a rank's cell."""
 
 
+class StagingError(CheckpointError, RuntimeError):
+    """Copying an async save's state into host memory failed (the message names the cause)."""
+
+
+class StagingMutationError(StagingError):
+    """A saved tensor changed before its async save had staged it (``verify_staging``)."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """Several ranks failed with different errors; the message lists each rank's."""
 
@@ -88,6 +96,8 @@ __all__ = [
     "SerializationError",
     "ShapeMismatchError",
     "ShardingValidationError",
+    "StagingError",
+    "StagingMutationError",
     "StorageError",
     "StorageFileNotFoundError",
     "UnexpectedKeysError",

@@ -1,8 +1,9 @@
-"""``async_save``: the caller waits only for staging; writing and the commit run in the background.
+"""``async_save``: the caller waits at most for staging; writing and the commit run in the background.
 
-Per process group there is one background thread, one dedicated gloo group for its collectives
-(so they never interleave with the training loop's) and one staging area whose buffers are reused
-by later saves. Saves complete in submission order; at most ``max_in_flight`` are outstanding.
+Per process group there is one writer thread, one dedicated gloo group for its collectives
+(so they never interleave with the training loop's), one staging area whose buffers are reused
+by later saves, and (once a save stages in the background) one staging thread, which never
+communicates. Saves complete in submission order; at most ``max_in_flight`` are outstanding.
 """
 
 from __future__ import annotations
@@ -30,11 +31,26 @@ class AsyncSaveHandle:
     def __init__(self, checkpoint_dir: str) -> None:
         self.checkpoint_dir = checkpoint_dir
         self._done = threading.Event()
+        self._staged = threading.Event()
         self._error: BaseException | None = None
         self._reported = False
+        self._buffers: BufferSet | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def staged(self) -> bool:
+        """Whether the save is done reading the caller's tensors (they may change now)."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Wait until the save no longer reads the caller's tensors: staged, or staging failed
+        (that failure is raised on every rank by ``result()``, never here)."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(
+                f"async save to {self.checkpoint_dir} still staging after {timeout}s"
+            )
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the checkpoint is committed (or failed: then raise, on every rank)."""
@@ -72,6 +88,8 @@ class AsyncSaver:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="dcpb-async-save", daemon=True)
         self._thread.start()
+        self._stagings: queue.Queue[Any] = queue.Queue()
+        self._stager: threading.Thread | None = None  # started by the first background stage
         AsyncSaver._every.add(self)
 
     @classmethod
@@ -98,12 +116,28 @@ class AsyncSaver:
                 raise oldest._error
 
     def submit(
-        self, checkpoint_dir: str, job: Callable[[], Any], buffers: BufferSet | None
+        self,
+        checkpoint_dir: str,
+        job: Callable[[], Any],
+        buffers: BufferSet | None,
+        stage: Callable[[], BufferSet | None] | None = None,
     ) -> AsyncSaveHandle:
-        """Queue ``job`` (which owns ``buffers`` until it ends) behind earlier saves."""
+        """Queue ``job`` (which owns ``buffers`` until it ends) behind earlier saves; with
+        ``stage``, the staging thread first runs it (it returns the buffers and must carry its
+        own failures into ``job``) and ``job`` waits for it."""
         handle = AsyncSaveHandle(checkpoint_dir)
+        handle._buffers = buffers
+        if stage is None:
+            handle._staged.set()
+        else:
+            if self._stager is None:
+                self._stager = threading.Thread(
+                    target=self._stage_loop, name="dcpb-async-stage", daemon=True
+                )
+                self._stager.start()
+            self._stagings.put((handle, stage))
         self._inflight.append(handle)
-        self._jobs.put((handle, buffers, job))
+        self._jobs.put((handle, job))
         return handle
 
     def drain(self) -> None:
@@ -114,10 +148,23 @@ class AsyncSaver:
             except Exception as e:  # reported where the caller waits; here only logged
                 log.warning("async save to %s failed: %s", handle.checkpoint_dir, e)
 
+    def _stage_loop(self) -> None:
+        """Stage queued saves in order; local work only (no collective ever runs here)."""
+        while True:
+            handle, stage = self._stagings.get()
+            try:
+                handle._buffers = stage()
+            except BaseException as e:  # ``stage`` carries its failures; this is a last resort
+                log.error("async save to %s: staging crashed: %s", handle.checkpoint_dir, e)
+            finally:
+                handle._staged.set()
+
     def _loop(self) -> None:
         while True:
-            handle, buffers, job = self._jobs.get()
+            handle, job = self._jobs.get()
             error = None
+            handle._staged.wait()
+            buffers = handle._buffers
             try:
                 if buffers is not None:
                     buffers.wait_ready()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dcpbridge.engine import load as load_mod
@@ -31,6 +32,7 @@ from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.local_plan import Recoverable
 from dcpbridge.engine.local_restore import open_local_step
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
+from dcpbridge.engine.step_guard import StepGuard
 from dcpbridge.engine.strict import parse_strict
 from dcpbridge.errors import (
     CheckpointError,
@@ -99,7 +101,10 @@ class CheckpointManager:
 
     With ``async_save``, ``save`` returns once the state is staged in host memory; the next
     saving ``save``, ``wait``, ``load`` or ``close`` first waits for that commit and raises its
-    failure, on every rank (and then starts nothing). Retention and the removal of uncommitted
+    failure, on every rank (and then starts nothing). With ``background_staging`` too, ``save``
+    returns at once and stages on a thread: the next ``step()`` of each optimizer given in
+    ``optimizers`` (or to ``watch``) first waits until staging is done; ``verify_staging``
+    fails the save (``StagingMutationError``) if a saved tensor changed before that. Retention and the removal of uncommitted
     directories run on the group's rank 0 after a commit; a failure to delete is logged, never
     raised (the new checkpoint is safe).
     """
@@ -125,6 +130,9 @@ class CheckpointManager:
         replicas: int = 1,
         ranks_per_node: int | None = None,
         on_commit: Callable[[int, str, str], Any] | None = None,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        background_staging: bool = False,
+        verify_staging: bool = False,
     ) -> None:
         cfg = config if isinstance(config, Config) else load_config(config)
         defaults = cfg.checkpoint
@@ -171,6 +179,14 @@ class CheckpointManager:
             self._local = LocalTier(
                 os.fspath(local_dir), self._group, replicas=replicas, ranks_per_node=ranks_per_node
             )
+        self.background_staging, self.verify_staging = background_staging, verify_staging
+        self._guard = StepGuard(lambda: self._pending[1] if self._pending else None)
+        for optimizer in optimizers:
+            self.watch(optimizer)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait until a background-staged save has its copy."""
+        self._guard.watch(optimizer)
 
     # -- locations ----------------------------------------------------------------------------
 
@@ -263,8 +279,14 @@ class CheckpointManager:
         self, step: int, state: Any, metrics: Mapping[str, Any] | None, preempted: bool
     ) -> None:
         """The persistent save of ``step`` (async unless preempted)."""
+        background = self.async_save and self.background_staging and not preempted
+        if background and not self._guard.watching:
+            raise InvalidArgumentError(
+                "background_staging needs the optimizers that change the saved state: "
+                "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
+            )
         self._finish_pending()
-        self._prepare(step, metrics)
+        prepare = self._prepare(step, metrics, behind=background)
         url = self.step_url(step)
         options = dict(
             process_group=self.process_group,
@@ -274,7 +296,15 @@ class CheckpointManager:
             checksums=self.checksums,
         )
         if self.async_save and not preempted:
-            self._pending = (step, save_mod.async_save(state, url, **options))
+            handle = save_mod.async_save(
+                state,
+                url,
+                background_staging=background,
+                verify_staging=self.verify_staging,
+                before_write=prepare,
+                **options,
+            )
+            self._pending = (step, handle)
             return
         save_mod.save(state, url, **options)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
@@ -284,23 +314,33 @@ class CheckpointManager:
         if preempted:
             self._final_saved = True
 
-    def _prepare(self, step: int, metrics: Mapping[str, Any] | None) -> None:
+    def _prepare(
+        self, step: int, metrics: Mapping[str, Any] | None, *, behind: bool = False
+    ) -> Callable[[], None] | None:
         """Rank 0 clears leftovers of a killed save of ``step`` and records its metrics; the
-        outcome reaches every rank before anyone writes."""
+        outcome reaches every rank before anyone writes. With ``behind``, only the metrics are
+        checked here; the rest is returned, for the background save to run first."""
 
-        def run() -> None:
-            value = self._metric(metrics)
+        def check() -> tuple[float | None, dict[str, float]]:
+            return self._metric(metrics), _plain_metrics(metrics)
+
+        def run(value: float | None, plain: dict[str, float]) -> None:
             location = self._location(step)
             store = storage_for(location)
             if not store.exists(METADATA_FILE) and store.list_names():
                 _remove_dir(location)
             store.makedirs()
-            doc = {"step": step, "metrics": _plain_metrics(metrics)}
-            raw = json.dumps(doc, sort_keys=True).encode()
+            raw = json.dumps({"step": step, "metrics": plain}, sort_keys=True).encode()
             store.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
             self._metrics[step] = value
 
-        protocol.on_coordinator(self._group, "prepare", run)
+        if not behind:
+            protocol.on_coordinator(self._group, "prepare", lambda: run(*check()))
+            return None
+        if metrics is None and self.retention.keep_best is None:  # nothing to check: no exchange
+            return lambda: run(None, {})
+        checked = protocol.on_coordinator(self._group, "prepare", check)
+        return (lambda: run(*checked)) if checked is not None else (lambda: None)
 
     def _metric(self, metrics: Mapping[str, Any] | None) -> float | None:
         if self.retention.keep_best is None:
@@ -523,13 +563,15 @@ class CheckpointManager:
     # -- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the pending save (raising its failure) and restore signal handlers."""
+        """Wait for the pending save (raising its failure), restore signal handlers and stop
+        watching optimizers."""
         try:
             if self._local is not None:
                 self._local.close()
             if self._finish_pending():
                 self._settle()
         finally:
+            self._guard.close()
             for signum, previous in self._signals.items():
                 signal.signal(signum, previous)
             self._signals.clear()

@@ -10,8 +10,10 @@ staging what this rank writes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from dcpbridge.engine import stats
+from dcpbridge.engine import protocol, stats
 from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.engine.bridge import BridgeSavePlanner
 from dcpbridge.engine.cache import Reuse, SaveCache, agree_to_reuse, save_cache, structure_of
@@ -27,8 +29,22 @@ from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.drive import run_save
 from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.ownership import WriteOwners, write_owners
-from dcpbridge.engine.staging import stage
-from dcpbridge.errors import DistributedCheckpointError, InvalidArgumentError
+from dcpbridge.engine.staging import (
+    BufferSet,
+    StagingArea,
+    StreamMarks,
+    copy_objects,
+    mark_streams,
+    stage,
+    tensor_writes,
+)
+from dcpbridge.engine.staging_check import LiveMark, mark_live, verify_staged
+from dcpbridge.errors import (
+    CheckpointError,
+    DistributedCheckpointError,
+    InvalidArgumentError,
+    StagingError,
+)
 from dcpbridge.formats.config import resolve_storage_options
 from dcpbridge.formats.torch_dist import TorchDistSavePlanner, TorchDistWriter
 from dcpbridge.model.intake import SaveParts, for_save, normalize
@@ -225,6 +241,68 @@ def save(
     write_planned(group, cache, planned, checkpoint_dir, opts)
 
 
+@dataclass
+class _Staging:
+    """One async save's staging: ``begin`` runs in the call; ``finish`` in the call, or
+    ``behind`` on the staging thread."""
+
+    planned: PlannedSave
+    area: StagingArea
+    target: str
+    verify: bool
+    marks: StreamMarks | None = None
+    live: list[LiveMark] = field(default_factory=list)
+
+    def begin(self) -> None:
+        """Mark the tensors' state at the call and copy everything else (objects, common.pt)."""
+        planned = self.planned
+        assert planned.owners is not None
+        writes = tensor_writes(planned.shards, planned.owners)
+        self.live = mark_live(writes) if self.verify else []
+        self.marks = mark_streams(writes)
+        planned.parts = planned.parts.staged(copy_objects(planned.shards, planned.owners))
+        planned.common = copy.deepcopy(planned.common)  # common.pt's tensors too
+
+    def finish(self) -> BufferSet:
+        """Copy the tensors this rank writes into host buffers (then verify them); the
+        buffers, which the write releases (a failed check is carried into the write)."""
+        planned, owners = self.planned, self.planned.owners
+        assert owners is not None
+        live = planned.shards
+        shards, buffers = stats.timed(
+            "staged",
+            self.target,
+            lambda: stage(live, self.area, owners, marks=self.marks, objects_copied=True),
+            lambda out: stats.tensor_bytes(out[0]),
+        )
+        planned.parts = dataclasses.replace(planned.parts, shards=shards)
+        if self.live:
+            try:
+                buffers.wait_ready()
+                verify_staged(self.live, {id(a): b.data for a, b in zip(live, shards)})
+            except Exception as e:
+                planned.error = self.failed(e)
+        return buffers
+
+    def behind(self) -> BufferSet | None:
+        """``finish`` on the staging thread; any failure is carried into the write."""
+        try:
+            return self.finish()
+        except BaseException as e:  # no interrupt reaches this thread: any failure is the save's
+            self.planned.error = self.failed(e)
+        return None
+
+    def failed(self, error: BaseException) -> CheckpointError:
+        """``error`` of staging as the ``CheckpointError`` every rank will raise."""
+        if isinstance(error, CheckpointError):
+            return error
+        wrapped = StagingError(
+            f"async_save to {self.target}: staging failed: {type(error).__name__}: {error}"
+        )
+        wrapped.__cause__ = error
+        return wrapped
+
+
 @gc_paused
 def async_save(
     sharded_state_dict: ShardedStateDict,
@@ -232,17 +310,28 @@ def async_save(
     *,
     process_group: dist.ProcessGroup | None = None,
     max_in_flight: int = 1,
+    background_staging: bool = False,
+    verify_staging: bool = False,
+    before_write: Callable[[], None] | None = None,
     **options: Any,
 ) -> AsyncSaveHandle:
     """``save`` (same ``options``, any format) that returns once the data is staged in host
-    memory; the rest runs behind.
+    memory (or at once, with ``background_staging``); the rest runs behind.
 
-    The caller may modify its tensors as soon as this returns. The small decisions taken
-    before planning (cache vote, fully-parallel writers) are collective and run here; writing
-    and the commit run on a background thread whose exchanges never touch the caller's
-    process groups. Failures surface on every rank at ``handle.result()`` (or ``wait()``),
-    or else at the async_save that has to wait for that save because ``max_in_flight`` saves
-    are outstanding (that call raises and starts nothing). A failed save never commits.
+    By default the caller may modify its tensors as soon as this returns. With
+    ``background_staging`` the tensors are copied on a background thread: the caller must not
+    modify them before ``handle.wait_staged()`` returns (``CheckpointManager`` waits for it
+    before its watched optimizers' next step); objects are copied in the call. With
+    ``verify_staging``, once staged, each copy is checked against the live tensor (version
+    counter and checksum): a tensor changed too early fails the save with
+    ``StagingMutationError`` naming it. The small decisions taken before planning (cache vote,
+    fully-parallel writers) are collective and run here; staging never communicates, and
+    writing and the commit run on a background thread whose exchanges never touch the caller's
+    process groups. Failures (of staging too) surface on every rank at ``handle.result()``
+    (or ``wait()``), or else at the async_save that has to wait for that save because
+    ``max_in_flight`` saves are outstanding (that call raises and starts nothing). A failed
+    save never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
+    background before any rank writes; its failure fails the save on every rank.
     """
     opts = _options(options, "async_save")
     group = Group.resolve(process_group)
@@ -254,23 +343,18 @@ def async_save(
         planned = plan_save(group, cache, sharded_state_dict, opts)
     except Exception as e:  # raised alike on every rank: reported where each waits
         return saver.submit(target, _raiser(e), None)
-    job = functools.partial(write_planned, saver.group, cache, planned, target, opts)
-    buffers = None
+    job = functools.partial(_write_behind, saver.group, cache, planned, target, opts, before_write)
+    staging = _Staging(planned, saver.area, target, verify_staging)
+    buffers, later = None, None
     try:
-        if planned.error is not None:
-            raise planned.error
-        assert planned.owners is not None
-        owners = planned.owners
-        shards, buffers = stats.timed(
-            "staged",
-            target,
-            lambda: stage(planned.shards, saver.area, owners),
-            lambda out: stats.tensor_bytes(out[0]),
-        )
-        planned.parts = planned.parts.staged(shards)
-        planned.common = copy.deepcopy(planned.common)  # common.pt's tensors too
+        if planned.error is None:
+            staging.begin()
+            if background_staging:
+                later = staging.behind
+            else:
+                buffers = staging.finish()
     except Exception as e:  # this rank's alone: carried into the write's first step
-        planned.error = e
+        planned.error = staging.failed(e)
     except BaseException as e:  # interrupted: the peers' background saves fail, not wait
         planned.error = DistributedCheckpointError(
             f"async_save to {target} was interrupted while staging ({type(e).__name__})"
@@ -278,7 +362,22 @@ def async_save(
         planned.error.__cause__ = e
         saver.submit(target, job, None).reported()  # this rank's report is the interrupt
         raise
-    return saver.submit(target, job, buffers)
+    return saver.submit(target, job, buffers, stage=later)
+
+
+def _write_behind(
+    group: Group,
+    cache: SaveCache,
+    planned: PlannedSave,
+    target: str,
+    options: SaveOptions,
+    before_write: Callable[[], None] | None,
+) -> None:
+    """The background half of ``async_save``: ``before_write`` on the coordinator, then the
+    write (each step collective over ``group``, the saver's own)."""
+    if before_write is not None:
+        protocol.on_coordinator(group, "prepare", before_write)
+    write_planned(group, cache, planned, target, options)
 
 
 def _raiser(error: BaseException) -> Any:

@@ -3,6 +3,8 @@
 One flat buffer per in-flight save, reused across saves (host memory stays flat), pinned when
 CUDA is available. CPU sources are copied at once; CUDA sources are copied with non-blocking
 copies on a side stream, and the training stream waits for them on the GPU, not on the host.
+Staging may run on a background thread: ``copy_objects`` and ``mark_streams`` then run in the
+call (objects are copied as they are then; GPU copies start after the work queued before it).
 """
 
 from __future__ import annotations
@@ -90,16 +92,56 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], int]:
     return spans, pos
 
 
-def stage(shards: list[Any], area: StagingArea, owners: WriteOwners) -> tuple[list[Any], BufferSet]:
-    """Staged copies of ``shards``: the tensors this rank writes (per ``owners``) in host
-    buffers, its objects deep-copied; shards it does not write keep their metadata only."""
-    writes = [
-        s for s in shards if isinstance(s, ShardedTensor) and owners.writes(s) and s.numel > 0
+StreamMarks = dict[torch.device, tuple[Any, Any]]
+"""Per CUDA device: the caller's stream, and an event recorded on it when the save was called."""
+
+
+def tensor_writes(shards: list[Any], owners: WriteOwners) -> list[ShardedTensor]:
+    """The non-empty ShardedTensors of ``shards`` that this rank writes."""
+    return [s for s in shards if isinstance(s, ShardedTensor) and owners.writes(s) and s.numel > 0]
+
+
+def mark_streams(writes: list[ShardedTensor]) -> StreamMarks:
+    """The caller's current stream of each CUDA device in ``writes``, marked by an event now."""
+    marks: StreamMarks = {}
+    for s in writes:
+        device = s.data.device
+        if s.data.is_cuda and device not in marks:
+            stream = torch.cuda.current_stream(device)
+            marks[device] = (stream, stream.record_event())
+    return marks
+
+
+def copy_objects(shards: list[Any], owners: WriteOwners) -> list[Any]:
+    """``shards`` with the ShardedObjects this rank writes deep-copied (the others' data
+    dropped); tensors untouched."""
+    return [
+        dataclasses.replace(s, data=copy.deepcopy(s.data) if owners.writes(s) else None)
+        if isinstance(s, ShardedObject)
+        else s
+        for s in shards
     ]
+
+
+def stage(
+    shards: list[Any],
+    area: StagingArea,
+    owners: WriteOwners,
+    *,
+    marks: StreamMarks | None = None,
+    objects_copied: bool = False,
+) -> tuple[list[Any], BufferSet]:
+    """Staged copies of ``shards``: the tensors this rank writes (per ``owners``) in host
+    buffers, its objects deep-copied (unless ``objects_copied``); shards it does not write
+    keep their metadata only. GPU copies follow ``marks`` (default: the current streams now)."""
+    writes = tensor_writes(shards, owners)
     spans, total = _layout([s.data for s in writes])
     buffers = area.acquire(total)
     try:
-        return _fill(shards, writes, spans, buffers, area, owners), buffers
+        if marks is None:
+            marks = mark_streams(writes)
+        staged = _fill(shards, writes, spans, buffers, area, marks)
+        return (staged if objects_copied else copy_objects(staged, owners)), buffers
     except BaseException:  # the set goes back: a later save must not wait for it forever
         area.settle()  # copies already queued into it land first
         area.release(buffers)
@@ -112,10 +154,11 @@ def _fill(
     spans: list[tuple[int, int]],
     buffers: BufferSet,
     area: StagingArea,
-    owners: WriteOwners,
+    marks: StreamMarks,
 ) -> list[Any]:
-    """Copy ``writes`` into their ``spans`` of ``buffers`` (GPU data by side-stream copies);
-    the shards with their staged data."""
+    """Copy ``writes`` into their ``spans`` of ``buffers`` (GPU data by side-stream copies that
+    start after ``marks`` and that the marked streams' later work waits for); the tensor
+    shards with their staged data."""
     views: dict[int, torch.Tensor] = {}
     cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for s, (start, end) in zip(writes, spans):
@@ -127,24 +170,18 @@ def _fill(
             view.copy_(src)
         views[id(s)] = view
     for device, pairs in cuda.items():
+        origin, called = marks[device]
         stream = area.side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream.wait_event(called)  # the copies see the state as it was at the call
         with torch.cuda.stream(stream):
             for view, src in pairs:
                 view.copy_(src, non_blocking=True)
                 src.record_stream(stream)
         event = torch.cuda.Event()
         event.record(stream)
-        torch.cuda.current_stream(device).wait_event(event)  # later kernels wait for the copies
+        origin.wait_event(event)  # the caller's later kernels wait for the copies
         buffers.events.append(event)
-
-    staged = []
-    for s in shards:
-        if isinstance(s, ShardedTensor):
-            staged.append(dataclasses.replace(s, data=views.get(id(s))))
-        elif isinstance(s, ShardedObject):
-            data = copy.deepcopy(s.data) if owners.writes(s) else None
-            staged.append(dataclasses.replace(s, data=data))
-        else:
-            staged.append(s)
-    return staged
+    return [
+        dataclasses.replace(s, data=views.get(id(s))) if isinstance(s, ShardedTensor) else s
+        for s in shards
+    ]

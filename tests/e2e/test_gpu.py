@@ -1,4 +1,5 @@
-"""CUDA paths: GPU-resident shards, pinned staging, side-stream copies (needs a GPU)."""
+"""CUDA paths: GPU-resident shards, pinned staging, side-stream copies (also started from the
+background staging thread, after an event marking the call), loads into GPU (needs a GPU)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,67 @@ def test_async_save_of_gpu_tensors_is_unaffected_by_later_updates(tmp_path):
         str(tmp_path),
     )
     assert torch.equal(out["w"], (_gpu_state(5.0)["w"].data).cpu())
+
+
+def test_background_staging_of_gpu_tensors_copies_the_state_at_the_call(tmp_path):
+    state = _gpu_state(5.0)
+    for _ in range(50):  # queued before the call, maybe not run yet: the copy must include it
+        state["w"].data.add_(1)
+    want = {k: v.data.cpu() for k, v in state.items()}  # (the .cpu() waits for those kernels)
+    for _ in range(50):
+        state["w"].data.sub_(1)
+    for _ in range(50):
+        state["w"].data.add_(1)
+    handle = db.async_save(state, str(tmp_path), background_staging=True, verify_staging=True)
+    handle.wait_staged(120)  # the copies are queued; the caller's stream waits for them
+    for sh in state.values():
+        sh.data.mul_(0)  # queued at once: runs after the copies on the GPU
+    handle.result(timeout=120)
+    out = db.load(
+        {
+            k: db.ShardedTensor.from_box(k, torch.zeros_like(v), v.shape, (0,) * v.dim())
+            for k, v in want.items()
+        },
+        str(tmp_path),
+    )
+    for k, v in want.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_the_manager_holds_a_gpu_optimizer_step_until_staged(tmp_path):
+    w = torch.nn.Parameter(torch.randn(2048, 1024, device="cuda"))
+    opt = torch.optim.Adam([w], lr=0.1)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    mgr = db.CheckpointManager(
+        str(tmp_path),
+        every=1,
+        async_save=True,
+        optimizers=[opt],
+        background_staging=True,
+        verify_staging=True,
+    )
+
+    def state() -> dict:
+        m = opt.state[w]["exp_avg"]
+        return {
+            "w": db.ShardedTensor.from_box("w", w.detach(), tuple(w.shape), (0, 0)),
+            "m": db.ShardedTensor.from_box("m", m, tuple(m.shape), (0, 0)),
+        }
+
+    want = {"w": w.detach().cpu(), "m": opt.state[w]["exp_avg"].cpu()}
+    mgr.save(1, state())
+    opt.step()  # the hook waits until the copies are queued ahead of this step's kernels
+    w.data.zero_()
+    mgr.close()
+    out = mgr.load(
+        {
+            k: db.ShardedTensor.from_box(k, torch.zeros_like(v), tuple(v.shape), (0, 0))
+            for k, v in want.items()
+        }
+    )
+    for k, v in want.items():
+        assert torch.equal(out[k], v), k
 
 
 def _mixed_gpu_state() -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,6 +47,35 @@ def count_collectives() -> Iterator[Counter[str]]:
     ]
     for cls, method, original in saved:
         setattr(cls, method, _counting(method, original, calls))
+    try:
+        yield calls
+    finally:
+        for cls, method, original in saved:
+            setattr(cls, method, original)
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[tuple[str, str, str]]]:
+    """Within the block, record every collective issued as (method, thread name, group class)."""
+    calls: list[tuple[str, str, str]] = []
+
+    def recording(method: str, original: Callable[..., Any]) -> Any:
+        @functools.wraps(original)
+        def recorded(self: Group, *args: Any, **kwargs: Any) -> Any:
+            if _issues(method, self, args):
+                calls.append((method, threading.current_thread().name, type(self).__name__))
+            return original(self, *args, **kwargs)
+
+        return recorded
+
+    saved = [
+        (cls, m, cls.__dict__[m])
+        for cls in (Group, StoreGroup)
+        for m in _METHODS
+        if m in cls.__dict__
+    ]
+    for cls, method, original in saved:
+        setattr(cls, method, recording(method, original))
     try:
         yield calls
     finally:
