@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from dcpbridge.engine.async_save import AsyncSaveHandle
-from dcpbridge.engine.load import (
-    load,
-    load_common_state_dict,
-    load_plain_tensors,
-    load_tensors_metadata,
-)
+from dcpbridge.engine.load import load, load_common_state_dict, load_plain_tensors
 from dcpbridge.engine.manager import CheckpointManager
 from dcpbridge.engine.save import SaveOptions, async_save, save
 from dcpbridge.engine.strict import StrictHandling
@@ -46,7 +41,11 @@ from dcpbridge.errors import (
 )
 from dcpbridge.formats.config import ConfigError, load_config
 from dcpbridge.formats.layout import Layout, LayoutError, load_layout, parse_layout
-from dcpbridge.formats.metadata import load_sharded_metadata, remove_sharded_tensors
+from dcpbridge.formats.metadata import (
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+)
 from dcpbridge.formats.sources import open_source
 from dcpbridge.mcore.optim_layout import from_model_space, to_model_space
 from dcpbridge.mcore.optimizer import (

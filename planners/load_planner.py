@@ -157,6 +157,9 @@ def plan_tensor_reads(
     return items, covered
 
 
+_SAFE_LOAD = threading.Lock()  # see load_object
+
+
 def load_object(value: io.BytesIO, *, allow_pickle: bool, what: str) -> Any:
     """``torch.load`` with ``weights_only`` unless pickles are explicitly allowed.
 
@@ -165,16 +168,19 @@ def load_object(value: io.BytesIO, *, allow_pickle: bool, what: str) -> Any:
     try:
         if allow_pickle:
             return torch.load(value, weights_only=False, map_location="cpu")
-        with torch.serialization.safe_globals([io.BytesIO]):
+        # torch's safe_globals adds to and removes from one process-wide set: reader threads
+        # entering and leaving it at once removed BytesIO while another thread loaded
+        with _SAFE_LOAD, torch.serialization.safe_globals([io.BytesIO]):
             return torch.load(value, weights_only=True, map_location="cpu")
     except Exception as e:  # a refused pickle, or damaged bytes no checksum caught
         if isinstance(e, pickle.UnpicklingError) and not allow_pickle and _looks_saved(value):
-            lines = [ln.strip() for ln in str(e).splitlines()]
-            detail = next((ln for ln in lines if "Unsupported global" in ln), "unsupported object")
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            reason = next((ln for ln in lines if "error:" in ln), "unsupported object")
+            detail = next((ln for ln in lines if "Unsupported global" in ln), reason)
             raise PickleRefusedError(
                 f"{what} holds Python objects that safe (weights_only) loading refuses "
                 f"({detail}). If you trust this checkpoint, load it with allow_pickle=True."
-            ) from None
+            ) from e
         raise CorruptCheckpointError(f"{what} is not readable torch.save data: {e}") from e
 
 

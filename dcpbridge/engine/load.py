@@ -24,15 +24,13 @@ from dcpbridge.engine.ownership import read_owners
 from dcpbridge.engine.save import parallel_group
 from dcpbridge.engine.strict import Policy, decide, load_result, parse_strict
 from dcpbridge.errors import InvalidArgumentError
-from dcpbridge.formats import metadata as stored
 from dcpbridge.formats.checkpoint import Checkpoint, Format, open_checkpoint
 from dcpbridge.formats.config import resolve_storage_options
-from dcpbridge.formats.metadata import tensors_metadata
+from dcpbridge.formats.metadata import load_tensors_metadata
 from dcpbridge.model.intake import LoadParts, for_load
 from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ShardedStateDict,
-    ShardedTensor,
     StateDict,
 )
 from dcpbridge.model.per_rank import (
@@ -46,7 +44,7 @@ from dcpbridge.model.per_rank import (
 )
 from dcpbridge.model.stateful import load_into, state_dicts
 from dcpbridge.planners import StrictMode
-from dcpbridge.storage import FsspecCheckpointReader, read_checkpoint_metadata
+from dcpbridge.storage import FsspecCheckpointReader
 
 PathLike = str | os.PathLike[str]
 
@@ -250,23 +248,6 @@ def _or_raise(error: BaseException | None, value: Any) -> Any:
     return value
 
 
-def load_tensors_metadata(
-    checkpoint_dir: PathLike,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    profile: str | None = None,
-    allow_pickle: bool = False,
-) -> dict[str, ShardedTensor]:
-    """Each stored tensor as a whole-tensor ShardedTensor on the meta device (no process group),
-    of a dcpbridge, torch_dist or plain DCP checkpoint (pickled DCP metadata is read without
-    running code; ``allow_pickle`` only for metadata that needs other classes)."""
-    options = resolve_storage_options(storage_options, profile, url=checkpoint_dir)
-    checkpoint = open_checkpoint(checkpoint_dir, storage_options=options, allow_pickle=allow_pickle)
-    if checkpoint.format == Format.DCPBRIDGE:
-        return tensors_metadata(read_checkpoint_metadata(checkpoint.location))
-    return tensors_metadata(checkpoint.reader().read_metadata())
-
-
 def load_common_state_dict(
     checkpoint_dir: PathLike,
     *,
@@ -301,7 +282,7 @@ def load_plain_tensors(
     """
     keep = ("storage_options", "profile", "allow_pickle")
     options = {k: v for k, v in load_options.items() if k in keep}
-    templates = stored.load_tensors_metadata(checkpoint_dir, **options)
+    templates = load_tensors_metadata(checkpoint_dir, **options)
     out = load(templates, checkpoint_dir, process_group=process_group, **load_options)
     return {k: out[k] for k in templates}
 
