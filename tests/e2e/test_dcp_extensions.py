@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing
 import os
 import pickle
 import subprocess
@@ -36,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import dcpbridge as db
 from dcpbridge.formats.checkpoint import open_checkpoint
 from dcpbridge.formats.dcp_transforms import decode, descriptors_of
-from tests.support.dist_pool import Rank
+from tests.support.dist_pool import Rank, children_allowed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,14 +83,11 @@ def my_rows(r: Rank) -> torch.Tensor:
 def may_start_processes() -> Iterator[None]:
     """Let this pool worker (a daemonic process) start torch's checkpoint process, as a
     training process (not daemonic) may; it is stopped before the block ends."""
-    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    daemon = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        stop_checkpoint_process()
-        config["daemon"] = daemon
+    with children_allowed():
+        try:
+            yield
+        finally:
+            stop_checkpoint_process()
 
 
 def stop_checkpoint_process() -> None:
