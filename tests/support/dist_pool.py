@@ -70,6 +70,9 @@ def _worker(
 ) -> None:
     if blocked:  # before the task modules: they must run without these packages
         import_block.install(blocked)
+    # a spawned child inherits "spawn" as its default; a torchrun rank on Linux forks its
+    # DataLoader workers (spawning them re-imports torch in each: seconds per epoch)
+    mp.set_start_method("fork", force=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
