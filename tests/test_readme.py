@@ -1,13 +1,14 @@
-"""The README's runnable snippets (```python blocks) run as written; ```py blocks illustrate."""
+"""The README's runnable snippets (```python blocks) run as written, each as ``python snippet.py``
+in a process of its own; ```py blocks illustrate."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import preloaded
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
@@ -21,7 +22,5 @@ def test_the_readme_has_runnable_snippets():
 def test_readme_snippet_runs(index, tmp_path):
     script = tmp_path / f"snippet_{index}.py"
     script.write_text(BLOCKS[index])
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240
-    )
+    proc = preloaded.run_script(str(script), cwd=str(tmp_path), timeout=240)
     assert proc.returncode == 0, f"README snippet {index} failed:\n{BLOCKS[index]}\n{proc.stderr}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -31,6 +30,7 @@ import dcpbridge as db
 from dcpbridge.storage import resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.write.stream import StreamWriter, new_save_id
+from tests.support import preloaded
 from tests.support.backends import Backend, local_backend, s3_backend
 from tests.support.dist_pool import Rank
 from tests.support.limits import file_size_limit
@@ -180,7 +180,7 @@ def _killed_save(
     tmp_path: Path, phase: str, victim: int, paths: tuple[str, str], options: Any
 ) -> dict[str, Any]:
     """Run the two ranks, kill ``victim`` where it pauses; return the survivor's outcome."""
-    ctx = mp.get_context("spawn")
+    ctx = preloaded.context()  # fresh processes without importing torch again
     workdir = str(tmp_path / "ranks")
     os.makedirs(workdir)
     port = free_port()

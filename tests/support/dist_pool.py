@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tests.support import import_block
+from tests.support import import_block, preloaded
 from tests.support.s3_server import free_port
 
 
@@ -118,7 +118,8 @@ class WorkerPool:
         self._logdir = tempfile.mkdtemp(prefix="dcpb-pool-")
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # forked from a server that imported torch and dcpbridge, unless a package is blocked
+        ctx = mp.get_context("spawn") if self.blocked else preloaded.context()
         port = free_port()
         for rank in range(self.size):
             parent, child = ctx.Pipe()

@@ -1,4 +1,5 @@
-"""The ``dcpbridge`` command, run as a real subprocess (and in-process where URLs are memory://)."""
+"""The ``dcpbridge`` command, each call in a process of its own (forked from one that has imported
+torch; the installed entry point once as a fresh interpreter), in-process where URLs are memory://."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dcpbridge.storage.backends.store import LocalStorage, parts_of
 from dcpbridge.tools import cli
 from tests.e2e.test_reshard import COMMON, save_layout
 from tests.support import layouts as L
+from tests.support import preloaded
 from tests.support.dist_pool import Rank
 from tests.support.s3_server import DEAD_ENDPOINT
 
@@ -50,7 +52,8 @@ OWNED = {
 
 
 def run_cli(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=120)
+    """``dcpbridge ARGS`` in a process of its own, forked from one that imported torch."""
+    proc = preloaded.run_cli(args)
     assert proc.returncode == code, (args, proc.returncode, proc.stdout, proc.stderr)
     return proc
 
@@ -345,8 +348,13 @@ def test_commands_on_s3_urls_through_a_config_profile(
         assert torch.equal(local[key], L.full(key))
 
 
-def test_version():
-    assert run_cli("--version").stdout.strip() == f"dcpbridge {db.__version__}"
+def test_the_installed_command_runs():
+    """The ``dcpbridge`` entry point itself, started as a fresh interpreter."""
+    proc = subprocess.run([*COMMAND, "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"dcpbridge {db.__version__}"
+    bad = subprocess.run([*COMMAND, "inspect"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "usage: dcpbridge inspect" in bad.stderr
 
 
 # The retry settings the README suggests for failing fast (S3 and other object stores).
