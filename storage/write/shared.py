@@ -55,8 +55,9 @@ def locate(tensor: torch.Tensor) -> tuple[SharedSegment, int] | None:
 
 def map_segment(fd: int, nbytes: int) -> torch.Tensor:
     """A segment's memory mapped from a received descriptor (closed here: the map keeps it)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault it in once, here
     try:
-        view = mmap.mmap(fd, nbytes)
+        view = mmap.mmap(fd, nbytes, flags=flags)
     finally:
         os.close(fd)
     return torch.frombuffer(view, dtype=torch.uint8)
