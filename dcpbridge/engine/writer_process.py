@@ -49,7 +49,8 @@ def attach(area: StagingArea, writer: str) -> Callable[[StorageWriter], StorageW
     process = _processes.get(area)
     if process is None:
         process = _processes[area] = WriterProcess()
-        weakref.finalize(area, process.close)
+        # not at exit: the saves drained at exit still need it (it ends when this process does)
+        weakref.finalize(area, process.close).atexit = False
     process.start()
     return functools.partial(_wrap, process=process)
 

@@ -144,9 +144,13 @@ class WriterProcess:
         return self._proc.pid if self._proc is not None else None
 
     def start(self) -> None:
-        """Start the child unless it runs (its imports then overlap the caller's work)."""
-        with self._lock:
-            self._ensure()
+        """Start the child unless it runs (its imports then overlap the caller's work); if a
+        write holds it, that write starts it when needed."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._ensure()
+            finally:
+                self._lock.release()
 
     def write(self, job: WriteJob, segments: list[shared.SharedSegment]) -> Any:
         """Run ``job`` in the child; its reply (results and file names), or raise.
@@ -165,6 +169,11 @@ class WriterProcess:
                     if attempt:
                         raise self._died(job.url, "before it took the job", e) from e
                     continue
+                except Exception as e:  # the job does not pickle: nothing was sent
+                    raise WriterProcessError(
+                        f"{job.url}: could not hand the write to the writer process: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
                 try:
                     return self._receive_reply(job.url)
                 except (OSError, EOFError) as e:
@@ -202,9 +211,9 @@ class WriterProcess:
                 conn.send(("map", segment.id, segment.nbytes))
                 send_handle(conn, segment.fd, proc.pid)
                 self._mapped.add(segment.id)
-        live = {s.id for s in segments}
-        conn.send(("write", job, sorted(self._mapped - live)))
-        self._mapped &= live
+        gone = self._mapped - shared.live_ids()
+        conn.send(("write", job, sorted(gone)))
+        self._mapped -= gone
 
     def _receive_start(self) -> None:
         assert self._conn is not None

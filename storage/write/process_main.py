@@ -7,6 +7,7 @@ It ends when its parent closes the socket (or exits), never in the middle of a j
 from __future__ import annotations
 
 import io
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -81,6 +82,7 @@ def serve(conn: Connection) -> None:
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the trainer's to handle
     torch.set_num_threads(1)
     with Connection(int(argv[1])) as conn:
         serve(conn)

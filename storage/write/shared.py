@@ -34,12 +34,18 @@ class SharedSegment:
         self.id = next(_ids)
         self.nbytes = max(nbytes, 1)
         self.fd = os.memfd_create(f"dcpbridge-staging-{self.id}", os.MFD_CLOEXEC)
-        weakref.finalize(self, os.close, self.fd)
+        # not at exit: saves drained at exit may still hand this descriptor to a writer process
+        weakref.finalize(self, os.close, self.fd).atexit = False
         os.ftruncate(self.fd, self.nbytes)
         self._map = mmap.mmap(self.fd, self.nbytes)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
         _by_address[self.address] = self
+
+
+def live_ids() -> set[int]:
+    """The ids of the segments still in use in this process."""
+    return {segment.id for segment in list(_by_address.values())}
 
 
 def locate(tensor: torch.Tensor) -> tuple[SharedSegment, int] | None:
