@@ -215,14 +215,22 @@ class WriterProcess:
         conn.send(("write", job, sorted(gone)))
         self._mapped -= gone
 
+    def _recv(self) -> Any:
+        """The child's next message; EOFError once it has exited (even if a forked process
+        still holds its end of the socket, which would keep the socket from closing)."""
+        conn, proc = self._conn, self._proc
+        assert conn is not None and proc is not None
+        while not conn.poll(1.0):
+            if proc.poll() is not None and not conn.poll(0):
+                raise EOFError(f"the writer process exited with code {proc.returncode}")
+        return conn.recv()
+
     def _receive_start(self) -> None:
-        assert self._conn is not None
-        if self._conn.recv() != "started":
+        if self._recv() != "started":
             raise EOFError("the writer process answered out of turn")
 
     def _receive_reply(self, url: str) -> Any:
-        assert self._conn is not None
-        kind, payload = self._conn.recv()
+        kind, payload = self._recv()
         if kind == "error":
             raise_failure(payload, url)
         return payload
