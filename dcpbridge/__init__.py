@@ -38,6 +38,7 @@ from dcpbridge.errors import (
     UnexpectedKeysError,
     UnsafePathError,
     UnsupportedExtensionError,
+    WriterProcessError,
 )
 from dcpbridge.formats.config import ConfigError, load_config
 from dcpbridge.formats.layout import Layout, LayoutError, load_layout, parse_layout
@@ -148,6 +149,7 @@ __all__ = [
     "UnexpectedKeysError",
     "UnsafePathError",
     "UnsupportedExtensionError",
+    "WriterProcessError",
     "apply_factories",
     "apply_factory_merges",
     "async_save",

@@ -25,6 +25,7 @@ from dcpbridge.storage.errors import (
     StorageError,
     StorageFileNotFoundError,
     UnsafePathError,
+    WriterProcessError,
 )
 
 
@@ -103,4 +104,5 @@ __all__ = [
     "UnexpectedKeysError",
     "UnsafePathError",
     "UnsupportedExtensionError",
+    "WriterProcessError",
 ]

@@ -49,6 +49,11 @@ class StorageFileNotFoundError(StorageError, FileNotFoundError):
     """A storage operation found no file or object where it expected one."""
 
 
+class WriterProcessError(StorageError):
+    """dcpbridge's writer process died or failed outside storage I/O while writing a save's
+    data; ``__cause__`` is what ended it."""
+
+
 class ConcurrentSaveError(CheckpointError):
     """Another save committed to the same location while this one was committing; this one
     did not commit (the other's checkpoint is there, whole)."""

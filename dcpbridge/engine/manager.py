@@ -34,6 +34,7 @@ from dcpbridge.engine.local_restore import open_local_step
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
 from dcpbridge.engine.step_guard import StepGuard
 from dcpbridge.engine.strict import parse_strict
+from dcpbridge.engine.writer_process import check_writer
 from dcpbridge.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -104,7 +105,9 @@ class CheckpointManager:
     failure, on every rank (and then starts nothing). With ``background_staging`` too, ``save``
     returns at once and stages on a thread: the next ``step()`` of each optimizer given in
     ``optimizers`` (or to ``watch``) first waits until staging is done; ``verify_staging``
-    fails the save (``StagingMutationError``) if a saved tensor changed before that. Retention and the removal of uncommitted
+    fails the save (``StagingMutationError``) if a saved tensor changed before that.
+    ``writer="process"`` writes async saves' data files from a writer process (see
+    ``async_save``). Retention and the removal of uncommitted
     directories run on the group's rank 0 after a commit; a failure to delete is logged, never
     raised (the new checkpoint is safe).
     """
@@ -133,6 +136,7 @@ class CheckpointManager:
         optimizers: Iterable[torch.optim.Optimizer] = (),
         background_staging: bool = False,
         verify_staging: bool = False,
+        writer: str = "thread",
     ) -> None:
         cfg = config if isinstance(config, Config) else load_config(config)
         defaults = cfg.checkpoint
@@ -180,6 +184,8 @@ class CheckpointManager:
                 os.fspath(local_dir), self._group, replicas=replicas, ranks_per_node=ranks_per_node
             )
         self.background_staging, self.verify_staging = background_staging, verify_staging
+        check_writer(writer, "dcpbridge")
+        self.writer = writer
         self._guard = StepGuard(lambda: self._pending[1] if self._pending else None)
         for optimizer in optimizers:
             self.watch(optimizer)
@@ -302,6 +308,7 @@ class CheckpointManager:
                 background_staging=background,
                 verify_staging=self.verify_staging,
                 before_write=prepare,
+                writer=self.writer,
                 **options,
             )
             self._pending = (step, handle)

@@ -39,6 +39,7 @@ from dcpbridge.engine.staging import (
     tensor_writes,
 )
 from dcpbridge.engine.staging_check import LiveMark, mark_live, verify_staged
+from dcpbridge.engine.writer_process import attach, check_writer
 from dcpbridge.errors import (
     CheckpointError,
     DistributedCheckpointError,
@@ -190,13 +191,15 @@ def write_planned(
     planned: PlannedSave,
     checkpoint_dir: PathLike,
     options: SaveOptions,
+    wrap: Callable[[StorageWriter], StorageWriter] | None = None,
 ) -> None:
-    """Plan, validate, write and commit ``planned`` (collective over ``group``)."""
+    """Plan, validate, write and commit ``planned`` (collective over ``group``); ``wrap``
+    may replace the storage writer (the writer process's)."""
 
     def prepare() -> tuple[Any, SavePlanner, StorageWriter]:
         state, planner, writer = _planner_and_writer(planned, checkpoint_dir, options)
         planner.columns = group.size > 1  # type: ignore[attr-defined]  # see ShardedSavePlanner
-        return state, planner, writer
+        return state, planner, writer if wrap is None else wrap(writer)
 
     run_save(
         prepare,
@@ -313,6 +316,7 @@ def async_save(
     background_staging: bool = False,
     verify_staging: bool = False,
     before_write: Callable[[], None] | None = None,
+    writer: str = "thread",
     **options: Any,
 ) -> AsyncSaveHandle:
     """``save`` (same ``options``, any format) that returns once the data is staged in host
@@ -331,19 +335,25 @@ def async_save(
     (or ``wait()``), or else at the async_save that has to wait for that save because
     ``max_in_flight`` saves are outstanding (that call raises and starts nothing). A failed
     save never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
-    background before any rank writes; its failure fails the save on every rank.
+    background before any rank writes; its failure fails the save on every rank. With
+    ``writer="process"`` (format "dcpbridge"), staging goes to shared memory and a long-lived
+    writer process writes the data files, so writing never holds this process's GIL.
     """
     opts = _options(options, "async_save")
+    check_writer(writer, opts.format)
     group = Group.resolve(process_group)
     saver = AsyncSaver.for_group(group, max_in_flight)
     saver.wait_for_capacity()
+    wrap = attach(saver.area, writer)
     target = os.fspath(checkpoint_dir)
     cache = save_cache(group, opts.validate_access_integrity, opts.format)
     try:
         planned = plan_save(group, cache, sharded_state_dict, opts)
     except Exception as e:  # raised alike on every rank: reported where each waits
         return saver.submit(target, _raiser(e), None)
-    job = functools.partial(_write_behind, saver.group, cache, planned, target, opts, before_write)
+    job = functools.partial(
+        _write_behind, saver.group, cache, planned, target, opts, before_write, wrap
+    )
     staging = _Staging(planned, saver.area, target, verify_staging)
     buffers, later = None, None
     try:
@@ -372,12 +382,13 @@ def _write_behind(
     target: str,
     options: SaveOptions,
     before_write: Callable[[], None] | None,
+    wrap: Callable[[StorageWriter], StorageWriter] | None = None,
 ) -> None:
     """The background half of ``async_save``: ``before_write`` on the coordinator, then the
     write (each step collective over ``group``, the saver's own)."""
     if before_write is not None:
         protocol.on_coordinator(group, "prepare", before_write)
-    write_planned(group, cache, planned, target, options)
+    write_planned(group, cache, planned, target, options, wrap)
 
 
 def _raiser(error: BaseException) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ class BufferSet:
 
     flat: torch.Tensor
     events: list[Any] = field(default_factory=list)
+    shared: Any = None  # the shared-memory segment ``flat`` lives in, if any (writer process)
 
     def wait_ready(self) -> None:
         """Block until the staged bytes are in host memory (CUDA copies finished)."""
@@ -46,6 +48,17 @@ class StagingArea:
         self._count = 0
         self._cond = threading.Condition()
         self._streams: dict[torch.device, Any] = {}
+        self._shared: Callable[[int], BufferSet] | None = None
+
+    def use(self, shared: Callable[[int], BufferSet] | None) -> None:
+        """Allocate sets with ``shared`` from now on (None: private host memory); free sets of
+        the other kind are dropped, busy ones once released."""
+        with self._cond:
+            if shared is not self._shared:
+                self._shared = shared
+                self._count -= len(self._free)
+                self._free.clear()
+                self._cond.notify_all()
 
     def acquire(self, nbytes: int) -> BufferSet:
         """A free set of at least ``nbytes`` (allocating or growing one if needed)."""
@@ -62,11 +75,16 @@ class StagingArea:
                 self._free.pop()
             else:
                 self._count += 1
+        if self._shared is not None:
+            return self._shared(max(nbytes, 1))
         return BufferSet(host_target((max(nbytes, 1),), torch.uint8, for_device=True))
 
     def release(self, buffers: BufferSet) -> None:
         with self._cond:
-            self._free.append(buffers)
+            if (buffers.shared is None) == (self._shared is None):
+                self._free.append(buffers)
+            else:  # allocated before ``use`` changed the kind: dropped
+                self._count -= 1
             self._cond.notify()
 
     def settle(self) -> None:

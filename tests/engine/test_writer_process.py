@@ -1,0 +1,156 @@
+"""``async_save(..., writer="process")``: data written by a long-lived writer process from
+shared memory, loaded bit-exact; the process reused, restarted after ``kill -9``, and a kill
+in the middle of a save failing it on every rank with nothing left behind.
+
+The pool's ranks keep their writer processes between these tests (one start per rank).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dcpbridge as db
+from dcpbridge.engine.async_save import AsyncSaver
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.writer_process import attach
+from dcpbridge.storage.write.process import Failure, WriterProcess, raise_failure
+from tests.support.dist_pool import Rank
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _state(r: Rank, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * seed + r.rank)
+    return {
+        "w": torch.randn(64, 1000, generator=g),
+        "h": torch.randn(3, 333, generator=g).to(torch.bfloat16),
+        "i": torch.randint(-(2**40), 2**40, (1000,), generator=g),
+        "t": torch.randn(77, 5, generator=g).t(),  # not contiguous
+    }
+
+
+def _sharded(state: dict[str, torch.Tensor], r: Rank, step: int) -> dict:
+    out: dict = {
+        k: db.ShardedTensor.from_rank_offsets(k, v, (0, r.rank, r.size)) for k, v in state.items()
+    }
+    out["rng"] = db.ShardedObject("rng", {"rank": r.rank, "step": step}, (r.size,), (r.rank,))
+    out["step"] = step  # common state, written by rank 0
+    return out
+
+
+def _check_load(r: Rank, path: str, state: dict[str, torch.Tensor], step: int) -> None:
+    tmpl = _sharded({k: torch.zeros_like(v) for k, v in state.items()}, r, -1)
+    tmpl["rng"] = db.ShardedObject("rng", None, (r.size,), (r.rank,))
+    got = db.load(tmpl, path, process_group=r.group)
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert got["rng"] == {"rank": r.rank, "step": step} and got["step"] == step
+
+
+def _writer_process(r: Rank) -> WriterProcess:
+    """This rank's async saver's writer process (attached, so started, if it was not)."""
+    wrap = attach(AsyncSaver.for_group(Group.resolve(r.group), 1).area, "process")
+    assert wrap is not None
+    return wrap.keywords["process"]
+
+
+def _save(r: Rank, path: str, state: dict, step: int, **kwargs) -> db.AsyncSaveHandle:
+    return db.async_save(
+        _sharded(state, r, step), path, process_group=r.group, writer="process", **kwargs
+    )
+
+
+def saves_through_one_process(r: Rank, root: str) -> list[int | None]:
+    pids = []
+    for step, background in ((1, False), (2, True)):
+        state = _state(r, step)
+        path = os.path.join(root, f"step{step}")
+        _save(r, path, state, step, background_staging=background).result(120)
+        pids.append(_writer_process(r).pid)
+        _check_load(r, path, state, step)
+    return pids
+
+
+def test_saves_through_the_writer_process_load_bit_exact(pool, tmp_path):
+    for first, second in pool.run(saves_through_one_process, 2, str(tmp_path), timeout=240):
+        assert first is not None and first == second  # one process, reused
+
+
+def restarts_after_kill(r: Rank, root: str) -> tuple[int | None, int | None]:
+    process = _writer_process(r)
+    killed = process.pid
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)  # between saves
+    mgr = db.CheckpointManager(
+        root, every=1, async_save=True, process_group=r.group, writer="process"
+    )
+    state = _state(r, 3)
+    mgr.save(3, _sharded(state, r, 3))
+    mgr.close()  # waits for the commit (and would raise its failure)
+    assert mgr.all_steps() == [3]
+    _check_load(r, mgr.step_url(3), state, 3)
+    return killed, process.pid
+
+
+def test_a_writer_process_killed_between_saves_is_restarted_by_the_next(pool, tmp_path):
+    for killed, now in pool.run(restarts_after_kill, 2, str(tmp_path), timeout=240):
+        assert now is not None and now != killed
+
+
+def killed_mid_save(r: Rank, root: str) -> tuple[str, list[str]]:
+    process = _writer_process(r)
+    if r.rank == 1:  # a child that writes its files, then hangs instead of replying
+        process.child_module = "tests.support.held_writer"
+        process.close()
+    try:
+        handle = _save(r, root, _state(r, 4), 4)
+        if r.rank == 1:
+            deadline = time.monotonic() + 120
+            while not any(n.startswith("__1_") for n in os.listdir(root)):
+                assert time.monotonic() < deadline, "the held writer never wrote"
+                time.sleep(0.05)
+            os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        with pytest.raises(db.WriterProcessError) as failed:
+            handle.result(120)
+    finally:
+        vars(process).pop("child_module", None)
+    dist.barrier(group=r.group)  # every rank's cleanup is done
+    leftovers = sorted(os.listdir(root))
+    state = _state(r, 5)
+    _save(r, root, state, 5).result(120)  # a fresh writer process takes the next save
+    _check_load(r, root, state, 5)
+    return str(failed.value), leftovers
+
+
+def test_a_writer_process_killed_mid_save_fails_it_on_every_rank(pool, tmp_path):
+    for message, leftovers in pool.run(killed_mid_save, 2, str(tmp_path), timeout=240):
+        assert "rank 1" in message and "the writer process" in message
+        assert "while writing" in message and "exit code -9" in message
+        assert leftovers == []  # no commit file, no data file
+
+
+def test_a_child_failure_is_raised_with_its_cause():
+    cause = OSError(28, "No space left on device")
+    storage = db.StorageError("file:///x: write __0_0.bin failed")
+    with pytest.raises(db.StorageError) as kept:
+        raise_failure(Failure(storage, cause, "trace"), "file:///x")
+    assert kept.value is storage and kept.value.__cause__ is cause
+    with pytest.raises(db.WriterProcessError, match="MemoryError: out") as wrapped:
+        raise_failure(Failure(MemoryError("out"), None, "trace"), "file:///x")
+    assert isinstance(wrapped.value.__cause__, MemoryError)
+
+
+def test_writer_choice_is_checked(tmp_path):
+    t = {"a": db.ShardedTensor.from_box("a", torch.ones(2), (2,), (0,))}
+    with pytest.raises(db.InvalidArgumentError, match="writer must be"):
+        db.async_save(t, str(tmp_path), writer="threads")
+    with pytest.raises(db.InvalidArgumentError, match="format 'dcpbridge'"):
+        db.async_save(t, str(tmp_path), writer="process", format="torch_dist")
+    with pytest.raises(db.InvalidArgumentError, match="writer must be"):
+        db.CheckpointManager(str(tmp_path), every=1, writer="proc")
