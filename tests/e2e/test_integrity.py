@@ -8,13 +8,16 @@ allocate far more than the checkpoint holds.
 
 from __future__ import annotations
 
+import contextlib
 import fractions
 import json
+import os
 import random
 import re
 import shutil
+import tempfile
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,20 +289,48 @@ def corruption_trials(original: Path, scratch: Path, seed: int, count: int, **kw
     expected = _expected()
     names = sorted(p.name for p in original.iterdir())
     tally = Tally()
-    for n in range(count):
-        ck = scratch / f"t{n}"
-        shutil.copytree(original, ck)
-        format_1 = n % 3 == 2
-        if format_1:
-            _as_format_1(ck)
-        name = META if rng.random() < 0.5 else rng.choice(names)
-        trial = mutate_bytes(rng, ck, name, format_1=format_1)
-        trial.kind = f"v{1 if format_1 else 2}-{trial.kind}"
-        run_trial(ck, trial, tally, expected=expected)
-        shutil.rmtree(ck)
+    with _fast_scratch(scratch) as fast:
+        for n in range(count):
+            _one_trial(rng, original, fast / f"t{n}", n, names, tally, expected)
     limit = max(64 * _checkpoint_bytes(original), 8 << 20)
     assert tally.worst_peak < limit, f"peak {tally.worst_peak} bytes in {tally.worst}"
     return tally
+
+
+@contextlib.contextmanager
+def _fast_scratch(scratch: Path) -> Iterator[Path]:
+    """A directory on tmpfs where there is one (a trial's copy is made and removed in
+    microseconds there, milliseconds on disk), else ``scratch``."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield scratch
+        return
+    fast = Path(tempfile.mkdtemp(prefix="dcpb-trials-", dir=shm))
+    try:
+        yield fast
+    finally:
+        shutil.rmtree(fast, ignore_errors=True)
+
+
+def _one_trial(
+    rng: random.Random,
+    original: Path,
+    ck: Path,
+    n: int,
+    names: list[str],
+    tally: Tally,
+    expected: dict[str, Any],
+) -> None:
+    """Damage a fresh copy ``ck`` of the checkpoint (every trial under a new path) and load it."""
+    shutil.copytree(original, ck)
+    format_1 = n % 3 == 2
+    if format_1:
+        _as_format_1(ck)
+    name = META if rng.random() < 0.5 else rng.choice(names)
+    trial = mutate_bytes(rng, ck, name, format_1=format_1)
+    trial.kind = f"v{1 if format_1 else 2}-{trial.kind}"
+    run_trial(ck, trial, tally, expected=expected)
+    shutil.rmtree(ck)
 
 
 def _report(label: str, tally: Tally) -> None:
