@@ -101,13 +101,15 @@ def lacking_space(
 @dataclass(frozen=True, slots=True)
 class LocalStep:
     """A committed local step as one node holds it: the step's identity (step, save id and
-    the digest of its document), the data files its document names, and the files of the
-    step (data and document) present in the node's directory, with their sizes."""
+    the digest of its document), how many data files its document names, and those of the
+    step's files (its data files and document) present in the node's directory, with their
+    sizes. A count, not the names: every rank reports this, so at 16,384 ranks a list of
+    every data file would make the exchange quadratic."""
 
     step: int
     save_id: str
     digest: str
-    files: tuple[str, ...]
+    nfiles: int
     held: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -135,17 +137,17 @@ def newest_recoverable(
 ) -> Recoverable | None:
     """The newest local step (at least ``after``; exactly ``step`` if given) whose document
     (file name ``document``) and every data file some rank's node holds; ``reports[r]``: the
-    steps rank r's node holds. Steps are told apart by save id and document digest, so two
-    saves of one step never mix."""
-    found: dict[tuple[int, str, str], tuple[tuple[str, ...], dict[str, list[int]]]] = {}
+    steps rank r's node holds (held names: the document's files only). Steps are told apart
+    by save id and document digest, so two saves of one step never mix."""
+    found: dict[tuple[int, str, str], tuple[int, dict[str, list[int]]]] = {}
     sizes: dict[tuple[int, str, str], dict[tuple[str, int], int]] = {}
     for rank, steps in enumerate(reports):
         for s in steps:
             if step is not None and s.step != step:
                 continue
             key = (s.step, s.save_id, s.digest)
-            files, holders = found.setdefault(key, (s.files, {}))
-            if s.files != files:  # one digest, one document: a report that disagrees is void
+            nfiles, holders = found.setdefault(key, (s.nfiles, {}))
+            if s.nfiles != nfiles:  # one digest, one document: a report that disagrees is void
                 continue
             for name, size in s.held.items():
                 holders.setdefault(name, []).append(rank)
@@ -154,8 +156,8 @@ def newest_recoverable(
         step, save_id, digest = key
         if after is not None and step < after:
             break
-        files, holders = found[key]
-        if all(holders.get(name) for name in (document, *files)):
+        nfiles, holders = found[key]
+        if document in holders and len(holders) - 1 == nfiles:
             return Recoverable(step, save_id, digest, holders, sizes.get(key, {}))
     return None
 

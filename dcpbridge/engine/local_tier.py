@@ -398,7 +398,7 @@ def held_step(location: Location) -> LocalStep | None:
     present = store.file_sizes()
     held = {n: present[n] for n in index.files if n in present}
     held[METADATA_FILE] = len(raw)
-    return LocalStep(marker["step"], index.save_id, digest, tuple(index.files), held)
+    return LocalStep(marker["step"], index.save_id, digest, len(set(index.files)), held)
 
 
 def remove_step(location: Location) -> None:

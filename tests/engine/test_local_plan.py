@@ -65,7 +65,7 @@ def test_space_need_counts_own_parts_and_copies():
 
 
 def _step(step, files, held, save_id="a", digest="d"):
-    return LocalStep(step, save_id, digest, tuple(files), {n: 1 for n in held})
+    return LocalStep(step, save_id, digest, len(files), {n: 1 for n in held})
 
 
 def test_newest_recoverable_needs_every_file_somewhere():
