@@ -71,9 +71,12 @@ def _cpu(fn: Any) -> tuple[float, Any]:
     return time.process_time() - t0, out
 
 
-def _reports(world: int, replicas: int, lost: set[int]) -> list[list[LocalStep]]:
+def _reports(
+    world: int, replicas: int, lost: set[int], unpickled: bool = False
+) -> list[list[LocalStep]]:
     """What each rank reports of its node's directory: one file per rank, its copies placed
-    by ``copy_targets``; lost nodes report nothing (replaced, empty)."""
+    by ``copy_targets``; lost nodes report nothing (replaced, empty). ``unpickled``: each
+    rank's own objects, as the all-gather delivers them (for timing)."""
     nodes = Nodes(world, RPN)
     files = [f"__{r}_0.distcp" for r in range(world)]
     held: list[dict[str, int]] = [{DOC: 4096} for _ in range(nodes.count)]
@@ -81,11 +84,8 @@ def _reports(world: int, replicas: int, lost: set[int]) -> list[list[LocalStep]]
         for holder in (r, *copy_targets(r, nodes, replicas)):
             held[nodes.node_of(holder)][files[r]] = 64 * MiB
     steps = [LocalStep(6, "save", "digest", world, h) for h in held]
-    # each rank's own objects, as unpickled from the all-gather
-    return [
-        [] if nodes.node_of(r) in lost else pickle.loads(pickle.dumps([steps[nodes.node_of(r)]]))
-        for r in range(world)
-    ]
+    out = [[] if nodes.node_of(r) in lost else [steps[nodes.node_of(r)]] for r in range(world)]
+    return [pickle.loads(pickle.dumps(x)) for x in out] if unpickled else out
 
 
 def _read_plan(world: int, chosen: Any, rank: int) -> dict[int, list[Extent]]:
@@ -111,7 +111,7 @@ def simulate(world: int, replicas: int, seed: int) -> dict[str, float]:
         )
     )
     lost = set(random.Random(seed).sample(range(nodes.count), 2 if replicas > 1 else 1))
-    reports = _reports(world, replicas, lost)
+    reports = _reports(world, replicas, lost, unpickled=True)
     gathered = sum(len(pickle.dumps(r)) for r in reports)
     t_agree, chosen = _cpu(lambda: newest_recoverable(reports, DOC))
     assert chosen is not None and chosen.step == 6
@@ -169,7 +169,7 @@ def simulation(quick: bool) -> list[str]:
                 )
             )
         worst = max(max(t["place"], t["agree"], t["read plan"]) for t in times.values())
-        trials = (50 if quick else 300) if world <= 1024 else (4 if quick else 12)
+        trials = (50 if quick else 200) if world <= 1024 else (4 if quick else 8)
         shares = []
         for r in (1, 2):
             for lost in (1, 2):
@@ -386,9 +386,9 @@ def _stall(
     }
 
 
-def measured(repeats: int, quick: bool) -> list[str]:
+def measured(repeats: int, quick: bool, total: int | None = None) -> list[str]:
     scrub_aws_environment()
-    total = (64 if quick else 1024) * MiB
+    total = total or (64 if quick else 1024) * MiB
     big = 4 if quick else 8
     summary = []
     with (
