@@ -1,6 +1,7 @@
 """The local tier on 8 gloo ranks in 4 simulated nodes (``{node}`` directories, 2 ranks each):
 a wiped node's parts come from the copies, a job one node smaller restores in another split,
-and a peer that dies while receiving copies leaves the previous local step in charge.
+with all but one node wiped the persistent step loads, and a peer that dies while receiving
+copies leaves the previous local step in charge.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _train8(pool8, tmp_path, **kwargs) -> tuple[str, str]:
     return root, local
 
 
-def test_a_wiped_node_of_four_restores_from_the_copies_then_a_smaller_job_in_another_split(
+def test_a_wiped_node_restores_from_the_copies_then_a_smaller_job_then_the_persistent_step(
     pool8, tmp_path
 ):
     root, local = _train8(pool8, tmp_path)
@@ -65,6 +66,14 @@ def test_a_wiped_node_of_four_restores_from_the_copies_then_a_smaller_job_in_ano
     back = pool8.run(restore, 6, root, local, 1, 2, timeout=300)
     assert [b["step"] for b in back] == [6] * 6 and [b["latest"] for b in back] == [6] * 6
     assert any("from the local tier" in line for line in back[0]["log"])
+
+    # All but one node wiped: no local step is whole anywhere, the persistent step 4 loads.
+    for n in (1, 2):
+        shutil.rmtree(node_dir(tmp_path, n))
+    back = pool8.run(restore, 6, root, local, 1, 2, timeout=300)
+    assert [b["step"] for b in back] == [4] * 6 and [b["latest"] for b in back] == [4] * 6
+    line = next(x for x in back[0]["log"] if "loading persistent step 4" in x)
+    assert "no complete local step newer than the persistent tier's" in line
 
 
 VICTIM = 5  # node 2; it keeps the copies of rank 3's files
