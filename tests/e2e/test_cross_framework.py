@@ -195,7 +195,7 @@ def _manager(r: Rank, path: str, local: tuple[str, int]) -> db.CheckpointManager
 def _save(r: Rank, state: dict, path: str, local: Local) -> None:
     """``db.save``, or a local step K only."""
     if local is None:
-        _save(r, state, path, local)
+        db.save(state, path, process_group=r.group)
         return
     with _manager(r, path, local) as mgr:
         assert mgr.save(K, state)
