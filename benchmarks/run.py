@@ -24,6 +24,7 @@ SECTIONS = {
     "gpu": "bench_gpu",
     "data": "bench_data",
     "writer": "bench_writer",
+    "local": "bench_local",
 }
 
 

@@ -8,7 +8,8 @@ restoring rank needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dcpbridge.errors import InvalidArgumentError
@@ -18,6 +19,7 @@ __all__ = [
     "LocalStep",
     "Nodes",
     "Recoverable",
+    "ReportedSizes",
     "choose_sources",
     "copy_targets",
     "lacking_space",
@@ -101,14 +103,38 @@ def lacking_space(
 @dataclass(frozen=True, slots=True)
 class LocalStep:
     """A committed local step as one node holds it: the step's identity (step, save id and
-    the digest of its document), the data files its document names, and the files of the
-    step (data and document) present in the node's directory, with their sizes."""
+    the digest of its document), how many data files its document names, and those of the
+    step's files (its data files and document) present in the node's directory, with their
+    sizes. A count, not the names: every rank reports this, so at 16,384 ranks a list of
+    every data file would make the exchange quadratic."""
 
     step: int
     save_id: str
     digest: str
-    files: tuple[str, ...]
+    nfiles: int
     held: Mapping[str, int] = field(default_factory=dict)
+
+
+class ReportedSizes(Mapping[tuple[str, int], int]):
+    """``(file, rank) -> size`` as ``rank`` reported it, read from the reports themselves
+    (every rank agrees over every report: one dict entry per file and rank would double it)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, held: Mapping[int, Mapping[str, int]]) -> None:
+        self._held = held
+
+    def __getitem__(self, key: tuple[str, int]) -> int:
+        name, rank = key
+        return self._held[rank][name]
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        for rank, held in self._held.items():
+            for name in held:
+                yield name, rank
+
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._held.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +146,7 @@ class Recoverable:
     save_id: str
     digest: str
     holders: dict[str, list[int]]
-    sizes: dict[tuple[str, int], int]
+    sizes: Mapping[tuple[str, int], int]
 
     def holds(self, rank: int, name: str) -> bool:
         """Whether ``rank``'s own node directory holds ``name``."""
@@ -135,28 +161,31 @@ def newest_recoverable(
 ) -> Recoverable | None:
     """The newest local step (at least ``after``; exactly ``step`` if given) whose document
     (file name ``document``) and every data file some rank's node holds; ``reports[r]``: the
-    steps rank r's node holds. Steps are told apart by save id and document digest, so two
-    saves of one step never mix."""
-    found: dict[tuple[int, str, str], tuple[tuple[str, ...], dict[str, list[int]]]] = {}
-    sizes: dict[tuple[int, str, str], dict[tuple[str, int], int]] = {}
+    steps rank r's node holds (held names: the document's files only). Steps are told apart
+    by save id and document digest, so two saves of one step never mix."""
+    found: dict[tuple[int, str, str], tuple[int, defaultdict[str, list[int]]]] = {}
+    held_by: dict[tuple[int, str, str], dict[int, Mapping[str, int]]] = {}
     for rank, steps in enumerate(reports):
         for s in steps:
             if step is not None and s.step != step:
                 continue
             key = (s.step, s.save_id, s.digest)
-            files, holders = found.setdefault(key, (s.files, {}))
-            if s.files != files:  # one digest, one document: a report that disagrees is void
+            if key not in found:
+                found[key] = (s.nfiles, defaultdict(list))
+            nfiles, holders = found[key]
+            if s.nfiles != nfiles:  # one digest, one document: a report that disagrees is void
                 continue
-            for name, size in s.held.items():
-                holders.setdefault(name, []).append(rank)
-                sizes.setdefault(key, {})[(name, rank)] = size
+            for name in s.held:
+                holders[name].append(rank)
+            held_by.setdefault(key, {})[rank] = s.held
     for key in sorted(found, reverse=True):
         step, save_id, digest = key
         if after is not None and step < after:
             break
-        files, holders = found[key]
-        if all(holders.get(name) for name in (document, *files)):
-            return Recoverable(step, save_id, digest, holders, sizes.get(key, {}))
+        nfiles, holders = found[key]
+        if document in holders and len(holders) - 1 == nfiles:
+            sizes = ReportedSizes(held_by.get(key, {}))
+            return Recoverable(step, save_id, digest, dict(holders), sizes)
     return None
 
 

@@ -246,7 +246,12 @@ class LocalTier:
             return {name: t.numel() for name, t in mine.items()}
 
         sizes = protocol.agree(g, "local copies: read", read_mine)
-        received = self._send_copies(sizes, mine)
+        received: dict[str, torch.Tensor] = {}
+        # agreed: a rank whose transfer failed must not leave the others waiting for it in
+        # the next step (nor meet them in another step of this protocol)
+        protocol.agree(
+            g, "local copies: send", lambda: received.update(self._send_copies(sizes, mine))
+        )
         sent = time.perf_counter()
 
         def write_received() -> None:
@@ -398,7 +403,7 @@ def held_step(location: Location) -> LocalStep | None:
     present = store.file_sizes()
     held = {n: present[n] for n in index.files if n in present}
     held[METADATA_FILE] = len(raw)
-    return LocalStep(marker["step"], index.save_id, digest, tuple(index.files), held)
+    return LocalStep(marker["step"], index.save_id, digest, len(set(index.files)), held)
 
 
 def remove_step(location: Location) -> None:

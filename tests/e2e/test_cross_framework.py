@@ -176,8 +176,41 @@ def fsdp_set_grads(net: Net, step: int) -> None:
 
 # -- the jobs ---------------------------------------------------------------------------------
 
+Local = tuple[str, int] | None  # (local_dir, ranks_per_node): through the manager's local tier
 
-def tp_train_and_save(r: Rank, path: str, stacked: bool) -> None:
+
+def _manager(r: Rank, path: str, local: tuple[str, int]) -> db.CheckpointManager:
+    """A manager whose persistent tier never saves at step K: only its local tier holds K."""
+    local_dir, ranks_per_node = local
+    return db.CheckpointManager(
+        path,
+        every=1000,
+        local_dir=local_dir,
+        ranks_per_node=ranks_per_node,
+        process_group=r.group,
+        async_save=False,
+    )
+
+
+def _save(r: Rank, state: dict, path: str, local: Local) -> None:
+    """``db.save``, or a local step K only."""
+    if local is None:
+        db.save(state, path, process_group=r.group)
+        return
+    with _manager(r, path, local) as mgr:
+        assert mgr.save(K, state)
+
+
+def _load(r: Rank, template: dict, path: str, local: Local) -> dict:
+    """``db.load``, or the manager's restore of local step K."""
+    if local is None:
+        return db.load(template, path, process_group=r.group)
+    with _manager(r, path, local) as mgr:
+        assert mgr.latest_step() == K
+        return mgr.load(template)
+
+
+def tp_train_and_save(r: Rank, path: str, stacked: bool, local: Local = None) -> None:
     """K AdamW steps at TP = ``r.size``, saved with dcpbridge's Megatron-style helpers."""
     with one_thread():
         model = TPModel(r.size, r.rank)
@@ -187,10 +220,10 @@ def tp_train_and_save(r: Rank, path: str, stacked: bool) -> None:
             opt.step()
         model_sd = model.sharded_state_dict(stacked)
         state = {"model": model_sd, "optimizer": db.optimizer_sharded_state_dict(opt, model_sd)}
-        db.save({**state, "iteration": K}, path, process_group=r.group)
+        _save(r, {**state, "iteration": K}, path, local)
 
 
-def fsdp_train_and_save(r: Rank, path: str) -> None:
+def fsdp_train_and_save(r: Rank, path: str, local: Local = None) -> None:
     """K AdamW steps under FSDP2, saved through ``to_model_space``."""
     with one_thread():
         net, _ = fsdp_net(r)
@@ -200,7 +233,7 @@ def fsdp_train_and_save(r: Rank, path: str) -> None:
             opt.step()
         model_sd, optim_sd = get_state_dict(net, opt)
         state = {**model_sd, "optimizer": db.to_model_space(optim_sd), "iteration": K}
-        db.save(state, path, process_group=r.group)
+        _save(r, state, path, local)
 
 
 def _compare(
@@ -227,7 +260,7 @@ def _fresh_step_differs(
     return any(not torch.equal(p.detach(), ref[k]) for k, p in copies.items())
 
 
-def fsdp_resume(r: Rank, path: str, stacked: bool) -> dict:
+def fsdp_resume(r: Rank, path: str, stacked: bool, local: Local = None) -> dict:
     """Load a TP checkpoint into FSDP2 (``set_state_dict``), check it, take one more step."""
     with one_thread():
         snapshot, after = reference()
@@ -240,7 +273,7 @@ def fsdp_resume(r: Rank, path: str, stacked: bool) -> dict:
         template = {**model_sd, "optimizer": db.to_model_space(optim_sd)}
         if stacked:
             template = KEY_MAP.apply(template, stored=db.load_tensors_metadata(path))
-        loaded = db.load(template, path, process_group=r.group)
+        loaded = _load(r, template, path, local)
         set_state_dict(
             net,
             opt,
@@ -278,7 +311,7 @@ def fsdp_resume(r: Rank, path: str, stacked: bool) -> dict:
         }
 
 
-def tp_resume(r: Rank, path: str, stacked: bool) -> dict:
+def tp_resume(r: Rank, path: str, stacked: bool, local: Local = None) -> dict:
     """Load an FSDP2 checkpoint at TP = ``r.size`` with dcpbridge's helpers; one more step."""
     with one_thread():
         snapshot, after = reference()
@@ -292,7 +325,7 @@ def tp_resume(r: Rank, path: str, stacked: bool) -> dict:
         template = {"model": model_sd, "optimizer": db.optimizer_sharded_state_dict(opt, model_sd)}
         if stacked:
             template = KEY_MAP.inverse().apply(template)
-        loaded = db.load(template, path, process_group=r.group)
+        loaded = _load(r, template, path, local)
         db.load_optimizer_state(opt, loaded["optimizer"])
         params = model.params
         local = {

@@ -257,3 +257,43 @@ def test_a_rank_killed_mid_local_save_leaves_the_previous_local_step(pool, tmp_p
         pool.kill()
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [STEPS - 1] * 4
+
+
+def copy_fails_once(r: Rank, root: str, local: str) -> dict:
+    """Rank 1's copy transfer of step STEPS fails after the bytes moved (its partner saw
+    nothing wrong); the next local step must still commit everywhere, without waiting."""
+    from dcpbridge.engine import collectives
+
+    original = collectives.SideGroup.exchange
+    log = _capture()
+    mgr = manager(r, root, local, async_save=False)
+    w = piece(weights(0), r.rank, r.size, 0)
+    try:
+        for step in range(1, STEPS + 2):
+            w.mul_(0.5).add_(step)
+            if step == STEPS and r.rank == 1:
+
+                def flaky(self, sends, recvs):
+                    original(self, sends, recvs)
+                    collectives.SideGroup.exchange = original
+                    raise RuntimeError("connection reset by peer")
+
+                collectives.SideGroup.exchange = flaky
+            mgr.save(step, state(w, r.rank, r.size, step))
+        mgr.close()
+    finally:
+        collectives.SideGroup.exchange = original
+        logging.getLogger("dcpbridge").removeHandler(log)
+    return {"log": log.lines}
+
+
+def test_a_failed_copy_transfer_skips_that_step_on_every_rank_and_the_next_commits(pool, tmp_path):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    out = pool.run(copy_fails_once, 4, root, local, timeout=120)
+    for rank in range(4):
+        failed = [x for x in out[rank]["log"] if f"local step {STEPS} not committed" in x]
+        assert len(failed) == 1 and "connection reset by peer" in failed[0], rank
+    for node in (0, 1):
+        assert sorted(os.listdir(node_dir(tmp_path, node))) == [f"step_{STEPS + 1:08d}"]
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [STEPS + 1] * 4

@@ -65,7 +65,7 @@ def test_space_need_counts_own_parts_and_copies():
 
 
 def _step(step, files, held, save_id="a", digest="d"):
-    return LocalStep(step, save_id, digest, tuple(files), {n: 1 for n in held})
+    return LocalStep(step, save_id, digest, len(files), {n: 1 for n in held})
 
 
 def test_newest_recoverable_needs_every_file_somewhere():
@@ -78,6 +78,8 @@ def test_newest_recoverable_needs_every_file_somewhere():
     chosen = newest_recoverable([node0, node0, node1, node1], DOC)
     assert chosen is not None and chosen.step == 6
     assert chosen.holders["f3"] == [2, 3] and chosen.holders[DOC] == [0, 1, 2, 3]
+    assert chosen.sizes[("f3", 2)] == 1 and ("f3", 0) not in chosen.sizes
+    assert len(chosen.sizes) == 4 * 3  # step 6: the document and two data files per rank
     assert newest_recoverable([node0, node0, node1, node1], DOC, after=7) is None
     assert newest_recoverable([node0, node0, node1, node1], DOC, step=4).step == 4
 
