@@ -58,6 +58,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _progress(rank: int, what: str, results: dict[str, list[float]]) -> None:
+    if rank == 0:
+        print(f"  ... {what}: {results[what][-1]:.3f}s", flush=True)
+
+
 def _ranks(rank: int, world: int, root: str, rows: int, cols: int, repeats: int) -> dict:
     from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
@@ -89,6 +94,7 @@ def _ranks(rank: int, world: int, root: str, rows: int, cols: int, repeats: int)
                 fresh_dir(paths[name])
                 os.sync()
             results.setdefault(f"save {name}", []).append(_timed(fn))
+            _progress(rank, f"save {name}", results)
     for dim in (0, 1):
         want = _state(rank, world, rows, cols, dim, True)
         for i in range(repeats):
@@ -107,13 +113,14 @@ def _ranks(rank: int, world: int, root: str, rows: int, cols: int, repeats: int)
                     src,
                 )
                 results.setdefault(f"load dim{dim} {name}", []).append(seconds)
+                _progress(rank, f"load dim{dim} {name}", results)
     return {k: statistics.median(v) for k, v in results.items()}
 
 
 def main(root: str, repeats: int, quick: bool) -> list[str]:
     rows, cols = (1024, 4096) if quick else (4096, 8192)  # x 16 bf16: 128 MiB or 1 GiB
     root = fresh_dir(os.path.join(root, "hf"))
-    med = run(_ranks, 2, root, rows, cols, repeats)[0]
+    med = run(_ranks, 2, root, rows, cols, repeats, timeout=3600)[0]
     nbytes = TENSORS * rows * cols * 2
     rows_out = [(k, f"{v:.3f}s", gbps(nbytes, v)) for k, v in med.items()]
     table(

@@ -234,15 +234,17 @@ def save_hf(
     def exchange() -> tuple[list[Held], bool]:
         nonlocal data
         held, data = _holdings(state_dict)
-        fresh = not os.path.exists(location.root)
-        if group.is_coordinator:
-            store.makedirs()
-            _remove_present(store, [SAFETENSORS_INDEX])  # an earlier export is overwritten
-        return held, fresh
+        return held, not os.path.exists(location.root)
 
     everyone = protocol.agree(group, "plan", exchange)
     created = everyone[0][1]
-    plan = plan_hf([h for h, _ in everyone], max_shard_bytes)
+    plan = plan_hf([h for h, _ in everyone], max_shard_bytes)  # the same on every rank
+
+    def prepare() -> None:
+        store.makedirs()
+        _remove_present(store, [SAFETENSORS_INDEX])  # an earlier export is overwritten
+
+    protocol.on_coordinator(group, "prepare", prepare)  # before any rank writes
     sizes = dict(plan.files)
     stored = {name + PARTIAL if len(plan.files) == 1 else name: n for name, n in sizes.items()}
 

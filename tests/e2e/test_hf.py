@@ -135,6 +135,22 @@ def test_export_on_two_ranks_writes_the_one_process_export(pool, tmp_path, expor
     _same_files(path, exported, files[0])
 
 
+def test_save_hf_in_one_process_writes_one_file(tmp_path, exported):
+    """Everything fits one file: ``model.safetensors`` (published by a rename), no index,
+    the bytes of the one-process export, readable by safetensors."""
+    from safetensors.torch import load_file
+
+    one, path = str(tmp_path / "export"), str(tmp_path / "saved")
+    source = db.open_source(os.path.join(os.path.dirname(exported), "full.pt"))
+    db.export_safetensors(source, one)
+    source.close()
+    assert db.save_hf(full(), path).files == ["model.safetensors"]
+    assert os.listdir(path) == os.listdir(one) == ["model.safetensors"]
+    _same_files(path, one, ["model.safetensors"])
+    got = load_file(os.path.join(path, "model.safetensors"))
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
 @pytest.mark.timeout(120)
 def test_load_hf_into_column_shards_on_two_ranks(pool, exported):
     assert pool.run(load_columns, 2, exported, timeout=100) == [[], []]
