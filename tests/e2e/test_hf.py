@@ -101,7 +101,7 @@ def exported(tmp_path_factory) -> str:
     return str(root / "one")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # may start the shared pool
 def test_save_hf_on_two_ranks_writes_the_one_process_export(pool, tmp_path, exported):
     """Every file (headers, data, index) is byte-identical to the one-process export."""
     path = str(tmp_path / "two")
