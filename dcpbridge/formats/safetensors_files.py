@@ -8,11 +8,8 @@ index) every key where the index says it is (``dcpbridge.formats.safetensors_chu
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +20,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from dcpbridge.errors import CorruptCheckpointError
 from dcpbridge.formats.safetensors_chunks import (
@@ -34,9 +30,7 @@ from dcpbridge.formats.safetensors_chunks import (
 )
 from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
 from dcpbridge.storage.backends import storage_for
-from dcpbridge.storage.backends.regions import c_strides
 from dcpbridge.storage.backends.store import Storage
-from dcpbridge.storage.errors import storage_faults
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
@@ -157,51 +151,3 @@ class SafetensorsReader(FsspecCheckpointReader):
             verify_checksums=False,
         )
         self._metadata = files.metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Boxes that are not one byte range of a local file (a column slice: one range per
-        row) are read as one span per slab and copied out by one strided copy, instead of a
-        read per row; the rest as dcpbridge's reader reads them."""
-        if not self._loc.is_local:
-            return super().read_data(plan, planner)
-        rest = []
-        for item in plan.items:
-            stored = self._stored(item.storage_index)
-            if item.type != LoadItemType.TENSOR or _one_range(stored, item):
-                rest.append(item)
-            else:
-                dest = planner.resolve_tensor(item)
-                self._read_strided(stored, item, dest)
-                planner.commit_tensor(item, dest)
-        return super().read_data(dataclasses.replace(plan, items=rest), planner)
-
-    def _read_strided(self, stored: StoredItem, item: ReadItem, dest: torch.Tensor) -> None:
-        assert stored.sizes is not None and stored.dtype is not None
-        strides = c_strides(stored.sizes)
-        itemsize = stored.dtype.itemsize
-        offsets, lengths = list(item.storage_offsets), list(item.lengths)
-        row = max(1, math.prod(lengths[1:]) and strides[0] * itemsize)
-        step = max(1, SLAB_BYTES // row)
-        path = self._loc.path(stored.file)
-        with storage_faults(f"{path}: read"), open(path, "rb", buffering=0) as f:
-            for r in range(0, lengths[0], step):
-                box = [offsets[0] + r, *offsets[1:]]
-                sizes = [min(step, lengths[0] - r), *lengths[1:]]
-                first = sum(o * s for o, s in zip(box, strides))
-                last = sum((o + n - 1) * s for o, n, s in zip(box, sizes, strides)) + 1
-                buf = bytearray((last - first) * itemsize)
-                got = os.preadv(f.fileno(), [buf], stored.offset + first * itemsize)
-                if got != len(buf):
-                    raise CorruptCheckpointError(f"{path}: {item.storage_index.fqn!r} is cut short")
-                src = torch.frombuffer(buf, dtype=torch.uint8).view(stored.dtype)
-                dest.narrow(0, r, sizes[0]).copy_(src.as_strided(sizes, strides))
-
-
-SLAB_BYTES = 64 << 20
-
-
-def _one_range(stored: StoredItem, item: ReadItem) -> bool:
-    """Whether box ``item`` of the stored chunk is one contiguous byte range."""
-    sizes, lens = stored.sizes or (), item.lengths
-    inner = [d for d in range(len(lens)) if lens[d] != 1]
-    return not inner or all(lens[d] == sizes[d] for d in range(inner[0] + 1, len(lens)))
