@@ -25,6 +25,7 @@ SECTIONS = {
     "data": "bench_data",
     "writer": "bench_writer",
     "local": "bench_local",
+    "hf": "bench_hf",
 }
 
 

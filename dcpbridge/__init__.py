@@ -85,6 +85,7 @@ from dcpbridge.model.rng_state import RNGState
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner, StrictMode
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.tools.export import export_safetensors, export_torch
+from dcpbridge.tools.hf import save_hf
 from dcpbridge.tools.reshard import reshard
 
 __version__ = "0.1.0"
@@ -180,6 +181,7 @@ __all__ = [
     "reshard",
     "restore_optim_state",
     "save",
+    "save_hf",
     "shard_broadcasted_state_dict",
     "to_model_space",
 ]

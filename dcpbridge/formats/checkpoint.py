@@ -6,7 +6,8 @@ offline tools (``dcpbridge.formats.sources``), and each format's conventions (to
 objects stored as one-element lists and its ``common.pt``). Formats: dcpbridge
 (``dcpbridge.json``), plain DCP (pickled ``.metadata`` + ``.distcp``), Megatron-Core
 ``torch_dist`` (DCP plus ``metadata.json`` and ``common.pt``), and single files
-(``torch.save``, safetensors) that only the conversion tools read.
+(``torch.save``, safetensors); a safetensors folder (Hugging Face's layout, or DCP's
+``HuggingFaceStorageWriter`` shards) also loads with ``dcpbridge.load``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from dcpbridge.errors import (
     NotACheckpointError,
 )
 from dcpbridge.formats.dcp_files import DCP_METADATA, DcpFileReader, stored_place, undo_transforms
+from dcpbridge.formats.safetensors_files import (
+    SAFETENSORS_INDEX,
+    SafetensorsReader,
+    open_safetensors,
+)
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.planners import load_object
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, resolve
@@ -37,7 +43,6 @@ from dcpbridge.storage.read.reader import diagnose_missing_metadata, read_object
 
 MEGATRON_CONFIG = "metadata.json"
 MEGATRON_COMMON = "common.pt"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 class Format(str, enum.Enum):
@@ -149,6 +154,11 @@ class Checkpoint:
                 storage_options=self.storage_options,
                 thread_count=thread_count,
                 verify_checksums=verify_checksums,
+            )
+        if self.format == Format.SAFETENSORS:
+            files = open_safetensors(self.location, self.files, self.storage_options)
+            return SafetensorsReader(
+                files, storage_options=self.storage_options, thread_count=thread_count
             )
         if not self.format.pickled_metadata:
             raise NotACheckpointError(

@@ -11,6 +11,7 @@ reader assumes without checking.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Iterable
@@ -156,7 +157,18 @@ def file_chunks(
                 placed is not None,
             )
         )
+    _check_disjoint(chunks, name)
     return chunks
+
+
+def _check_disjoint(chunks: list[FileChunk], name: str) -> None:
+    """Raise if two tensors of one file share bytes (each must have its own)."""
+    spans = sorted((c.start, c.start + c.nbytes, c.key) for c in chunks if c.nbytes)
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise CorruptCheckpointError(
+                f"{name}: tensors {a!r:.200} and {b!r:.200} share bytes {start}..{end}"
+            )
 
 
 def global_tensors(chunks: Iterable[FileChunk], where: str) -> dict[str, GlobalTensor]:

@@ -24,10 +24,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.storage import StorageReader
@@ -36,24 +34,18 @@ from dcpbridge.errors import CorruptCheckpointError, NotACheckpointError, Pickle
 from dcpbridge.formats.checkpoint import (
     MEGATRON_COMMON,
     MEGATRON_CONFIG,
-    SAFETENSORS_INDEX,
     Checkpoint,
     Format,
     load_torch_file,
     open_checkpoint,
 )
 from dcpbridge.formats.dcp_files import stored_place
-from dcpbridge.formats.safetensors_chunks import (
-    FileChunk,
-    file_chunks,
-    global_tensors,
-)
+from dcpbridge.formats.safetensors_files import SafetensorsReader, open_safetensors
 from dcpbridge.model.mapping import COMMON_KEY, ShardedTensor
 from dcpbridge.model.state import HOLE, extract, fill_holes
 from dcpbridge.planners import ShardedLoadPlanner, load_object
 from dcpbridge.planners.walk import iter_leaves
-from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
-from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage import Location, StorageIndex
 
 Shape = tuple[int, ...]
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -287,93 +279,18 @@ def _open_dcp(checkpoint: Checkpoint) -> Source:
     return src
 
 
-def _parent_url(location: Location) -> str:
-    url = location.url.rstrip("/")
-    return os.path.dirname(os.path.abspath(url)) if location.is_local else url.rsplit("/", 1)[0]
-
-
-def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, Any], int]:
-    """The JSON header of safetensors file ``name`` and the offset where its data starts."""
-    path = location.path(name)
-    head = location.fs.cat_file(path, start=0, end=8)
-    size = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if not 2 <= size <= 100 << 20:
-        raise CorruptCheckpointError(f"{path}: not a safetensors file (bad header length)")
-    try:
-        header = json.loads(location.fs.cat_file(path, start=8, end=8 + size))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: safetensors header is not JSON: {e}") from None
-    return header, 8 + size
-
-
-def _weight_map(raw: bytes, where: str) -> dict[str, str]:
-    """The ``weight_map`` of a safetensors index (key -> file name), checked."""
-    try:
-        weight_map = json.loads(raw).get("weight_map")
-    except (ValueError, AttributeError, RecursionError):
-        weight_map = None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CorruptCheckpointError(f"{where}: {SAFETENSORS_INDEX} has no weight_map of names")
-    return weight_map
-
-
-def _safetensors_files(checkpoint: Checkpoint) -> tuple[Location, list[str], dict[str, str] | None]:
-    """The folder, the file names and the index's weight map (None without an index)."""
-    location, store = checkpoint.location, checkpoint.files
-    if store.exists(SAFETENSORS_INDEX):
-        weight_map = _weight_map(store.read_file(location.path(SAFETENSORS_INDEX)), location.url)
-        return location, sorted(set(weight_map.values())), weight_map
-    if location.root.endswith(".safetensors"):
-        folder = resolve(_parent_url(location), checkpoint.storage_options)
-        return folder, [location.root.rstrip("/").rsplit("/", 1)[-1]], None
-    return location, sorted(n for n in store.list_names() if n.endswith(".safetensors")), None
-
-
 def _open_safetensors(checkpoint: Checkpoint) -> Source:
-    folder, names, weight_map = _safetensors_files(checkpoint)
-    files = storage_for(folder)
-    chunks: list[FileChunk] = []
-    for name in names:
-        header, data_start = read_safetensors_header(folder, name)
-        size = files.file_size(folder.path(name))
-        chunks += file_chunks(header, name, data_start, size)
-    held = {(c.key, c.file) for c in chunks}
-    for key, name in (weight_map or {}).items():
-        if (key, name) not in held:
-            raise CorruptCheckpointError(
-                f"{folder.url}: {SAFETENSORS_INDEX} places {key!r} in {name}, which lacks it"
-            )
-    state: dict[str, TensorStorageMetadata] = {}
-    items = {}
+    files = open_safetensors(checkpoint.location, checkpoint.files, checkpoint.storage_options)
     tensors = {}
-    for key, t in global_tensors(chunks, folder.url).items():
-        state[key] = TensorStorageMetadata(
-            TensorProperties(dtype=t.dtype),
-            torch.Size(t.shape),
-            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
-        )
-        for c in t.chunks:
-            items[(key, c.offsets)] = StoredItem(
-                c.file, c.start, c.nbytes, 0, None, c.sizes, c.dtype
-            )
+    for key, t in files.tensors.items():
         infos = (
             ChunkInfo(c.offsets, c.sizes, c.nbytes, None, c.file, c.start, c.nbytes)
             for c in t.chunks
         )
         tensors[key] = TensorInfo(key, t.shape, t.dtype, tuple(infos))
-    metadata = Metadata(
-        state_dict_metadata=dict(state),
-        storage_data=StorageIndex(items=items, save_id="safetensors", files=tuple(names)),
-    )
-    reader = FsspecCheckpointReader(
-        folder,  # type: ignore[arg-type]  (resolved already)
-        storage_options=checkpoint.storage_options,
-        verify_checksums=False,
-    )
-    src = ProtocolSource(checkpoint, tensors, {}, {"files": names})
-    src.bind(reader, metadata)
+    reader = SafetensorsReader(files, storage_options=checkpoint.storage_options)
+    src = ProtocolSource(checkpoint, tensors, {}, {"files": files.names})
+    src.bind(reader, files.metadata)
     return src
 
 

@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert SRC (any format) to a dcpbridge checkpoint (whole tensors, or "
         "--layout), to one torch.save file, or to Hugging Face style sharded safetensors "
         "(model-0000i-of-0000n.safetensors + model.safetensors.index.json; tensors only). "
-        "Streams with bounded memory.",
+        "Streams with bounded memory. Under torchrun, --to dcpbridge and --to safetensors "
+        "share the output files among the workers (the index is written last).",
         epilog=_FORMATS_HELP,
         formatter_class=fmt,
     )
@@ -451,17 +452,18 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
         )
     if args.layout:
         raise UsageError("--layout applies to --to dcpbridge only")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError(f"convert --to {args.to} runs in one process, not under torchrun")
+    if args.to == "torch" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("convert --to torch runs in one process, not under torchrun")
     from dcpbridge.tools.export import export_safetensors, export_torch
 
     slab = _size(args.slab_size, "--slab-size") or 0
     options = _options(cfg, args.destination, args.dst_profile, args.profile)
     _refuse_existing(args.destination, options, args.force)
+    group = _group()
     source = _open(args, cfg, args.source, args.src_profile)
     try:
-        total = sum(t.nbytes for t in source.tensors.values())
-        with _progress(total, f"to {args.to}", args.progress) as bar:
+        total = sum(t.nbytes for t in source.tensors.values()) // group.size
+        with _progress(total, f"to {args.to}", args.progress, rank=group.rank) as bar:
             if args.to == "safetensors":
                 result = export_safetensors(
                     source,
@@ -470,6 +472,7 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
                     slab_bytes=slab,
                     max_shard_bytes=_size(args.max_shard_size, "--max-shard-size") or 0,
                     on_bytes=bar,
+                    group=group,
                 )
             else:
                 result = export_torch(
@@ -481,6 +484,8 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
                 )
     finally:
         source.close()
+    if group.rank:
+        return 0
     print(
         f"wrote {result.destination}: {result.tensors} tensors, "
         f"{human_bytes(result.bytes_written)} in {len(result.files)} file(s)"

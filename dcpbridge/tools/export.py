@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from dcpbridge.engine import protocol
+from dcpbridge.engine.collectives import Group
 from dcpbridge.errors import CheckpointError
 from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX
 from dcpbridge.formats.safetensors_chunks import SAFETENSORS_DTYPES
@@ -41,7 +43,7 @@ from dcpbridge.storage import resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.write.writer import CoalescingFile
-from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, box_bytes, counted
+from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, WorkItem, assign, box_bytes, counted
 
 log = logging.getLogger(__name__)
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -132,6 +134,21 @@ def safetensors_names(shards: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
 
 
+def safetensors_index(weight_map: dict[str, str], total: int) -> bytes:
+    """``model.safetensors.index.json`` as Hugging Face writes it (keys sorted)."""
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(index, indent=2).encode()
+
+
+def plan_files(
+    tensors: list[TensorInfo], max_shard_bytes: int
+) -> list[tuple[str, list[TensorInfo]]]:
+    """Each output file's name and tensors: consecutive in key order, as ``plan_shards``."""
+    kept = sorted(tensors, key=lambda t: t.key)
+    shards = plan_shards(kept, max_shard_bytes) if kept else [[]]
+    return list(zip(safetensors_names(len(shards)), shards))
+
+
 def export_safetensors(
     source: Source,
     destination: str | os.PathLike[str],
@@ -140,23 +157,42 @@ def export_safetensors(
     max_shard_bytes: int = 5 * 10**9,
     slab_bytes: int = DEFAULT_SLAB_BYTES,
     on_bytes: Callable[[int], None] | None = None,
+    group: Group | None = None,
 ) -> ExportResult:
-    """Write ``source``'s tensors as Hugging Face style safetensors in ``destination``."""
+    """Write ``source``'s tensors as Hugging Face style safetensors in ``destination``.
+
+    Every rank of ``group`` (one process if None) calls it with the same arguments: each
+    writes the files a deterministic split by bytes gives it, and the coordinator writes the
+    index once every rank's files are durable. A failure on any rank raises on every rank
+    and removes the files (no index is written).
+    """
+    group = group or Group(None, 0, 1, 0)
     location = resolve(destination, storage_options)
     store = storage_for(location)
-    created = location.is_local and not os.path.exists(location.root)  # removed if it fails
-    store.makedirs()
     aliases = tied_aliases(source)
-    kept = [source.tensors[k] for k in sorted(source.tensors) if k not in aliases]
-    shards = plan_shards(kept, max_shard_bytes) if kept else [[]]
-    names = safetensors_names(len(shards))
-    weight_map: dict[str, str] = {}
-    total = 0
-    written: list[str] = []
-    try:
-        for name, shard in zip(names, shards):
+    files = plan_files(
+        [source.tensors[k] for k in source.tensors if k not in aliases], max_shard_bytes
+    )
+    names = [name for name, _ in files]
+    work = [WorkItem(name, sum(t.nbytes for t in shard), 0) for name, shard in files]
+    mine = {w.key for w in assign(work, group.size)[group.rank]}
+
+    def plan() -> bool:
+        created = location.is_local and not os.path.exists(location.root)  # before any write
+        store.makedirs()
+        return created
+
+    created = protocol.agree(group, "plan", plan)[0]
+
+    started: list[str] = []  # the files this rank opened, removed if the export fails
+
+    def write() -> dict[str, str]:
+        weight_map: dict[str, str] = {}
+        for name, shard in files:
+            if name not in mine:
+                continue
             head, ordered = safetensors_header(shard, aliases)
-            written.append(name)
+            started.append(name)
             with store.open_write(location.path(name)) as raw:
                 out = CoalescingFile(raw)
                 out.write(memoryview(head))
@@ -164,30 +200,43 @@ def export_safetensors(
                     for part in counted(_whole(source, t.key, slab_bytes), on_bytes):
                         out.write(part)
                     weight_map[t.key] = name
-                    total += t.nbytes
                 out.flush()
                 store.sync(raw)
+        return weight_map
+
+    def publish(maps: list[dict[str, str]]) -> None:
         if len(names) > 1:
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            raw_index = json.dumps(index, indent=2).encode()
-            written.append(SAFETENSORS_INDEX)
+            weight_map = {k: v for m in maps for k, v in m.items()}
+            total = sum(t.nbytes for _, shard in files for t in shard)
+            raw_index = safetensors_index(weight_map, total)
             store.commit_file(SAFETENSORS_INDEX, raw_index, f"{SAFETENSORS_INDEX}.tmp", sync=True)
-    except BaseException:
-        _remove_quietly(store, [*written, f"{SAFETENSORS_INDEX}.tmp"])
-        if created:
-            with contextlib.suppress(OSError):  # only if empty: never another's files
-                os.rmdir(location.root)
+
+    try:
+        protocol.commit(group, "write", write, publish)
+    except BaseException:  # every rank has stopped writing by now
+        index_files = (
+            [SAFETENSORS_INDEX, f"{SAFETENSORS_INDEX}.tmp"] if group.is_coordinator else []
+        )
+        remove_export(store, [*started, *index_files], created and group.is_coordinator)
         raise
-    files = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
-    _remove_quietly(store, _stale_exports(store, files))  # an earlier export (--force)
+    written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
+    if group.is_coordinator:
+        _remove_quietly(store, stale_exports(store, written))  # an earlier export (--force)
     skipped = sorted(source.objects)
-    return ExportResult(location.url, files, len(weight_map), total, skipped, aliases)
+    total = sum(t.nbytes for _, shard in files for t in shard)
+    count = sum(len(shard) for _, shard in files)
+    return ExportResult(location.url, written, count, total, skipped, aliases)
 
 
-def _stale_exports(store: Storage, keep: list[str]) -> list[str]:
+def remove_export(store: Storage, names: list[str], created: bool) -> None:
+    """Remove a failed export's files (and its directory if the export created it)."""
+    _remove_quietly(store, names)
+    if created:
+        with contextlib.suppress(OSError):  # only if empty: never another's files
+            os.rmdir(store.location.root)
+
+
+def stale_exports(store: Storage, keep: list[str]) -> list[str]:
     """Safetensors files of an earlier export at the destination that this one did not write."""
     pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
     names = store.list_names()

@@ -99,6 +99,26 @@ def save_gpt2_shards(r: Rank, source: str, path: str) -> None:
     db.save(state, path, process_group=r.group)
 
 
+def save_gpt2_hf(r: Rank, source: str, path: str) -> None:
+    """The GPT-2 state of ``source`` written by ``db.save_hf`` on 2 ranks: columns split
+    where even (DTensors), the rest plain; small files, so an index."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(r.group, "cpu")
+    state: dict[str, Any] = {}
+    for k, v in torch.load(source, weights_only=True).items():
+        if v.dim() == 2 and v.shape[1] % r.size == 0:
+            part = v.chunk(r.size, dim=1)[r.rank].clone()
+            state[k] = DTensor.from_local(part, mesh, [Shard(1)], run_check=False)
+        else:
+            state[k] = v
+    db.save_hf(state, path, process_group=r.group, max_shard_bytes=GPT2_SHARD_BYTES)
+
+
+GPT2_SHARD_BYTES = 8000
+
+
 def _convert(capsys, src: str, dst: str, to: str) -> None:
     code = cli.main(["convert", src, dst, "--to", to, "--no-progress"])
     assert code == 0, capsys.readouterr().err
@@ -110,8 +130,11 @@ def made(pool, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("portable")
     paths = {
         n: str(root / n)
-        for n in ("td_single", "td_ranks", "dcp_single", "dcp_ranks", "gpt2_single", "gpt2_ranks")
-    }
+        for n in (
+            "td_single", "td_ranks", "dcp_single", "dcp_ranks", "gpt2_single", "gpt2_ranks",
+            "gpt2_hf",
+        )
+    }  # fmt: skip
     os.makedirs(paths["td_ranks"])
     pool.run(bridge_save_torch_dist, 2, paths["td_ranks"], False, timeout=120)
     save_single_torch_dist(paths["td_single"])
@@ -127,6 +150,7 @@ def made(pool, tmp_path_factory) -> dict[str, Any]:
     torch.save(gpt2, source)
     db.save({**gpt2, "iteration": 7}, paths["gpt2_single"])
     pool.run(save_gpt2_shards, 2, source, paths["gpt2_ranks"])
+    pool.run(save_gpt2_hf, 2, source, paths["gpt2_hf"])
     return {"paths": paths, "root": root, "config": config, "gpt2": gpt2}
 
 
@@ -163,6 +187,8 @@ def test_single_process_readers_without_dcpbridge(made, tmp_path, capsys):
             _convert(capsys, paths[name], dst, to)
             exports[f"{name}_{to}"] = dst
         made["config"].save_pretrained(exports[f"{name}_safetensors"])
+    exports["gpt2_hf_safetensors"] = paths["gpt2_hf"]  # db.save_hf on 2 ranks
+    made["config"].save_pretrained(paths["gpt2_hf"])
     checks = [
         {"kind": "megatron", "name": "mc_single", "path": paths["td_single"], "shapes": SHAPES,
          "grids": GRIDS},
@@ -180,8 +206,11 @@ def test_single_process_readers_without_dcpbridge(made, tmp_path, capsys):
         checks.append(
             {"kind": "dcp", "name": name, "path": paths[name], "shapes": fc1, "objects": CELLS}
         )
-    for name in ("gpt2_single", "gpt2_ranks"):
-        checks.append({"kind": "torch", "name": f"{name}_torch", "path": exports[f"{name}_torch"]})
+    for name in ("gpt2_single", "gpt2_ranks", "gpt2_hf"):
+        if name != "gpt2_hf":
+            checks.append(
+                {"kind": "torch", "name": f"{name}_torch", "path": exports[f"{name}_torch"]}
+            )
         for kind in ("safetensors", "transformers"):
             path = exports[f"{name}_safetensors"]
             checks.append({"kind": kind, "name": f"{name}_{kind}", "path": path})
@@ -218,15 +247,23 @@ def test_single_process_readers_without_dcpbridge(made, tmp_path, capsys):
         assert torch.equal(state["decoder.fc1.weight"], M.full("decoder.fc1.weight")), name
         assert [state[c] for c in CELLS] == SEEDS, name
     gpt2 = made["gpt2"]
-    for name in ("gpt2_single", "gpt2_ranks"):
-        pt = got[f"{name}_torch"]
-        assert pt["iteration"] == 7 and set(pt) - {"iteration"} == set(gpt2), name
-        assert all(torch.equal(pt[k], v) for k, v in gpt2.items()), name
+    for name in ("gpt2_single", "gpt2_ranks", "gpt2_hf"):
+        if name != "gpt2_hf":
+            pt = got[f"{name}_torch"]
+            assert pt["iteration"] == 7 and set(pt) - {"iteration"} == set(gpt2), name
+            assert all(torch.equal(pt[k], v) for k, v in gpt2.items()), name
         st = got[f"{name}_safetensors"]
         assert set(st) == set(gpt2) and all(torch.equal(st[k], v) for k, v in gpt2.items())
         hf = got[f"{name}_transformers"]
         assert all(torch.equal(hf[k], v) for k, v in gpt2.items()), name
         assert torch.equal(hf["lm_head.weight"], gpt2["transformer.wte.weight"])  # tied
+    one = str(tmp_path / "gpt2_one_process")  # save_hf's index is the one-process export's
+    source = db.open_source(str(made["root"] / "gpt2.pt"))
+    db.export_safetensors(source, one, max_shard_bytes=GPT2_SHARD_BYTES)
+    source.close()
+    index = "model.safetensors.index.json"
+    with open(os.path.join(one, index)) as a, open(os.path.join(paths["gpt2_hf"], index)) as b:
+        assert json.load(a) == json.load(b)
 
 
 @pytest.mark.timeout(600)

@@ -1,0 +1,215 @@
+"""Hugging Face safetensors at scale: ``save_hf`` on every rank, ``load`` from safetensors on
+every rank (each reading its own ranges), hostile headers, and a rank failing mid-save."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import dcpbridge as db
+from dcpbridge.tools.hf import Held, plan_hf
+from tests.support.dist_pool import Rank
+from tests.support.limits import file_size_limit
+
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 400  # several files, so an index
+
+
+def full() -> dict[str, torch.Tensor]:
+    """The reference tensors: float8 weights with float32 scales among them."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(10, 6, generator=g),
+        "layers.0.attn.weight": torch.randn(8, 4, generator=g).to(torch.bfloat16),
+        "layers.0.mlp.weight": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
+        "layers.0.mlp.weight_scale_inv": torch.rand(2, 4, generator=g),
+        "norm.bias": torch.arange(5, dtype=torch.int64),
+    }
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _mesh(r: Rank) -> DeviceMesh:
+    return DeviceMesh.from_group(r.group, "cpu")
+
+
+def sharded_state(r: Rank) -> dict[str, Any]:
+    """DTensors split by columns and rows, a Megatron-style ShardedTensor, plain tensors."""
+    f, mesh = full(), _mesh(r)
+    mlp = f["layers.0.mlp.weight"].chunk(r.size)[r.rank].clone()
+    return {
+        "embed.weight": distribute_tensor(f["embed.weight"], mesh, [Shard(1)]),
+        "layers.0.attn.weight": distribute_tensor(f["layers.0.attn.weight"], mesh, [Shard(0)]),
+        "layers.0.mlp.weight": db.ShardedTensor.from_rank_offsets(
+            "layers.0.mlp.weight", mlp, (0, r.rank, r.size)
+        ),
+        "layers.0.mlp.weight_scale_inv": f["layers.0.mlp.weight_scale_inv"],
+        "norm.bias": f["norm.bias"],
+    }
+
+
+def save_sharded(r: Rank, path: str, limit: int | None) -> str:
+    """``save_hf`` on every rank; ``limit``: rank 1's files cannot grow past it (EFBIG)."""
+    try:
+        with file_size_limit(limit if r.rank == 1 else None):
+            db.save_hf(sharded_state(r), path, process_group=r.group, max_shard_bytes=SHARD_BYTES)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def load_columns(r: Rank, path: str) -> list[str]:
+    """Every tensor of ``path`` loaded as column shards (Shard(1)), compared byte for byte."""
+    mesh, bad = _mesh(r), []
+    for key, want in full().items():
+        if want.dim() == 1:
+            got = db.load({key: torch.zeros_like(want)}, path, process_group=r.group,
+                          strict="assume_ok_unexpected")[key]  # fmt: skip
+            mine = want
+        else:
+            mine = want.chunk(r.size, dim=1)[r.rank]
+            template = DTensor.from_local(torch.zeros_like(mine), mesh, [Shard(1)], run_check=False)
+            got = db.load({key: template}, path, process_group=r.group,
+                          strict="assume_ok_unexpected")[key].to_local()  # fmt: skip
+        if not torch.equal(_bytes(got), _bytes(mine)):
+            bad.append(key)
+    return bad
+
+
+def _same_files(a: str, b: str, names: list[str]) -> None:
+    for name in names:
+        with open(os.path.join(a, name), "rb") as x, open(os.path.join(b, name), "rb") as y:
+            assert x.read() == y.read(), name
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> str:
+    """The reference: a one-process ``export_safetensors`` of the same tensors."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.save(full(), str(root / "full.pt"))
+    source = db.open_source(str(root / "full.pt"))
+    db.export_safetensors(source, str(root / "one"), max_shard_bytes=SHARD_BYTES)
+    source.close()
+    return str(root / "one")
+
+
+@pytest.mark.timeout(300)  # may start the shared pool
+def test_save_hf_on_two_ranks_writes_the_one_process_export(pool, tmp_path, exported):
+    """Every file (headers, data, index) is byte-identical to the one-process export."""
+    path = str(tmp_path / "two")
+    assert pool.run(save_sharded, 2, path, None, timeout=100) == ["saved"] * 2
+    names = sorted(os.listdir(exported))
+    assert INDEX in names and len(names) > 2, names
+    assert sorted(os.listdir(path)) == names
+    _same_files(path, exported, names)
+
+
+def export_on_ranks(r: Rank, source: str, path: str) -> list[str]:
+    """What ``dcpbridge convert --to safetensors`` runs on each torchrun worker."""
+    from dcpbridge.engine.collectives import Group
+
+    src = db.open_source(source)
+    try:
+        return db.export_safetensors(
+            src, path, max_shard_bytes=SHARD_BYTES, group=Group.resolve(r.group)
+        ).files
+    finally:
+        src.close()
+
+
+@pytest.mark.timeout(120)
+def test_export_on_two_ranks_writes_the_one_process_export(pool, tmp_path, exported):
+    """Each rank writes its share of the files; the result is byte-identical."""
+    path = str(tmp_path / "two")
+    source = os.path.join(os.path.dirname(exported), "full.pt")
+    files = pool.run(export_on_ranks, 2, source, path, timeout=100)
+    assert files[0] == files[1] == sorted(os.listdir(exported))
+    _same_files(path, exported, files[0])
+
+
+def test_save_hf_in_one_process_writes_one_file(tmp_path, exported):
+    """Everything fits one file: ``model.safetensors`` (published by a rename), no index,
+    the bytes of the one-process export, readable by safetensors."""
+    from safetensors.torch import load_file
+
+    one, path = str(tmp_path / "export"), str(tmp_path / "saved")
+    source = db.open_source(os.path.join(os.path.dirname(exported), "full.pt"))
+    db.export_safetensors(source, one)
+    source.close()
+    assert db.save_hf(full(), path).files == ["model.safetensors"]
+    assert os.listdir(path) == os.listdir(one) == ["model.safetensors"]
+    _same_files(path, one, ["model.safetensors"])
+    got = load_file(os.path.join(path, "model.safetensors"))
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
+@pytest.mark.timeout(120)
+def test_load_hf_into_column_shards_on_two_ranks(pool, exported):
+    assert pool.run(load_columns, 2, exported, timeout=100) == [[], []]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_failing_mid_save_leaves_no_index(pool, tmp_path):
+    """Rank 1 cannot write past byte 200 of any file: every rank raises its StorageError,
+    and nothing is left (no index, no file)."""
+    path = str(tmp_path / "fail")
+    outcomes = pool.run(save_sharded, 2, path, 200, timeout=100)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"StorageError: rank 1: {path}: write model-"), outcomes[0]
+    assert "File too large" in outcomes[0], outcomes[0]
+    assert not os.path.exists(path) or os.listdir(path) == []
+
+
+def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize(
+    ("header", "error"),
+    [
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+            r"model\.safetensors: tensors 'a' and 'b' share bytes \d+\.\.\d+",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+            r"tensor 'a': byte range does not match its shape",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+            r"tensor 'a': bytes \d+\.\.\d+ lie past the end of the file",
+        ),
+    ],
+)  # fmt: skip
+def test_load_refuses_a_hostile_header(tmp_path, header, error):
+    """``db.load`` checks the header before it sizes anything by it (the file holds 12 bytes)."""
+    _header_file(tmp_path, header, bytes(12))
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.load({"a": torch.zeros(2)}, str(tmp_path))
+
+
+def test_plan_spreads_plain_tensors_and_refuses_disagreeing_ranks():
+    """Pure planning: replicated plain tensors go to the least-loaded holder; shapes that
+    differ between ranks, or boxes that do not tile, raise before anything is written."""
+    f32 = torch.float32
+    big = Held("a", (64,), f32, (0,), (64,), True, True)
+    small = Held("b", (8,), f32, (0,), (8,), True, True)
+    plan = plan_hf([[big, small], [big, small]], 10**9)
+    assert [(w.key, w.sizes) for w in plan.writes[0]] == [("a", (64,))]
+    assert [(w.key, w.sizes) for w in plan.writes[1]] == [("b", (8,))]
+    other = Held("a", (32,), f32, (0,), (32,), True, True)
+    with pytest.raises(db.ShardingValidationError, match=r"'a': rank 1 holds it as"):
+        plan_hf([[big], [other]], 10**9)
+    half = Held("c", (8, 4), f32, (0, 0), (8, 2), True, False)
+    with pytest.raises(db.ShardingValidationError, match=r"elements \[0:8, 2:4\] are not written"):
+        plan_hf([[half], []], 10**9)
