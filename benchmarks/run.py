@@ -23,6 +23,7 @@ SECTIONS = {
     "s3": "bench_s3",
     "gpu": "bench_gpu",
     "data": "bench_data",
+    "incremental": "bench_incremental",
 }
 
 

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dcpbridge.errors import CorruptCheckpointError
+from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.errors import storage_faults
@@ -73,6 +73,17 @@ def needed_files(root: Location, names: Iterable[str]) -> Needed:
         raw = storage_for(location).read_file(location.path(METADATA_FILE))
         out |= needed_by(name, raw)
     return out
+
+
+def refuse_if_referenced(root: Location, name: str, others: Iterable[str]) -> None:
+    """Refuse to replace checkpoint folder ``name`` while the committed checkpoints ``others``
+    reference its files (replacing it deletes them)."""
+    users = [o for o in others if o != name and any(d == name for d, _ in needed_files(root, [o]))]
+    if users:
+        raise InvalidArgumentError(
+            f"{root.url}/{name} cannot be saved again: {', '.join(users)} reference its files "
+            "(incremental saves); delete those steps first or save under another step"
+        )
 
 
 def files_in(location: Location) -> list[str]:

@@ -28,7 +28,7 @@ from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.incremental import remove_checkpoints
+from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoints
 from dcpbridge.engine.local_plan import Recoverable
 from dcpbridge.engine.local_restore import open_local_step
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
@@ -332,7 +332,10 @@ class CheckpointManager:
         def run(value: float | None, plain: dict[str, float]) -> None:
             location = self._location(step)
             store = storage_for(location)
-            if not store.exists(METADATA_FILE) and store.list_names():
+            if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
+                names = [step_dir_name(s) for s in self._scan()[0]]
+                refuse_if_referenced(self._location(), step_dir_name(step), names)
+            elif store.list_names():
                 self._remove_steps([step], self._scan()[0])
             store.makedirs()
             raw = json.dumps({"step": step, "metrics": plain}, sort_keys=True).encode()

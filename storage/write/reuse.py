@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcpbridge.storage.backends import storage_for
-from dcpbridge.storage.errors import InvalidArgumentError
+from dcpbridge.storage.errors import InvalidArgumentError, NotACheckpointError
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import (
     METADATA_FILE,
@@ -63,7 +63,14 @@ class Previous:
         """Read and validate the commit document at ``location`` (nothing else is read)."""
         store = storage_for(location)
         path = location.path(METADATA_FILE)
-        metadata = decode_metadata(store.read_file(path), where=path)
+        try:
+            raw = store.read_file(path)
+        except FileNotFoundError:
+            raise NotACheckpointError(
+                f"reuse_from={location.url!r} is not a complete checkpoint ({METADATA_FILE} "
+                "is missing)"
+            ) from None
+        metadata = decode_metadata(raw, where=path)
         index = metadata.storage_data
         assert isinstance(index, StorageIndex)
         return cls(location.root.rstrip("/").rsplit("/", 1)[-1], index)
