@@ -26,6 +26,7 @@ SECTIONS = {
     "writer": "bench_writer",
     "local": "bench_local",
     "hf": "bench_hf",
+    "incremental": "bench_incremental",
 }
 
 

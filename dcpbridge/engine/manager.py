@@ -10,7 +10,6 @@ its commit file first, so a half-deleted directory never looks complete.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -29,6 +28,7 @@ from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoints
 from dcpbridge.engine.local_plan import Recoverable
 from dcpbridge.engine.local_restore import open_local_step
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
@@ -45,7 +45,6 @@ from dcpbridge.formats.config import Config, load_config, resolve_storage_option
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
-from dcpbridge.storage.errors import storage_faults
 
 log = logging.getLogger("dcpbridge")
 
@@ -137,6 +136,7 @@ class CheckpointManager:
         background_staging: bool = False,
         verify_staging: bool = False,
         writer: str = "thread",
+        incremental: bool = False,
     ) -> None:
         cfg = config if isinstance(config, Config) else load_config(config)
         defaults = cfg.checkpoint
@@ -186,6 +186,8 @@ class CheckpointManager:
         self.background_staging, self.verify_staging = background_staging, verify_staging
         check_writer(writer, "dcpbridge")
         self.writer = writer
+        self.incremental = incremental  # reference chunks equal to the previous step's
+        self._previous: int | None = None  # the newest committed step (incremental saves)
         self._guard = StepGuard(lambda: self._pending[1] if self._pending else None)
         for optimizer in optimizers:
             self.watch(optimizer)
@@ -301,6 +303,8 @@ class CheckpointManager:
             thread_count=self.threads,
             checksums=self.checksums,
         )
+        if self.incremental:
+            options["reuse_from"] = self._reuse_from(step)
         if self.async_save and not preempted:
             handle = save_mod.async_save(
                 state,
@@ -314,6 +318,7 @@ class CheckpointManager:
             self._pending = (step, handle)
             return
         save_mod.save(state, url, **options)
+        self._previous = step
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
         self._after_commit()
         self._notify(step, "persistent", url)
@@ -334,8 +339,11 @@ class CheckpointManager:
         def run(value: float | None, plain: dict[str, float]) -> None:
             location = self._location(step)
             store = storage_for(location)
-            if not store.exists(METADATA_FILE) and store.list_names():
-                _remove_dir(location)
+            if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
+                names = [step_dir_name(s) for s in self._scan()[0]]
+                refuse_if_referenced(self._location(), step_dir_name(step), names)
+            elif store.list_names():
+                self._remove_steps([step], self._scan()[0])
             store.makedirs()
             raw = json.dumps({"step": step, "metrics": plain}, sort_keys=True).encode()
             store.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
@@ -367,6 +375,7 @@ class CheckpointManager:
         step, handle = self._pending
         self._pending = None
         handle.result()
+        self._previous = step
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
         self._after_commit()
         self._notify(step, "persistent", handle.checkpoint_dir)
@@ -384,11 +393,26 @@ class CheckpointManager:
             complete, partial = self._scan()
             metric = {s: self._stored_metric(s) for s in complete} if self.best_metric else {}
             keep = self.retention.keep(complete, metric)
-            for step in [s for s in complete if s not in keep] + partial:
-                _remove_dir(self._location(step))
+            doomed = [s for s in complete if s not in keep] + partial
+            self._remove_steps(doomed, [s for s in complete if s in keep])
+            for step in doomed:
                 self._metrics.pop(step, None)
         except Exception as e:  # the new checkpoint is committed: leftovers only waste space
             log.warning("dcpbridge: retention in %s failed: %s", self.root, e)
+
+    def _remove_steps(self, doomed: list[int], kept: list[int]) -> None:
+        """Delete steps ``doomed``, keeping the files the committed steps ``kept`` reference
+        (read from their commit files: incremental saves share files between steps)."""
+        names = [step_dir_name(s) for s in kept]
+        remove_checkpoints(self._location(), [step_dir_name(s) for s in doomed], names)
+
+    def _reuse_from(self, step: int) -> str | None:
+        """The step an incremental save of ``step`` references: the newest committed one
+        (rank 0's view of storage, agreed once; then the last commit of this manager)."""
+        if self._previous is None:
+            self._previous = self._agree(lambda: max([*self._scan()[0], -1]))
+        previous = self._previous
+        return None if previous < 0 or previous == step else self.step_url(previous)
 
     def _stored_metric(self, step: int) -> float | None:
         """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None)."""
@@ -613,15 +637,3 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
                 f"{type(value).__name__}"
             ) from None
     return out
-
-
-def _remove_dir(location: Location) -> None:
-    """Delete a step directory: its commit file first, so it never looks complete half-gone."""
-    store = storage_for(location)
-    if store.exists(METADATA_FILE):
-        store.remove([METADATA_FILE])
-    with storage_faults(f"{location.url}: remove"):
-        location.fs.invalidate_cache(location.root)
-        with contextlib.suppress(FileNotFoundError):  # an object store's empty "directory"
-            location.fs.rm(location.root, recursive=True)
-        location.fs.invalidate_cache(location.root)

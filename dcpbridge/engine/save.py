@@ -82,11 +82,16 @@ class SaveOptions:
     sync_files: bool = True  # fsync data files before the commit
     checksums: bool = True  # xxh3 block checksums (format "dcpbridge")
     format: str = "dcpbridge"  # or "torch_dist", which Megatron-Core's load reads
+    reuse_from: PathLike | None = None  # incremental: reference equal chunks of this checkpoint
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise InvalidArgumentError(
                 f"format must be 'dcpbridge' or 'torch_dist', got {self.format!r}"
+            )
+        if self.reuse_from is not None and (self.format != "dcpbridge" or not self.checksums):
+            raise InvalidArgumentError(
+                "reuse_from needs format='dcpbridge' with checksums (they decide what is reused)"
             )
         if not isinstance(self.thread_count, int) or self.thread_count < 1:
             raise InvalidArgumentError(f"thread_count must be >= 1, got {self.thread_count!r}")
@@ -173,6 +178,7 @@ def _planner_and_writer(
         thread_count=options.thread_count,
         sync_files=options.sync_files,
         checksums=options.checksums,
+        reuse_from=options.reuse_from,
     )
     planner = BridgeSavePlanner(
         parts.shards,

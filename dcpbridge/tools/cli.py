@@ -148,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_progress(p)
 
     p = sub.add_parser(
+        "fsck",
+        help="list orphaned and missing files under a checkpoint root",
+        description="Check every checkpoint folder under ROOT (a CheckpointManager root, or "
+        "any folder of checkpoints saved side by side): data files that no complete "
+        "checkpoint needs (orphans, left by a killed save or retention) and files a complete "
+        "checkpoint needs but that are gone (its own, or an earlier one's it references). "
+        "Exit 0 if there are none, 1 otherwise. --fix removes the orphans only (run it while "
+        "no save writes under ROOT).",
+        formatter_class=fmt,
+    )
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--fix", action="store_true", help="remove orphaned files")
+    _add_common(p)
+
+    p = sub.add_parser(
         "reshard",
         help="rewrite a checkpoint for a target parallel layout",
         description="Rewrite SRC (any format) as a dcpbridge checkpoint at DST in which each "
@@ -345,6 +360,24 @@ def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def cmd_fsck(args: argparse.Namespace, cfg: Config) -> int:
+    from dcpbridge.engine.incremental import fsck
+
+    found = fsck(args.root, _options(cfg, args.root, args.profile), fix=args.fix)
+    for line in found.unreadable:
+        print(f"unreadable: {line}")
+    for line in found.missing:
+        print(f"missing: {line}")
+    for line in found.orphans:
+        print(f"{'removed' if args.fix and not found.unreadable else 'orphan'}: {line}")
+    print(
+        f"{len(found.checkpoints)} checkpoint(s), {len(found.orphans)} orphaned file(s), "
+        f"{len(found.missing)} missing file(s)"
+    )
+    bad = found.missing or found.unreadable or (found.orphans and not args.fix)
+    return 1 if bad else 0
+
+
 def _bytes_to_verify(source: Any) -> int:
     """What ``validate --checksums`` reads: every stored item of a dcpbridge checkpoint
     (objects too), every tensor chunk of other formats."""
@@ -504,6 +537,7 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace, Config], int]] = {
     "inspect": cmd_inspect,
     "validate": cmd_validate,
+    "fsck": cmd_fsck,
     "reshard": cmd_reshard,
     "convert": cmd_convert,
 }

@@ -13,6 +13,8 @@ from dcpbridge.planners import Placed, coverage_problems
 from dcpbridge.planners.boxes import fmt_box
 from dcpbridge.storage import StorageIndex
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.referenced import sizes_with_references
+from dcpbridge.storage.format.references import is_reference
 from dcpbridge.storage.read.delivery import verify_stored_items
 
 
@@ -40,7 +42,10 @@ def file_sizes(source: Source) -> dict[str, int]:
         source.format == Format.SAFETENSORS and loc.root.endswith(".safetensors")
     ):
         return {loc.root.rsplit("/", 1)[-1]: int(loc.fs.size(loc.root))}
-    return storage_for(loc).file_sizes()  # spread folders included
+    store = storage_for(loc)
+    index = getattr(getattr(source, "metadata", None), "storage_data", None)
+    files = index.files if isinstance(index, StorageIndex) else ()
+    return sizes_with_references(store, files)  # spread folders and referenced files included
 
 
 def _extents(source: Source) -> list[tuple[str, str, int, int]]:
@@ -158,6 +163,7 @@ def describe(source: Source, sizes: dict[str, int], found: Findings) -> dict[str
         k: {"rank": o.rank, "file": o.file, "offset": o.offset, "bytes": o.nbytes}
         for k, o in sorted(source.objects.items())
     }
+    written, reused = _written_and_reused(tensors, objects)
     return {
         "url": source.location.url,
         "format": source.format.value,
@@ -181,9 +187,19 @@ def describe(source: Source, sizes: dict[str, int], found: Findings) -> dict[str
         "files": [{"name": n, "bytes": b} for n, b in sorted(sizes.items())],
         "total_bytes": sum(sizes.values()),
         "tensor_bytes": sum(t.nbytes for t in source.tensors.values()),
+        "bytes_written": written,  # stored in this checkpoint's own files
+        "bytes_reused": reused,  # referenced in earlier checkpoints' files (incremental)
         "tensors": tensors,
         "objects": objects,
     }
+
+
+def _written_and_reused(tensors: dict[str, Any], objects: dict[str, Any]) -> tuple[int, int]:
+    """(bytes in the checkpoint's own files, bytes referenced in an earlier one's)."""
+    items = [c for t in tensors.values() for c in t["chunks"]] + list(objects.values())
+    stored = [(c["file"], c["bytes"] or 0) for c in items if c["file"] is not None]
+    reused = sum(n for f, n in stored if is_reference(f))
+    return sum(n for _, n in stored) - reused, reused
 
 
 def _ranks(chunks: list[dict[str, Any]]) -> str:
@@ -211,6 +227,11 @@ def format_text(doc: dict[str, Any], *, max_chunks: int = 8) -> str:
         f"{len(doc['tensors'])} tensors ({human_bytes(doc['tensor_bytes'])}), "
         f"{len(doc['objects'])} objects"
     )
+    if doc.get("bytes_reused"):
+        lines.append(
+            f"  incremental {human_bytes(doc['bytes_written'])} written, "
+            f"{human_bytes(doc['bytes_reused'])} reused from earlier checkpoint(s)"
+        )
     width = max([len(k) for k in doc["tensors"]] + [3])
     rw = max([len(_ranks(t["chunks"])) for t in doc["tensors"].values()] + [5])
     lines.append("")

@@ -187,6 +187,17 @@ def digests(grid: Grid, data: memoryview) -> list[str]:
     return [d for _, d, _ in _box_digests(grid, data, (0,) * len(grid.sizes), grid.sizes)]
 
 
+def same_digests(grid: Grid, data: memoryview, expected: Sequence[str]) -> bool:
+    """Whether every tile of ``data`` (an item's bytes in C order) hashes to ``expected``;
+    stops at the first tile that differs, so a changed item costs about one tile's hash."""
+    if len(expected) != grid.count and grid.nbytes:
+        return False
+    if grid.nbytes == 0 or (grid.count == 1 and grid.nbytes == len(data)):
+        return xxhash.xxh3_64_hexdigest(data) == expected[0]
+    zeros = (0,) * len(grid.sizes)
+    return all(d == expected[i] for i, d, _ in _box_digests(grid, data, zeros, grid.sizes))
+
+
 def item_digests(
     data: memoryview, sizes: Sequence[int] | None, dtype: torch.dtype | None, block: int
 ) -> tuple[str, ...]:

@@ -42,6 +42,7 @@ from dcpbridge.storage.format.fields import (
     tensor_headers,
 )
 from dcpbridge.storage.format.paths import MAX_PREFIXES, check_file_name
+from dcpbridge.storage.format.references import check_reference, is_reference
 from dcpbridge.storage.format.rows import rows_table
 from dcpbridge.storage.format.table import (
     ITEM_ALIGN,
@@ -80,12 +81,14 @@ __all__ = [
 ]
 
 FORMAT_NAME = "dcpbridge"
+# 5: version 4 whose ``files`` may also name data files of a sibling checkpoint
+#    (``../<dir>/<file>``, storage/format/references.py): written only by incremental saves.
 # 4: a tensor chunk's checksums cover tiles chosen from its shape (storage/format/checksum.py), so
 #    a column slice verifies without reading whole rows; items as packed columns ("items"),
 #    or one JSON object per item in small documents.
 # 3: items as packed columns, flat checksum blocks. 2: one JSON object per item, and the
 #    document ends with a digest of itself. 1: version 2 without the digest. All load.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # Documents with at most this many items list one JSON object per item (easy to read by
 # eye); larger ones pack the items as columns.
 ROWS_AS_OBJECTS = 1024
@@ -204,7 +207,7 @@ def encode_metadata(metadata: Metadata) -> bytes:
     block = index.checksum_block_size if index.checksum_algorithm else 0
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": _tiled_version(table.files),
         "save_id": index.save_id,
         "created_unix": index.created_unix,
         "world_size": index.world_size,
@@ -242,6 +245,12 @@ def encode_metadata(metadata: Metadata) -> bytes:
         doc["items"] = _pack_items(table)
     doc["planner_data"] = _jsonable(metadata.planner_data)
     return sign_document(doc)
+
+
+def _tiled_version(files: tuple[str, ...] | list[str]) -> int:
+    """The version a document with tiled checksums and ``files`` is written as: 5 only when
+    it references another checkpoint's files (older readers refuse it by its version)."""
+    return FORMAT_VERSION if any(map(is_reference, files)) else 4
 
 
 def _item_objects(table: ItemTable, block: int) -> dict[str, Any]:
@@ -435,16 +444,20 @@ def _decode_header(doc: dict[str, Any]) -> _Header:
     files = _field(doc, "files", "document")
     if type(files) is not list:
         raise CorruptCheckpointError(f"files must be a list, got {_show(files)}")
+    version = doc.get("version", 1)
     for name in files:
         if not isinstance(name, str):
             raise CorruptCheckpointError(f"files: {_show(name)} is not a file name")
+        if is_reference(name) and type(version) is int and version >= 5:
+            check_reference(name)  # another checkpoint's file: its own save id
+            continue
         check_file_name(name)
         m = DATA_FILE_RE.match(name)
         if m is None or m.group(3) != save_id:
             raise CorruptCheckpointError(f"files: {name!r} is not a data file of save {save_id!r}")
     if len(set(files)) != len(files):
         raise CorruptCheckpointError("files: a file is listed twice")
-    tiled = doc.get("version", 1) >= 4
+    tiled = version >= 4
     prefixes = _int(doc.get("prefixes", 1), "prefixes", 1, MAX_PREFIXES)
     return _Header(
         save_id, tuple(files), world_size, block, algorithm, float(created), tiled, prefixes
@@ -564,7 +577,7 @@ def rows_document(raw: bytes | Mapping[str, Any]) -> dict[str, Any]:
     index = md.storage_data
     assert isinstance(index.items, ItemTable)
     doc.update(_item_objects(index.items, index.checksum_block_size))
-    doc["version"] = FORMAT_VERSION if index.tiled_checksums else 2
+    doc["version"] = _tiled_version(index.files) if index.tiled_checksums else 2
     doc.pop("items", None)
     doc.pop(_DIGEST_KEY, None)
     return doc

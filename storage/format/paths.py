@@ -13,6 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from dcpbridge.storage.errors import InvalidArgumentError, UnsafePathError
+from dcpbridge.storage.format.references import is_reference, reference_path
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 # Storage options that are dcpbridge's own (the filesystem never sees them).
@@ -54,7 +55,10 @@ class Location:
 
     def data_path(self, name: str, prefixes: int | None = None) -> str:
         """Full path of data file ``name`` of a checkpoint spread over ``prefixes`` folders
-        (default: this location's setting)."""
+        (default: this location's setting); a reference (``../<dir>/...``, incremental
+        saves) resolves inside the parent folder, checked."""
+        if is_reference(name):
+            return reference_path(self.root, name)
         folder = spread_dir(check_file_name(name), self.prefixes if prefixes is None else prefixes)
         return self.path(name) if folder is None else f"{self.root.rstrip('/')}/{folder}/{name}"
 

@@ -20,6 +20,7 @@ from dcpbridge.storage.format.fields import (
     tensor_headers,
 )
 from dcpbridge.storage.format.paths import check_file_name
+from dcpbridge.storage.format.references import is_reference
 from dcpbridge.storage.format.table import ItemTable, StoredItem, table_from_rows
 
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
@@ -39,7 +40,8 @@ def _item(
     name = _field(entry, "file", what)
     if not isinstance(name, str):
         raise CorruptCheckpointError(f"{what}: file must be a string, got {_show(name)}")
-    check_file_name(name)
+    if not is_reference(name):  # references: checked with the header's files
+        check_file_name(name)
     if name not in files:
         raise CorruptCheckpointError(f"{what}: file {name!r} is not among the checkpoint's files")
     offset = _int(_field(entry, "offset", what), f"{what} offset")

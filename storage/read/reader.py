@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from dcpbridge.storage.backends import device_copy, storage_for
 from dcpbridge.storage.backends.location_mixin import LocationMixin
+from dcpbridge.storage.backends.referenced import sizes_with_references
 from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import (
@@ -132,7 +133,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         """Refuse the checkpoint unless every item's bytes lie inside its data file (one
         listing, kept for the reads): call it before sizing anything by the metadata."""
         self.read_metadata()
-        self._file_sizes = self._store.file_sizes()
+        self._file_sizes = sizes_with_references(self._store, self._index.files)
         check_stored_ranges(self._index.items, self._file_sizes, self._loc.url)
         self._all_ranges_checked = True
 
@@ -228,7 +229,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         if not wanted:
             return
         if self._file_sizes is None:
-            self._file_sizes = self._store.file_sizes()
+            self._file_sizes = sizes_with_references(self._store, self._index.files)
         check_stored_ranges(wanted, self._file_sizes, self._loc.url)
 
     def _block(self, stored: StoredItem, where: StorageIndex | None = None) -> int:

@@ -39,6 +39,8 @@ from dcpbridge.storage.format.document import (
     encode_metadata,
     temp_metadata_name,
 )
+from dcpbridge.storage.format.paths import resolve
+from dcpbridge.storage.write.reuse import Previous, check_siblings, split_reused
 from dcpbridge.storage.write.written import written_columns, written_table
 
 log = logging.getLogger(__name__)
@@ -226,6 +228,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         sync_files: bool = True,
         checksums: bool = True,
         checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
+        reuse_from: str | os.PathLike[str] | None = None,
     ) -> None:
         if thread_count < 1:
             raise InvalidArgumentError(f"thread_count must be >= 1, got {thread_count}")
@@ -241,6 +244,8 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._save_id = ""
         self._is_coordinator = False
         self._written: set[str] = set()
+        # incremental: chunks equal to this sibling checkpoint's are referenced (write/reuse.py)
+        self.reuse_from = None if reuse_from is None else os.fspath(reuse_from)
         if path is not None:
             self.reset(path)
 
@@ -249,6 +254,8 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self._relocate(checkpoint_id)
+            if self.reuse_from is not None:
+                check_siblings(resolve(self.reuse_from, self.storage_options), self._loc)
         self._save_id = ""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -286,8 +293,9 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._save_id = target.save_id
         self._written = set()
         device_copy.settle_device_work()  # GPU tensors are copied from writer threads
-        sizes = [item_nbytes(item) for item in plan.items]
-        buckets = split_into_files(plan.items, self.thread_count, sizes)
+        reused, reused_results, items = self._split_reused(plan.items, planner, target.rank)
+        sizes = [item_nbytes(item) for item in items]
+        buckets = split_into_files(items, self.thread_count, sizes)
 
         def write_file(index: int) -> list[WriteResult]:
             name = data_file_name(target.rank, index, target.save_id)
@@ -298,6 +306,8 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         else:
             with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpb-write") as pool:
                 results = [r for rs in pool.map(write_file, range(len(buckets))) for r in rs]
+        if reused:
+            results, buckets = reused_results + results, [reused, *buckets]
         digest_of = getattr(planner, "plan_digest", None)  # dcpbridge's planners have one
         digest = digest_of(plan) if digest_of is not None else None
         if digest is not None:
@@ -337,6 +347,18 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _split_reused(
+        self, items: list[WriteItem], planner: SavePlanner, rank: int
+    ) -> tuple[list[WriteItem], list[WriteResult], list[WriteItem]]:
+        """(items the previous checkpoint already stores, their results, items to write)."""
+        if self.reuse_from is None or not self.checksums:
+            return [], [], items
+        previous = Previous.open(resolve(self.reuse_from, self.storage_options))
+        block = self.checksum_block_size
+        return split_reused(
+            items, planner.resolve_data, previous, rank=rank, block=block, tensor_bytes=tensor_bytes
+        )
 
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int

@@ -518,7 +518,7 @@ FIELDS: list[tuple[tuple[Any, ...], Any]] = [
     *[(("prefixes",), v) for v in (0, 2, 4097, True)],
     *[(("world_size",), v) for v in (0, 2**31 + 1, -1, 3)],
     *[(("save_id",), v) for v in ("", "ABC", "../x", "0" * 65)],
-    *[(("version",), v) for v in (0, 2, 3, 5, 4.0)],
+    *[(("version",), v) for v in (0, 2, 3, 6, 4.0)],
     (("format",), "dcp"),
     *[(("checksum",), {"algorithm": "xxh3_64", "block_size": v}) for v in (1, 2**62)],
     (("checksum",), {"algorithm": "md5", "block_size": 64}),

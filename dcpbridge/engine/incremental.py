@@ -1,0 +1,206 @@
+"""Deleting checkpoints that incremental saves may reference: only files no kept checkpoint needs.
+
+What a checkpoint needs is read from its commit document on storage (its own data files and
+the files it references in sibling checkpoints), never from memory, so it holds after restarts
+and across jobs. Deletion runs in an order that a crash at any point cannot break a kept
+checkpoint: every doomed commit file first (nothing half-deleted looks complete), then the
+files no kept checkpoint names, then the folders left empty. ``fsck`` finds what a crash left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError
+from dcpbridge.storage import METADATA_FILE, Location, resolve
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.errors import storage_faults
+from dcpbridge.storage.format.document import DATA_FILE_RE, TEMP_METADATA_PREFIX
+from dcpbridge.storage.format.paths import check_file_name, spread_dir
+from dcpbridge.storage.format.references import check_reference, is_reference
+
+log = logging.getLogger(__name__)
+
+Needed = set[tuple[str, str]]  # (checkpoint folder name, file path inside it)
+
+
+def child(root: Location, name: str) -> Location:
+    """The checkpoint folder ``name`` under storage root ``root`` (same filesystem options)."""
+    check_file_name(name)
+    return Location(
+        url=f"{root.url.rstrip('/')}/{name}",
+        fs=root.fs,
+        root=f"{root.root.rstrip('/')}/{name}",
+        settings=root.settings,
+    )
+
+
+def needed_by(name: str, raw: bytes) -> Needed:
+    """The files checkpoint folder ``name`` needs, from its commit document ``raw`` (hostile:
+    anything malformed raises ``CorruptCheckpointError``, so nothing is deleted on a guess)."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{name}/{METADATA_FILE} is not valid JSON: {e}") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    prefixes = doc.get("prefixes", 1) if isinstance(doc, dict) else 1
+    if type(files) is not list or type(prefixes) is not int or prefixes < 1:
+        raise CorruptCheckpointError(f"{name}/{METADATA_FILE} has no valid files list")
+    out: Needed = set()
+    for f in files:
+        if not isinstance(f, str):
+            raise CorruptCheckpointError(f"{name}/{METADATA_FILE}: {f!r} is not a file name")
+        if is_reference(f):
+            m = check_reference(f)
+            inner = f"{m.group('spread')}/{m.group('file')}" if m.group("spread") else m["file"]
+            out.add((m.group("dir"), inner))
+        else:
+            folder = spread_dir(check_file_name(f), prefixes)
+            out.add((name, f"{folder}/{f}" if folder else f))
+    return out
+
+
+def needed_files(root: Location, names: Iterable[str]) -> Needed:
+    """Every file the committed checkpoints ``names`` (folders under ``root``) need; a
+    document that cannot be read raises (the caller then deletes nothing)."""
+    out: Needed = set()
+    for name in names:
+        location = child(root, name)
+        raw = storage_for(location).read_file(location.path(METADATA_FILE))
+        out |= needed_by(name, raw)
+    return out
+
+
+def refuse_if_referenced(root: Location, name: str, others: Iterable[str]) -> None:
+    """Refuse to replace checkpoint folder ``name`` while the committed checkpoints ``others``
+    reference its files (replacing it deletes them)."""
+    users = [o for o in others if o != name and any(d == name for d, _ in needed_files(root, [o]))]
+    if users:
+        raise InvalidArgumentError(
+            f"{root.url}/{name} cannot be saved again: {', '.join(users)} reference its files "
+            "(incremental saves); delete those steps first or save under another step"
+        )
+
+
+def files_in(location: Location) -> list[str]:
+    """Paths (relative to the folder) of every file under checkpoint folder ``location``."""
+    fs, base = location.fs, location.root.rstrip("/")
+    with storage_faults(f"{location.url}: list"):
+        fs.invalidate_cache(base)
+        try:
+            found = fs.find(base, detail=False)
+        except FileNotFoundError:
+            return []
+    return sorted(p.rstrip("/")[len(base) + 1 :] for p in found if p.startswith(base + "/"))
+
+
+def _remove(location: Location, paths: list[str]) -> None:
+    if not paths:
+        return
+    base = location.root.rstrip("/")
+    with storage_faults(f"{location.url}: remove"):
+        location.fs.rm([f"{base}/{p}" for p in paths])
+        location.fs.invalidate_cache(base)
+
+
+def _remove_folder(location: Location) -> None:
+    with storage_faults(f"{location.url}: remove"):
+        location.fs.invalidate_cache(location.root)
+        with contextlib.suppress(FileNotFoundError):  # an object store's empty "directory"
+            location.fs.rm(location.root, recursive=True)
+        location.fs.invalidate_cache(location.root)
+
+
+def remove_checkpoints(root: Location, doomed: Iterable[str], kept: Iterable[str]) -> None:
+    """Delete checkpoint folders ``doomed`` under ``root`` except the files the committed
+    checkpoints ``kept`` need: all doomed commit files first, then the rest."""
+    doomed = list(doomed)
+    if not doomed:
+        return
+    needed = needed_files(root, kept)  # raises before anything is deleted
+    for name in doomed:
+        store = storage_for(child(root, name))
+        if store.exists(METADATA_FILE):
+            store.remove([METADATA_FILE])
+    for name in doomed:
+        location = child(root, name)
+        keep = {p for d, p in needed if d == name}
+        if not keep:
+            _remove_folder(location)
+            continue
+        _remove(location, [p for p in files_in(location) if p not in keep])
+
+
+@dataclass
+class FsckReport:
+    """What ``fsck`` found under a storage root: files nothing needs, files needed but gone."""
+
+    checkpoints: list[str] = field(default_factory=list)  # committed folders
+    orphans: list[str] = field(default_factory=list)  # "<folder>/<path>"
+    missing: list[str] = field(default_factory=list)  # "<folder>/<path> (needed by ...)"
+    unreadable: list[str] = field(default_factory=list)  # committed folders whose document failed
+
+
+def _folders(root: Location) -> list[str]:
+    fs, base = root.fs, root.root.rstrip("/")
+    with storage_faults(f"{root.url}: list"):
+        fs.invalidate_cache(base)
+        try:
+            entries = fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+    names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+    types = [e.get("type") for e in entries]
+    return sorted(n for n, t in zip(names, types) if t == "directory")
+
+
+def _is_orphan(path: str) -> bool:
+    """Files a checkpoint folder holds only while a save runs or after a crash."""
+    last = path.rsplit("/", 1)[-1]
+    return bool(DATA_FILE_RE.match(last)) or last.startswith(TEMP_METADATA_PREFIX)
+
+
+def fsck(url: str, storage_options: dict | None = None, *, fix: bool = False) -> FsckReport:
+    """Check every checkpoint folder under storage root ``url``: orphaned data files (no
+    committed checkpoint needs them) and missing ones; ``fix`` removes orphans only (run it
+    while no save writes under the root)."""
+    root = resolve(url, storage_options)
+    report = FsckReport()
+    users: dict[tuple[str, str], list[str]] = {}
+    folders = _folders(root)
+    for name in folders:
+        location = child(root, name)
+        store = storage_for(location)
+        if not store.exists(METADATA_FILE):
+            continue
+        report.checkpoints.append(name)
+        try:
+            for key in needed_by(name, store.read_file(location.path(METADATA_FILE))):
+                users.setdefault(key, []).append(name)
+        except Exception as e:
+            report.unreadable.append(f"{name}: {e}")
+    present: set[tuple[str, str]] = set()
+    orphans: dict[str, list[str]] = {}
+    for name in folders:
+        for path in files_in(child(root, name)):
+            present.add((name, path))
+            if (name, path) not in users and _is_orphan(path):
+                orphans.setdefault(name, []).append(path)
+    report.orphans = [f"{d}/{p}" for d, ps in sorted(orphans.items()) for p in ps]
+    report.missing = [
+        f"{d}/{p} (needed by {', '.join(sorted(u))})"
+        for (d, p), u in sorted(users.items())
+        if (d, p) not in present
+    ]
+    if fix and not report.unreadable:
+        for name, paths in orphans.items():
+            location = child(root, name)
+            _remove(location, paths)
+            left = files_in(location)
+            if name not in report.checkpoints and all(p == "manager.json" for p in left):
+                _remove_folder(location)
+    return report

@@ -1,0 +1,347 @@
+"""Incremental saves: chunks equal to the previous step's are referenced, not rewritten; every
+step loads bit-exact on its own; retention and crashes never break a kept step; fsck finds and
+removes what a crash left; a checkpoint copied alone names what it misses."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import dcpbridge as db
+from dcpbridge.engine import incremental
+from dcpbridge.engine.incremental import fsck
+from dcpbridge.storage import FsspecCheckpointWriter, StorageIndex, resolve
+from dcpbridge.storage.read.metadata import read_checkpoint_metadata
+from dcpbridge.tools import cli
+from tests.support.backends import Backend, local_backend, s3_backend
+from tests.support.dist_pool import Rank
+
+DIM, RANK_R = 128, 4
+
+
+def stored(url: str, opts: dict | None = None) -> dict[tuple, str]:
+    """Every stored item's key and the file its bytes are in."""
+    index = read_checkpoint_metadata(resolve(url, opts)).storage_data
+    assert isinstance(index, StorageIndex)
+    return {key: item.file for key, item in index.items.items()}
+
+
+def own_bytes(url: str, opts: dict | None = None) -> int:
+    """Bytes of the items a checkpoint stores in its own files (what its save wrote)."""
+    index = read_checkpoint_metadata(resolve(url, opts)).storage_data
+    return sum(i.nbytes for i in index.items.values() if not i.file.startswith("../"))
+
+
+def referenced(url: str, opts: dict | None = None) -> set[str]:
+    return {key[0] for key, file in stored(url, opts).items() if file.startswith("../")}
+
+
+class Lora(torch.nn.Module):
+    """A frozen base with a trainable low-rank adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = torch.nn.Linear(DIM, DIM)
+        self.base.requires_grad_(False)
+        self.lora_a = torch.nn.Linear(DIM, RANK_R, bias=False)
+        self.lora_b = torch.nn.Linear(RANK_R, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def _clone(sd: dict) -> dict:
+    return {k: _clone(v) if isinstance(v, dict) else v.clone() for k, v in sd.items()}
+
+
+def _zeros(sd: dict) -> dict:
+    return {k: _zeros(v) if isinstance(v, dict) else torch.zeros_like(v) for k, v in sd.items()}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        _equal(a[k], b[k]) if isinstance(a[k], dict) else torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def _tensors(sd: dict) -> dict:
+    return {
+        k: _tensors(v) if isinstance(v, dict) else v for k, v in sd.items() if k != "param_groups"
+    }
+
+
+def _lora_run(backend: Backend) -> None:
+    root, opts = backend.url("run"), backend.storage_options
+    model = Lora()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    mgr = db.CheckpointManager(
+        root, every=1, keep_last=3, storage_options=opts, optimizers=[opt], incremental=True
+    )
+    base_keys = {"model.base.weight", "model.base.bias"}
+    base_bytes = sum(t.nbytes for t in model.base.state_dict().values())
+    snaps = {}
+    for step in range(1, 6):
+        model(torch.randn(2, DIM)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        mgr.save(step, {"model": model_sd, "optim": optim_sd, "step": step})
+        mgr.wait()
+        snaps[step] = _clone({"model": model_sd, "optim": _tensors(optim_sd)})
+        url = mgr.step_url(step)
+        if step == 1:
+            full = own_bytes(url, opts)
+            assert referenced(url, opts) == set()
+            continue
+        # only the adapters, their AdamW state and the common state are written
+        assert base_keys <= referenced(url, opts)
+        assert not any(k.startswith(("model.lora", "optim.state")) for k in referenced(url, opts))
+        written = own_bytes(url, opts)
+        reused = full - written
+        assert reused >= base_bytes and written < full - base_bytes + 1024
+    mgr.close()
+    assert mgr.all_steps() == [3, 4, 5]
+    step_1 = backend.names("run/step_00000001")
+    assert "dcpbridge.json" not in step_1 and any(n.endswith(".bin") for n in step_1)
+    for step in (3, 4, 5):
+        out = mgr.load(_zeros(snaps[step]), step=step)
+        got = {"model": out["model"], "optim": _tensors(out["optim"])}
+        assert _equal(got, snaps[step]) and out["step"] == step
+    found = fsck(root, opts)
+    assert (
+        found.orphans == []
+        and found.missing == []
+        and found.checkpoints
+        == [
+            "step_00000003",
+            "step_00000004",
+            "step_00000005",
+        ]
+    )
+
+
+def test_lora_saves_write_only_the_trainable_state(tmp_path):
+    _lora_run(local_backend(tmp_path))
+
+
+@pytest.mark.s3
+def test_lora_saves_on_s3(s3_server):
+    _lora_run(s3_backend(s3_server))
+
+
+def test_full_training_writes_what_a_normal_save_writes(tmp_path):
+    w = torch.randn(64, 64)
+    mgr = db.CheckpointManager(tmp_path / "inc", every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        w.add_(1.0)
+        state = {"w": w, "v": w[:8] * 2, "step": step}
+        mgr.save(step, state)
+    db.save(state, tmp_path / "plain")
+    url = mgr.step_url(2)
+    assert referenced(url) == set()
+    sizes = [
+        sorted(os.path.getsize(d / n) for n in os.listdir(d) if n.endswith(".bin"))
+        for d in (tmp_path / "inc" / "step_00000002", tmp_path / "plain")
+    ]
+    assert sizes[0] == sizes[1]
+    out = mgr.load({"w": torch.zeros(64, 64), "v": torch.zeros(8, 64)})
+    assert torch.equal(out["w"], w) and torch.equal(out["v"], w[:8] * 2) and out["step"] == 2
+
+
+def test_a_changed_chunk_in_a_middle_step_is_written_not_referenced(tmp_path):
+    a = torch.arange(300_000, dtype=torch.float32).reshape(600, 500)  # several checksum tiles
+    b, c = torch.randn(32, 32), torch.randn(7)
+    saved = {}
+    for step in (1, 2, 3):
+        if step == 2:
+            a[-1, -1] += 1  # the last tile only
+        saved[step] = {"a": a.clone(), "b": b, "c": c}
+        reuse = {} if step == 1 else {"reuse_from": tmp_path / f"s{step - 1}"}
+        db.save(saved[step], tmp_path / f"s{step}", **reuse)
+    files = {s: stored(str(tmp_path / f"s{s}")) for s in (2, 3)}
+    assert not files[2][("a", (0, 0))].startswith("../")  # changed: written
+    assert files[2][("b", (0, 0))].startswith("../s1/")
+    assert files[3][("a", (0, 0))].startswith("../s2/")
+    assert files[3][("b", (0, 0))].startswith("../s1/")  # straight to the original: no chain
+    for s in (1, 2, 3):
+        out = db.load(_zeros(saved[s]), tmp_path / f"s{s}")
+        assert _equal(out, saved[s])
+
+
+def test_reuse_from_must_be_a_sibling_in_the_same_format(tmp_path):
+    state = {"w": torch.ones(4)}
+    db.save(state, tmp_path / "run" / "s1")
+    with pytest.raises(db.InvalidArgumentError, match="same parent folder"):
+        db.save(state, tmp_path / "other" / "s2", reuse_from=tmp_path / "run" / "s1")
+    with pytest.raises(db.InvalidArgumentError, match="another checkpoint"):
+        db.save(state, tmp_path / "run" / "s1", reuse_from=tmp_path / "run" / "s1")
+    with pytest.raises(db.InvalidArgumentError, match="format='dcpbridge'"):
+        db.save(
+            state, tmp_path / "run" / "s2", reuse_from=tmp_path / "run" / "s1", format="torch_dist"
+        )
+    with pytest.raises(db.NotACheckpointError):
+        db.save(state, tmp_path / "run" / "s2", reuse_from=tmp_path / "run" / "nothing")
+    assert not (tmp_path / "run" / "s2" / "dcpbridge.json").exists()
+
+
+# -- crashes ----------------------------------------------------------------------------------
+
+
+def _crash_state(step: int) -> dict:
+    return {
+        "base": torch.arange(40_000, dtype=torch.float32).reshape(200, 200),
+        "ad": torch.full((4, 200), float(step)),
+        "step": step,
+    }
+
+
+def _template() -> dict:
+    return {"base": torch.zeros(200, 200), "ad": torch.zeros(4, 200)}
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crashing_job(root: str, point: str) -> None:
+    """Steps 1-4 with keep_last=2, dying at ``point``: in the save of step 4 (data written, no
+    commit), or in retention right after the doomed commit files went (the first deletion of
+    data): at step 3 (doomed step 1 holds the base later steps need) or at step 4."""
+    mgr = db.CheckpointManager(root, every=1, keep_last=2, async_save=False, incremental=True)
+    die_at = {"save": 4, "commits": 3, "folder": 4}[point]
+    for step in range(1, 5):
+        if step == die_at and point == "save":
+            write = FsspecCheckpointWriter.write_data
+
+            def write_then_die(self, plan, planner, write=write):
+                write(self, plan, planner).wait()
+                _die()
+
+            FsspecCheckpointWriter.write_data = write_then_die
+        elif step == die_at:
+            incremental._remove = incremental._remove_folder = lambda *a: _die()
+        mgr.save(step, _crash_state(step))
+    os._exit(3)  # not reached: the job was to die
+
+
+def _job() -> multiprocessing.context.BaseContext:
+    """A fork server started once, without the threads this test process may hold."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+@pytest.mark.parametrize(
+    ("point", "kept"), [("save", [2, 3]), ("commits", [2, 3]), ("folder", [3, 4])]
+)
+def test_a_killed_save_or_retention_leaves_kept_steps_loadable_and_fsck_cleans(
+    tmp_path, capsys, point, kept
+):
+    root = str(tmp_path / "run")
+    job = _job().Process(target=_crashing_job, args=(root, point))
+    job.start()
+    job.join(180)
+    assert job.exitcode == -signal.SIGKILL
+    mgr = db.CheckpointManager(root, async_save=False)
+    assert mgr.all_steps() == kept
+
+    def all_load() -> None:
+        for step in kept:
+            out = mgr.load(_template(), step=step)
+            expected = _crash_state(step)
+            assert torch.equal(out["base"], expected["base"])
+            assert torch.equal(out["ad"], expected["ad"]) and out["step"] == step
+
+    all_load()
+    found = fsck(root)
+    assert found.orphans and found.missing == []
+    needed = incremental.needed_files(resolve(root), [f"step_{s:08d}" for s in kept])
+    assert not {tuple(o.split("/", 1)) for o in found.orphans} & needed
+    code = cli.main(["fsck", root, "--fix"])
+    assert code == 0 and "removed: " in capsys.readouterr().out
+    all_load()
+    assert fsck(root).orphans == []
+    assert all(os.path.exists(f"{root}/{d}/{p}") for d, p in needed)
+
+
+# -- a checkpoint copied alone ----------------------------------------------------------------
+
+
+def test_a_checkpoint_copied_alone_names_what_it_misses_and_converts_whole(tmp_path, capsys):
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(root, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    copy = tmp_path / "elsewhere" / "step_00000002"
+    shutil.copytree(root / "step_00000002", copy)
+    assert cli.main(["validate", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert "data file ../step_00000001/__0_" in out and "is missing" in out
+    whole = root / "whole"
+    assert cli.main(["convert", str(root / "step_00000002"), str(whole), "--to", "dcpbridge"]) == 0
+    shutil.rmtree(root / "step_00000001")
+    shutil.rmtree(root / "step_00000002")
+    assert referenced(str(whole)) == set()
+    out = db.load(_template(), whole)
+    assert torch.equal(out["base"], _crash_state(2)["base"])
+    assert torch.equal(out["ad"], _crash_state(2)["ad"]) and out["step"] == 2
+
+
+# -- two ranks, fully parallel, async ---------------------------------------------------------
+
+
+def _two_rank_job(r: Rank, root: str) -> list[set[str]]:
+    torch.manual_seed(0)
+    base = torch.randn(8 * r.size, 64)
+    mine = base[8 * r.rank : 8 * (r.rank + 1)]
+    mgr = db.CheckpointManager(
+        root, every=1, process_group=r.group, fully_parallel=True, incremental=True
+    )
+    ad = torch.zeros(4, 64)
+    refs, saved = [], {}
+    for step in (1, 2, 3):
+        ad.add_(step)  # replicated: fully_parallel spreads its writes
+        state = {
+            "base": db.ShardedTensor.from_rank_offsets("base", mine, (0, r.rank, r.size)),
+            "ad": db.ShardedTensor.from_rank_offsets("ad", ad, replica_id=r.rank),
+            "step": step,
+        }
+        mgr.save(step, state)
+        mgr.wait()
+        saved[step] = ad.clone()
+        refs.append(referenced(mgr.step_url(step)))
+    for step in (1, 2, 3):
+        t = {
+            "base": db.ShardedTensor.from_rank_offsets(
+                "base", torch.zeros(8, 64), (0, r.rank, r.size)
+            ),
+            "ad": db.ShardedTensor.from_rank_offsets("ad", torch.zeros(4, 64), replica_id=r.rank),
+        }
+        out = mgr.load(t, step=step)
+        assert torch.equal(out["base"], mine) and torch.equal(out["ad"], saved[step])
+    mgr.close()
+    return refs
+
+
+def test_two_ranks_fully_parallel_async_incremental(pool, tmp_path):
+    refs = pool.run(_two_rank_job, 2, str(tmp_path / "run"), timeout=120)
+    assert refs[0] == refs[1] == [set(), {"base"}, {"base"}]
+
+
+def test_a_step_that_later_steps_reference_is_not_saved_again(tmp_path):
+    mgr = db.CheckpointManager(tmp_path, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    with pytest.raises(db.InvalidArgumentError, match="step_00000002 reference its files"):
+        mgr.save(1, _crash_state(1))
+    out = mgr.load(_template(), step=2)
+    assert torch.equal(out["base"], _crash_state(2)["base"])
+    mgr.save(2, _crash_state(2))  # nothing references step 2: it may be saved again
+    assert mgr.all_steps() == [1, 2]
