@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
+from dcpbridge.storage.backends.costs import LOCAL_READ_COSTS, OBJECT_STORE_READ_COSTS, ReadCosts
 from dcpbridge.storage.errors import ConcurrentSaveError, is_storage_fault, storage_error
 from dcpbridge.storage.format.paths import SPREAD_DIR, Location
 
@@ -120,6 +121,11 @@ class Storage:
 
     def new_operation(self) -> None:
         """A new save or load begins: forget the timeouts of an earlier one (S3 bounds them)."""
+
+    def read_costs(self) -> ReadCosts:
+        """What a read request and a byte cost here (the read plan joins ranges by them):
+        an object store's unless the backend knows better."""
+        return OBJECT_STORE_READ_COSTS
 
     @storage_op("create directory")
     def makedirs(self) -> None:
@@ -289,6 +295,9 @@ def _fill(r: Read, blob: bytes) -> None:
 
 class LocalStorage(Storage):
     """Local disk: unbuffered writes, fsync, temp+rename commit and threaded ``preadv``."""
+
+    def read_costs(self) -> ReadCosts:
+        return LOCAL_READ_COSTS
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> BinaryIO:
