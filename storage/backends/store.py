@@ -525,13 +525,14 @@ def _balanced_batches(reads: Sequence[Read], parts: int) -> list[Sequence[Read]]
 
     One task per thread keeps per-read overhead at a loop iteration, not a pool submission.
     """
-    total = sum(read_size(r) for r in reads)
+    sizes = [read_size(r) for r in reads]  # once: a scatter read sums its parts
+    total = sum(sizes)
     if parts <= 1 or len(reads) <= 1 or total == 0:
         return [reads] if reads else []
     batches, start, acc = [], 0, 0
     target = total / parts
-    for i, r in enumerate(reads):
-        acc += read_size(r)
+    for i, n in enumerate(sizes):
+        acc += n
         if acc >= target * (len(batches) + 1) and len(batches) < parts - 1:
             batches.append(reads[start : i + 1])
             start = i + 1
