@@ -106,6 +106,14 @@ def plan_extents(
                 first = sum(o * s for o, s in zip(c, strides))
                 out.append(Extent(first, first + (n - 1) * strides[d] + one, tuple(b), tuple(g)))
             return
+        if one * lens[d] == need:  # every piece one contiguous run: no need to plan each again
+            first, step, shape = start, strides[d], tuple(piece)
+            for i in range(lens[d]):
+                b = box_off.copy()
+                b[d] += i
+                at = first + i * step
+                out.append(Extent(at, at + one, tuple(b), shape))
+            return
         for i in range(lens[d]):
             c = chunk_off.copy()
             b = box_off.copy()

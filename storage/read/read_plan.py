@@ -12,6 +12,7 @@ needed; the skipped bytes land in scratch memory and are neither delivered nor v
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -128,11 +129,11 @@ def plan_chunk_read(
     )
     strides = c_strides(box[1])
     pieces = []
+    byte_strides = [s * itemsize for s in strides]
     for ext in extents:
         start, stop = ext.start * itemsize, ext.stop * itemsize
         if ext.contiguous:  # a run of whole inner rows: contiguous in the target box as well
-            at = sum(o * s for o, s in zip(ext.box_offsets, strides)) * itemsize
-            pieces.append(Piece(start, stop, at))
+            pieces.append(Piece(start, stop, sum(map(operator.mul, ext.box_offsets, byte_strides))))
         else:
             pieces.append(Piece(start, stop, None, ext))
     return ChunkRead(request, box, tuple(pieces), grid, verify_box)
