@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # section -> module; each is imported only when it runs, so ``--only gpu`` needs no S3 stack
 SECTIONS = {
     "core": "bench_core",
+    "columns": "bench_columns",
     "async": "bench_async",
     "fully_parallel": "bench_fully_parallel",
     "planning": "bench_planning",

@@ -113,11 +113,13 @@ class Walker:
     def leaves(self, tree: Any, prefix: ObjPath = ()) -> Iterator[Leaf]:
         """Every leaf of ``tree`` in DCP's order, with its dotted key; duplicate keys raise."""
         seen: set[str] = set()
-        stack: list[tuple[ObjPath, Any, Any, Any]] = [(prefix, tree, None, None)]
+        # each entry carries its dotted key, built once from its parent's (not re-joined)
+        stack: list[tuple[ObjPath, str, Any, Any, Any]] = [
+            (prefix, dotted(prefix), tree, None, None)
+        ]
         while stack:
-            path, node, parent, slot = stack.pop()
+            path, key, node, parent, slot = stack.pop()
             if self.is_leaf(node, path):
-                key = dotted(path)
                 if key in seen:
                     raise SerializationError(
                         f"two entries of the state dict flatten to the same key {key!r}"
@@ -125,23 +127,31 @@ class Walker:
                 seen.add(key)
                 yield Leaf(key, node, parent, slot, path)
                 continue
+            dot = f"{key}." if path else ""
             if isinstance(node, Mapping):
-                children = [((*path, str(k)), v, node, k) for k, v in node.items()]
+                children = [
+                    ((*path, s), dot + s, v, node, k) for k, v in node.items() for s in (str(k),)
+                ]
             else:
-                children = [((*path, i), v, node, i) for i, v in enumerate(node)]
+                children = [((*path, i), f"{dot}{i}", v, node, i) for i, v in enumerate(node)]
             stack.extend(reversed(children))
 
     def rebuild(self, tree: Any, fn: Callable[[Leaf], Any], prefix: ObjPath = ()) -> Any:
         """New containers shaped like ``tree``, with ``fn(leaf)`` in place of every leaf."""
 
-        def go(path: ObjPath, node: Any, parent: Any, slot: Any) -> Any:
+        def go(path: ObjPath, key: str, node: Any, parent: Any, slot: Any) -> Any:
             if self.is_leaf(node, path):
-                return fn(Leaf(dotted(path), node, parent, slot, path))
+                return fn(Leaf(key, node, parent, slot, path))
+            dot = f"{key}." if path else ""
             if isinstance(node, Mapping):
-                return {k: go((*path, str(k)), v, node, k) for k, v in node.items()}
-            return like(node, [go((*path, i), v, node, i) for i, v in enumerate(node)])
+                return {
+                    k: go((*path, s), dot + s, v, node, k)
+                    for k, v in node.items()
+                    for s in (str(k),)
+                }
+            return like(node, [go((*path, i), f"{dot}{i}", v, node, i) for i, v in enumerate(node)])
 
-        return go(prefix, tree, None, None)
+        return go(prefix, dotted(prefix), tree, None, None)
 
 
 def set_path(tree: dict[str, Any], obj_path: ObjPath, value: Any) -> None:

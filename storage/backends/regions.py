@@ -54,13 +54,19 @@ def plan_extents(
     *,
     min_piece_bytes: int,
     slack: float = 1.02,
+    join_gap: int = 0,
+    max_span_bytes: int = 0,
+    max_amplification: float = 1.0,
 ) -> list[Extent]:
     """Cover the box ``offsets``+``lengths`` of a chunk of ``sizes`` with few, tight extents.
 
     A box is read as one span when the span wastes at most ``slack`` or when splitting it
     along its outermost non-trivial dimension would give pieces under ``min_piece_bytes``
-    (many tiny reads cost more than the wasted bytes). Otherwise it is split and each
-    piece planned again, so a dim-1 slice of a row-major chunk becomes one read per row.
+    (many tiny reads cost more than the wasted bytes). Where the pieces would lie at most
+    ``join_gap`` bytes apart (reading the gap costs less than a request) and the span reads
+    at most ``max_amplification`` times the bytes needed, it is read as spans of at most
+    ``max_span_bytes`` (whole pieces, one at least). Otherwise it is split and each piece
+    planned again, so a dim-1 slice of a row-major chunk becomes one read per row.
     """
     ndim = len(sizes)
     if len(offsets) != ndim or len(lengths) != ndim:
@@ -87,6 +93,27 @@ def plan_extents(
             return
         piece = lens.copy()
         piece[d] = 1
+        one = sum((n - 1) * s for n, s in zip(piece, strides)) + 1  # one piece's span
+        gap = (strides[d] - one) * itemsize
+        if 0 <= gap <= join_gap and span <= need * max_amplification:
+            group = max(1, (max_span_bytes // itemsize - one) // strides[d] + 1)
+            for i in range(0, lens[d], group):
+                n = min(group, lens[d] - i)
+                c, b, g = chunk_off.copy(), box_off.copy(), lens.copy()
+                c[d] += i
+                b[d] += i
+                g[d] = n
+                first = sum(o * s for o, s in zip(c, strides))
+                out.append(Extent(first, first + (n - 1) * strides[d] + one, tuple(b), tuple(g)))
+            return
+        if one * lens[d] == need:  # every piece one contiguous run: no need to plan each again
+            first, step, shape = start, strides[d], tuple(piece)
+            for i in range(lens[d]):
+                b = box_off.copy()
+                b[d] += i
+                at = first + i * step
+                out.append(Extent(at, at + one, tuple(b), shape))
+            return
         for i in range(lens[d]):
             c = chunk_off.copy()
             b = box_off.copy()

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
+from dcpbridge.storage.backends.costs import LOCAL_READ_COSTS, OBJECT_STORE_READ_COSTS, ReadCosts
 from dcpbridge.storage.errors import ConcurrentSaveError, is_storage_fault, storage_error
 from dcpbridge.storage.format.paths import SPREAD_DIR, Location
 
@@ -120,6 +121,11 @@ class Storage:
 
     def new_operation(self) -> None:
         """A new save or load begins: forget the timeouts of an earlier one (S3 bounds them)."""
+
+    def read_costs(self) -> ReadCosts:
+        """What a read request and a byte cost here (the read plan joins ranges by them):
+        an object store's unless the backend knows better."""
+        return OBJECT_STORE_READ_COSTS
 
     @storage_op("create directory")
     def makedirs(self) -> None:
@@ -289,6 +295,9 @@ def _fill(r: Read, blob: bytes) -> None:
 
 class LocalStorage(Storage):
     """Local disk: unbuffered writes, fsync, temp+rename commit and threaded ``preadv``."""
+
+    def read_costs(self) -> ReadCosts:
+        return LOCAL_READ_COSTS
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> BinaryIO:
@@ -516,13 +525,14 @@ def _balanced_batches(reads: Sequence[Read], parts: int) -> list[Sequence[Read]]
 
     One task per thread keeps per-read overhead at a loop iteration, not a pool submission.
     """
-    total = sum(read_size(r) for r in reads)
+    sizes = [read_size(r) for r in reads]  # once: a scatter read sums its parts
+    total = sum(sizes)
     if parts <= 1 or len(reads) <= 1 or total == 0:
         return [reads] if reads else []
     batches, start, acc = [], 0, 0
     target = total / parts
-    for i, r in enumerate(reads):
-        acc += read_size(r)
+    for i, n in enumerate(sizes):
+        acc += n
         if acc >= target * (len(batches) + 1) and len(batches) < parts - 1:
             batches.append(reads[start : i + 1])
             start = i + 1

@@ -271,7 +271,12 @@ def run_jobs(
         for job in batch:
             for i, (start, stop, out) in enumerate(job.open()):
                 ranges.append((job.file, job.base + start, job.base + stop, (job, i, out)))
-        requests = coalesce(ranges, merge_gap=tuning.merge_gap, max_request=tuning.max_request)
+        requests = coalesce(
+            ranges,
+            merge_gap=tuning.merge_gap,
+            max_request=tuning.max_request,
+            max_amplification=tuning.max_amplification,
+        )
         reads: list[RangeRead | ScatterRead] = []
         for req in requests:
             fetched += req.stop - req.start
@@ -299,9 +304,10 @@ def _whole_reads(
     jobs: list[WholeJob], path: Callable[[str], str], tuning: ReadTuning
 ) -> tuple[list[ScatterRead], int]:
     """Requests that read whole items of one file back to back (at most ``merge_gap`` bytes
-    apart, at most ``max_request`` bytes each) straight into their targets; and their bytes."""
+    apart, at most ``max_request`` bytes and ``max_amplification`` times the bytes they need
+    each) straight into their targets; and their bytes."""
     jobs = sorted(jobs, key=lambda j: (j.file, j.base))
-    gap, most = tuning.merge_gap, tuning.max_request
+    gap, most, amp = tuning.merge_gap, tuning.max_request, tuning.max_amplification
     reads: list[ScatterRead] = []
     fetched, i, n = 0, 0, len(jobs)
     while i < n:
@@ -310,16 +316,23 @@ def _whole_reads(
         pos = start + len(first.view)
         parts: list[memoryview | int] = [first.view]
         members = [first]
+        needed = len(first.view)
         i += 1
         while i < n:
             job = jobs[i]
             end = job.base + len(job.view)
-            if job.file != file or not pos <= job.base <= pos + gap or end - start > most:
+            if (
+                job.file != file
+                or not pos <= job.base <= pos + gap
+                or end - start > most
+                or end - start > amp * (needed + len(job.view))
+            ):
                 break
             if job.base > pos:
                 parts.append(job.base - pos)
             parts.append(job.view)
             members.append(job)
+            needed += len(job.view)
             pos = end
             i += 1
         fetched += pos - start

@@ -3,20 +3,24 @@
 A tensor read becomes a ``ChunkRead``: the box of the stored chunk to fetch into a target
 buffer (the requested box, or that box widened to checksum tiles when verification is on,
 so every tile it touches is verified without reading anything else), and the file byte
-ranges that fill it. ``coalesce`` then joins the ranges of one file that lie close together
-into single requests.
+ranges that fill it. ``coalesce`` then joins ranges of one file into single requests where
+the storage's cost model (``ReadCosts``: a price per request and per byte) says reading the
+bytes between them is cheaper than another request, up to a bound on the bytes read per byte
+needed; the skipped bytes land in scratch memory and are neither delivered nor verified.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from dcpbridge.storage.backends.costs import ReadCosts
 from dcpbridge.storage.backends.regions import Extent, c_strides, plan_extents
+from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.format.checksum import Grid
-from dcpbridge.storage.format.paths import Location
 
 T = TypeVar("T")
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -31,18 +35,22 @@ class ReadTuning:
     merge_gap: int
     """Ranges of one file at most this many bytes apart are fetched by one request..."""
     max_request: int
-    """...of at most this many bytes; ranges this large or larger are requests of their own."""
+    """...of at most this many bytes; ranges this large or larger are requests of their own..."""
+    max_amplification: float = 2.0
+    """...that reads at most this many times the bytes its ranges need (the skipped bytes
+    between them cost memory bandwidth, cache and, on a shared disk, other jobs' reads)."""
 
     @staticmethod
-    def for_location(location: Location) -> ReadTuning:
-        if location.is_local:
-            # A syscall per piece is cheap: join only near neighbours (one preadv each). Measured
-            # on a busy 2-core machine, medians of 9 alternated loads: 20,000 x 16 KiB 1.37 s
-            # joined vs 1.50 s one pread each; 2,000 x 64 KiB 0.125 vs 0.141 s (noisy: +-20%).
-            return ReadTuning(min_piece_bytes=4 << 10, merge_gap=4 << 10, max_request=8 << 20)
-        # Object stores: a GET costs about 3.3 ms on the local S3 server, as long as reading
-        # ~3 MiB more (measured: 64 KiB 3.3 ms, 1 MiB 3.8 ms, 4 MiB 6.2 ms, 16 MiB 19 ms).
-        return ReadTuning(min_piece_bytes=4 << 10, merge_gap=2 << 20, max_request=16 << 20)
+    def for_costs(costs: ReadCosts) -> ReadTuning:
+        """Join ranges whenever reading the gap between them is cheaper than a request."""
+        return ReadTuning(
+            min_piece_bytes=4 << 10, merge_gap=costs.break_even_gap, max_request=costs.max_request
+        )
+
+    @staticmethod
+    def for_storage(store: Storage) -> ReadTuning:
+        """The tuning for the read costs ``store`` states."""
+        return ReadTuning.for_costs(store.read_costs())
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +94,13 @@ def plan_chunk_read(
     *,
     grid: Grid | None,
     min_piece_bytes: int,
+    tuning: ReadTuning | None = None,
 ) -> ChunkRead:
     """Plan the read of box ``offsets``+``lengths`` of a C-contiguous chunk of ``sizes``.
+
+    With a ``tuning``, pieces close enough by its cost model are read as joined spans into a
+    bounce buffer and copied out in one strided copy (``plan_extents``): the bytes between
+    them are read but never delivered nor verified.
 
     With a ``grid`` the box is widened to its tiles' edges; a grid over the item's bytes
     rather than its elements (chunks of formats 1 to 3 whose blocks cut rows) widens to the chunk.
@@ -102,14 +115,25 @@ def plan_chunk_read(
         else:
             box = ((0,) * len(sizes), sizes)
             verify_box = ((0,), (grid.sizes[0],))
-    extents = plan_extents(sizes, box[0], box[1], itemsize, min_piece_bytes=min_piece_bytes)
+    joins = (
+        {}
+        if tuning is None
+        else {
+            "join_gap": tuning.merge_gap,
+            "max_span_bytes": tuning.max_request,
+            "max_amplification": tuning.max_amplification,
+        }
+    )
+    extents = plan_extents(
+        sizes, box[0], box[1], itemsize, min_piece_bytes=min_piece_bytes, **joins
+    )
     strides = c_strides(box[1])
     pieces = []
+    byte_strides = [s * itemsize for s in strides]
     for ext in extents:
         start, stop = ext.start * itemsize, ext.stop * itemsize
         if ext.contiguous:  # a run of whole inner rows: contiguous in the target box as well
-            at = sum(o * s for o, s in zip(ext.box_offsets, strides)) * itemsize
-            pieces.append(Piece(start, stop, at))
+            pieces.append(Piece(start, stop, sum(map(operator.mul, ext.box_offsets, byte_strides))))
         else:
             pieces.append(Piece(start, stop, None, ext))
     return ChunkRead(request, box, tuple(pieces), grid, verify_box)
@@ -128,23 +152,32 @@ class Request(Generic[T]):
 
 
 def coalesce(
-    ranges: Sequence[tuple[str, int, int, T]], *, merge_gap: int, max_request: int
+    ranges: Sequence[tuple[str, int, int, T]],
+    *,
+    merge_gap: int,
+    max_request: int,
+    max_amplification: float = math.inf,
 ) -> list[Request[T]]:
     """Join ranges ``(file, start, stop, token)`` of one file that are at most ``merge_gap``
-    bytes apart into requests of at most ``max_request`` bytes; larger ranges, and ranges
+    bytes apart into requests of at most ``max_request`` bytes that read at most
+    ``max_amplification`` times the bytes their ranges need; larger ranges, and ranges
     overlapping a previous one, stay requests of their own."""
     out: list[Request[T]] = []
     cur: Request[T] | None = None
+    needed = 0
     for file, start, stop, token in sorted(ranges, key=lambda r: (r[0], r[1], r[2])):
         if (
             cur is not None
             and cur.file == file
             and cur.stop <= start <= cur.stop + merge_gap
             and stop - cur.start <= max_request
+            and stop - cur.start <= max_amplification * (needed + stop - start)
         ):
             cur.stop = stop
             cur.members.append((start, stop, token))
+            needed += stop - start
             continue
         cur = Request(file, start, stop, [(start, stop, token)])
+        needed = stop - start
         out.append(cur)
     return out

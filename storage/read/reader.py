@@ -145,7 +145,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         device_copy.settle_device_work()  # reads land in GPU tensors from fetch threads
-        tuning = ReadTuning.for_location(self._loc)
+        tuning = ReadTuning.for_storage(self._store)
         jobs: list[Job] = []
         index = self._index
         keys = [item_key(item.storage_index) for item in plan.items]
@@ -177,7 +177,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         self._check_ranges(reads.keys, found)
         block = index.checksum_block_size if self.verify_checksums else 0
         jobs = whole_jobs(reads, found, block=block, tiled=index.tiled_checksums, url=self._loc.url)
-        self._run(jobs, index, ReadTuning.for_location(self._loc))
+        self._run(jobs, index, ReadTuning.for_storage(self._store))
 
     def _run(self, jobs: Sequence[Job], index: StorageIndex, tuning: ReadTuning) -> None:
         """Fetch, verify and hand over ``jobs``, counting the bytes read."""
@@ -285,6 +285,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             item.lengths,
             grid=grid,
             min_piece_bytes=tuning.min_piece_bytes,
+            tuning=tuning,
         )
         if not plan.pieces:
             planner.commit_tensor(item, dest)

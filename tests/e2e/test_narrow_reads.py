@@ -72,3 +72,45 @@ def test_format_2_checkpoints_still_load_and_verify(pool, tmp_path):
     tmpl = {"w1": db.ShardedTensor.from_box("w1", torch.zeros(ROWS, 8), (ROWS, COLS), (0, 0))}
     with pytest.raises(db.ChecksumMismatchError, match=r"'w1' chunk \[256, 0\].*block 0"):
         db.load(tmpl, path)
+
+
+def _flip(path: str, key: str, at: int) -> None:
+    """Flip one bit of byte ``at`` of ``key``'s first stored chunk."""
+    with open(os.path.join(path, METADATA_FILE)) as f:
+        chunk = json.load(f)["tensors"][key]["chunks"][0]
+    with open(os.path.join(path, chunk["file"]), "r+b") as f:
+        f.seek(chunk["offset"] + at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def _left_half(path: str) -> tuple[torch.Tensor, int]:
+    """Columns [0, COLS/2) of ``w0`` stored whole, loaded with checksums; and bytes read."""
+    out = torch.zeros(ROWS, COLS // 2)
+    sd = {"w0": db.ShardedTensor.from_box("w0", out, (ROWS, COLS), (0, 0))}
+    reader = db.FsspecCheckpointReader(path, verify_checksums=True)
+    dcp.load(sd, storage_reader=reader, planner=db.ShardedLoadPlanner(), no_dist=True)
+    return out, reader.bytes_read
+
+
+def test_column_split_reads_joined_rows_and_verifies_only_what_it_delivers(tmp_path):
+    """Half of each 16 KiB row is needed: local disk's cost model joins the rows into spans
+    (the skipped halves read but never delivered: a flipped byte there is not this load's
+    concern) and a flipped byte in a needed half fails the load."""
+    path = str(tmp_path / "ck")
+    full0 = full(0)
+    db.save({"w0": db.ShardedTensor.from_box("w0", full0, (ROWS, COLS), (0, 0))}, path)
+    out, read = _left_half(path)
+    assert torch.equal(out, full0[:, : COLS // 2])
+    row = COLS * 4
+    assert read == (ROWS - 1) * row + row // 2  # one span: the needed halves and the gaps
+    _flip(path, "w0", 100 * row + row // 2 + 8)  # row 100, in the unneeded right half
+    out, _ = _left_half(path)
+    assert torch.equal(out, full0[:, : COLS // 2])
+    _flip(path, "w0", 300 * row + 8)  # row 300, in the needed left half
+    tmpl = {
+        "w0": db.ShardedTensor.from_box("w0", torch.zeros(ROWS, COLS // 2), (ROWS, COLS), (0, 0))
+    }
+    with pytest.raises(db.ChecksumMismatchError, match=r"'w0' chunk \[0, 0\]"):
+        db.load(tmpl, path)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from dcpbridge.storage.backends.costs import LOCAL_READ_COSTS, OBJECT_STORE_READ_COSTS, ReadCosts
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.checksum import (
     Grid,
@@ -18,7 +19,7 @@ from dcpbridge.storage.format.checksum import (
     tensor_grid,
     tensor_tiles,
 )
-from dcpbridge.storage.read.read_plan import coalesce, plan_chunk_read
+from dcpbridge.storage.read.read_plan import ReadTuning, coalesce, plan_chunk_read
 
 
 def _flat_blocks(data: memoryview, block: int) -> list[str]:
@@ -139,3 +140,81 @@ def test_chunk_list_holds_exactly_its_boxes_for_one_chunk_many_and_none():
     assert scalar.holds((), ())
     assert not chunkless.holds((0, 0), (0, 3))
     assert flat.holds((0,), (5,)) and not flat.holds((0,), (4,))
+
+
+# -- the cost model: exact ranges or joined reads ---------------------------------------------
+
+
+def test_read_costs_join_gaps_cheaper_than_a_request():
+    costs = ReadCosts(request_seconds=20e-6, byte_seconds=0.25e-9, max_request=1 << 20)
+    assert costs.break_even_gap == 80_000
+    assert ReadTuning.for_costs(costs) == ReadTuning(
+        min_piece_bytes=4096, merge_gap=80_000, max_request=1 << 20, max_amplification=2.0
+    )
+    assert LOCAL_READ_COSTS.break_even_gap == 80_000  # local disk: ~80 KB per syscall
+    assert OBJECT_STORE_READ_COSTS.break_even_gap == 2_886_597  # S3: ~2.9 MB per GET
+    with pytest.raises(ValueError, match="read costs"):
+        ReadCosts(request_seconds=1.0, byte_seconds=0.0)
+
+
+def test_coalesce_joins_no_more_than_the_amplification_allows():
+    ranges = [("a", i * 100, i * 100 + 50, i) for i in range(4)]  # 50 needed, 50 skipped
+    joined = coalesce(ranges, merge_gap=50, max_request=1000, max_amplification=2.0)
+    assert [(r.start, r.stop, [m[2] for m in r.members]) for r in joined] == [
+        (0, 350, [0, 1, 2, 3])
+    ]
+    # 25 needed of every 100: two joined read 2.5x, three 3x, four 3.25x
+    quarter = [("a", i * 100, i * 100 + 25, i) for i in range(4)]
+    reqs = coalesce(quarter, merge_gap=75, max_request=1000, max_amplification=2.0)
+    assert [(r.start, r.stop) for r in reqs] == [(0, 25), (100, 125), (200, 225), (300, 325)]
+    reqs = coalesce(quarter, merge_gap=75, max_request=1000, max_amplification=3.0)
+    assert [(r.start, r.stop) for r in reqs] == [(0, 225), (300, 325)]
+    assert len(coalesce(quarter, merge_gap=74, max_request=1000)) == 4  # gap over break-even
+
+
+def test_column_slice_is_read_as_joined_spans_when_gaps_cost_less_than_requests():
+    """Rows of 16 KiB, half of each needed: gaps of 8 KiB. Joined: spans of at most
+    ``max_request`` bytes of whole rows, into bounce buffers; exact: one range per row."""
+    sizes, itemsize = (8, 4096), 4
+    tuning = ReadTuning(min_piece_bytes=4096, merge_gap=8192, max_request=3 * 16384)
+    plan = plan_chunk_read(
+        sizes, itemsize, (0, 2048), (8, 2048), grid=None, min_piece_bytes=4096, tuning=tuning
+    )
+    assert [
+        (p.start, p.stop, p.at, p.extent.box_offsets, p.extent.box_lengths) for p in plan.pieces
+    ] == [
+        (8192, 8192 + 2 * 16384 + 8192, None, (0, 0), (3, 2048)),
+        (8192 + 3 * 16384, 8192 + 5 * 16384 + 8192, None, (3, 0), (3, 2048)),
+        (8192 + 6 * 16384, 8192 + 7 * 16384 + 8192, None, (6, 0), (2, 2048)),
+    ]
+    exact = [(r * 16384 + 8192, r * 16384 + 16384, r * 8192) for r in range(8)]
+    for costly in (
+        ReadTuning(4096, merge_gap=8191, max_request=3 * 16384),  # the gap costs more
+        ReadTuning(4096, merge_gap=8192, max_request=3 * 16384, max_amplification=1.5),
+    ):
+        plan = plan_chunk_read(
+            sizes, itemsize, (0, 2048), (8, 2048), grid=None, min_piece_bytes=4096, tuning=costly
+        )
+        assert [(p.start, p.stop, p.at) for p in plan.pieces] == exact
+    # a quarter of each row: joining would read ~4x the need, so every row stays exact
+    quarter = plan_chunk_read(
+        sizes,
+        itemsize,
+        (0, 1024),
+        (8, 1024),
+        grid=None,
+        min_piece_bytes=4096,
+        tuning=ReadTuning(4096, 1 << 20, 1 << 20),
+    )
+    assert len(quarter.pieces) == 8 and all(p.at is not None for p in quarter.pieces)
+
+
+def test_backends_state_their_read_costs(tmp_path):
+    from dcpbridge.storage.backends import storage_for
+    from dcpbridge.storage.format.paths import resolve
+
+    local = storage_for(resolve(str(tmp_path)))
+    assert local.read_costs() is LOCAL_READ_COSTS
+    assert ReadTuning.for_storage(local).merge_gap == 80_000
+    memory = storage_for(resolve("memory://costs"))
+    assert memory.read_costs() is OBJECT_STORE_READ_COSTS
