@@ -20,7 +20,7 @@ from dcpbridge.storage.format.fields import (
     tensor_headers,
 )
 from dcpbridge.storage.format.paths import check_file_name
-from dcpbridge.storage.format.references import is_reference
+from dcpbridge.storage.format.references import check_reference, is_reference
 from dcpbridge.storage.format.table import ItemTable, StoredItem, table_from_rows
 
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
@@ -40,7 +40,9 @@ def _item(
     name = _field(entry, "file", what)
     if not isinstance(name, str):
         raise CorruptCheckpointError(f"{what}: file must be a string, got {_show(name)}")
-    if not is_reference(name):  # references: checked with the header's files
+    if is_reference(name):  # its shape here; whether this version may hold it: the header
+        check_reference(name)
+    else:
         check_file_name(name)
     if name not in files:
         raise CorruptCheckpointError(f"{what}: file {name!r} is not among the checkpoint's files")
