@@ -193,6 +193,7 @@ class LocalTier:
             planned.error = DistributedCheckpointError(
                 f"local step {step} was interrupted while staging ({type(e).__name__})"
             )
+            handle._staged.set()
             self._start(handle, lambda: self._finish(step, planned, cache, opts, [None], None))
             raise
         if not (stage_behind and staging is not None and planned.error is None):

@@ -99,6 +99,9 @@ def test_staged_behind_the_loop_restores_the_step_as_it_was_saved(pool, tmp_path
     shutil.rmtree(node_dir(tmp_path, 1))
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [STEPS] * 4  # the bytes of step 6, not of step 7
+    shutil.rmtree(node_dir(tmp_path, 0))  # the persistent step, staged beside local step 4
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [4] * 4
 
 
 def test_a_failed_background_write_never_reaches_the_loop(pool, tmp_path):
