@@ -12,7 +12,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError
+from dcpbridge.storage.format.document import DATA_FILE_RE
 
 __all__ = [
     "Extent",
@@ -27,6 +28,7 @@ __all__ = [
     "newest_recoverable",
     "node_needs",
     "transfers",
+    "writer_rank",
 ]
 
 
@@ -245,3 +247,11 @@ def transfers(requests: Sequence[Mapping[int, Sequence[Extent]]]) -> dict[int, d
             if src != dst and extents:
                 out.setdefault(src, {})[dst] = list(extents)
     return out
+
+
+def writer_rank(name: str) -> int:
+    """The rank that wrote data file ``name``."""
+    m = DATA_FILE_RE.match(name)
+    if m is None:
+        raise CorruptCheckpointError(f"{name!r} is not a data file name")
+    return int(m.group(1))

@@ -8,12 +8,14 @@ Every exchange is a ``protocol`` step on the local tier's gloo group, so a failu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcpbridge.engine import protocol
@@ -35,7 +37,11 @@ from dcpbridge.model.stateful import state_dicts
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, StorageIndex
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import RangeRead, Read, Storage, parts_of
-from dcpbridge.storage.format.document import decode_metadata
+from dcpbridge.storage.format import checksum
+from dcpbridge.storage.format.document import StoredItem, decode_metadata
+from dcpbridge.storage.read.read_plan import ReadTuning, plan_chunk_read
+
+log = logging.getLogger("dcpbridge")
 
 Received = dict[str, list[tuple[int, memoryview]]]  # file -> (offset, bytes) ranges
 
@@ -174,22 +180,52 @@ def _by_source(
 
 
 def needed_extents(
-    template: Any, metadata: Metadata, group: Group, **planner_options: Any
+    template: Any, metadata: Metadata, group: Group, location: Location, **planner_options: Any
 ) -> list[Extent]:
-    """The stored items this rank's load of ``template`` reads, planned by the load planner
-    (a dry run: nothing is read)."""
+    """The byte ranges this rank's load of ``template`` reads, planned by the load planner (a
+    dry run: nothing is read): for a part of a stored chunk, the ranges the reader fetches
+    for it, widened to whole checksum tiles (so every byte received is verified)."""
     parts = for_load(state_dicts(template))
     planner = BridgeLoadPlanner(parts, parts.shards, legacy_common=False, **planner_options)
     planner.set_up_planner(None, metadata, group.is_coordinator)
     plan = planner.create_local_plan()
     index = metadata.storage_data
     assert isinstance(index, StorageIndex)
+    tuning = ReadTuning.for_location(location)
     out = []
     for item in plan.items:
         stored = index.get(item.storage_index)
         if stored is not None:
-            out.append(Extent(stored.file, stored.offset, stored.nbytes))
+            out.extend(_item_extents(item, stored, index, tuning))
     return out
+
+
+def _item_extents(
+    item: ReadItem, stored: StoredItem, index: StorageIndex, tuning: ReadTuning
+) -> list[Extent]:
+    """The file ranges the reader fetches for ``item`` (``read_plan.plan_chunk_read``, as
+    the reader plans it; the whole stored item for objects and whole chunks)."""
+    whole = [Extent(stored.file, stored.offset, stored.nbytes)]
+    if item.type == LoadItemType.BYTE_IO or stored.sizes is None or stored.dtype is None:
+        return whole
+    if tuple(item.lengths) == tuple(stored.sizes) and not any(item.storage_offsets):
+        return whole
+    block = index.checksum_block_size if stored.checksums else 0
+    itemsize = stored.dtype.itemsize
+    grid = (
+        checksum.tensor_grid(stored.sizes, itemsize, block, tiled=index.tiled_checksums)
+        if block
+        else None
+    )
+    chunk = plan_chunk_read(
+        stored.sizes,
+        itemsize,
+        item.storage_offsets,
+        item.lengths,
+        grid=grid,
+        min_piece_bytes=tuning.min_piece_bytes,
+    )
+    return [Extent(stored.file, stored.offset + p.start, p.stop - p.start) for p in chunk.pieces]
 
 
 def open_local_step(
@@ -234,6 +270,7 @@ def open_local_step(
             template,
             metadata[0],
             group,
+            location,
             strict=strict,
             allow_pickle=allow_pickle,
             allow_dtype_cast=allow_dtype_cast,
@@ -242,6 +279,12 @@ def open_local_step(
         return _by_source(extents, sources, rank)
 
     received = fetch(group, location, want_data, f"local step {chosen.step}: data")
+    log.info(
+        "dcpbridge: local step %d: rank %d received %d bytes from peers",
+        chosen.step,
+        rank,
+        sum(len(data) for ranges in received.values() for _, data in ranges),
+    )
     index = metadata[0].storage_data
     assert isinstance(index, StorageIndex)
     own = {n for n in index.files if sources.get(n) == rank}

@@ -1,12 +1,14 @@
 """The local tier: frequent checkpoints in node-local directories, copied to other nodes.
 
-A local step is an ordinary dcpbridge checkpoint (``dcpbridge.engine.save``, checksummed)
-whose data files stay in the writing ranks' node directories
-(``local_dir/step_00000100/`` on each node) and whose document is then written to every node
-directory. Each rank's data files are copied to ``replicas`` ranks on other nodes over the
-manager's side group (``collectives.SideGroup``: never the training group), and only once every part and copy is durable (agreed by one collective)
-does each node's lead rank publish the step's marker (``local.json``, atomically). A node's
-directory keeps the newest committed step and the one being written.
+A local step is an ordinary dcpbridge checkpoint (checksummed) whose data files stay in the
+writing ranks' node directories (``local_dir/step_00000100/`` on each node) and whose
+document is then written to every node directory. Everything runs on the tier's side group
+(``collectives.SideGroup``: never the training group): planning, the write, the copies of each
+rank's data files to ``replicas`` ranks on other nodes and, once every part and copy is
+durable (agreed by one collective), each node's lead rank publishing the step's marker
+(``local.json``, atomically). Behind the loop, the call only plans and stages (or not even
+that) and the rest runs on the tier's thread. A node's directory keeps the newest committed
+step and the one being written.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ import torch
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
+from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.cache import save_cache
 from dcpbridge.engine.collectives import Group, SideGroup
+from dcpbridge.engine.local_persist import PersistJob, upload
 from dcpbridge.engine.local_plan import (
     LocalStep,
     Nodes,
@@ -35,8 +40,16 @@ from dcpbridge.engine.local_plan import (
     copy_targets,
     lacking_space,
     newest_recoverable,
+    writer_rank,
 )
-from dcpbridge.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
+from dcpbridge.engine.save import _Staging
+from dcpbridge.engine.staging import BufferSet, StagingArea
+from dcpbridge.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DistributedCheckpointError,
+    InvalidArgumentError,
+)
 from dcpbridge.model.intake import for_save
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.model.stateful import state_dicts
@@ -44,7 +57,7 @@ from dcpbridge.storage import METADATA_FILE, Location, StorageIndex, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import RangeRead, Storage
 from dcpbridge.storage.errors import storage_faults
-from dcpbridge.storage.format.document import DATA_FILE_RE, decode_metadata
+from dcpbridge.storage.format.document import decode_metadata
 
 log = logging.getLogger("dcpbridge")
 
@@ -79,14 +92,6 @@ def document_digest(raw: bytes) -> str:
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def writer_rank(name: str) -> int:
-    """The rank that wrote data file ``name``."""
-    m = DATA_FILE_RE.match(name)
-    if m is None:
-        raise CorruptCheckpointError(f"{name!r} is not a data file name")
-    return int(m.group(1))
-
-
 class LocalTier:
     """The local tier of one ``CheckpointManager``: its directories, gloo group and steps."""
 
@@ -104,6 +109,8 @@ class LocalTier:
         self.nodes = Nodes(group.size, ranks_per_node)
         self.storage_options = storage_options
         self._behind: threading.Thread | None = None
+        self._handle: AsyncSaveHandle | None = None
+        self.area = StagingArea(1)  # one staging buffer, reused by every local step
         self.training = group
         self.group = SideGroup.for_group(group, "local-tier")
         self.node = self.nodes.node_of(self.group.rank)
@@ -141,13 +148,18 @@ class LocalTier:
         options: dict[str, Any],
         *,
         behind: bool = False,
+        stage_behind: bool = False,
+        verify: bool = False,
         committed: Callable[[], None] | None = None,
+        persist: PersistJob | None = None,
     ) -> bool:
-        """Write local step ``step``, then copy and commit it (on a background thread with
-        ``behind``: the caller may change its tensors once this returns) and call
-        ``committed()``. False (with a warning) where a node lacks space or the write failed;
-        a failed copy or commit is logged too. The previous local step and the persistent tier
-        always stay."""
+        """Write local step ``step``, copy it to other nodes and commit it, then call
+        ``committed()`` and upload it as ``persist`` if given. With ``behind`` only the
+        planning and the staging (a copy into a reused host buffer) run in the call, and with
+        ``stage_behind`` the staging too runs behind (``staging`` says when the caller's
+        tensors may change). False (with a warning) where a node lacks space or planning
+        failed; later failures are logged (and fail ``persist``). The previous local step and
+        the persistent tier always stay."""
         self.wait()
         g = self.group
         try:
@@ -157,53 +169,129 @@ class LocalTier:
         except Exception as e:  # raised alike on every rank: all skip this local step
             self._failed(step, e)
             return False
+        if self._lacking(step, reports):
+            return False
+        url = self.step_url(step)
+        opts = save_mod.SaveOptions(**options)
+        cache = save_cache(g, opts.validate_access_integrity, opts.format)
+        try:
+            planned = save_mod.plan_save(g, cache, state, opts)
+        except Exception as e:  # raised alike on every rank
+            self._failed(step, e)
+            return False
+        handle = AsyncSaveHandle(url)
+        staging = _Staging(planned, self.area, url, verify) if behind else None
+        buffers: list[BufferSet | None] = [None]
+        try:
+            if staging is not None and planned.error is None:
+                staging.begin()
+                if not stage_behind:
+                    buffers[0] = staging.finish()
+        except Exception as e:  # this rank's alone: carried into the write's first step
+            planned.error = staging.failed(e) if staging is not None else e
+        except BaseException as e:  # interrupted: the peers' writes fail instead of waiting
+            planned.error = DistributedCheckpointError(
+                f"local step {step} was interrupted while staging ({type(e).__name__})"
+            )
+            handle._staged.set()
+            self._start(handle, lambda: self._finish(step, planned, cache, opts, [None], None))
+            raise
+        if not (stage_behind and staging is not None and planned.error is None):
+            handle._staged.set()
+
+        def run() -> None:
+            try:
+                if not handle.staged:
+                    assert staging is not None
+                    buffers[0] = staging.behind()
+            finally:
+                handle._staged.set()
+            self._finish(step, planned, cache, opts, buffers, committed, persist)
+
+        if behind:
+            self._start(handle, run)
+        else:
+            run()
+            handle._finish(None)
+        return True
+
+    @property
+    def staging(self) -> AsyncSaveHandle | None:
+        """The local step in flight (its ``staged`` says whether the caller's tensors it
+        saves may change), or None."""
+        return self._handle
+
+    def _start(self, handle: AsyncSaveHandle, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            finally:
+                handle._finish(None)
+
+        self._handle = handle
+        self._behind = threading.Thread(target=run, name="dcpb-local-tier", daemon=True)
+        self._behind.start()
+
+    def _lacking(self, step: int, reports: list[Any]) -> bool:
+        """Whether some node lacks space for this step (warned once, by the coordinator)."""
         lacking = lacking_space(
             [r[0] for r in reports], [r[1] for r in reports], self.nodes, self.replicas
         )
-        if lacking:
-            if g.is_coordinator:
-                what = ", ".join(
-                    f"node {n}: {f} bytes free, {need} needed"
-                    for n, (f, need) in sorted(lacking.items())
-                )
-                log.warning(
-                    "dcpbridge: local step %d skipped: not enough space in %s (%s); training "
-                    "continues, the persistent tier is unaffected",
-                    step,
-                    self.local_dir,
-                    what,
-                )
-            return False
+        if lacking and self.group.is_coordinator:
+            what = ", ".join(
+                f"node {n}: {f} bytes free, {need} needed"
+                for n, (f, need) in sorted(lacking.items())
+            )
+            log.warning(
+                "dcpbridge: local step %d skipped: not enough space in %s (%s); training "
+                "continues, the persistent tier is unaffected",
+                step,
+                self.local_dir,
+                what,
+            )
+        return bool(lacking)
+
+    def _finish(
+        self,
+        step: int,
+        planned: save_mod.PlannedSave,
+        cache: Any,
+        opts: save_mod.SaveOptions,
+        buffers: list[BufferSet | None],
+        committed: Callable[[], None] | None,
+        persist: PersistJob | None = None,
+    ) -> None:
+        """Write the planned step, copy and commit it, then upload it as ``persist``
+        (collective on the side group; every failure is logged alike on every rank)."""
+        g, url = self.group, self.step_url(step)
         started = time.perf_counter()
         try:
-            protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
-            save_mod.save(state, self.step_url(step), process_group=self.training.pg, **options)
-        except Exception as e:  # the local tier is best effort: logged, training goes on
-            self._failed(step, e)
-            return False
-        written = time.perf_counter() - started
-
-        def finish() -> None:
             try:
-                self._replicate(step, written)
-            except Exception as e:  # every rank fails this step alike (protocol steps)
-                self._failed(step, e)
-                return
-            if committed is not None:
-                committed()
-
-        if behind:
-            self._behind = threading.Thread(target=finish, name="dcpb-local-tier", daemon=True)
-            self._behind.start()
-        else:
-            finish()
-        return True
+                if buffers[0] is not None:
+                    buffers[0].wait_ready()
+                protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
+                save_mod.write_planned(g, cache, planned, url, opts)
+            finally:
+                if buffers[0] is not None:
+                    self.area.release(buffers[0])
+            raw, index = self._replicate(step, time.perf_counter() - started)
+        except Exception as e:  # every rank fails this step alike (protocol steps)
+            self._failed(step, e)
+            if persist is not None:
+                persist.handle._finish(e)
+            return
+        if committed is not None:
+            committed()
+        if persist is not None:
+            upload(g, persist, self._location(step), raw, index)
 
     def wait(self) -> None:
-        """Until the background copies and commit of the last local step are done."""
+        """Until the background write, copies, commit (and upload) of the last local step
+        are done."""
         if self._behind is not None:
             self._behind.join()
             self._behind = None
+        self._handle = None
 
     @staticmethod
     def _failed(step: int, error: BaseException) -> None:
@@ -214,9 +302,10 @@ class LocalTier:
             error,
         )
 
-    def _replicate(self, step: int, written: float) -> None:
+    def _replicate(self, step: int, written: float) -> tuple[bytes, StorageIndex]:
         """Copy this rank's files of written step ``step`` to its targets, receive the copies
-        it keeps, and commit the step once all are durable (collective on the side group)."""
+        it keeps, and commit the step once all are durable (collective on the side group);
+        the step's document and its index."""
         g = self.group
         started = time.perf_counter()
         raw = g.broadcast(protocol.on_coordinator(g, "local document", self._read_document(step)))
@@ -284,6 +373,7 @@ class LocalTier:
             done - sent,
         )
         self._on_lead(lambda: self._retain(step))
+        return raw, index
 
     def _read_document(self, step: int) -> Callable[[], bytes]:
         def read() -> bytes:

@@ -29,6 +29,7 @@ from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoints
+from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable
 from dcpbridge.engine.local_restore import open_local_step
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
@@ -49,6 +50,10 @@ from dcpbridge.storage.backends import storage_for
 log = logging.getLogger("dcpbridge")
 
 _STEP_DIR = re.compile(r"^step_(\d{1,18})$")
+_NEEDS_OPTIMIZERS = (
+    "background_staging needs the optimizers that change the saved state: "
+    "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
+)
 SIDECAR = "manager.json"
 """Per-step file of the manager (the step's metrics), written before the save commits."""
 
@@ -106,7 +111,9 @@ class CheckpointManager:
     ``optimizers`` (or to ``watch``) first waits until staging is done; ``verify_staging``
     fails the save (``StagingMutationError``) if a saved tensor changed before that.
     ``writer="process"`` writes async saves' data files from a writer process (see
-    ``async_save``). Retention and the removal of uncommitted
+    ``async_save``). With a local tier (``local_dir``) and ``persist_behind``, a persistent
+    step that is also a local step is uploaded from the local step's files behind the loop
+    instead of being staged and written again. Retention and the removal of uncommitted
     directories run on the group's rank 0 after a commit; a failure to delete is logged, never
     raised (the new checkpoint is safe).
     """
@@ -137,6 +144,7 @@ class CheckpointManager:
         verify_staging: bool = False,
         writer: str = "thread",
         incremental: bool = False,
+        persist_behind: bool = False,
     ) -> None:
         cfg = config if isinstance(config, Config) else load_config(config)
         defaults = cfg.checkpoint
@@ -183,12 +191,15 @@ class CheckpointManager:
             self._local = LocalTier(
                 os.fspath(local_dir), self._group, replicas=replicas, ranks_per_node=ranks_per_node
             )
+        if persist_behind and self._local is None:
+            raise InvalidArgumentError("persist_behind uploads local steps: it needs local_dir")
+        self.persist_behind = persist_behind
         self.background_staging, self.verify_staging = background_staging, verify_staging
         check_writer(writer, "dcpbridge")
         self.writer = writer
         self.incremental = incremental  # reference chunks equal to the previous step's
         self._previous: int | None = None  # the newest committed step (incremental saves)
-        self._guard = StepGuard(lambda: self._pending[1] if self._pending else None)
+        self._guard = StepGuard(self._unstaged)
         for optimizer in optimizers:
             self.watch(optimizer)
 
@@ -254,25 +265,54 @@ class CheckpointManager:
         local = self._local is not None and not preempted and step % self.local_every == 0
         if not (persist or local):
             return False
-        if persist:
+        behind = persist and local and self.persist_behind  # uploaded from the local step
+        if persist and not (behind and self._save_local(step, state, metrics, persist=True)):
             self._persist(step, state, metrics, preempted)
-        if local:
+        if local and not behind:
             self._save_local(step, state)
         return True
 
-    def _save_local(self, step: int, state: Any) -> None:
+    def _unstaged(self) -> AsyncSaveHandle | None:
+        """The save whose staging a watched optimizer's step waits for, if any."""
+        local = self._local.staging if self._local is not None else None
+        if local is not None and not local.staged:
+            return local
+        return self._pending[1] if self._pending else None
+
+    def _save_local(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, persist: bool = False
+    ) -> bool:
+        """The local step ``step`` (with ``persist``, uploaded as the persistent one behind
+        it); False if it was skipped."""
         assert self._local is not None
+        stage_behind = self.async_save and self.background_staging
+        if stage_behind and not self._guard.watching:
+            raise InvalidArgumentError(_NEEDS_OPTIMIZERS)
+        job = None
+        if persist:
+            self._finish_pending()
+            job = PersistJob.new(
+                self.step_url(step), self._location(step), self._prepare(step, metrics, behind=True)
+            )
         options = dict(
             thread_count=self.threads, checksums=True, fully_parallel=self.fully_parallel
         )
         url = self._local.step_url(step, node=0)
-        self._local.save(
+        saved = self._local.save(
             step,
             state,
             options,
             behind=self.async_save,
+            stage_behind=stage_behind,
+            verify=self.verify_staging,
             committed=lambda: self._notify(step, "local", url),
+            persist=job,
         )
+        if saved and job is not None:
+            self._pending = (step, job.handle)
+            if not self.async_save:
+                self.wait()
+        return saved
 
     def _notify(self, step: int, tier: str, url: str) -> None:
         """Call ``on_commit(step, tier, url)`` on rank 0; its exceptions are logged only."""
@@ -289,10 +329,7 @@ class CheckpointManager:
         """The persistent save of ``step`` (async unless preempted)."""
         background = self.async_save and self.background_staging and not preempted
         if background and not self._guard.watching:
-            raise InvalidArgumentError(
-                "background_staging needs the optimizers that change the saved state: "
-                "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
-            )
+            raise InvalidArgumentError(_NEEDS_OPTIMIZERS)
         self._finish_pending()
         prepare = self._prepare(step, metrics, behind=background)
         url = self.step_url(step)

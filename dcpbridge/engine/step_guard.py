@@ -14,8 +14,9 @@ from dcpbridge.errors import InvalidArgumentError
 
 
 class StepGuard:
-    """Step pre-hooks on the watched optimizers: each step first waits until the save that
-    ``pending()`` returns (if any) is staged; ``waited`` sums the seconds steps waited."""
+    """Step pre-hooks on the watched optimizers: each step first waits until ``pending()``
+    returns None or a staged save (it may return each unstaged one in turn); ``waited`` sums
+    the seconds steps waited."""
 
     def __init__(self, pending: Callable[[], AsyncSaveHandle | None]) -> None:
         self._pending = pending
@@ -37,8 +38,7 @@ class StepGuard:
             self._hooks.append((weakref.ref(optimizer), hook))
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        handle = self._pending()
-        if handle is not None and not handle.staged:
+        while (handle := self._pending()) is not None and not handle.staged:  # one per save
             start = time.perf_counter()
             handle.wait_staged()
             self.waited += time.perf_counter() - start

@@ -1,0 +1,106 @@
+"""Persist behind: a persistent checkpoint uploaded from a committed local step's files.
+
+A local step is an ordinary dcpbridge checkpoint, so its persistent twin is the same bytes:
+each rank uploads the data files it wrote from its node's directory, then the coordinator
+publishes the step's document, last, as the persistent commit. Nothing is staged a second
+time, and the upload runs on the local tier's background thread after the local commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dcpbridge.engine import protocol
+from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.local_plan import writer_rank
+from dcpbridge.errors import CheckpointError
+from dcpbridge.storage import METADATA_FILE, Location, StorageIndex
+from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.errors import storage_faults
+
+log = logging.getLogger("dcpbridge")
+_PIECE = 8 << 20  # bytes per read while uploading a data file
+
+__all__ = ["PersistJob", "upload"]
+
+
+@dataclass
+class PersistJob:
+    """Where a local step goes in the persistent tier: its URL, location, the manager's
+    preparation (run on the coordinator first) and the handle its outcome finishes."""
+
+    url: str
+    location: Location
+    prepare: Callable[[], None] | None
+    handle: AsyncSaveHandle
+
+    @staticmethod
+    def new(url: str, location: Location, prepare: Callable[[], None] | None) -> PersistJob:
+        """A job whose handle never holds the caller's tensors (the local step stages)."""
+        handle = AsyncSaveHandle(url)
+        handle._staged.set()
+        return PersistJob(url, location, prepare, handle)
+
+
+def upload(group: Group, job: PersistJob, local: Location, raw: bytes, index: StorageIndex) -> None:
+    """Upload this rank's data files of the local step at ``local`` (document ``raw``) to
+    ``job.location`` and commit there (collective); the outcome finishes ``job.handle``."""
+    error: BaseException | None = None
+    try:
+        if job.prepare is not None:
+            protocol.on_coordinator(group, "persist behind: prepare", job.prepare)
+        protocol.agree(
+            group, "persist behind: upload", lambda: _upload_mine(group, job, local, index)
+        )
+        protocol.on_coordinator(
+            group,
+            "persist behind: commit",
+            lambda: storage_for(job.location).commit_file(
+                METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True
+            ),
+        )
+    except Exception as e:  # raised alike on every rank: reported at the next save/wait
+        error = e
+        if group.is_coordinator:  # every rank is done with it: nothing half-written stays
+            _remove(job.location)
+    job.handle._finish(error)
+
+
+def _remove(location: Location) -> None:
+    """Delete what a failed upload left at ``location`` (best effort: it never committed)."""
+    try:
+        with storage_faults(f"{location.url}: remove"):
+            location.fs.invalidate_cache(location.root)
+            if location.fs.exists(location.root):
+                location.fs.rm(location.root, recursive=True)
+    except CheckpointError as e:
+        log.warning("dcpbridge: removing the failed upload at %s failed: %s", location.url, e)
+
+
+def _upload_mine(group: Group, job: PersistJob, local: Location, index: StorageIndex) -> None:
+    """Copy the data files this rank wrote, byte for byte, and make them durable."""
+    store = storage_for(job.location)
+    store.makedirs()
+    for name in index.files:
+        if writer_rank(name) == group.rank:
+            with storage_faults(f"{job.url}: upload {name} from {local.url}"):
+                _upload_file(
+                    local,
+                    local.data_path(name, index.prefixes),
+                    store,
+                    job.location.data_path(name, index.prefixes),
+                )
+
+
+def _upload_file(local: Location, source: str, store: Storage, target: str) -> None:
+    with local.fs.open(source, "rb") as src:
+        out = store.open_write(target)
+        with contextlib.closing(out):
+            shutil.copyfileobj(src, out, _PIECE)
+            store.sync(out)
