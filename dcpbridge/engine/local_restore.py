@@ -36,6 +36,7 @@ from dcpbridge.model.intake import for_load
 from dcpbridge.model.stateful import state_dicts
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, StorageIndex
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.costs import ReadCosts
 from dcpbridge.storage.backends.store import RangeRead, Read, Storage, parts_of
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import StoredItem, decode_metadata
@@ -52,6 +53,10 @@ class PeerStorage(Storage):
     def __init__(self, local: Storage, own: set[str], received: Received, sizes: dict[str, int]):
         super().__init__(local.location)
         self._local, self._own, self._received, self._sizes = local, own, received, sizes
+
+    def read_costs(self) -> ReadCosts:
+        """This node's directory's: the reader joins ranges as ``needed_extents`` planned."""
+        return self._local.read_costs()
 
     def file_sizes(self) -> dict[str, int]:
         present = self._local.file_sizes() if self._own else {}
@@ -191,7 +196,7 @@ def needed_extents(
     plan = planner.create_local_plan()
     index = metadata.storage_data
     assert isinstance(index, StorageIndex)
-    tuning = ReadTuning.for_location(location)
+    tuning = ReadTuning.for_storage(storage_for(location))  # PeerStorage states the same costs
     out = []
     for item in plan.items:
         stored = index.get(item.storage_index)
@@ -224,6 +229,7 @@ def _item_extents(
         item.lengths,
         grid=grid,
         min_piece_bytes=tuning.min_piece_bytes,
+        tuning=tuning,
     )
     return [Extent(stored.file, stored.offset + p.start, p.stop - p.start) for p in chunk.pieces]
 

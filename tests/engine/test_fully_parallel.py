@@ -136,9 +136,12 @@ def test_fully_parallel_load_reads_each_box_once(pool, tmp_path):
     model_bytes = sum(t.numel() * 4 for t in _model().values())
     vec_bytes = 10 * 4
     total = sum(n for n, _, _ in results)
-    # every model tensor read once in the group; 'vec' is needed by all 4 ranks: read once too
-    assert model_bytes + vec_bytes <= total <= model_bytes + vec_bytes + 4 * 8192
-    assert max(n for n, _, _ in results) <= 1.5 * model_bytes / 4
+    # every model tensor read by one rank of the group; 'vec' is needed by all 4 ranks: read
+    # once too. A rank's read plan may also read the gap between two of its ranges where that
+    # is cheaper than another request, never more than 2x what it needs (read_plan.ReadTuning)
+    needed = model_bytes + vec_bytes
+    assert needed <= total <= 2 * needed + 4 * 8192
+    assert max(n for n, _, _ in results) <= 2 * 1.5 * model_bytes / 4
     assert all(p2p == 1 for _, p2p, _ in results)
     assert all(saved == 1 for _, _, saved in results)  # no exchange of boxes the second time
 
