@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.storage.format.document import sign_document
+from dcpbridge.storage.format.document import FORMAT_VERSION, sign_document
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
 from tests.support.limits import file_size_limit
@@ -555,9 +555,9 @@ CRAFTED: list[tuple[str, Callable[[dict[str, Any]], None], type[Exception], str]
     ),
     (
         "newer format",
-        lambda doc: doc.__setitem__("version", 5),
+        lambda doc: doc.__setitem__("version", FORMAT_VERSION + 1),
         db.CorruptCheckpointError,
-        "format version 5 is newer than this dcpbridge reads",
+        f"format version {FORMAT_VERSION + 1} is newer than this dcpbridge reads",
     ),
     (
         "version as a string",
