@@ -527,7 +527,14 @@ class CheckpointManager:
             step = complete[-1]
         elif step not in complete:
             raise NotACheckpointError(f"step {step} is in neither tier ({why})")
-        log.warning("dcpbridge: loading persistent step %d from %s (%s)", step, self.root, why)
+        asked = local is None and why == f"step {step} is in the persistent tier"  # no fallback
+        log.log(
+            logging.INFO if asked else logging.WARNING,
+            "dcpbridge: loading persistent step %d from %s (%s)",
+            step,
+            self.root,
+            why,
+        )
         return self._load_persistent(template, step, kwargs)
 
     def _load_local_or_copies(
