@@ -13,8 +13,9 @@ every member raise, never wait.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,13 @@ from dcpbridge.engine.ownership import shard_id
 from dcpbridge.engine.save import split_for_save
 from dcpbridge.errors import HollowStateError, InvalidArgumentError, InvalidShardError
 from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
-from dcpbridge.model.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dcpbridge.model.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+)
 from dcpbridge.model.state import (
     HOLE,
     apply_factories,
@@ -65,12 +72,16 @@ class ShardDistribution:
     structure: int
 
 
+_KEPT = "__tensor_aware_kept__"  # where sharded_state_dict_for_save puts the kept shards
+
+
 class TensorAwareStateDict:
     """One rank's common state, kept shards and (unless hollow) their tensors; picklable."""
 
-    def __init__(self, common: Any, shards: list[Any], algo: str) -> None:
+    def __init__(self, common: Any, shards: list[Any], algo: str, empty: list[Any] = ()) -> None:
         self.common = common
         self.shards = shards  # kept ShardedTensors and ShardedObjects, in state-dict order
+        self.empty = list(empty)  # fully_parallel: main replicas of empty tensors (saved, no bytes)
         self.algo = algo
         self._popped_devices: list[torch.device] | None = None  # set while hollow
         self._orig_devices: list[torch.device] | None = None  # set by copy_tensors_to_cpu
@@ -122,7 +133,12 @@ class TensorAwareStateDict:
             keepers = ownership.assign(group, lambda: _held(error, shards), only_main=False)
             distribution = ShardDistribution(keepers, structure_of(shards, group))
         kept = [copy.copy(s) for s in shards if _keeps(s, distribution.keepers, group.rank)]
-        return cls(common, kept, algo), distribution
+        empty = [
+            copy.copy(s)
+            for s in shards
+            if isinstance(s, ShardedTensor) and s.numel == 0 and is_main_replica(s.replica_id)
+        ]
+        return cls(common, kept, algo, empty), distribution
 
     def __repr__(self) -> str:
         return (
@@ -221,6 +237,21 @@ class TensorAwareStateDict:
             if s.data.device != device:
                 s.data = s.data.to(device, non_blocking=non_blocking)
         self._orig_devices = None
+
+    def sharded_state_dict_for_save(self) -> dict[str, Any]:
+        """This rank's part as a sharded state dict that ``save``, ``async_save`` and the
+        manager (local tier included) write: the common state and the kept shards, each kept
+        tensor shard marked this rank's to write (``fully_parallel`` keeps each on one member)."""
+        self._need_tensors("sharded_state_dict_for_save")  # not while hollow
+        main = self.algo != "atomic"  # atomic keeps every replica: the save picks the main one
+        shards = [
+            dataclasses.replace(s, replica_id=0) if main and isinstance(s, ShardedTensor) else s
+            for s in self.shards
+        ] + getattr(self, "empty", [])
+        common = self.common if isinstance(self.common, Mapping) else {"common": self.common}
+        if _KEPT in common:
+            raise InvalidArgumentError(f"the common state may not hold the key {_KEPT!r}")
+        return {**common, _KEPT: shards}
 
     # -- restore ---------------------------------------------------------------------------
 

@@ -22,7 +22,12 @@ def is_stateful(value: Any) -> bool:
 
 
 def state_dicts(tree: Any) -> Any:
-    """``tree`` with each top-level Stateful value replaced by its ``state_dict()``."""
+    """``tree`` with each top-level Stateful value replaced by its ``state_dict()``; an
+    object that stands for a sharded state dict (``sharded_state_dict_for_save()``, as a
+    ``TensorAwareStateDict`` does) is replaced by it."""
+    to_save = getattr(tree, "sharded_state_dict_for_save", None)
+    if not isinstance(tree, Mapping) and callable(to_save):
+        tree = to_save()
     if not isinstance(tree, Mapping) or not any(map(is_stateful, tree.values())):
         return tree
     return {k: v.state_dict() if is_stateful(v) else v for k, v in tree.items()}

@@ -2,7 +2,7 @@
 Megatron-style ShardedTensors at another TP, Megatron-style TP state with its optimizer
 restores under FSDP2, both after a node's directory is wiped; ShardedObjects, a replicated
 tensor and common state restore in another layout, given as a sharded state dict or as the
-``TensorAwareStateDict`` Megatron hands a local checkpoint manager (not taken yet: xfail).
+``TensorAwareStateDict`` Megatron hands a local checkpoint manager.
 """
 
 from __future__ import annotations
@@ -104,17 +104,9 @@ def restore_megatron_state(r: Rank, root: str, local: str) -> None:
     assert out["iteration"] == 7
 
 
-TENSOR_AWARE_MISSING = pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="CheckpointManager.save takes no TensorAwareStateDict yet (issue 27, item 7): the "
-    "local step is skipped with 'a state dict must be a mapping' and nothing is restorable",
-)
-
-
 @pytest.mark.parametrize(
     "tensor_aware",
-    [False, pytest.param(True, marks=TENSOR_AWARE_MISSING)],
+    [False, True],
     ids=["sharded_state_dict", "tensor_aware_state_dict"],
 )
 def test_megatron_objects_and_replicas_restore_in_another_layout(pool, tmp_path, tensor_aware):

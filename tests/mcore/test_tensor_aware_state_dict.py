@@ -112,6 +112,19 @@ def test_pop_insert_round_trip_and_holes():
     _check_sample(state.to_state_dict(_template()))
 
 
+@pytest.mark.parametrize("algo", ["fully_parallel", "atomic"])
+def test_save_writes_what_the_state_keeps_and_load_returns_it(tmp_path, algo):
+    """``db.save`` takes a TensorAwareStateDict as the sharded state dict it stands for."""
+    state, _ = TASD.from_state_dict(_sample(), algo=algo)
+    db.save(state, str(tmp_path / "ck"))
+    _check_sample(db.load(_template(), str(tmp_path / "ck")))
+    state.pop_tensors()
+    assert "sharded_state_dict_for_save" in _expect(
+        lambda: db.save(state, str(tmp_path / "hollow")), db.HollowStateError
+    )
+    assert not (tmp_path / "hollow" / "dcpbridge.json").exists()
+
+
 def test_init_tensors_recreates_popped_layout():
     state, _ = TASD.from_state_dict(_sample(), algo="atomic")
     popped = state.pop_tensors()
