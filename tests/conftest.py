@@ -26,11 +26,29 @@ def pytest_configure(config: pytest.Config) -> None:
     scrub_aws_environment()  # before any pool worker starts: no test may reach real AWS
 
 
+# The longest modules (minutes on 2 cores), started first: ``make test`` hands whole modules to
+# its processes in collection order, so one of these started last would run alone at the end.
+LONGEST_FIRST = (
+    "tests/e2e/test_integrity.py",
+    "tests/test_examples.py",
+    "tests/e2e/test_faults.py",
+    "tests/tools/test_offline.py",
+    "tests/tools/test_cli.py",
+    "tests/e2e/test_dcp_scenarios.py",
+    "tests/e2e/test_s3_stall.py",
+    "tests/storage/test_backends.py",
+    "tests/mcore/test_megatron_api.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests on the gloo worker pool are marked ``dist`` (``make test-fast`` leaves them out)."""
+    """Tests on the gloo worker pool are marked ``dist`` (``make test-fast`` leaves them out);
+    the longest modules go first (the same order in every test process)."""
     for item in items:
         if "pool" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.dist)
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))
 
 
 @pytest.fixture(scope="session")
