@@ -286,12 +286,24 @@ def test_a_checkpoint_copied_alone_names_what_it_misses_and_converts_whole(tmp_p
     assert "data file ../step_00000001/__0_" in out and "is missing" in out
     whole = root / "whole"
     assert cli.main(["convert", str(root / "step_00000002"), str(whole), "--to", "dcpbridge"]) == 0
+    layout = tmp_path / "layout.yaml"
+    layout.write_text('mesh: {tp: 2}\nrules:\n  - match: "*"\n    split: {axis: 0, over: tp}\n')
+    split = root / "split"
+    assert (
+        cli.main(["reshard", str(root / "step_00000002"), str(split), "--layout", str(layout)]) == 0
+    )
+    exported = tmp_path / "model.pt"
+    assert cli.main(["convert", str(root / "step_00000002"), str(exported), "--to", "torch"]) == 0
     shutil.rmtree(root / "step_00000001")
     shutil.rmtree(root / "step_00000002")
-    assert referenced(str(whole)) == set()
-    out = db.load(_template(), whole)
-    assert torch.equal(out["base"], _crash_state(2)["base"])
-    assert torch.equal(out["ad"], _crash_state(2)["ad"]) and out["step"] == 2
+    plain = torch.load(exported, weights_only=True)
+    assert torch.equal(plain["base"], _crash_state(2)["base"])
+    assert torch.equal(plain["ad"], _crash_state(2)["ad"])
+    for self_contained in (whole, split):
+        assert referenced(str(self_contained)) == set()
+        out = db.load(_template(), self_contained)
+        assert torch.equal(out["base"], _crash_state(2)["base"])
+        assert torch.equal(out["ad"], _crash_state(2)["ad"]) and out["step"] == 2
 
 
 # -- two ranks, fully parallel, async ---------------------------------------------------------
