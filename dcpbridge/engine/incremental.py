@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError
 from dcpbridge.storage import METADATA_FILE, Location, resolve
@@ -86,15 +87,20 @@ def refuse_if_referenced(root: Location, name: str, others: Iterable[str]) -> No
         )
 
 
+def _listing(location: Location, list_fn: Callable[[str], Any]) -> tuple[str, Any]:
+    """``list_fn(folder)`` of ``location``'s folder, afresh (an absent folder lists nothing)."""
+    base = location.root.rstrip("/")
+    with storage_faults(f"{location.url}: list"):
+        location.fs.invalidate_cache(base)
+        try:
+            return base, list_fn(base)
+        except FileNotFoundError:
+            return base, []
+
+
 def files_in(location: Location) -> list[str]:
     """Paths (relative to the folder) of every file under checkpoint folder ``location``."""
-    fs, base = location.fs, location.root.rstrip("/")
-    with storage_faults(f"{location.url}: list"):
-        fs.invalidate_cache(base)
-        try:
-            found = fs.find(base, detail=False)
-        except FileNotFoundError:
-            return []
+    base, found = _listing(location, lambda b: location.fs.find(b, detail=False))
     return sorted(p.rstrip("/")[len(base) + 1 :] for p in found if p.startswith(base + "/"))
 
 
@@ -146,13 +152,7 @@ class FsckReport:
 
 
 def _folders(root: Location) -> list[str]:
-    fs, base = root.fs, root.root.rstrip("/")
-    with storage_faults(f"{root.url}: list"):
-        fs.invalidate_cache(base)
-        try:
-            entries = fs.ls(base, detail=True)
-        except FileNotFoundError:
-            return []
+    _, entries = _listing(root, lambda b: root.fs.ls(b, detail=True))
     names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries]
     types = [e.get("type") for e in entries]
     return sorted(n for n, t in zip(names, types) if t == "directory")

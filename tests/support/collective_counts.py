@@ -25,20 +25,19 @@ _NAMES = {"exchange": "p2p"}
 _METHODS = ("gather", "scatter", "broadcast", "all_gather", "broadcast_tensor", "exchange")
 
 
-def _counting(method: str, original: Callable[..., Any], calls: Counter[str]) -> Any:
-    @functools.wraps(original)
-    def counted(self: Group, *args: Any, **kwargs: Any) -> Any:
-        if _issues(method, self, args):
-            calls[_NAMES.get(method, method)] += 1
-        return original(self, *args, **kwargs)
-
-    return counted
-
-
 @contextlib.contextmanager
-def count_collectives() -> Iterator[Counter[str]]:
-    """Within the block, count every collective issued, by method (``exchange`` as ``p2p``)."""
-    calls: Counter[str] = Counter()
+def _on_each_call(note: Callable[[str, Group], None]) -> Iterator[None]:
+    """Within the block, ``note(method, group)`` for every collective issued."""
+
+    def wrap(method: str, original: Callable[..., Any]) -> Any:
+        @functools.wraps(original)
+        def wrapped(self: Group, *args: Any, **kwargs: Any) -> Any:
+            if _issues(method, self, args):
+                note(method, self)
+            return original(self, *args, **kwargs)
+
+        return wrapped
+
     saved = [
         (cls, m, cls.__dict__[m])
         for cls in (Group, StoreGroup)
@@ -46,12 +45,24 @@ def count_collectives() -> Iterator[Counter[str]]:
         if m in cls.__dict__
     ]
     for cls, method, original in saved:
-        setattr(cls, method, _counting(method, original, calls))
+        setattr(cls, method, wrap(method, original))
     try:
-        yield calls
+        yield
     finally:
         for cls, method, original in saved:
             setattr(cls, method, original)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter[str]]:
+    """Within the block, count every collective issued, by method (``exchange`` as ``p2p``)."""
+    calls: Counter[str] = Counter()
+
+    def note(method: str, group: Group) -> None:
+        calls[_NAMES.get(method, method)] += 1
+
+    with _on_each_call(note):
+        yield calls
 
 
 @contextlib.contextmanager
@@ -59,25 +70,8 @@ def record_collectives() -> Iterator[list[tuple[str, str, str]]]:
     """Within the block, record every collective issued as (method, thread name, group class)."""
     calls: list[tuple[str, str, str]] = []
 
-    def recording(method: str, original: Callable[..., Any]) -> Any:
-        @functools.wraps(original)
-        def recorded(self: Group, *args: Any, **kwargs: Any) -> Any:
-            if _issues(method, self, args):
-                calls.append((method, threading.current_thread().name, type(self).__name__))
-            return original(self, *args, **kwargs)
+    def note(method: str, group: Group) -> None:
+        calls.append((method, threading.current_thread().name, type(group).__name__))
 
-        return recorded
-
-    saved = [
-        (cls, m, cls.__dict__[m])
-        for cls in (Group, StoreGroup)
-        for m in _METHODS
-        if m in cls.__dict__
-    ]
-    for cls, method, original in saved:
-        setattr(cls, method, recording(method, original))
-    try:
+    with _on_each_call(note):
         yield calls
-    finally:
-        for cls, method, original in saved:
-            setattr(cls, method, original)
