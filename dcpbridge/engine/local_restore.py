@@ -38,9 +38,8 @@ from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, S
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.costs import ReadCosts
 from dcpbridge.storage.backends.store import RangeRead, Read, Storage, parts_of
-from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import StoredItem, decode_metadata
-from dcpbridge.storage.read.read_plan import ReadTuning, plan_chunk_read
+from dcpbridge.storage.read.read_plan import ReadTuning, chunk_grid, plan_box_read
 
 log = logging.getLogger("dcpbridge")
 
@@ -217,20 +216,8 @@ def _item_extents(
         return whole
     block = index.checksum_block_size if stored.checksums else 0
     itemsize = stored.dtype.itemsize
-    grid = (
-        checksum.tensor_grid(stored.sizes, itemsize, block, tiled=index.tiled_checksums)
-        if block
-        else None
-    )
-    chunk = plan_chunk_read(
-        stored.sizes,
-        itemsize,
-        item.storage_offsets,
-        item.lengths,
-        grid=grid,
-        min_piece_bytes=tuning.min_piece_bytes,
-        tuning=tuning,
-    )
+    grid = chunk_grid(stored.sizes, itemsize, block, tiled=index.tiled_checksums)
+    chunk = plan_box_read(stored.sizes, itemsize, item.storage_offsets, item.lengths, grid, tuning)
     return [Extent(stored.file, stored.offset + p.start, p.stop - p.start) for p in chunk.pieces]
 
 

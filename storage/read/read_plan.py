@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 from dcpbridge.storage.backends.costs import ReadCosts
 from dcpbridge.storage.backends.regions import Extent, c_strides, plan_extents
 from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.checksum import Grid
 
 T = TypeVar("T")
@@ -84,6 +85,32 @@ class ChunkRead:
     @property
     def bounce_bytes(self) -> int:
         return sum(p.stop - p.start for p in self.pieces if p.at is None)
+
+
+def chunk_grid(sizes: Sequence[int], itemsize: int, block: int, *, tiled: bool) -> Grid | None:
+    """The checksum tiles a read of a stored chunk verifies (None: ``block`` 0, no checks)."""
+    return checksum.tensor_grid(sizes, itemsize, block, tiled=tiled) if block else None
+
+
+def plan_box_read(
+    sizes: Sequence[int],
+    itemsize: int,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    grid: Grid | None,
+    tuning: ReadTuning,
+) -> ChunkRead:
+    """The reader's plan for box ``offsets``+``lengths`` of a stored chunk on storage tuned by
+    ``tuning`` (a local-tier restore fetches from peers exactly the ranges it names)."""
+    return plan_chunk_read(
+        sizes,
+        itemsize,
+        offsets,
+        lengths,
+        grid=grid,
+        min_piece_bytes=tuning.min_piece_bytes,
+        tuning=tuning,
+    )
 
 
 def plan_chunk_read(

@@ -37,7 +37,7 @@ from dcpbridge.storage.format.paths import Location
 from dcpbridge.storage.read.delivery import BytesJob, Job, TensorJob, WholeJob, read_bytes, run_jobs
 from dcpbridge.storage.read.delivery import byte_view as _byte_view
 from dcpbridge.storage.read.metadata import diagnose_missing_metadata, read_checkpoint_metadata
-from dcpbridge.storage.read.read_plan import ReadTuning, plan_chunk_read
+from dcpbridge.storage.read.read_plan import ReadTuning, chunk_grid, plan_box_read
 from dcpbridge.storage.read.whole_reads import WholeReads, whole_jobs
 
 __all__ = [
@@ -261,11 +261,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
                 f"{tuple(dest.shape)} for a read of {tuple(item.lengths)} {dtype}"
             )
         block = self._block(stored, index)
-        grid = (
-            checksum.tensor_grid(sizes, dtype.itemsize, block, tiled=index.tiled_checksums)
-            if block
-            else None
-        )
+        grid = chunk_grid(sizes, dtype.itemsize, block, tiled=index.tiled_checksums)
 
         def describe() -> str:
             offsets = list(item.storage_index.offset or ())
@@ -278,14 +274,8 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             view = _byte_view(dest)  # the whole chunk into plain memory: no plan, no staging
             if view is not None and len(view) == stored.nbytes:
                 return WholeJob(stored, view, dest, commit, grid, describe)
-        plan = plan_chunk_read(
-            sizes,
-            dtype.itemsize,
-            item.storage_offsets,
-            item.lengths,
-            grid=grid,
-            min_piece_bytes=tuning.min_piece_bytes,
-            tuning=tuning,
+        plan = plan_box_read(
+            sizes, dtype.itemsize, item.storage_offsets, item.lengths, grid, tuning
         )
         if not plan.pieces:
             planner.commit_tensor(item, dest)
