@@ -11,6 +11,7 @@ import functools
 import weakref
 from collections.abc import Callable
 
+import torch
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from dcpbridge.engine.staging import BufferSet, StagingArea
@@ -25,8 +26,8 @@ _processes: weakref.WeakKeyDictionary[StagingArea, WriterProcess] = weakref.Weak
 
 
 def shared_buffers(nbytes: int) -> BufferSet:
-    """A staging buffer set in memory the writer process maps."""
-    segment = shared.SharedSegment(nbytes)
+    """A staging buffer set in memory the writer process maps (page-locked once CUDA is in use)."""
+    segment = shared.SharedSegment(nbytes, pin=torch.cuda.is_initialized())
     return BufferSet(segment.tensor, shared=segment)
 
 

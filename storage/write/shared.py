@@ -8,6 +8,7 @@ descriptor reaches the writer process over a Unix socket (``SCM_RIGHTS``), never
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import weakref
@@ -15,6 +16,8 @@ import weakref
 import torch
 
 from dcpbridge.storage.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
 
 _ids = itertools.count(1)
 _by_address: weakref.WeakValueDictionary[int, SharedSegment] = weakref.WeakValueDictionary()
@@ -26,9 +29,12 @@ def available() -> bool:
 
 
 class SharedSegment:
-    """``nbytes`` of shared memory as a flat uint8 tensor; ``fd`` lets another process map it."""
+    """``nbytes`` of shared memory as a flat uint8 tensor; ``fd`` lets another process map it.
 
-    def __init__(self, nbytes: int) -> None:
+    With ``pin``, the memory is also page-locked for CUDA (``cudaHostRegister``), so copies
+    from GPU tensors into it run asynchronously at full speed, as into pinned buffers."""
+
+    def __init__(self, nbytes: int, pin: bool = False) -> None:
         if not available():
             raise InvalidArgumentError("shared staging memory needs Linux (os.memfd_create)")
         self.id = next(_ids)
@@ -41,6 +47,19 @@ class SharedSegment:
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
         _by_address[self.address] = self
+        if pin:
+            _pin(self)
+
+
+def _pin(segment: SharedSegment) -> None:
+    """Page-lock ``segment`` for CUDA until it is dropped; pageable (copies just sync) if refused."""
+    cudart = torch.cuda.cudart()
+    code = cudart.cudaHostRegister(segment.address, segment.nbytes, 0)
+    if int(code) != 0:
+        log.warning("could not page-lock shared staging memory (CUDA error %s)", int(code))
+        return
+    # runs before the segment's map is released (weakref callbacks precede attribute clearing)
+    weakref.finalize(segment, cudart.cudaHostUnregister, segment.address).atexit = False
 
 
 def live_ids() -> set[int]:
