@@ -19,7 +19,7 @@ from typing import Any
 
 from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group, StoreGroup
-from dcpbridge.engine.staging import BufferSet, StagingArea
+from dcpbridge.engine.staging import BufferSet, DeviceCopies, StagingArea, hold_streams
 from dcpbridge.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._reported = False
         self._buffers: BufferSet | None = None
+        self._copies: list[DeviceCopies] = []  # its GPU staging copies (set once staged)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -51,6 +52,16 @@ class AsyncSaveHandle:
             raise TimeoutError(
                 f"async save to {self.checkpoint_dir} still staging after {timeout}s"
             )
+
+    def hold_streams(self) -> None:
+        """Make the current CUDA streams' later kernels wait for this save's staging copies
+        (on the GPU; call after ``wait_staged``): for a save that left the caller's streams
+        free (``defer_stream_wait``), before anything modifies the saved tensors."""
+        hold_streams(self._copies)
+
+    def _set_buffers(self, buffers: BufferSet | None) -> None:
+        self._buffers = buffers
+        self._copies = list(buffers.copies) if buffers is not None else []
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the checkpoint is committed (or failed: then raise, on every rank)."""
@@ -126,7 +137,7 @@ class AsyncSaver:
         ``stage``, the staging thread first runs it (it returns the buffers and must carry its
         own failures into ``job``) and ``job`` waits for it."""
         handle = AsyncSaveHandle(checkpoint_dir)
-        handle._buffers = buffers
+        handle._set_buffers(buffers)
         if stage is None:
             handle._staged.set()
         else:
@@ -153,7 +164,7 @@ class AsyncSaver:
         while True:
             handle, stage = self._stagings.get()
             try:
-                handle._buffers = stage()
+                handle._set_buffers(stage())
             except BaseException as e:  # ``stage`` carries its failures; this is a last resort
                 log.error("async save to %s: staging crashed: %s", handle.checkpoint_dir, e)
             finally:

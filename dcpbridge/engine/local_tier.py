@@ -152,12 +152,13 @@ class LocalTier:
         verify: bool = False,
         committed: Callable[[], None] | None = None,
         persist: PersistJob | None = None,
+        hold_caller: bool = True,
     ) -> bool:
         """Write local step ``step``, copy it to other nodes and commit it, then call
         ``committed()`` and upload it as ``persist`` if given. With ``behind`` only the
         planning and the staging (a copy into a reused host buffer) run in the call, and with
         ``stage_behind`` the staging too runs behind (``staging`` says when the caller's
-        tensors may change). False (with a warning) where a node lacks space or planning
+        tensors may change; without ``hold_caller``, once its ``hold_streams`` ran). False (with a warning) where a node lacks space or planning
         failed; later failures are logged (and fail ``persist``). The previous local step and
         the persistent tier always stay."""
         self.wait()
@@ -180,13 +181,14 @@ class LocalTier:
             self._failed(step, e)
             return False
         handle = AsyncSaveHandle(url)
-        staging = _Staging(planned, self.area, url, verify) if behind else None
+        staging = _Staging(planned, self.area, url, verify, hold_caller) if behind else None
         buffers: list[BufferSet | None] = [None]
         try:
             if staging is not None and planned.error is None:
                 staging.begin()
                 if not stage_behind:
                     buffers[0] = staging.finish()
+                    handle._set_buffers(buffers[0])
         except Exception as e:  # this rank's alone: carried into the write's first step
             planned.error = staging.failed(e) if staging is not None else e
         except BaseException as e:  # interrupted: the peers' writes fail instead of waiting
@@ -204,6 +206,7 @@ class LocalTier:
                 if not handle.staged:
                     assert staging is not None
                     buffers[0] = staging.behind()
+                    handle._set_buffers(buffers[0])
             finally:
                 handle._staged.set()
             self._finish(step, planned, cache, opts, buffers, committed, persist)

@@ -199,7 +199,7 @@ class CheckpointManager:
         self.writer = writer
         self.incremental = incremental  # reference chunks equal to the previous step's
         self._previous: int | None = None  # the newest committed step (incremental saves)
-        self._guard = StepGuard(self._unstaged)
+        self._guard = StepGuard(self._in_flight)
         for optimizer in optimizers:
             self.watch(optimizer)
 
@@ -272,12 +272,16 @@ class CheckpointManager:
             self._save_local(step, state)
         return True
 
-    def _unstaged(self) -> AsyncSaveHandle | None:
-        """The save whose staging a watched optimizer's step waits for, if any."""
+    @property
+    def saving(self) -> bool:
+        """Whether a save of this manager (either tier) is still in flight."""
+        return any(not handle.done() for handle in self._in_flight())
+
+    def _in_flight(self) -> list[AsyncSaveHandle]:
+        """The saves whose staging a watched optimizer's step waits for."""
         local = self._local.staging if self._local is not None else None
-        if local is not None and not local.staged:
-            return local
-        return self._pending[1] if self._pending else None
+        pending = self._pending[1] if self._pending else None
+        return [h for h in (local, pending) if h is not None]
 
     def _save_local(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, persist: bool = False
@@ -307,6 +311,7 @@ class CheckpointManager:
             verify=self.verify_staging,
             committed=lambda: self._notify(step, "local", url),
             persist=job,
+            hold_caller=not stage_behind,
         )
         if saved and job is not None:
             self._pending = (step, job.handle)
@@ -350,6 +355,7 @@ class CheckpointManager:
                 verify_staging=self.verify_staging,
                 before_write=prepare,
                 writer=self.writer,
+                defer_stream_wait=background,
                 **options,
             )
             self._pending = (step, handle)

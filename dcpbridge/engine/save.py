@@ -259,6 +259,7 @@ class _Staging:
     area: StagingArea
     target: str
     verify: bool
+    hold_caller: bool = True  # False: the caller's streams wait only at ``hold_streams``
     marks: StreamMarks | None = None
     live: list[LiveMark] = field(default_factory=list)
 
@@ -281,7 +282,14 @@ class _Staging:
         shards, buffers = stats.timed(
             "staged",
             self.target,
-            lambda: stage(live, self.area, owners, marks=self.marks, objects_copied=True),
+            lambda: stage(
+                live,
+                self.area,
+                owners,
+                marks=self.marks,
+                objects_copied=True,
+                hold_caller=self.hold_caller,
+            ),
             lambda out: stats.tensor_bytes(out[0]),
         )
         planned.parts = dataclasses.replace(planned.parts, shards=shards)
@@ -323,6 +331,7 @@ def async_save(
     verify_staging: bool = False,
     before_write: Callable[[], None] | None = None,
     writer: str = "thread",
+    defer_stream_wait: bool = False,
     **options: Any,
 ) -> AsyncSaveHandle:
     """``save`` (same ``options``, any format) that returns once the data is staged in host
@@ -344,6 +353,10 @@ def async_save(
     background before any rank writes; its failure fails the save on every rank. With
     ``writer="process"`` (format "dcpbridge"), staging goes to shared memory and a long-lived
     writer process writes the data files, so writing never holds this process's GIL.
+    GPU tensors are copied on a side stream that the caller's streams wait for (on the GPU);
+    with ``defer_stream_wait`` they do not, so the next forward and backward overlap the
+    copies: the caller must then call ``handle.hold_streams()`` (after ``wait_staged``) before
+    modifying the tensors, as ``CheckpointManager`` does before a watched optimizer's step.
     """
     opts = _options(options, "async_save")
     check_writer(writer, opts.format)
@@ -360,7 +373,7 @@ def async_save(
     job = functools.partial(
         _write_behind, saver.group, cache, planned, target, opts, before_write, wrap
     )
-    staging = _Staging(planned, saver.area, target, verify_staging)
+    staging = _Staging(planned, saver.area, target, verify_staging, not defer_stream_wait)
     buffers, later = None, None
     try:
         if planned.error is None:

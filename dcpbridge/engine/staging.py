@@ -32,11 +32,23 @@ class BufferSet:
     flat: torch.Tensor
     events: list[Any] = field(default_factory=list)
     shared: Any = None  # the shared-memory segment ``flat`` lives in, if any (writer process)
+    copies: list[DeviceCopies] = field(default_factory=list)  # this save's, for hold_streams
 
     def wait_ready(self) -> None:
         """Block until the staged bytes are in host memory (CUDA copies finished)."""
         for event in self.events:
             event.synchronize()
+
+
+DeviceCopies = tuple[torch.device, Any]
+"""A CUDA device and an event recorded after the staging copies from its tensors."""
+
+
+def hold_streams(copies: list[DeviceCopies]) -> None:
+    """Make the current stream of each device wait, on the GPU, for the staging copies from
+    it (no host wait): kernels queued after this may modify the staged tensors."""
+    for device, event in copies:
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 class StagingArea:
@@ -69,7 +81,7 @@ class StagingArea:
             if fit:
                 chosen = min(fit, key=lambda s: s.flat.numel())
                 self._free.remove(chosen)
-                chosen.events = []
+                chosen.events, chosen.copies = [], []
                 return chosen
             if self._free:  # grow: drop a free set that is too small instead of adding one
                 self._free.pop()
@@ -148,17 +160,20 @@ def stage(
     *,
     marks: StreamMarks | None = None,
     objects_copied: bool = False,
+    hold_caller: bool = True,
 ) -> tuple[list[Any], BufferSet]:
     """Staged copies of ``shards``: the tensors this rank writes (per ``owners``) in host
     buffers, its objects deep-copied (unless ``objects_copied``); shards it does not write
-    keep their metadata only. GPU copies follow ``marks`` (default: the current streams now)."""
+    keep their metadata only. GPU copies follow ``marks`` (default: the current streams now);
+    the marked streams' later work waits for them unless ``hold_caller`` is False (then
+    ``hold_streams(buffers.copies)`` must run before the tensors are modified)."""
     writes = tensor_writes(shards, owners)
     spans, total = _layout([s.data for s in writes])
     buffers = area.acquire(total)
     try:
         if marks is None:
             marks = mark_streams(writes)
-        staged = _fill(shards, writes, spans, buffers, area, marks)
+        staged = _fill(shards, writes, spans, buffers, area, marks, hold_caller)
         return (staged if objects_copied else copy_objects(staged, owners)), buffers
     except BaseException:  # the set goes back: a later save must not wait for it forever
         area.settle()  # copies already queued into it land first
@@ -173,6 +188,7 @@ def _fill(
     buffers: BufferSet,
     area: StagingArea,
     marks: StreamMarks,
+    hold_caller: bool,
 ) -> list[Any]:
     """Copy ``writes`` into their ``spans`` of ``buffers`` (GPU data by side-stream copies that
     start after ``marks`` and that the marked streams' later work waits for); the tensor
@@ -197,8 +213,10 @@ def _fill(
                 src.record_stream(stream)
         event = torch.cuda.Event()
         event.record(stream)
-        origin.wait_event(event)  # the caller's later kernels wait for the copies
+        if hold_caller:
+            origin.wait_event(event)  # the caller's later kernels wait for the copies
         buffers.events.append(event)
+        buffers.copies.append((device, event))
     return [
         dataclasses.replace(s, data=views.get(id(s))) if isinstance(s, ShardedTensor) else s
         for s in shards

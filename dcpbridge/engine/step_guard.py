@@ -14,11 +14,11 @@ from dcpbridge.errors import InvalidArgumentError
 
 
 class StepGuard:
-    """Step pre-hooks on the watched optimizers: each step first waits until ``pending()``
-    returns None or a staged save (it may return each unstaged one in turn); ``waited`` sums
-    the seconds steps waited."""
+    """Step pre-hooks on the watched optimizers: each step first waits until the saves
+    ``pending()`` returns are staged, and its GPU work for their staging copies (saves made
+    with ``defer_stream_wait``); ``waited`` sums the seconds steps waited on the host."""
 
-    def __init__(self, pending: Callable[[], AsyncSaveHandle | None]) -> None:
+    def __init__(self, pending: Callable[[], list[AsyncSaveHandle]]) -> None:
         self._pending = pending
         self._hooks: list[tuple[weakref.ref[Any], Any]] = []  # (optimizer, its hook's handle)
         self.waited = 0.0
@@ -38,10 +38,12 @@ class StepGuard:
             self._hooks.append((weakref.ref(optimizer), hook))
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        while (handle := self._pending()) is not None and not handle.staged:  # one per save
-            start = time.perf_counter()
-            handle.wait_staged()
-            self.waited += time.perf_counter() - start
+        for handle in self._pending():
+            if not handle.staged:
+                start = time.perf_counter()
+                handle.wait_staged()
+                self.waited += time.perf_counter() - start
+            handle.hold_streams()
 
     def close(self) -> None:
         """Remove the hooks."""

@@ -25,6 +25,19 @@ def _gpu_state(scale: float) -> dict:
     }
 
 
+def _load_on_cpu(state: dict, path) -> dict:
+    """``path`` loaded into CPU templates shaped like ``state``'s shards."""
+    return db.load(
+        {
+            k: db.ShardedTensor.from_box(
+                k, torch.zeros_like(v.data.cpu()), v.global_shape, v.global_offset
+            )
+            for k, v in state.items()
+        },
+        str(path),
+    )
+
+
 def test_gpu_shards_save_and_load_into_gpu_templates(tmp_path):
     db.save(_gpu_state(2.0), str(tmp_path))
     tmpl = _gpu_state(0.0)
@@ -50,15 +63,7 @@ def test_async_save_of_gpu_tensors_is_unaffected_by_later_updates(tmp_path):
     for sh in state.values():
         sh.data.add_(1)  # training continues immediately
     handle.result(timeout=120)
-    out = db.load(
-        {
-            k: db.ShardedTensor.from_box(
-                k, torch.zeros_like(v.data.cpu()), v.global_shape, v.global_offset
-            )
-            for k, v in state.items()
-        },
-        str(tmp_path),
-    )
+    out = _load_on_cpu(state, tmp_path)
     assert torch.equal(out["w"], (_gpu_state(5.0)["w"].data).cpu())
 
 
@@ -85,6 +90,36 @@ def test_background_staging_of_gpu_tensors_copies_the_state_at_the_call(tmp_path
     )
     for k, v in want.items():
         assert torch.equal(out[k], v), k
+
+
+def test_async_save_of_gpu_tensors_through_the_writer_process(tmp_path):
+    from dcpbridge.storage.write import shared
+
+    state = _gpu_state(7.0)
+    handle = db.async_save(state, str(tmp_path), writer="process", background_staging=True)
+    handle.wait_staged(120)
+    for sh in state.values():
+        sh.data.add_(1)  # queued after the copies on the GPU
+    handle.result(timeout=120)
+    segments = list(shared._by_address.values())
+    assert segments and all(s.tensor.is_pinned() for s in segments)  # page-locked for CUDA
+    out = _load_on_cpu(state, tmp_path)
+    for k, v in _gpu_state(7.0).items():
+        assert torch.equal(out[k], v.data.cpu()), k
+
+
+def test_a_deferred_stream_wait_holds_the_caller_only_at_hold_streams(tmp_path):
+    state = _gpu_state(9.0)
+    handle = db.async_save(state, str(tmp_path), background_staging=True, defer_stream_wait=True)
+    handle.wait_staged(120)
+    assert len(handle._copies) == 1  # one event for the one device, not yet waited for
+    handle.hold_streams()  # the caller's later kernels run after the copies
+    for sh in state.values():
+        sh.data.mul_(0)
+    handle.result(timeout=120)
+    out = _load_on_cpu(state, tmp_path)
+    for k, v in _gpu_state(9.0).items():
+        assert torch.equal(out[k], v.data.cpu()), k
 
 
 def test_the_manager_holds_a_gpu_optimizer_step_until_staged(tmp_path):

@@ -115,12 +115,15 @@ def guarded_loop(r: Rank, root: str, verify: bool) -> tuple[bool, float]:
     with gated_stage() as (gate, done):
         opt.register_step_pre_hook(lambda *a: seen.append(done.is_set()))  # after the manager's
         mgr.save(1, _train_state(r, w, opt, 1))
+        assert mgr.saving  # held at the gate
         want = {"w": w.detach().clone(), "exp_avg": opt.state[w]["exp_avg"].clone()}
         opener = threading.Timer(0.2, gate.set)  # staging resumes while step() waits for it
         opener.start()
         _train_step(w, opt)  # the manager's hook holds this step until the copy is made
         w.data.mul_(0)  # the loop goes on mutating
         opener.join()
+    mgr.wait()
+    assert not mgr.saving
     mgr.close()
     out = _load(r, mgr.step_url(1), want)
     for key, value in want.items():
