@@ -139,8 +139,10 @@ def _digit(rng: random.Random, data: bytearray, within: tuple[int, int] | None =
     lo, hi = within or (0, len(data))
     digits = [m.start() + lo for m in re.finditer(rb"\d", bytes(data[lo:hi]))]
     if within is not None:  # values only: format 1 cannot tell an edited key from a real one
-        keys = [m.span(1) for m in re.finditer(rb'"([^"]+)":', bytes(data))]
-        digits = [d for d in digits if not any(a <= d < b for a, b in keys)]
+        in_key = bytearray(len(data))
+        for m in re.finditer(rb'"([^"]+)":', bytes(data)):
+            in_key[m.start(1) : m.end(1)] = b"\1" * (m.end(1) - m.start(1))
+        digits = [d for d in digits if not in_key[d]]
     pos = rng.choice(digits)
     data[pos] = rng.choice([d for d in b"0123456789" if d != data[pos]])
     return f"digit at {pos}"
@@ -283,15 +285,18 @@ def run_trial(
         tally.identical += 1
 
 
-def corruption_trials(original: Path, scratch: Path, seed: int, count: int, **kw: Any) -> Tally:
+def corruption_trials(original: Path, scratch: Path, seed: int, count: int) -> Tally:
     """``count`` seeded trials on format-2 copies and on format-1 (no digest) copies."""
     rng = random.Random(seed)
     expected = _expected()
     names = sorted(p.name for p in original.iterdir())
     tally = Tally()
     with _fast_scratch(scratch) as fast:
+        format_1 = fast / "format-1"  # rewritten once, copied for each format-1 trial
+        shutil.copytree(original, format_1)
+        _as_format_1(format_1)
         for n in range(count):
-            _one_trial(rng, original, fast / f"t{n}", n, names, tally, expected)
+            _one_trial(rng, (original, format_1), fast / f"t{n}", n, names, tally, expected)
     limit = max(64 * _checkpoint_bytes(original), 8 << 20)
     assert tally.worst_peak < limit, f"peak {tally.worst_peak} bytes in {tally.worst}"
     return tally
@@ -314,18 +319,17 @@ def _fast_scratch(scratch: Path) -> Iterator[Path]:
 
 def _one_trial(
     rng: random.Random,
-    original: Path,
+    originals: tuple[Path, Path],
     ck: Path,
     n: int,
     names: list[str],
     tally: Tally,
     expected: dict[str, Any],
 ) -> None:
-    """Damage a fresh copy ``ck`` of the checkpoint (every trial under a new path) and load it."""
-    shutil.copytree(original, ck)
+    """Damage a fresh copy ``ck`` of the checkpoint, as written or as format 1 wrote it (every
+    trial under a new path), and load it."""
     format_1 = n % 3 == 2
-    if format_1:
-        _as_format_1(ck)
+    shutil.copytree(originals[format_1], ck)
     name = META if rng.random() < 0.5 else rng.choice(names)
     trial = mutate_bytes(rng, ck, name, format_1=format_1)
     trial.kind = f"v{1 if format_1 else 2}-{trial.kind}"
