@@ -24,20 +24,31 @@ warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
 
 def pytest_configure(config: pytest.Config) -> None:
     scrub_aws_environment()  # before any pool worker starts: no test may reach real AWS
+    # xdist's --dist loadfile hands out modules by test count, not in the order below
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 # The longest modules (minutes on 2 cores), started first: ``make test`` hands whole modules to
 # its processes in collection order, so one of these started last would run alone at the end.
 LONGEST_FIRST = (
-    "tests/e2e/test_integrity.py",
     "tests/test_examples.py",
+    "tests/e2e/test_integrity.py",
     "tests/e2e/test_faults.py",
-    "tests/tools/test_offline.py",
-    "tests/tools/test_cli.py",
     "tests/e2e/test_dcp_scenarios.py",
-    "tests/e2e/test_s3_stall.py",
+    "tests/tools/test_offline.py",
     "tests/storage/test_backends.py",
     "tests/mcore/test_megatron_api.py",
+    "tests/e2e/test_portable.py",
+    "tests/tools/test_cli.py",
+    "tests/engine/test_writer_process.py",
+    "tests/e2e/test_s3_stall.py",
+    "tests/e2e/test_local_tier.py",
+    "tests/storage/test_s3.py",
+    "tests/e2e/test_dcp_extensions.py",
+    "tests/storage/test_hostile_fuzz.py",
+    "tests/e2e/test_interop.py",
+    "tests/engine/test_manager.py",
 )
 
 

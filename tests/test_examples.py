@@ -5,31 +5,25 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import preloaded
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def torchrun(script: str, *args: str, env: dict[str, str] | None = None) -> str:
-    """Run ``examples/script`` on 2 CPU ranks; returns its stdout."""
-    command = [
-        sys.executable,
-        "-m",
+    """Run ``examples/script`` on 2 CPU ranks; returns its stdout. The launcher is torchrun's
+    own (``python -m torch.distributed.run``) in a process that has torch imported already; the
+    ranks it starts are fresh interpreters running the script, as under a user's torchrun."""
+    command = ["--standalone", "--nproc-per-node", "2", str(EXAMPLES / script), *args]
+    proc = preloaded.run_module(
         "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
-    proc = subprocess.run(
-        [*command, str(EXAMPLES / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
+        command,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=240,
     )
     if proc.returncode != 0 and _gloo_exit_race(proc.stderr) and "checkpoints [" in proc.stdout:
         return proc.stdout  # the job finished; only torch's interpreter exit aborted (below)

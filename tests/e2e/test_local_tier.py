@@ -251,8 +251,8 @@ def killed_mid_local_save(r: Rank, root: str, local: str) -> None:
 def test_a_rank_killed_mid_local_save_leaves_the_previous_local_step(pool, tmp_path):
     root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
     try:
-        with pytest.raises(RankFailure):
-            pool.run(killed_mid_local_save, 4, root, local, timeout=60)
+        with pytest.raises(RankFailure):  # the others wait for rank 3 in the agreement
+            pool.run(killed_mid_local_save, 4, root, local, timeout=60, grace=5)
     finally:
         pool.kill()
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)

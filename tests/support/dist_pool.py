@@ -154,8 +154,10 @@ class WorkerPool:
         *args: Any,
         timeout: float = 60.0,
         default_group: bool = False,
+        grace: float = 20.0,
     ) -> list[Any]:
-        """Run ``fn(Rank, *args)`` on ranks ``0..nprocs-1``; return their results in rank order."""
+        """Run ``fn(Rank, *args)`` on ranks ``0..nprocs-1``; return their results in rank order.
+        Once a rank failed, the others get ``grace`` seconds (not the full timeout) to finish."""
         if not 1 <= nprocs <= self.size:
             raise ValueError(f"nprocs must be in 1..{self.size}")
         if default_group and nprocs != self.size:
@@ -178,10 +180,8 @@ class WorkerPool:
                     results[rank] = conn.recv()
                 except EOFError:
                     results[rank] = ("error", f"worker died:\n{self._log_tail(rank)}")
-                if (
-                    results[rank][0] == "error"
-                ):  # the others get a grace period, not the full timeout
-                    deadline = min(deadline, time.monotonic() + 20)
+                if results[rank][0] == "error":
+                    deadline = min(deadline, time.monotonic() + grace)
         hung = sorted(pending.values())
         stacks = ""
         if hung:

@@ -75,20 +75,32 @@ def _script(path: str) -> None:
     runpy.run_path(path, run_name="__main__")
 
 
+def _module(name: str, argv: list[str]) -> None:
+    sys.argv = [name, *argv]
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
 def _run(
-    target: Callable[[], Any], label: list[str], timeout: float
+    target: Callable[[], Any],
+    label: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="dcpb-proc-") as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        p = context().Process(target=_child, args=(target, dict(os.environ), os.getcwd(), out, err))
+        env = dict(os.environ) if env is None else env
+        p = context().Process(target=_child, args=(target, env, os.getcwd(), out, err))
         p.start()
         p.join(timeout)
-        if p.is_alive():
+        hung = p.is_alive()
+        if hung:
             p.kill()
             p.join()
-            raise subprocess.TimeoutExpired(label, timeout)
         with open(out) as fo, open(err) as fe:
-            return subprocess.CompletedProcess(label, p.exitcode, fo.read(), fe.read())
+            stdout, stderr = fo.read(), fe.read()
+        if hung:  # what it wrote so far comes with the error
+            raise subprocess.TimeoutExpired(label, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(label, p.exitcode, stdout, stderr)
 
 
 def run_cli(argv: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -106,3 +118,12 @@ def run_script(path: str, cwd: str, timeout: float = 240) -> subprocess.Complete
         return _run(partial(_script, path), ["python", path], timeout)
     finally:
         os.chdir(here)
+
+
+def run_module(
+    name: str, argv: Sequence[str], env: dict[str, str], timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``python -m NAME ARGV`` with environment ``env`` in a process of its own (``torchrun``:
+    its agent then skips importing torch; the workers it starts are fresh interpreters)."""
+
+    return _run(partial(_module, name, list(argv)), ["python", "-m", name, *argv], timeout, env)

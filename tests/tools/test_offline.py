@@ -21,6 +21,7 @@ from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.tools.reshard import WorkItem, assign, plan_work, reshard, slabs
 from tests.e2e.test_reshard import save_layout
 from tests.support import layouts as L
+from tests.support import preloaded
 from tests.support.dist_pool import Rank
 from tests.tools.test_cli import COMMAND
 
@@ -111,12 +112,11 @@ def test_torchrun_workers(tmp_path):
     db.save({"w": db.ShardedTensor.from_box("w", w, (64, 32), (0, 0)), "step": 3}, src)
     layout = tmp_path / "l.yaml"
     layout.write_text("world_size: 8\nrules: [{match: '*', split: {axis: 0}}]\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    args = [*cmd, "-m", "dcpbridge.tools.cli", "reshard", src, dst, "--layout", str(layout)]
+    args = ["--standalone", "--nproc-per-node", "2", "-m", "dcpbridge.tools.cli", "reshard"]
+    args += [src, dst, "--layout", str(layout), "--no-progress", "-v"]
     try:  # 13 s alone; minutes on a loaded 2-core machine, whose output a timeout shows
-        proc = subprocess.run(
-            [*args, "--no-progress", "-v"], capture_output=True, text=True, timeout=280
-        )
+        # torchrun's launcher, torch imported already; the workers are fresh interpreters
+        proc = preloaded.run_module("torch.distributed.run", args, dict(os.environ), timeout=280)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun reshard hung; stdout:\n{e.stdout}\nstderr:\n{e.stderr}")
     assert proc.returncode == 0, proc.stderr[-3000:]
