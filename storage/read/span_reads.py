@@ -28,7 +28,7 @@ from dcpbridge.storage.read.delivery import is_plain
 from dcpbridge.storage.read.read_plan import ReadTuning
 
 SMALL_ITEM = 1 << 20  # items up to this size are staged (larger ones are read in place)
-SPAN_BUDGET = 32 << 20  # staging memory of one batch of spans
+SPAN_BUDGET = 64 << 20  # staging memory of one batch of spans (each batch starts its threads)
 
 
 def small_entries(table: ItemTable, rows: Sequence[int], block: int, *, verify: bool) -> np.ndarray:
