@@ -413,12 +413,13 @@ def _plan_box(
 
 def _take_plain_whole(out: LocalReads, sh: Any, stored: dict[str, Any]) -> bool:
     """``_plan_box`` + ``_take_whole`` for the commonest request, with nothing to convert: a
-    shard whose data is a plain CPU tensor (no prepended axes, no shape mismatch allowed) of
-    the stored dtype and global shape, which is one whole stored chunk, asked for once. False
-    (nothing recorded) for any other request: the general path plans it."""
+    shard whose data is a plain CPU tensor (no grad, no prepended axes) of the stored dtype
+    and global shape, which is one whole stored chunk, asked for once. False (nothing
+    recorded) for any other request: the general path plans it, and raises where it must."""
     data = sh.data
     if (
         type(data) is not torch.Tensor
+        or data.requires_grad  # filled through a detached view by the general path
         or sh.prepend_axis_num
         or getattr(sh, "flattened_range", None) is not None
         or not is_plain(data)
