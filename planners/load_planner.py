@@ -227,6 +227,7 @@ def plan_local_reads(
     (for a reader that takes them: ``FsspecCheckpointReader.read_whole``).
     """
     out = LocalReads(whole=WholeReads() if whole_columns else None)
+    whole = out.whole
     stored = metadata.state_dict_metadata
     indexes: dict[str, ChunkIndex] = {}
     for leaf in leaves:
@@ -236,6 +237,12 @@ def plan_local_reads(
             fqn = value.unique_key if kind == "object_shard" else leaf.path
             _plan_object(out, fqn, leaf, stored)
         elif kind in TENSOR_KINDS:
+            if (
+                whole is not None
+                and kind == "tensor_shard"
+                and _take_plain_whole(out, value, stored)
+            ):
+                continue
             for sh in tensor_boxes(leaf.path, value, kind):
                 _plan_box(out, sh, stored, indexes, allow_dtype_cast)
         elif kind != "nonpersistent":
@@ -402,6 +409,42 @@ def _plan_box(
             f"at {fmt_box(offsets, sizes)}; the checkpoint is missing part of this tensor"
         )
     out.items.extend(items)
+
+
+def _take_plain_whole(out: LocalReads, sh: Any, stored: dict[str, Any]) -> bool:
+    """``_plan_box`` + ``_take_whole`` for the commonest request, with nothing to convert: a
+    shard whose data is a plain CPU tensor (no grad, no prepended axes) of the stored dtype
+    and global shape, which is one whole stored chunk, asked for once. False (nothing
+    recorded) for any other request: the general path plans it, and raises where it must."""
+    data = sh.data
+    if (
+        type(data) is not torch.Tensor
+        or data.requires_grad  # filled through a detached view by the general path
+        or sh.prepend_axis_num
+        or getattr(sh, "flattened_range", None) is not None
+        or not is_plain(data)
+    ):
+        return False
+    fqn = sh.key
+    md = stored.get(fqn)
+    if type(md) is not TensorStorageMetadata or md.properties.dtype != data.dtype:
+        return False
+    offsets, sizes = tuple(sh.global_offset), tuple(data.shape)
+    if md.size != tuple(sh.global_shape) or not math.prod(sizes):
+        return False
+    chunks = md.chunks
+    box = (fqn, offsets)
+    if not (isinstance(chunks, ChunkList) and chunks.holds(offsets, sizes)):
+        return False
+    whole = out.whole
+    assert whole is not None
+    if box in out.whole_at or (out.dests and MetadataIndex(fqn, offsets) in out.dests):
+        return False  # asked for before: the general path reads it once and copies
+    out.requested.add(fqn)
+    out.whole_at[box] = len(whole.keys)
+    whole.keys.append(box)
+    whole.targets.append(data)
+    return True
 
 
 def _take_whole(

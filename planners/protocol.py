@@ -61,6 +61,8 @@ def parse_object_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]
 
 def object_key(name: str) -> str:
     """The ShardedObject key a storage name belongs to (other names are returned unchanged)."""
+    if "/shard_" not in name:  # no cell name (most names): no pattern match
+        return name
     parsed = parse_object_name(name)
     return name if parsed is None else parsed[0]
 

@@ -134,7 +134,16 @@ class Walker:
                 ]
             else:
                 children = [((*path, i), f"{dot}{i}", v, node, i) for i, v in enumerate(node)]
-            stack.extend(reversed(children))
+            for at, child in enumerate(children):
+                if not _plain(child[2]):  # a container: walked in order from the stack
+                    stack.extend(reversed(children[at:]))
+                    break
+                if child[1] in seen:  # a leaf by its type: yielded here, no stack round trip
+                    raise SerializationError(
+                        f"two entries of the state dict flatten to the same key {child[1]!r}"
+                    )
+                seen.add(child[1])
+                yield Leaf(child[1], child[2], node, child[4], child[0])
 
     def rebuild(self, tree: Any, fn: Callable[[Leaf], Any], prefix: ObjPath = ()) -> Any:
         """New containers shaped like ``tree``, with ``fn(leaf)`` in place of every leaf."""
@@ -143,9 +152,11 @@ class Walker:
             if self.is_leaf(node, path):
                 return fn(Leaf(key, node, parent, slot, path))
             dot = f"{key}." if path else ""
-            if isinstance(node, Mapping):
+            if isinstance(node, Mapping):  # leaves by their type: no call of ``go`` each
                 return {
-                    k: go((*path, s), dot + s, v, node, k)
+                    k: fn(Leaf(dot + s, v, node, k, (*path, s)))
+                    if _plain(v)
+                    else go((*path, s), dot + s, v, node, k)
                     for k, v in node.items()
                     for s in (str(k),)
                 }

@@ -232,7 +232,7 @@ def verify(
     if grid.nbytes == 0 or (grid.count == 1 and len(data) == grid.nbytes):
         got = xxhash.xxh3_64_hexdigest(data)  # one tile, the whole item: no array, no walk
         if got != expected[0]:
-            _mismatch(0, got, expected, what, "the item")
+            raise_mismatch(0, got, expected, what, "the item")
         return
     for index, got, (lo, n) in _box_digests(grid, data, offsets, lengths):
         if got != expected[index]:
@@ -241,12 +241,13 @@ def verify(
                 span = f"bytes {at[0]}..{at[0] + n[0]} of the item"
             else:
                 span = f"elements {at}+{list(n)} of the chunk"
-            _mismatch(index, got, expected, what, span)
+            raise_mismatch(index, got, expected, what, span)
 
 
-def _mismatch(
+def raise_mismatch(
     index: int, got: str, expected: Sequence[str], what: str | Callable[[], str], span: str
 ) -> None:
+    """Raise ``ChecksumMismatchError`` for tile ``index`` (``span`` says where it lies)."""
     where = what() if callable(what) else what
     raise ChecksumMismatchError(
         f"checksum mismatch in {where}, block {index} ({span}): expected {ALGORITHM} "

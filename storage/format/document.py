@@ -292,15 +292,19 @@ def _check_against(metadata: Metadata, table: ItemTable) -> None:
         stored = set(table.tensors) | set(table.objects)
         missing = sorted(set(state) - stored) or sorted(stored - set(state))
         raise InvalidArgumentError(f"no stored bytes for {missing[:5]} (or stored unplanned)")
+    dtypes, shapes = table.dtypes, table.shapes
+    boxes = planned_boxes(metadata)  # chunk lists of the plan: their counts compared at once
+    counted = boxes is not None and np.array_equal(boxes.counts, table.counts)
+    counts = None if counted else table.counts.tolist()
     for t, fqn in enumerate(names):
         md = state[fqn]
         assert isinstance(md, TensorStorageMetadata)
-        if md.properties.dtype != table.dtypes[t] or tuple(md.size) != table.shapes[t]:
+        if md.properties.dtype != dtypes[t] or tuple(md.size) != shapes[t]:
             raise InvalidArgumentError(f"tensor {fqn!r}: stored dtype or shape differs")
-        if len(md.chunks) != int(table.counts[t]):
+        if counts is not None and len(md.chunks) != counts[t]:
             raise InvalidArgumentError(
                 f"no stored bytes for some chunks of tensor {fqn!r}: {len(md.chunks)} "
-                f"planned, {int(table.counts[t])} written"
+                f"planned, {counts[t]} written"
             )
     for fqn in table.objects:
         if not isinstance(state.get(fqn), BytesStorageMetadata):
@@ -364,9 +368,10 @@ def _jsonable(value: Any) -> Any:
     if type(value) in _SCALARS:
         return value
     if isinstance(value, (list, tuple)):  # before the Mapping check, an ABC's slow one
-        if all(type(v) in _SCALARS for v in value):
-            return list(value)
-        return [_jsonable(v) for v in value]
+        for v in value:  # a plain loop: no generator per value (DCP keeps one per key)
+            if type(v) not in _SCALARS:
+                return [_jsonable(v) for v in value]
+        return list(value)
     if isinstance(value, Mapping):
         return {k if type(k) is str else str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (bool, int, float, str)):

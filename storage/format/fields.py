@@ -15,8 +15,14 @@ from dcpbridge.storage.format.table import MAX_NDIM, MAX_SIZE, TensorHeader
 _DTYPES: dict[str, torch.dtype] = {}
 
 
+_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def parse_dtype(name: str) -> torch.dtype:

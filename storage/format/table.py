@@ -305,43 +305,60 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
             dtype,
         )
 
+    def rows_of(self, keys: Sequence[ItemKey]) -> tuple[list[int], list[int]]:
+        """The row of every key (-1 where absent) and its tensor (-1: an object), found in
+        one pass: one-chunk tensors (most) are compared with their chunk's offsets in bulk."""
+        bounds, shapes = self.bounds, self.shapes
+        rows: list[int] = []
+        tids: list[int] = []
+        unsure: list[tuple[int, tuple[int, ...]]] = []  # (position, offsets) of one-chunk tensors
+        ids = self._tensor_ids
+        if ids is None:
+            self.tensor_id("")
+            ids = self._tensor_ids
+        assert ids is not None
+        for fqn, offsets in keys:
+            if offsets is None:
+                row = self.find((fqn, None))
+                rows.append(-1 if row is None else row)
+                tids.append(-1)
+                continue
+            t = ids.get(fqn)
+            if t is None:
+                rows.append(-1)
+                tids.append(-1)
+                continue
+            row = bounds[t]
+            if bounds[t + 1] - row == 1:  # its only chunk: compared below, in bulk
+                unsure.append((len(rows), tuple(offsets)))
+            else:
+                found = self.find_chunk(t, tuple(offsets))
+                row = -1 if found is None else found
+            rows.append(row)
+            tids.append(t)
+        if unsure:
+            firsts = self.first_boxes()[0]
+            for j, offsets in unsure:
+                t = tids[j]
+                nd = len(shapes[t])
+                if len(offsets) != nd or firsts[t][:nd] != list(offsets):
+                    rows[j] = -1  # no chunk at these offsets
+        return rows, tids
+
     def get_many(self, keys: Sequence[ItemKey]) -> list[StoredItem | None]:
         """``get`` of many keys at once (None where absent): each column is read once for
         all of them instead of element by element (a load looks up every item it reads)."""
         out: list[StoredItem | None] = [None] * len(keys)
-        bounds, shapes = self.bounds, self.shapes
-        rows: list[int] = []
-        tids: list[int] = []  # each found row's tensor (-1: an object)
-        where: list[int] = []  # each found row's position in ``keys``
-        unsure: list[tuple[int, tuple[int, ...]]] = []  # (j, offsets) of one-chunk tensors
-        for i, (fqn, offsets) in enumerate(keys):
-            if offsets is None:
-                t, row = -1, self.find((fqn, None))
-            else:
-                found = self.tensor_id(fqn)
-                if found is None:
-                    continue
-                t, row = found, bounds[found]
-                if bounds[found + 1] - row == 1:  # its only chunk: compared below, in bulk
-                    unsure.append((len(rows), tuple(offsets)))
-                else:
-                    row = self.find_chunk(found, tuple(offsets))
-            if row is not None:
-                rows.append(row)
-                tids.append(t)
-                where.append(i)
+        shapes = self.shapes
+        all_rows, all_tids = self.rows_of(keys)
+        where = [i for i, row in enumerate(all_rows) if row >= 0]  # found rows' key positions
+        rows = [all_rows[i] for i in where]
+        tids = [all_tids[i] for i in where]
         if not rows:
             return out
         at = np.asarray(rows, dtype=np.int64)
         nt = self.tensor_rows
         tensor_at = np.minimum(at, max(nt - 1, 0))
-        if unsure:
-            boxes = self.offsets[tensor_at].tolist()
-            for j, offsets in unsure:
-                if tuple(boxes[j][: len(offsets)]) != offsets or len(offsets) != len(
-                    shapes[tids[j]]
-                ):
-                    rows[j] = -1  # no chunk at these offsets
         file, offset = self.file[at].tolist(), self.offset[at].tolist()
         nbytes, rank = self.nbytes[at].tolist(), self.rank[at].tolist()
         sizes = self.sizes[tensor_at].tolist() if nt else []

@@ -38,6 +38,7 @@ from dcpbridge.storage.read.delivery import BytesJob, Job, TensorJob, WholeJob, 
 from dcpbridge.storage.read.delivery import byte_view as _byte_view
 from dcpbridge.storage.read.metadata import diagnose_missing_metadata, read_checkpoint_metadata
 from dcpbridge.storage.read.read_plan import ReadTuning, chunk_grid, plan_box_read
+from dcpbridge.storage.read.span_reads import read_spans, small_entries
 from dcpbridge.storage.read.whole_reads import WholeReads, whole_jobs
 
 __all__ = [
@@ -173,11 +174,50 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         if not len(reads):
             return
         index = self._index
+        block = index.checksum_block_size if self.verify_checksums else 0
+        tuning = ReadTuning.for_storage(self._store)
+        if isinstance(index.items, ItemTable):  # small chunks: file spans, staged and verified
+            reads = self._read_small(reads, index.items, index, block, tuning)
+            if not len(reads):
+                return
         found = self._lookup(reads.keys, index)
         self._check_ranges(reads.keys, found)
-        block = index.checksum_block_size if self.verify_checksums else 0
         jobs = whole_jobs(reads, found, block=block, tiled=index.tiled_checksums, url=self._loc.url)
-        self._run(jobs, index, ReadTuning.for_storage(self._store))
+        self._run(jobs, index, tuning)
+
+    def _read_small(
+        self,
+        reads: WholeReads,
+        table: ItemTable,
+        index: StorageIndex,
+        block: int,
+        tuning: ReadTuning,
+    ) -> WholeReads:
+        """Read the small entries of ``reads`` through ``span_reads``; the others, left."""
+        rows, _ = table.rows_of(reads.keys)
+        small = small_entries(table, rows, block, verify=bool(block)).tolist()
+        if not small:
+            return reads
+        if not self._all_ranges_checked:
+            self.check_ranges()  # every item inside its file, before anything is sized by them
+        prefixes = index.prefixes
+        self.bytes_read += read_spans(
+            table,
+            [reads.keys[i] for i in small],
+            [rows[i] for i in small],
+            [reads.targets[i] for i in small],
+            store=self._store,
+            path=functools.cache(lambda name: self._loc.data_path(name, prefixes)),
+            tuning=tuning,
+            threads=self.thread_count,
+            block=block,
+            url=self._loc.url,
+        )
+        copies = reads.copies
+        for i in small:
+            for view in copies.get(i, ()):
+                view.copy_(reads.targets[i])
+        return reads.without(small)
 
     def _run(self, jobs: Sequence[Job], index: StorageIndex, tuning: ReadTuning) -> None:
         """Fetch, verify and hand over ``jobs``, counting the bytes read."""

@@ -41,6 +41,16 @@ class WholeReads:
         """Bytes these reads fill (copies not counted)."""
         return sum(t.nbytes for t in self.targets)
 
+    def without(self, done: list[int]) -> WholeReads:
+        """The entries not in ``done`` (sorted positions), with their copies."""
+        skip = set(done)
+        keep = [i for i in range(len(self.keys)) if i not in skip]
+        return WholeReads(
+            [self.keys[i] for i in keep],
+            [self.targets[i] for i in keep],
+            {j: self.copies[i] for j, i in enumerate(keep) if i in self.copies},
+        )
+
 
 def _done(_: torch.Tensor) -> None:
     """Nothing to hand over: the chunk was read into its only destination."""

@@ -220,3 +220,25 @@ def test_local_files_are_written_in_calls_of_at_most_one_mib(tmp_path, monkeypat
     db.load(_sharded(out), tmp_path)
     for k, v in state.items():
         assert torch.equal(out[k], v), k
+
+
+def test_staged_small_items_span_many_batches_and_bad_bytes_never_reach_the_target(
+    tmp_path, monkeypatch
+):
+    """Small items are read as file spans into a staging buffer of a few KiB (many batches
+    reusing it), verified there, and copied on; a damaged item's target keeps its bytes."""
+    from dcpbridge.storage.read import span_reads
+
+    monkeypatch.setattr(span_reads, "SPAN_BUDGET", 4096)
+    state = _state(1100, seed=3)
+    db.save(_sharded(state), str(tmp_path))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    db.load(_sharded(out), str(tmp_path))
+    assert all(out[k].dtype == v.dtype and torch.equal(out[k], v) for k, v in state.items())
+    victim = "layer503.w"  # float64 (2, 3, 4)
+    item = _stored(str(tmp_path), victim, state[victim].ndim)
+    _flip_byte(str(tmp_path), item, item.nbytes // 2)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(db.ChecksumMismatchError, match=f"'{victim}'.*{item.file}"):
+        db.load(_sharded(out), str(tmp_path))
+    assert not out[victim].any()

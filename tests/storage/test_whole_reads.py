@@ -150,3 +150,24 @@ def test_stored_items_that_disagree_with_the_columns_are_refused_by_name():
         url="ckpt",
     )
     assert job.dest is target and job.grid is None
+
+
+def test_staged_small_reads_refuse_targets_that_are_not_the_stored_chunk(tmp_path):
+    """The staged path copies raw bytes into its targets: one of another shape, dtype or
+    layout (here a strided view of exactly the chunk's byte count) is refused by name."""
+    state = _saved(str(tmp_path))
+    reader = FsspecCheckpointReader(str(tmp_path))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    wrong = (
+        torch.zeros(5, 3),
+        torch.zeros(15),
+        torch.zeros(3, 5, dtype=torch.int32),
+        torch.zeros(3, 6)[:, :5],
+    )
+    for target in wrong:
+        with pytest.raises(db.CorruptCheckpointError, match=r"'t2' chunk \[0, 0\] in .*\.bin"):
+            reader.read_whole(WholeReads([("t2", (0, 0))], [target]))
+        assert not target.any()
+    good = torch.zeros(3, 5)
+    reader.read_whole(WholeReads([("t1", (0, 0)), ("t2", (0, 0))], [torch.zeros(3, 5), good]))
+    assert torch.equal(good, state["t2"])
