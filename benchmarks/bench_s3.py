@@ -26,13 +26,14 @@ save speed (printed as the ceiling next to torch's speed). Standalone:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +393,17 @@ def _gets(proxy: Any, loads: list[Loads], who: str) -> int:
     return sum(r.startswith("GET ") for r in proxy.requests)
 
 
+@contextlib.contextmanager
+def server_for_ranks(prefix: str) -> Iterator[Any]:
+    """A SeaweedFS in a temp folder whose credentials spawned ranks inherit (never real AWS)."""
+    scrub_aws_environment()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, run_seaweedfs(Path(tmp)) as server:
+        os.environ.update(
+            AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key
+        )
+        yield server
+
+
 def issue17_case(rounds: int, quick: bool) -> list[str]:
     """The issue-17 rows: dcpbridge, s3torchconnector (if installed) and raw s3fs loads of
     2,000 x 64 KiB (1 process and 2 ranks) and 16 x 32 MiB, with GET counts, in one run."""
@@ -406,13 +418,7 @@ def issue17_case(rounds: int, quick: bool) -> list[str]:
     ]
     rows, summary = [], []
     names = _contenders()
-    with (
-        tempfile.TemporaryDirectory(prefix="dcpb-s3-17-") as tmp,
-        run_seaweedfs(Path(tmp)) as server,
-    ):
-        os.environ.update(
-            AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key
-        )
+    with server_for_ranks("dcpb-s3-17-") as server:
         opts = server.storage_options()
         for label, count, nbytes, world in cases:
             bucket = server.new_bucket()

@@ -8,6 +8,7 @@ import errno
 import fcntl
 import functools
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -16,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
+
+import numpy as np
 
 from dcpbridge.storage.backends.costs import LOCAL_READ_COSTS, OBJECT_STORE_READ_COSTS, ReadCosts
 from dcpbridge.storage.errors import ConcurrentSaveError, is_storage_fault, storage_error
@@ -246,6 +249,11 @@ class Storage:
         if names:
             self.fs.rm([self._paths.get(n) or self.location.path(n) for n in names])
 
+    def mapped_files(self) -> contextlib.AbstractContextManager[MappedFiles | None]:
+        """Read-only mappings of this storage's files for the span of a ``with`` (None: the
+        storage has no files to map; reads go through ``fetch``)."""
+        return contextlib.nullcontext()
+
     @storage_op("read")
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
         """Perform ``reads`` (grouped, possibly concurrently); raise the first failure."""
@@ -360,6 +368,15 @@ class LocalStorage(Storage):
                 _sync_directory(self.location.root)
             if locked:  # temp files left by commits that were killed (live ones hold the lock)
                 _remove_temp_files(self.location.root, f"{name}.tmp")
+
+    def mapped_files(self) -> contextlib.AbstractContextManager[MappedFiles | None]:
+        return MappedFiles(self)
+
+    @storage_op("map")
+    def map_file(self, path: str) -> mmap.mmap:
+        """A read-only shared mapping of the whole file ``path``."""
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 
     @storage_op("read")
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
@@ -495,6 +512,55 @@ def _flock(fd: int, root: str) -> bool:
                 raise
             log.debug("no commit lock on %s (%s): committing without it", root, e)
             return False
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+
+
+class MappedFiles:
+    """Files of a local storage mapped read-only on first use and unmapped on exit: a reader
+    copies strided boxes out of them with no syscall per row. The pages a read needs are
+    populated first, so read errors raise; only a file truncated by another process between
+    that and the copy would still fault (SIGBUS), as any mapped read does."""
+
+    def __init__(self, store: LocalStorage) -> None:
+        self._store = store
+        self._maps: dict[str, mmap.mmap] = {}
+        self._populate = True
+
+    def item(self, path: str, offset: int, nbytes: int, span: tuple[int, int]) -> np.ndarray | None:
+        """Bytes ``[offset, offset + nbytes)`` of ``path``, with item bytes ``span`` read in
+        (``MADV_POPULATE_READ``: a disk error raises ``StorageError`` here, not SIGBUS during
+        the copy); None where the kernel cannot populate (before Linux 5.14): read instead."""
+        if not self._populate:
+            return None
+        m = self._maps.get(path)
+        if m is None:
+            m = self._maps[path] = self._store.map_file(path)
+        where = f"{self._store.location.url}: read {path}"
+        if offset < 0 or offset + nbytes > len(m):
+            err = OSError(
+                errno.EIO, f"{path} holds {len(m)} bytes, fewer than {offset + nbytes} (truncated?)"
+            )
+            raise storage_error(where, err) from err
+        lo = (offset + span[0]) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            m.madvise(_MADV_POPULATE_READ, lo, offset + span[1] - lo)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise storage_error(where, e) from e
+            self._populate = False
+            return None
+        return np.frombuffer(m, np.uint8, nbytes, offset)
+
+    def __enter__(self) -> MappedFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):  # a view still held: unmapped when freed
+                m.close()
+        self._maps.clear()
 
 
 class _FdCache:

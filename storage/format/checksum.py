@@ -237,11 +237,52 @@ def verify(
     for index, got, (lo, n) in _box_digests(grid, data, offsets, lengths):
         if got != expected[index]:
             at = [o + b for o, b in zip(offsets, lo)]
-            if grid.itemsize == 1 and len(grid.sizes) == 1:
-                span = f"bytes {at[0]}..{at[0] + n[0]} of the item"
-            else:
-                span = f"elements {at}+{list(n)} of the chunk"
-            raise_mismatch(index, got, expected, what, span)
+            raise_mismatch(index, got, expected, what, _span(grid, at, n))
+
+
+def copy_verified(
+    grid: Grid,
+    item: np.ndarray,
+    out: memoryview,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    expected: Sequence[str],
+    *,
+    what: str | Callable[[], str],
+) -> None:
+    """Copy the tile-aligned box ``offsets``+``lengths`` of an item (``item``: its bytes in C
+    order, a mapped file) into ``out`` (the box's bytes in C order) one tile at a time through
+    a scratch buffer that is hashed before it lands: the bytes delivered are the bytes checked,
+    whatever happens to ``item`` meanwhile; raise ``ChecksumMismatchError`` naming the tile."""
+    src = _array(item, grid.sizes, grid.itemsize)
+    dst = _array(out, lengths, grid.itemsize)
+    tile_bytes = math.prod(grid.tile) * grid.itemsize
+    scratch = np.empty(tile_bytes, np.uint8)
+    last = len(grid.sizes) - 1
+    for index, (lo, n) in grid.tiles(offsets, lengths):
+        at = tuple(o + b for o, b in zip(offsets, lo))
+        shape = (*n[:-1], n[-1] * grid.itemsize)
+        part = scratch[: math.prod(shape)].reshape(shape)
+        np.copyto(part, src[_slices(at, n, grid.itemsize, last)])
+        got = xxhash.xxh3_64_hexdigest(part)
+        if got != expected[index]:
+            raise_mismatch(index, got, expected, what, _span(grid, at, n))
+        dst[_slices(lo, n, grid.itemsize, last)] = part
+
+
+def _span(grid: Grid, at: Sequence[int], n: Sequence[int]) -> str:
+    """Where a tile lies, for an error message."""
+    if grid.itemsize == 1 and len(grid.sizes) == 1:
+        return f"bytes {at[0]}..{at[0] + n[0]} of the item"
+    return f"elements {list(at)}+{list(n)} of the chunk"
+
+
+def _slices(lo: Sequence[int], n: Sequence[int], itemsize: int, last: int) -> tuple[slice, ...]:
+    """Index of box ``lo``+``n`` in an array whose last dimension counts bytes."""
+    return tuple(
+        slice(o * itemsize, (o + k) * itemsize) if d == last else slice(o, o + k)
+        for d, (o, k) in enumerate(zip(lo, n))
+    )
 
 
 def raise_mismatch(

@@ -83,6 +83,11 @@ class ChunkRead:
         return self.box != self.request
 
     @property
+    def span(self) -> tuple[int, int]:
+        """The item bytes from the first piece's start to the last piece's stop."""
+        return min(p.start for p in self.pieces), max(p.stop for p in self.pieces)
+
+    @property
     def bounce_bytes(self) -> int:
         return sum(p.stop - p.start for p in self.pieces if p.at is None)
 

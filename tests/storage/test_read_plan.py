@@ -10,6 +10,7 @@ import pytest
 import xxhash
 
 from dcpbridge.storage.backends.costs import LOCAL_READ_COSTS, OBJECT_STORE_READ_COSTS, ReadCosts
+from dcpbridge.storage.errors import ChecksumMismatchError
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.checksum import (
     Grid,
@@ -218,3 +219,28 @@ def test_backends_state_their_read_costs(tmp_path):
     assert ReadTuning.for_storage(local).merge_gap == 80_000
     memory = storage_for(resolve("memory://costs"))
     assert memory.read_costs() is OBJECT_STORE_READ_COSTS
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_copy_verified_delivers_the_box_bit_exact_and_names_a_bad_tile(tiled):
+    """A tile-aligned box copied tile by tile through a hashed scratch buffer equals the box
+    (format 4 tiles, and flat blocks cutting rows over the whole chunk); a flipped byte inside
+    the box raises naming its tile, one outside it is not this copy's concern."""
+    sizes, block = (64, 256), 8 << 10
+    data = np.random.default_rng(0).integers(0, 256, math.prod(sizes) * 4, np.uint8)
+    grid = tensor_grid(sizes, 4, block, tiled=True) if tiled else flat_grid(len(data), 5000)
+    expected = digests(grid, memoryview(data))
+    lo, n = grid.widen((8, 64), (16, 128)) if tiled else ((0,), (grid.sizes[0],))
+    out = bytearray(math.prod(n) * grid.itemsize)
+    checksum.copy_verified(grid, data, memoryview(out), lo, n, expected, what="w")
+    rows = data.reshape(sizes[0], sizes[1] * 4)
+    box = rows[lo[0] : lo[0] + n[0], lo[1] * 4 : (lo[1] + n[1]) * 4] if tiled else data
+    assert bytes(out) == box.tobytes()
+    bad = data.copy()
+    if tiled:
+        bad[(lo[0] + n[0]) * sizes[1] * 4 + 5] ^= 1  # first row below the box
+        checksum.copy_verified(grid, bad, memoryview(out), lo, n, expected, what="w")
+        assert bytes(out) == box.tobytes()
+    bad[(lo[0] + 3) * sizes[1] * 4 + (lo[1] * 4 if tiled else 0) + 1] ^= 1  # in the box
+    with pytest.raises(ChecksumMismatchError, match=r"checksum mismatch in w, block \d+"):
+        checksum.copy_verified(grid, bad, memoryview(out), lo, n, expected, what="w")
