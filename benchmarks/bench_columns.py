@@ -14,9 +14,9 @@ Loads run cold (page cache dropped, where the machine allows it) and warm, conte
 between rounds; bytes summed over the ranks and divided by the bytes the ranks need: "read()"
 counts read/pread syscalls (``rchar``: a mapped file's pages are not counted), "disk" the
 storage reads of a cold load (``read_bytes``, page cache misses, mapped pages included).
-Cases: (d) 2 -> 2 ranks, Shard(0) -> Shard(1); (e) TP 2 -> 4 on dim 1; (s3) case d on the
-local S3 server (SeaweedFS), dcpbridge against DCP's FsspecReader, GETs and bytes counted by
-a proxy in one extra, untimed load each.
+Cases: (d) 2 -> 2 ranks, Shard(0) -> Shard(1); (e) TP 2 -> 4 on dim 1; (s3) case d with a
+quarter of the bytes on the local S3 server (SeaweedFS), dcpbridge against DCP's FsspecReader,
+GETs and bytes counted by a proxy in one extra, untimed load each.
 """
 
 from __future__ import annotations
@@ -335,5 +335,7 @@ def main(root: str, repeats: int, quick: bool) -> list[str]:
     count, rows, cols = (2, 2048, 4096) if quick else (8, 4096, 4096)  # 64 MiB / 512 MiB
     summary = column_case("d", root, 2, count, rows, cols, repeats)
     summary += column_case("e", root, 4, count, rows, cols, repeats)
-    summary += s3_column_case(count, rows, cols, repeats)
+    # a quarter of the bytes on S3: the local server shares the 2 cores (512 MiB uploads
+    # stalled past the request timeout on a loaded machine)
+    summary += s3_column_case(max(1, count // 4), rows, cols, repeats)
     return summary

@@ -119,8 +119,6 @@ class TensorJob(Job):
         self.dtype = stored.dtype
         self._direct = not plan.widened and byte_view(dest) is not None
         self.to_device = dest.is_cuda  # then copied from pinned memory, asynchronously
-        box_bytes = math.prod(plan.box[1]) * self.dtype.itemsize
-        self.staged_bytes = (0 if self._direct else box_bytes) + plan.bounce_bytes
         self._target: torch.Tensor | None = None
         self._bounce: dict[int, memoryview] = {}
 
@@ -141,11 +139,15 @@ class TensorJob(Job):
         return ranges
 
     @property
+    def staged_bytes(self) -> int:  # type: ignore[override]
+        box_bytes = math.prod(self.plan.box[1]) * self.dtype.itemsize
+        return (0 if self._direct else box_bytes) + self.plan.bounce_bytes
+
+    @property
     def strided(self) -> bool:
         """Whether the box is not one contiguous run of the chunk (row pieces or a joined
         span): then a mapped file serves it better than reads (``copy_from``)."""
-        pieces = self.plan.pieces
-        return len(pieces) > 1 or (bool(pieces) and pieces[0].at is None)
+        return not self.plan.contiguous
 
     def copy_from(self, item: np.ndarray) -> None:
         """Fill the box from ``item``, the stored chunk's bytes in a mapped file, verifying

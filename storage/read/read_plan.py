@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from dcpbridge.storage.backends.costs import ReadCosts
 from dcpbridge.storage.backends.regions import Extent, c_strides, plan_extents
@@ -73,19 +73,51 @@ class ChunkRead:
     """The requested box, in chunk coordinates."""
     box: Box
     """The box the target buffer holds: ``request``, or wider to cover whole checksum tiles."""
-    pieces: tuple[Piece, ...]
     grid: Grid | None
     """Checksum tiles to verify over ``verify_box`` of the target (None: no verification)."""
     verify_box: Box
+    sizes: tuple[int, ...]
+    """The stored chunk's shape..."""
+    itemsize: int
+    """...and element size."""
+    joins: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """``plan_extents``' options for the pieces (the read costs' joins)."""
+    _pieces: tuple[Piece, ...] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The file ranges that fill the box, planned on first use (a mapped file needs none:
+        a dim-1 slice plans one piece per row)."""
+        if self._pieces is None:
+            object.__setattr__(self, "_pieces", _plan_pieces(self))
+        assert self._pieces is not None
+        return self._pieces
+
+    @property
+    def empty(self) -> bool:
+        return math.prod(self.request[1]) == 0
 
     @property
     def widened(self) -> bool:
         return self.box != self.request
 
     @property
+    def contiguous(self) -> bool:
+        """Whether the box is one contiguous run of the chunk's bytes."""
+        (offsets, lengths), d = self.box, 0
+        while d < len(lengths) and lengths[d] == 1:
+            d += 1
+        rest = zip(offsets[d + 1 :], lengths[d + 1 :], self.sizes[d + 1 :])
+        return all(o == 0 and n == s for o, n, s in rest)
+
+    @property
     def span(self) -> tuple[int, int]:
-        """The item bytes from the first piece's start to the last piece's stop."""
-        return min(p.start for p in self.pieces), max(p.stop for p in self.pieces)
+        """The item bytes from the box's first element to its last."""
+        strides = c_strides(self.sizes)
+        offsets, lengths = self.box
+        first = sum(map(operator.mul, offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+        return first * self.itemsize, (last + 1) * self.itemsize
 
     @property
     def bounce_bytes(self) -> int:
@@ -139,7 +171,7 @@ def plan_chunk_read(
     """
     sizes, request = tuple(sizes), (tuple(offsets), tuple(lengths))
     if math.prod(lengths) == 0:
-        return ChunkRead(request, request, (), None, request)
+        return ChunkRead(request, request, None, request, sizes, itemsize, _pieces=())
     box, verify_box = request, request
     if grid is not None:
         if grid.itemsize == itemsize and len(grid.sizes) == len(sizes):
@@ -147,28 +179,29 @@ def plan_chunk_read(
         else:
             box = ((0,) * len(sizes), sizes)
             verify_box = ((0,), (grid.sizes[0],))
-    joins = (
-        {}
-        if tuning is None
-        else {
+    joins: dict[str, Any] = {"min_piece_bytes": min_piece_bytes}
+    if tuning is not None:
+        joins |= {
             "join_gap": tuning.merge_gap,
             "max_span_bytes": tuning.max_request,
             "max_amplification": tuning.max_amplification,
         }
-    )
-    extents = plan_extents(
-        sizes, box[0], box[1], itemsize, min_piece_bytes=min_piece_bytes, **joins
-    )
-    strides = c_strides(box[1])
+    return ChunkRead(request, box, grid, verify_box, sizes, itemsize, joins)
+
+
+def _plan_pieces(read: ChunkRead) -> tuple[Piece, ...]:
+    """The pieces of ``read`` (``plan_chunk_read`` explains them)."""
+    (offsets, lengths), itemsize = read.box, read.itemsize
+    extents = plan_extents(read.sizes, offsets, lengths, itemsize, **read.joins)
+    byte_strides = [s * itemsize for s in c_strides(lengths)]
     pieces = []
-    byte_strides = [s * itemsize for s in strides]
     for ext in extents:
         start, stop = ext.start * itemsize, ext.stop * itemsize
         if ext.contiguous:  # a run of whole inner rows: contiguous in the target box as well
             pieces.append(Piece(start, stop, sum(map(operator.mul, ext.box_offsets, byte_strides))))
         else:
             pieces.append(Piece(start, stop, None, ext))
-    return ChunkRead(request, box, tuple(pieces), grid, verify_box)
+    return tuple(pieces)
 
 
 @dataclass(slots=True)

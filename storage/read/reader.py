@@ -317,7 +317,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         plan = plan_box_read(
             sizes, dtype.itemsize, item.storage_offsets, item.lengths, grid, tuning
         )
-        if not plan.pieces:
+        if plan.empty:
             planner.commit_tensor(item, dest)
             return None
         return TensorJob(stored, plan, dest, commit, stored.checksums if grid else None, describe)
