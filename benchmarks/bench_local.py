@@ -418,7 +418,9 @@ def measured(repeats: int, quick: bool, total: int | None = None) -> list[str]:
                     "shm": shm,
                     "disk": os.path.join(tmp, f"disk{world}"),
                     "s3": f"s3://{server.new_bucket()}/ckpt",
-                    "s3_options": server.storage_options(),
+                    # one part upload in flight per rank: 8 ranks x the default stall the
+                    # local SeaweedFS on 2 cores past the request timeout (measured)
+                    "s3_options": {**server.storage_options(), "max_concurrency": 1},
                     "total": total,
                     "full": world == big,
                     "repeats": repeats,
