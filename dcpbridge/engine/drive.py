@@ -173,11 +173,26 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     storage_data, planner_data = protocol.decide(group, "plan", plan_locally, plan_globally)
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
+    _, planner, reader = prepared
+    read_planned(planner, reader, plan, group, metadata=reader_metadata, started=started)
+    return prepared
+
+
+def read_planned(
+    planner: LoadPlanner,
+    reader: StorageReader,
+    plan: LoadPlan,
+    group: Group,
+    *,
+    metadata: Metadata | None,
+    started: float | None = None,
+) -> None:
+    """Finish ``plan`` (the global step's, or one every rank made and checked in an earlier
+    collective step) and read it, confirmed on all (one all-gather); then report the load."""
     final = plan
 
     def read() -> None:
         nonlocal final
-        _, planner, reader = prepared
         final = planner.finish_plan(plan)
         whole = getattr(planner, "whole_reads", None)
         if whole:
@@ -186,12 +201,12 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
 
     planned = time.perf_counter()
     protocol.agree(group, "read", read)
-    url = str(getattr(prepared[2], "checkpoint_id", "?"))
-    phases = {"plan": planned - started, "read": time.perf_counter() - planned}
+    url = str(getattr(reader, "checkpoint_id", "?"))
+    phases = {"plan": planned - (planned if started is None else started)}
+    phases["read"] = time.perf_counter() - planned
 
     def measure() -> tuple[int, int]:
-        whole = getattr(prepared[1], "whole_reads", None)
-        return stats.read_bytes(final, reader_metadata) + (whole.nbytes() if whole else 0), 0
+        whole = getattr(planner, "whole_reads", None)
+        return stats.read_bytes(final, metadata) + (whole.nbytes() if whole else 0), 0
 
     stats.report("loaded", url, phases, measure)
-    return prepared

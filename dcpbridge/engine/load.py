@@ -13,12 +13,13 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcpbridge.engine import fully_parallel as fp
 from dcpbridge.engine.bridge import BridgeLoadPlanner
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.drive import run_load
+from dcpbridge.engine.drive import read_planned, run_load
 from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.ownership import read_owners
 from dcpbridge.engine.save import parallel_group
@@ -198,12 +199,34 @@ def _load(
     assert isinstance(planner, BridgeLoadPlanner) and checkpoint is not None
     if share is not None and parallel is not None:
         fp.hand_off(parallel, share)
+    return _deliver(stateful, planner, checkpoint, warned)
+
+
+def load_planned(
+    template: Any,
+    checkpoint: Checkpoint,
+    group: Group,
+    planner: BridgeLoadPlanner,
+    plan: LoadPlan,
+    reader: StorageReader,
+) -> Any:
+    """``load`` of a plan the caller made with ``planner`` and ``reader`` (set up for
+    ``checkpoint``) and checked on every rank in an earlier collective step (the local
+    tier's): no planning step, one read step."""
+    read_planned(planner, reader, plan, group, metadata=reader.read_metadata())
+    return _deliver(template, planner, checkpoint, [])
+
+
+def _deliver(
+    stateful: Any, planner: BridgeLoadPlanner, checkpoint: Checkpoint, warned: list[str]
+) -> Any:
+    """The loaded values handed back in ``stateful``'s structure (after the read step)."""
     blob = checkpoint.common_state(planner.values)  # older checkpoints' one common object
     objects = checkpoint.loaded_objects(planner.shard_objects())
     result, late = planner.result(objects, blob)
     if late:  # plain tensors the common blob of an older checkpoint lacks
         planner.requested_not_stored |= late
-        late_error = decide(strict, late, ()).error
+        late_error = decide(planner.policy, late, ()).error
         if late_error is not None:
             raise late_error
     for message in warned:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcpbridge.engine import protocol
@@ -33,6 +33,7 @@ from dcpbridge.engine.strict import Policy
 from dcpbridge.errors import CorruptCheckpointError
 from dcpbridge.formats.checkpoint import Checkpoint, Format
 from dcpbridge.model.intake import for_load
+from dcpbridge.model.per_rank import PerRankState
 from dcpbridge.model.stateful import state_dicts
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, StorageIndex
 from dcpbridge.storage.backends import storage_for
@@ -128,6 +129,8 @@ def fetch(
     serve what the other ranks want of this rank's node directory (collective)."""
     requests = protocol.agree(group, f"{what}: requests", wanted)
     plan = transfers(requests)
+    if not plan:  # every rank reads its own node's files only (all ranks see the same plan)
+        return {}
     store = storage_for(location)
     failure: list[BaseException] = []
     sends = []
@@ -192,7 +195,13 @@ def needed_extents(
     parts = for_load(state_dicts(template))
     planner = BridgeLoadPlanner(parts, parts.shards, legacy_common=False, **planner_options)
     planner.set_up_planner(None, metadata, group.is_coordinator)
-    plan = planner.create_local_plan()
+    return planned_extents(planner, planner.create_local_plan(), metadata, location)
+
+
+def planned_extents(
+    planner: BridgeLoadPlanner, plan: LoadPlan, metadata: Metadata, location: Location
+) -> list[Extent]:
+    """The byte ranges a made load plan (its read items and whole-chunk columns) reads."""
     index = metadata.storage_data
     assert isinstance(index, StorageIndex)
     tuning = ReadTuning.for_storage(storage_for(location))  # PeerStorage states the same costs
@@ -201,6 +210,11 @@ def needed_extents(
         stored = index.get(item.storage_index)
         if stored is not None:
             out.extend(_item_extents(item, stored, index, tuning))
+    whole = planner.whole_reads
+    if whole:
+        for stored in FsspecCheckpointReader._lookup(whole.keys, index):
+            if stored is not None:
+                out.append(Extent(stored.file, stored.offset, stored.nbytes))
     return out
 
 
@@ -221,6 +235,17 @@ def _item_extents(
     return [Extent(stored.file, stored.offset + p.start, p.stop - p.start) for p in chunk.pieces]
 
 
+@dataclass
+class OpenedStep:
+    """A local step opened for one rank; with ``planner``, its load already planned (and the
+    plan checked on every rank): ``load_planned`` reads it without a planning step."""
+
+    checkpoint: PeerCheckpoint
+    planner: BridgeLoadPlanner | None = None
+    plan: LoadPlan | None = None
+    reader: PeerReader | None = None
+
+
 def open_local_step(
     tier: LocalTier,
     chosen: Recoverable,
@@ -230,71 +255,114 @@ def open_local_step(
     allow_pickle: bool,
     allow_dtype_cast: bool,
     copies: bool = False,
-) -> PeerCheckpoint:
+    thread_count: int = 4,
+) -> OpenedStep:
     """This rank's view of local step ``chosen``: its document (fetched if the node lacks
-    it) and every byte range its load will read, local or received (collective). With
+    it, decoded once: the survey's where it holds it) and every byte range its load will
+    read, local or received (collective: one all-gather where every rank's node holds the
+    document and every byte it reads; transfers only where some rank needs them). With
     ``copies``, files are read from other nodes' copies wherever there are some."""
     group = tier.group
     location = tier._location(chosen.step)
     rank = group.rank
     avoid = tier.nodes.ranks_of(tier.node) if copies else ()
+    got: Received = {}
+    if len(chosen.holders.get(METADATA_FILE, ())) < group.size:  # some node lacks it
 
-    def want_document() -> dict[int, list[Extent]]:
-        if chosen.holds(rank, METADATA_FILE):
-            return {}
-        src = choose_sources([METADATA_FILE], rank, chosen)[METADATA_FILE]
-        return {src: [Extent(METADATA_FILE, 0, chosen.sizes[(METADATA_FILE, src)])]}
+        def want_document() -> dict[int, list[Extent]]:
+            if chosen.holds(rank, METADATA_FILE):
+                return {}
+            src = choose_sources([METADATA_FILE], rank, chosen)[METADATA_FILE]
+            return {src: [Extent(METADATA_FILE, 0, chosen.sizes[(METADATA_FILE, src)])]}
 
-    got = fetch(group, location, want_document, f"local step {chosen.step}: document")
-    metadata: list[Metadata] = []
+        got = fetch(group, location, want_document, f"local step {chosen.step}: document")
+    opened: list[OpenedStep] = []
     sources: dict[str, int] = {}
+    received: Received = {}
+    planned = not strict.needs_stored and not _per_rank(template)
 
     def want_data() -> dict[int, list[Extent]]:
-        if chosen.holds(rank, METADATA_FILE):
-            raw = storage_for(location).read_file(location.path(METADATA_FILE))
-        else:
-            raw = bytes(got[METADATA_FILE][0][1])
-        if document_digest(raw) != chosen.digest:
-            raise CorruptCheckpointError(
-                f"{location.url}: the document of local step {chosen.step} changed"
+        metadata = _document(tier, chosen, location, got)
+        index = metadata.storage_data
+        assert isinstance(index, StorageIndex)
+        options = {"strict": strict, "allow_pickle": allow_pickle}
+        planner = plan = None
+        if planned:  # the load's own planning, here: its failure raised on every rank
+            parts = for_load(state_dicts(template))
+            planner = BridgeLoadPlanner(
+                parts,
+                parts.shards,
+                legacy_common=False,
+                allow_dtype_cast=allow_dtype_cast,
+                **options,
             )
-        metadata.append(decode_metadata(raw, where=location.path(METADATA_FILE)))
-        extents = needed_extents(
-            template,
-            metadata[0],
-            group,
-            location,
-            strict=strict,
-            allow_pickle=allow_pickle,
-            allow_dtype_cast=allow_dtype_cast,
-        )
+            planner.set_up_planner(None, metadata, group.is_coordinator)
+            planner.collect_whole_reads = True
+            plan = planner.create_local_plan()
+            extents = planned_extents(planner, plan, metadata, location)
+        else:
+            extents = needed_extents(
+                template, metadata, group, location, allow_dtype_cast=allow_dtype_cast, **options
+            )
         sources.update(choose_sources({e.name for e in extents}, rank, chosen, avoid=avoid))
+        own = {n for n in index.files if sources.get(n) == rank}
+        sizes = {  # every file's, as its source (or else its first holder) reports it
+            name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
+            for name in index.files
+            if name not in own
+        }
+        store = PeerStorage(storage_for(location), own, received, sizes)
+        checkpoint = PeerCheckpoint(location, Format.DCPBRIDGE, store, metadata=metadata)
+        reader = None
+        if planner is not None:
+            reader = checkpoint.reader(thread_count=thread_count)
+            assert isinstance(reader, PeerReader)
+            reader.set_up_storage_reader(metadata, group.is_coordinator)
+            reader.check_ranges()  # before any buffer is sized by the document
+        opened.append(OpenedStep(checkpoint, planner, plan, reader))
         return _by_source(extents, sources, rank)
 
-    received = fetch(group, location, want_data, f"local step {chosen.step}: data")
+    received.update(fetch(group, location, want_data, f"local step {chosen.step}: data"))
     log.info(
         "dcpbridge: local step %d: rank %d received %d bytes from peers",
         chosen.step,
         rank,
         sum(len(data) for ranges in received.values() for _, data in ranges),
     )
-    index = metadata[0].storage_data
-    assert isinstance(index, StorageIndex)
-    own = {n for n in index.files if sources.get(n) == rank}
-    sizes = {  # every file's, as its source (or else its first holder) reports it
-        name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
-        for name in index.files
-        if name not in own
-    }
-    store = PeerStorage(storage_for(location), own, received, sizes)
-    return PeerCheckpoint(location, Format.DCPBRIDGE, store, metadata=metadata[0])
+    return opened[0]
+
+
+def _document(tier: LocalTier, chosen: Recoverable, location: Location, got: Received) -> Metadata:
+    """Local step ``chosen``'s decoded document: the survey's, where this node holds it, else
+    the bytes read or received, checked against the agreed digest and decoded."""
+    if chosen.holds(tier.group.rank, METADATA_FILE):
+        known = tier.documents.get((chosen.step, chosen.digest))
+        if known is not None:
+            return known
+        raw = storage_for(location).read_file(location.path(METADATA_FILE))
+    else:
+        raw = bytes(got[METADATA_FILE][0][1])
+    if document_digest(raw) != chosen.digest:
+        raise CorruptCheckpointError(
+            f"{location.url}: the document of local step {chosen.step} changed"
+        )
+    return decode_metadata(raw, where=location.path(METADATA_FILE))
+
+
+def _per_rank(template: Any) -> bool:
+    """Whether ``template`` has per-rank states (their layout is read before planning)."""
+    return isinstance(template, dict) and any(
+        isinstance(v, PerRankState) for v in template.values()
+    )
 
 
 __all__ = [
+    "OpenedStep",
     "PeerCheckpoint",
     "PeerReader",
     "PeerStorage",
     "fetch",
     "needed_extents",
     "open_local_step",
+    "planned_extents",
 ]

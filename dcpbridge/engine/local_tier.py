@@ -23,9 +23,11 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
@@ -60,6 +62,7 @@ from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import decode_metadata
 
 log = logging.getLogger("dcpbridge")
+T = TypeVar("T")
 
 MARKER = "local.json"
 """A local step's commit marker, published atomically in a node's step directory last."""
@@ -111,6 +114,8 @@ class LocalTier:
         self._behind: threading.Thread | None = None
         self._handle: AsyncSaveHandle | None = None
         self.area = StagingArea(1)  # one staging buffer, reused by every local step
+        self.documents: dict[tuple[int, str], Metadata] = {}
+        """The decoded documents of the steps the last ``survey`` found, by (step, digest)."""
         self.training = group
         self.group = SideGroup.for_group(group, "local-tier")
         self.node = self.nodes.node_of(self.group.rank)
@@ -458,14 +463,32 @@ class LocalTier:
                 )
                 continue
             if found is not None:
-                out.append(found)
+                held, metadata = found
+                self.documents[(held.step, held.digest)] = metadata
+                out.append(held)
         return out
+
+    def survey(self, coordinator: Callable[[], T]) -> tuple[list[list[LocalStep]], T]:
+        """What every rank's node holds, and ``coordinator()`` (run on the coordinator while
+        it looks at its node's directory): one all-gather on the tier's group."""
+        self.wait()
+        self.documents = {}
+
+        def report() -> tuple[list[LocalStep], T | None]:
+            if not self.group.is_coordinator:
+                return self.holdings(), None
+            with ThreadPoolExecutor(1, thread_name_prefix="dcpb-survey") as pool:
+                other = pool.submit(coordinator)
+                held = self.holdings()
+                return held, other.result()
+
+        everyone = protocol.agree(self.group, "local holdings", report)
+        return [held for held, _ in everyone], everyone[0][1]  # type: ignore[return-value]
 
     def newest(self, after: int | None, step: int | None = None) -> Recoverable | None:
         """The newest local step at least ``after`` (exactly ``step`` if given) that the ranks
         can recover together (collective: one all-gather of what each node holds)."""
-        self.wait()
-        reports = protocol.agree(self.group, "local holdings", self.holdings)
+        reports, _ = self.survey(lambda: None)
         return newest_recoverable(reports, METADATA_FILE, after, step)
 
     def close(self) -> None:
@@ -473,9 +496,10 @@ class LocalTier:
         self.wait()
 
 
-def held_step(location: Location) -> LocalStep | None:
-    """The committed local step at ``location`` as this node holds it (None: no marker);
-    raises if its marker or document is not what a commit writes."""
+def held_step(location: Location) -> tuple[LocalStep, Metadata] | None:
+    """The committed local step at ``location`` as this node holds it, and its decoded
+    document (None: no marker); raises if its marker or document is not what a commit
+    writes."""
     store = storage_for(location)
     try:
         marker = json.loads(store.read_file(location.path(MARKER)))
@@ -490,13 +514,15 @@ def held_step(location: Location) -> LocalStep | None:
     digest = document_digest(raw)
     if digest != marker["digest"]:
         raise CorruptCheckpointError(f"{location.url}: {METADATA_FILE} does not match {MARKER}")
-    index = decode_metadata(raw, where=location.path(METADATA_FILE)).storage_data
+    metadata = decode_metadata(raw, where=location.path(METADATA_FILE))
+    index = metadata.storage_data
     if not isinstance(index, StorageIndex) or index.save_id != marker["save_id"]:
         raise CorruptCheckpointError(f"{location.url}: {MARKER} names another save")
     present = store.file_sizes()
     held = {n: present[n] for n in index.files if n in present}
     held[METADATA_FILE] = len(raw)
-    return LocalStep(marker["step"], index.save_id, digest, len(set(index.files)), held)
+    step = LocalStep(marker["step"], index.save_id, digest, len(set(index.files)), held)
+    return step, metadata
 
 
 def remove_step(location: Location) -> None:

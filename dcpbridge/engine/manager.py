@@ -28,9 +28,10 @@ from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoints
 from dcpbridge.engine.local_persist import PersistJob
-from dcpbridge.engine.local_plan import Recoverable
+from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
 from dcpbridge.engine.step_guard import StepGuard
@@ -236,12 +237,11 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest complete checkpoint, or None; with a local tier, the newer of the
         persistent one and the newest local step the ranks can recover (collective)."""
-        steps = self.all_steps()
-        persistent = steps[-1] if steps else None
         if self._local is None:
-            return persistent
-        persistent = self._agree(lambda: persistent)
-        local = self._local.newest(persistent)
+            steps = self.all_steps()
+            return steps[-1] if steps else None
+        complete, local = self._survey(None)
+        persistent = complete[-1] if complete else None
         return local.step if local is not None else persistent
 
     # -- saving -------------------------------------------------------------------------------
@@ -506,13 +506,11 @@ class CheckpointManager:
         """Load ``step`` (default: the newest of both tiers) from the local tier where the
         ranks can recover it, else from the persistent tier, logging which and why."""
         assert self._local is not None
-        complete = self._agree(lambda: self._scan()[0])
-        persistent = (complete[-1] if complete else None) if step is None else step
+        complete, local = self._survey(step)
         if step is not None and step in complete:
             local = None
             why = f"step {step} is in the persistent tier"
         else:
-            local = self._local.newest(persistent, step)
             why = (
                 "no complete local step newer than the persistent tier's"
                 if step is None
@@ -543,6 +541,19 @@ class CheckpointManager:
         )
         return self._load_persistent(template, step, kwargs)
 
+    def _survey(self, step: int | None) -> tuple[list[int], Recoverable | None]:
+        """The complete persistent steps (rank 0's listing, made while it looks at its node's
+        local directory) and the newest local step the ranks can recover that is newer
+        (exactly ``step`` if given and not persistent): one all-gather in all."""
+        assert self._local is not None
+        if self._pending is not None:
+            self._pending[1]._done.wait()
+        reports, complete = self._local.survey(lambda: self._scan()[0])
+        if step is not None and step in complete:
+            return complete, None
+        after = (complete[-1] if complete else None) if step is None else step
+        return complete, newest_recoverable(reports, METADATA_FILE, after, step)
+
     def _load_local_or_copies(
         self, template: Any, chosen: Recoverable, kwargs: dict[str, Any]
     ) -> Any:
@@ -563,6 +574,7 @@ class CheckpointManager:
         log.info("dcpbridge: loaded step %d from the local tier", chosen.step)
         return out
 
+    @gc_paused
     def _load_local(
         self, template: Any, chosen: Recoverable, kwargs: dict[str, Any], copies: bool = False
     ) -> Any:
@@ -578,9 +590,20 @@ class CheckpointManager:
             allow_pickle=options.get("allow_pickle", False),
             allow_dtype_cast=options.get("allow_dtype_cast", False),
             copies=copies,
+            thread_count=options.get("thread_count", 4),
         )
+        if opened.planner is not None:  # planned and checked on every rank while opening
+            assert opened.plan is not None and opened.reader is not None
+            return load_mod.load_planned(
+                template,
+                opened.checkpoint,
+                self._local.group,
+                opened.planner,
+                opened.plan,
+                opened.reader,
+            )
         return load_mod.load_opened(
-            template, opened, self._local.training, strict=strict, **options
+            template, opened.checkpoint, self._local.training, strict=strict, **options
         )
 
     def _agree_on_step(self, step: int | None) -> int:

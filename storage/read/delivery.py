@@ -15,6 +15,7 @@ A request for a whole stored chunk into plain memory (most reads of a same-layou
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import math
 import threading
@@ -236,6 +237,40 @@ class WholeJob(Job):
             )
         self.commit(self.dest)
 
+    def slabs(self, size: int) -> list[tuple[int, int, int, int]] | None:
+        """``(start, stop, first row, rows)``: the chunk's bytes cut into slabs of whole rows
+        of checksum tiles along dim 0, about ``size`` bytes each; None where it is one slab
+        (small, unverified, or not cut along dim 0)."""
+        grid, n = self.grid, len(self.view)
+        if grid is None or self.stored.checksums is None or not grid.sizes or n <= size:
+            return None
+        rows = grid.sizes[0]
+        row_bytes = n // rows if rows else 0
+        step = grid.tile[0] * max(1, size // max(1, grid.tile[0] * row_bytes))
+        if step >= rows:
+            return None
+        return [
+            (r * row_bytes, min(r + step, rows) * row_bytes, r, min(step, rows - r))
+            for r in range(0, rows, step)
+        ]
+
+    def slab_landed(self, first: int, rows: int, data: memoryview, left: list[int]) -> None:
+        """Verify one slab as it lands; the last one (``left`` counts them) hands ``dest`` over."""
+        assert self.grid is not None and self.stored.checksums is not None
+        offsets = (first,) + (0,) * (len(self.grid.sizes) - 1)
+        lengths = (rows, *self.grid.sizes[1:])
+        checksum.verify(
+            self.grid, data, offsets, lengths, self.stored.checksums, what=self.describe
+        )
+        with _SLAB_LOCK:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            self.commit(self.dest)
+
+
+_SLAB_LOCK = threading.Lock()
+
 
 class BytesJob(Job):
     """Reads a stored object's bytes, verifies them and hands them to ``deliver``."""
@@ -372,7 +407,22 @@ def _whole_reads(
     jobs = sorted(jobs, key=lambda j: (j.file, j.base))
     gap, most, amp = tuning.merge_gap, tuning.max_request, tuning.max_amplification
     reads: list[ScatterRead] = []
-    fetched, i, n = 0, 0, len(jobs)
+    fetched = 0
+    if tuning.verify_slab:
+        rest = []
+        for job in jobs:
+            cut = job.slabs(tuning.verify_slab)
+            if cut is None:
+                rest.append(job)
+                continue
+            left = [len(cut)]
+            for start, stop, first, rows in cut:
+                view = job.view[start:stop]
+                done = functools.partial(job.slab_landed, first, rows, view, left)
+                reads.append(ScatterRead(path(job.file), job.base + start, [view], done))
+            fetched += len(job.view)
+        jobs = rest
+    i, n = 0, len(jobs)
     while i < n:
         first = jobs[i]
         file, start = first.file, first.base

@@ -40,12 +40,18 @@ class ReadTuning:
     max_amplification: float = 2.0
     """...that reads at most this many times the bytes its ranges need (the skipped bytes
     between them cost memory bandwidth, cache and, on a shared disk, other jobs' reads)."""
+    verify_slab: int = 0
+    """Whole chunks larger than this are read in slabs of about this size, each verified as
+    it lands (``ReadCosts.verify_slab``); 0: in one request."""
 
     @staticmethod
     def for_costs(costs: ReadCosts) -> ReadTuning:
         """Join ranges whenever reading the gap between them is cheaper than a request."""
         return ReadTuning(
-            min_piece_bytes=4 << 10, merge_gap=costs.break_even_gap, max_request=costs.max_request
+            min_piece_bytes=4 << 10,
+            merge_gap=costs.break_even_gap,
+            max_request=costs.max_request,
+            verify_slab=costs.verify_slab,
         )
 
     @staticmethod

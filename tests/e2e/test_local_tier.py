@@ -18,6 +18,7 @@ import torch
 
 import dcpbridge as db
 from dcpbridge.engine import local_tier
+from tests.support.collective_counts import record_collectives
 from tests.support.dist_pool import Rank, RankFailure
 
 SHAPE = (16, 12)
@@ -117,6 +118,17 @@ def restore(r: Rank, root: str, local: str, axis: int, rpn: int) -> dict:
     return {"latest": latest, "step": got, "log": log.lines, "seconds": seconds}
 
 
+def restore_counted(r: Rank, root: str, local: str) -> list[tuple[str, str, str]]:
+    """A restart in the same layout: bit-exact, and the collectives its load issued."""
+    mgr = manager(r, root, local)
+    tmpl = {"w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 12), (0, r.rank, 4))}
+    with record_collectives() as calls:
+        out = mgr.load(tmpl)
+    assert torch.equal(out["w"], piece(weights(out["step"]), r.rank, 4, 0)) and out["step"] == 6
+    mgr.close()
+    return calls
+
+
 def node_dir(tmp_path, node: int) -> str:
     return str(tmp_path / f"node{node}")
 
@@ -144,6 +156,11 @@ def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_p
     assert calls[3][2].endswith("step_00000004") and "node0" in calls[-1][2]
     assert out[1]["calls"] == []  # rank 0 only
     assert any("on_commit(2, 'local'" in line and "tracker down" in line for line in out[0]["log"])
+    # every node holds its ranks' parts: one all-gather agrees on the step (and carries rank
+    # 0's listing of the persistent tier), one checks every rank's plan and finds nothing to
+    # transfer, one confirms the read; nothing on the training group, no transfers
+    counted = pool.run(restore_counted, 4, root, local, timeout=120)
+    assert counted == [[("all_gather", "MainThread", "SideGroup")] * 3] * 4
     shutil.rmtree(node_dir(tmp_path, 1))  # node 1 died; its replacement starts empty
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [6] * 4 and [b["latest"] for b in back] == [6] * 4

@@ -16,6 +16,7 @@ from dcpbridge.planners import ShardedLoadPlanner
 from dcpbridge.planners.load_planner import plan_local_reads
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointReader, StoredItem
+from dcpbridge.storage.backends.store import LocalStorage
 from dcpbridge.storage.read.whole_reads import WholeReads, whole_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -171,3 +172,35 @@ def test_staged_small_reads_refuse_targets_that_are_not_the_stored_chunk(tmp_pat
     good = torch.zeros(3, 5)
     reader.read_whole(WholeReads([("t1", (0, 0)), ("t2", (0, 0))], [torch.zeros(3, 5), good]))
     assert torch.equal(good, state["t2"])
+
+
+def test_large_chunks_are_read_in_verified_slabs_and_a_flipped_byte_is_named(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(768, 1024, generator=g), "flat": torch.randn(655360, generator=g)}
+    db.save(
+        {k: _box(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in state.items()}, str(tmp_path)
+    )
+    sizes: list[int] = []
+    original = LocalStorage.fetch
+
+    def spy(self, reads, threads):
+        sizes.extend(sum(len(p) for p in r.parts if not isinstance(p, int)) for r in reads)
+        return original(self, reads, threads)
+
+    monkeypatch.setattr(LocalStorage, "fetch", spy)
+    template = {
+        k: _box(k, torch.zeros_like(v), tuple(v.shape), (0,) * v.dim()) for k, v in state.items()
+    }
+    loaded = db.load(template, str(tmp_path))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert sorted(sizes) == [(1 << 20) // 2] + [1 << 20] * 5  # 3 MiB and 2.5 MiB, in slabs
+
+    index = FsspecCheckpointReader(str(tmp_path)).read_metadata().storage_data
+    stored = index.items[("big", (0, 0))]
+    with open(os.path.join(str(tmp_path), stored.file), "r+b") as f:
+        f.seek(stored.offset + (3 << 20) // 2)  # the middle slab
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(db.ChecksumMismatchError, match=r"tensor 'big' chunk \[0, 0\].*block \d+"):
+        db.load(template, str(tmp_path))
