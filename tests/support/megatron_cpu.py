@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tests.support import layouts as L
-from tests.support.dist_pool import Rank, children_allowed
+from tests.support.dist_pool import Rank
 
 # The global tensors of the Megatron-side state: one TP-style weight, a layer-stacked weight
 # whose leading axis is a prepended (pipeline) axis, and a bf16 vector.
@@ -36,22 +36,8 @@ def mcore() -> Any:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._get_write_results_queue = _forked_results_queue
     return dist_checkpointing
-
-
-def _forked_results_queue() -> Any:
-    """Megatron's writer results come back through a queue of a multiprocessing Manager, which it
-    starts with 'spawn': a fresh interpreter per rank (~4 CPU s, and left running when a test
-    kills the pool). A forked Manager carries them the same way."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        with children_allowed():
-            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
-    return filesystem_async._results_queue
 
 
 def megatron_state(r: Rank, mdc: Any, *, with_data: bool = True) -> dict[str, Any]:
