@@ -168,15 +168,23 @@ class WorkerPool:
         for conn in self._conns[:nprocs]:
             conn.send(task)
         pending = {conn: rank for rank, conn in enumerate(self._conns[:nprocs])}
+        # a dead rank's pipe may stay open in a child it forked: its process sentinel tells too
+        ended = {self._procs[rank].sentinel: conn for conn, rank in pending.items()}
         results: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            watched = [*pending, *(s for s, conn in ended.items() if conn in pending)]
+            ready = wait(watched, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 break
-            for conn in ready:
+            for obj in ready:
+                conn = ended.get(obj, obj)
+                if conn not in pending:
+                    continue
                 rank = pending.pop(conn)
                 try:
+                    if obj is not conn and not conn.poll():
+                        raise EOFError
                     results[rank] = conn.recv()
                 except EOFError:
                     results[rank] = ("error", f"worker died:\n{self._log_tail(rank)}")
