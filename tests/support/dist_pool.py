@@ -107,6 +107,20 @@ def _worker(
     os._exit(0)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc; none elsewhere)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            with (
+                contextlib.suppress(OSError, IndexError, ValueError),
+                open(f"/proc/{entry}/stat") as f,
+            ):
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
 class WorkerPool:
     """``size`` spawned gloo ranks that run test functions on demand; ``blocked`` packages
     cannot be imported in them (readers of other tools, run where dcpbridge is absent)."""
@@ -210,6 +224,9 @@ class WorkerPool:
     def kill(self) -> None:
         for p in self._procs:
             if p.is_alive():
+                for child in _children(p.pid):  # e.g. megatron's Manager: it would outlive us
+                    with contextlib.suppress(OSError):
+                        os.kill(child, signal.SIGKILL)
                 p.kill()
         for p in self._procs:
             p.join(timeout=10)
