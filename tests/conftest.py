@@ -32,6 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # The longest modules (minutes on 2 cores), started first: ``make test`` hands whole modules to
 # its processes in collection order, so one of these started last would run alone at the end.
 LONGEST_FIRST = (
+    "tests/test_examples_more.py",
     "tests/test_examples.py",
     "tests/e2e/test_integrity.py",
     "tests/e2e/test_faults.py",
