@@ -404,8 +404,6 @@ def _whole_reads(
     """Requests that read whole items of one file back to back (at most ``merge_gap`` bytes
     apart, at most ``max_request`` bytes and ``max_amplification`` times the bytes they need
     each) straight into their targets; and their bytes."""
-    jobs = sorted(jobs, key=lambda j: (j.file, j.base))
-    gap, most, amp = tuning.merge_gap, tuning.max_request, tuning.max_amplification
     reads: list[ScatterRead] = []
     fetched = 0
     if tuning.verify_slab:
@@ -422,34 +420,23 @@ def _whole_reads(
                 reads.append(ScatterRead(path(job.file), job.base + start, [view], done))
             fetched += len(job.view)
         jobs = rest
-    i, n = 0, len(jobs)
-    while i < n:
-        first = jobs[i]
-        file, start = first.file, first.base
-        pos = start + len(first.view)
-        parts: list[memoryview | int] = [first.view]
-        members = [first]
-        needed = len(first.view)
-        i += 1
-        while i < n:
-            job = jobs[i]
-            end = job.base + len(job.view)
-            if (
-                job.file != file
-                or not pos <= job.base <= pos + gap
-                or end - start > most
-                or end - start > amp * (needed + len(job.view))
-            ):
-                break
-            if job.base > pos:
-                parts.append(job.base - pos)
+    requests = coalesce(
+        [(job.file, job.base, job.base + len(job.view), job) for job in jobs],
+        merge_gap=tuning.merge_gap,
+        max_request=tuning.max_request,
+        max_amplification=tuning.max_amplification,
+    )
+    for req in requests:
+        parts: list[memoryview | int] = []
+        pos = req.start
+        for start, stop, job in req.members:
+            if start > pos:
+                parts.append(start - pos)
             parts.append(job.view)
-            members.append(job)
-            needed += len(job.view)
-            pos = end
-            i += 1
-        fetched += pos - start
-        reads.append(ScatterRead(path(file), start, parts, _all_landed(members)))
+            pos = stop
+        fetched += req.stop - req.start
+        members = [job for _, _, job in req.members]
+        reads.append(ScatterRead(path(req.file), req.start, parts, _all_landed(members)))
     return reads, fetched
 
 

@@ -13,7 +13,6 @@ is one buffer of at most ``SPAN_BUDGET`` bytes, reused batch after batch.
 from __future__ import annotations
 
 import ctypes
-import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -25,7 +24,7 @@ from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.table import ItemKey, ItemTable, describe_item
 from dcpbridge.storage.read.delivery import is_plain
-from dcpbridge.storage.read.read_plan import ReadTuning
+from dcpbridge.storage.read.read_plan import ReadTuning, coalesce
 
 SMALL_ITEM = 1 << 20  # items up to this size are staged (larger ones are read in place)
 SPAN_BUDGET = 64 << 20  # staging memory of one batch of spans (each batch starts its threads)
@@ -73,7 +72,7 @@ def read_spans(
     expected = None
     if block and table.checksums is not None:
         expected = table.checksums[table.sum_starts(block)[at]]
-    order = np.lexsort((table.offset[at], table.file[at]))
+    order = np.lexsort((nbytes, table.offset[at], table.file[at]))  # coalesce's order
     file, start, size = table.file[at][order], table.offset[at][order], nbytes[order]
     spans = _spans(file, start, size, tuning)
     lengths = [int(start[hi - 1] + size[hi - 1] - start[lo]) for lo, hi in spans]
@@ -135,32 +134,16 @@ def _checked_targets(
 def _spans(
     file: np.ndarray, start: np.ndarray, size: np.ndarray, tuning: ReadTuning
 ) -> list[tuple[int, int]]:
-    """``[lo, hi)`` runs of the sorted items read by one request each: same file, at most
-    ``merge_gap`` bytes apart, at most ``max_request`` bytes (a larger item alone)."""
-    n = len(start)
-    end = start + size
-    gap = np.empty(n, dtype=np.int64)
-    gap[0] = 0
-    gap[1:] = start[1:] - end[:-1]
-    cut = np.ones(n, dtype=bool)
-    cut[1:] = (file[1:] != file[:-1]) | (gap[1:] < 0) | (gap[1:] > tuning.merge_gap)
-    heads = [*np.flatnonzero(cut).tolist(), n]
-    starts, ends = start.tolist(), end.tolist()
-    most = tuning.max_request
-    amp = tuning.max_amplification
-    spans = []
-    for lo, hi in itertools.pairwise(heads):
-        first, need = lo, 0
-        for i in range(lo, hi):
-            length = ends[i] - starts[i]
-            if i > first and (
-                ends[i] - starts[first] > most or ends[i] - starts[first] > amp * (need + length)
-            ):
-                spans.append((first, i))
-                first, need = i, 0
-            need += length
-        spans.append((first, hi))
-    return spans
+    """``[lo, hi)`` runs of the sorted items that one request reads each (``coalesce``'s
+    joins: same file, at most ``merge_gap`` apart, ``max_request`` and ``max_amplification``)."""
+    ranges = zip(file.tolist(), start.tolist(), (start + size).tolist(), range(len(start)))
+    requests = coalesce(
+        list(ranges),
+        merge_gap=tuning.merge_gap,
+        max_request=tuning.max_request,
+        max_amplification=tuning.max_amplification,
+    )
+    return [(r.members[0][2], r.members[-1][2] + 1) for r in requests]
 
 
 class _Sorted:
