@@ -202,8 +202,10 @@ def read_planned(
     planned = time.perf_counter()
     protocol.agree(group, "read", read)
     url = str(getattr(reader, "checkpoint_id", "?"))
-    phases = {"plan": planned - (planned if started is None else started)}
-    phases["read"] = time.perf_counter() - planned
+    phases = {
+        "plan": 0.0 if started is None else planned - started,  # planned in an earlier step
+        "read": time.perf_counter() - planned,
+    }
 
     def measure() -> tuple[int, int]:
         whole = getattr(planner, "whole_reads", None)

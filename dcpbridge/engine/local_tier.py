@@ -163,9 +163,10 @@ class LocalTier:
         ``committed()`` and upload it as ``persist`` if given. With ``behind`` only the
         planning and the staging (a copy into a reused host buffer) run in the call, and with
         ``stage_behind`` the staging too runs behind (``staging`` says when the caller's
-        tensors may change; without ``hold_caller``, once its ``hold_streams`` ran). False (with a warning) where a node lacks space or planning
-        failed; later failures are logged (and fail ``persist``). The previous local step and
-        the persistent tier always stay."""
+        tensors may change; without ``hold_caller``, once its ``hold_streams`` ran). False
+        (with a warning) where a node lacks space or planning failed; later failures are
+        logged (and fail ``persist``). The previous local step and the persistent tier always
+        stay."""
         self.wait()
         g = self.group
         try:
