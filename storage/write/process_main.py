@@ -1,4 +1,4 @@
-"""The writer process's loop (``python -m dcpbridge.storage.write.process_main FD``): map the
+"""The writer process's loop (``dcpbridge.storage.write.process_main FD``): map the
 shared segments it is sent, run each write job with ``FsspecCheckpointWriter``, reply.
 
 It ends when its parent closes the socket (or exits), never in the middle of a job.
