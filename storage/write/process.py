@@ -74,6 +74,7 @@ class WriteJob:
     plan: SavePlan
     data: list[SharedRef | Inline]
     digest: Any
+    reuse_from: str | None = None  # incremental: the sibling whose equal chunks are referenced
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +300,7 @@ class ProcessWriter:
             dataclasses.replace(plan, planner_data=None),
             refs,
             digest_of(plan) if digest_of is not None else None,
+            inner.reuse_from,
         )
         # until the child says what it wrote, every name it may write is this save's to remove
         inner._save_id = target.save_id

@@ -53,6 +53,7 @@ def run(job: WriteJob, segments: dict[int, torch.Tensor]) -> tuple[list[Any], li
         sync_files=job.sync_files,
         checksums=job.checksums,
         checksum_block_size=job.checksum_block_size,
+        reuse_from=job.reuse_from,
     )
     results = writer.write_data(job.plan, _Resolved(job, segments)).wait()  # type: ignore[arg-type]
     return results, sorted(writer._written)
