@@ -4,9 +4,10 @@ while a background save writes, and how long that save takes.
 One process trains a small MLP (many small ops, plus Python work per step, about 30 ms a
 step, one intra-op thread) and saves 256 MiB (1 GiB without ``--quick``) of other state with
 ``async_save(background_staging=True)``, written by the thread writer or by the writer process
-(``writer="process"``). Per contender, the loop's mean step time while the
-save is in flight is compared with the steps right before it (no save running); contenders
-alternate and each figure is the median over rounds.
+(``writer="process"``, what the default ``"auto"`` takes for a save this size). Per
+contender, the loop's mean step time while the save is in flight is compared with the steps
+right before it (no save running); contenders alternate and each figure is the median over
+rounds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import dcpbridge as db
 from benchmarks.common import fresh_dir, table
 from benchmarks.launch import run
+from dcpbridge.engine.writer_process import choose_writer
 
 warnings.filterwarnings("ignore")
 
@@ -181,7 +183,9 @@ def main(root: str, repeats: int, quick: bool) -> list[str]:
         ),
     )
     thread, process = med["thread"], med["process"]
+    default = choose_writer("auto", "dcpbridge", root, total, started=False)
     return [
+        f"the default writer (writer='auto') for this {total >> 20} MiB save: {default}",
         f"step slowdown during a background save: thread writer "
         f"{thread['slowdown'] * 100:+.1f}%, writer process {process['slowdown'] * 100:+.1f}% "
         f"(goal <= 5%); blocked (GIL) per step during it: {thread['blocked'] * 1000:.2f} ms vs "

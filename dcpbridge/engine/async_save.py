@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 class AsyncSaveHandle:
     """A save running in the background; ``result()`` waits and re-raises its failure."""
 
-    def __init__(self, checkpoint_dir: str) -> None:
+    def __init__(self, checkpoint_dir: str, writer: str = "thread") -> None:
         self.checkpoint_dir = checkpoint_dir
+        self.writer = writer  # who writes its data files: "thread" (here) or "process"
         self._done = threading.Event()
         self._staged = threading.Event()
         self._error: BaseException | None = None
@@ -132,11 +133,12 @@ class AsyncSaver:
         job: Callable[[], Any],
         buffers: BufferSet | None,
         stage: Callable[[], BufferSet | None] | None = None,
+        writer: str = "thread",
     ) -> AsyncSaveHandle:
         """Queue ``job`` (which owns ``buffers`` until it ends) behind earlier saves; with
         ``stage``, the staging thread first runs it (it returns the buffers and must carry its
-        own failures into ``job``) and ``job`` waits for it."""
-        handle = AsyncSaveHandle(checkpoint_dir)
+        own failures into ``job``) and ``job`` waits for it; ``writer`` is the handle's."""
+        handle = AsyncSaveHandle(checkpoint_dir, writer)
         handle._set_buffers(buffers)
         if stage is None:
             handle._staged.set()

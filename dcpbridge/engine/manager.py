@@ -111,10 +111,11 @@ class CheckpointManager:
     returns at once and stages on a thread: the next ``step()`` of each optimizer given in
     ``optimizers`` (or to ``watch``) first waits until staging is done; ``verify_staging``
     fails the save (``StagingMutationError``) if a saved tensor changed before that.
-    ``writer="process"`` writes async saves' data files from a writer process (see
-    ``async_save``). With a local tier (``local_dir``) and ``persist_behind``, a persistent
-    step that is also a local step is uploaded from the local step's files behind the loop
-    instead of being staged and written again. Retention and the removal of uncommitted
+    ``writer`` chooses who writes async saves' data files (see ``async_save``): "auto" (the
+    default) a writer process where it can, "process" always, "thread" this process; sync
+    saves and the local tier always write in this process. With a local tier (``local_dir``)
+    and ``persist_behind``, a persistent step that is also a local step is uploaded from the
+    local step's files behind the loop instead of being staged and written again. Retention and the removal of uncommitted
     directories run on the group's rank 0 after a commit; a failure to delete is logged, never
     raised (the new checkpoint is safe).
     """
@@ -143,7 +144,7 @@ class CheckpointManager:
         optimizers: Iterable[torch.optim.Optimizer] = (),
         background_staging: bool = False,
         verify_staging: bool = False,
-        writer: str = "thread",
+        writer: str = "auto",
         incremental: bool = False,
         persist_behind: bool = False,
     ) -> None:

@@ -39,7 +39,7 @@ from dcpbridge.engine.staging import (
     tensor_writes,
 )
 from dcpbridge.engine.staging_check import LiveMark, mark_live, verify_staged
-from dcpbridge.engine.writer_process import attach, check_writer
+from dcpbridge.engine.writer_process import attach, check_writer, choose_writer, process_of
 from dcpbridge.errors import (
     CheckpointError,
     DistributedCheckpointError,
@@ -330,7 +330,7 @@ def async_save(
     background_staging: bool = False,
     verify_staging: bool = False,
     before_write: Callable[[], None] | None = None,
-    writer: str = "thread",
+    writer: str = "auto",
     defer_stream_wait: bool = False,
     **options: Any,
 ) -> AsyncSaveHandle:
@@ -351,8 +351,12 @@ def async_save(
     ``max_in_flight`` saves are outstanding (that call raises and starts nothing). A failed
     save never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
     background before any rank writes; its failure fails the save on every rank. With
-    ``writer="process"`` (format "dcpbridge"), staging goes to shared memory and a long-lived
-    writer process writes the data files, so writing never holds this process's GIL.
+    ``writer="process"`` (format "dcpbridge", Linux), staging goes to shared memory and a
+    long-lived writer process writes the data files, so writing never holds this process's
+    GIL; ``"thread"`` writes them on this process's background thread; ``"auto"`` (the
+    default) is the process where it can write the save (format "dcpbridge" on Linux, not to
+    ``memory://``), from the first save that stages at least 64 MiB on this rank (smaller
+    ones gain less than its start costs), else the thread. ``handle.writer`` says which.
     GPU tensors are copied on a side stream that the caller's streams wait for (on the GPU);
     with ``defer_stream_wait`` they do not, so the next forward and backward overlap the
     copies: the caller must then call ``handle.hold_streams()`` (after ``wait_staged``) before
@@ -363,13 +367,15 @@ def async_save(
     group = Group.resolve(process_group)
     saver = AsyncSaver.for_group(group, max_in_flight)
     saver.wait_for_capacity()
-    wrap = attach(saver.area, writer)
     target = os.fspath(checkpoint_dir)
     cache = save_cache(group, opts.validate_access_integrity, opts.format)
     try:
         planned = plan_save(group, cache, sharded_state_dict, opts)
     except Exception as e:  # raised alike on every rank: reported where each waits
         return saver.submit(target, _raiser(e), None)
+    started = process_of(saver.area) is not None
+    writer = choose_writer(writer, opts.format, target, _staged_bytes(planned), started)
+    wrap = attach(saver.area, writer)
     job = functools.partial(
         _write_behind, saver.group, cache, planned, target, opts, before_write, wrap
     )
@@ -389,9 +395,16 @@ def async_save(
             f"async_save to {target} was interrupted while staging ({type(e).__name__})"
         )
         planned.error.__cause__ = e
-        saver.submit(target, job, None).reported()  # this rank's report is the interrupt
+        saver.submit(target, job, None, writer=writer).reported()  # the interrupt reports
         raise
-    return saver.submit(target, job, buffers, stage=later)
+    return saver.submit(target, job, buffers, stage=later, writer=writer)
+
+
+def _staged_bytes(planned: PlannedSave) -> int:
+    """The tensor bytes this rank stages for ``planned`` (0 if its planning failed)."""
+    if planned.error is not None or planned.owners is None:
+        return 0
+    return stats.tensor_bytes(tensor_writes(planned.shards, planned.owners))
 
 
 def _write_behind(

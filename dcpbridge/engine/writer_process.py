@@ -2,7 +2,9 @@
 process, staged through shared memory, so writing never holds the training process's GIL.
 
 One writer process per async saver (per process group and rank), started by the first save
-that asks for it and reused; the saver's staging buffers then live in shared memory.
+that asks for it and reused; the saver's staging buffers then live in shared memory. The
+default, ``writer="auto"``, takes the writer process wherever it can write the save, from the
+first save large enough to gain from it (``choose_writer``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from dcpbridge.engine.staging import BufferSet, StagingArea
 from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.storage import FsspecCheckpointWriter
+from dcpbridge.storage.format.paths import process_local_url
 from dcpbridge.storage.write import shared
 from dcpbridge.storage.write.process import ProcessWriter, WriterProcess
 
-WRITERS = ("thread", "process")
+WRITERS = ("auto", "thread", "process")
 
 _processes: weakref.WeakKeyDictionary[StagingArea, WriterProcess] = weakref.WeakKeyDictionary()
 
@@ -32,12 +35,32 @@ def shared_buffers(nbytes: int) -> BufferSet:
 
 
 def check_writer(writer: str, format: str) -> None:
+    """Refuse an unknown writer, or a writer process where it cannot run ("auto" never is)."""
     if writer not in WRITERS:
-        raise InvalidArgumentError(f"writer must be 'thread' or 'process', got {writer!r}")
+        raise InvalidArgumentError(f"writer must be 'auto', 'thread' or 'process', got {writer!r}")
     if writer == "process" and format != "dcpbridge":
         raise InvalidArgumentError(f"writer='process' writes format 'dcpbridge', not {format!r}")
     if writer == "process" and not shared.available():
         raise InvalidArgumentError("writer='process' needs Linux (os.memfd_create)")
+
+
+AUTO_MIN_BYTES = 64 << 20
+"""``writer="auto"`` starts a rank's writer process with a save that stages at least this much
+there: below it, writing holds the GIL for milliseconds, less than the process's start costs
+(an interpreter importing torch: about 3 CPU seconds and a few hundred MiB)."""
+
+
+def choose_writer(writer: str, format: str, url: str, nbytes: int, started: bool) -> str:
+    """The writer ("thread" or "process") of an async save of ``format`` to ``url`` that stages
+    ``nbytes`` on this rank: ``writer`` if named; "auto" is the writer process where it can
+    write the save (format "dcpbridge", Linux, files another process sees: not ``memory://``)
+    once it was ``started`` or ``nbytes >= AUTO_MIN_BYTES``, else the thread."""
+    check_writer(writer, format)
+    if writer != "auto":
+        return writer
+    if format != "dcpbridge" or not shared.available() or process_local_url(url):
+        return "thread"
+    return "process" if started or nbytes >= AUTO_MIN_BYTES else "thread"
 
 
 def attach(area: StagingArea, writer: str) -> Callable[[StorageWriter], StorageWriter] | None:

@@ -94,6 +94,15 @@ def resolve(
     return Location(url=text, fs=fs, root=root.rstrip("/") or "/", settings=settings)
 
 
+def process_local_url(url: str | os.PathLike[str]) -> bool:
+    """Whether ``url`` names files in this process's own memory (``memory://``, chained too),
+    which no other process sees; decided from the URL alone, nothing is opened."""
+    protocols = MemoryFileSystem.protocol
+    names = {protocols} if isinstance(protocols, str) else set(protocols)
+    parts = os.fspath(url).split("::")
+    return any(fsspec.core.split_protocol(part)[0] in names for part in parts)
+
+
 def fsspec_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """``storage_options`` without dcpbridge's own (for code that hands them to fsspec)."""
     return {k: v for k, v in (storage_options or {}).items() if k not in OWN_OPTIONS}

@@ -1,4 +1,4 @@
-"""The writer process's loop (``python -m dcpbridge.storage.write.process_main FD``): map the
+"""The writer process's loop (``dcpbridge.storage.write.process_main FD``): map the
 shared segments it is sent, run each write job with ``FsspecCheckpointWriter``, reply.
 
 It ends when its parent closes the socket (or exits), never in the middle of a job.
@@ -53,6 +53,7 @@ def run(job: WriteJob, segments: dict[int, torch.Tensor]) -> tuple[list[Any], li
         sync_files=job.sync_files,
         checksums=job.checksums,
         checksum_block_size=job.checksum_block_size,
+        reuse_from=job.reuse_from,
     )
     results = writer.write_data(job.plan, _Resolved(job, segments)).wait()  # type: ignore[arg-type]
     return results, sorted(writer._written)

@@ -309,12 +309,12 @@ def test_a_checkpoint_copied_alone_names_what_it_misses_and_converts_whole(tmp_p
 # -- two ranks, fully parallel, async ---------------------------------------------------------
 
 
-def _two_rank_job(r: Rank, root: str) -> list[set[str]]:
+def _two_rank_job(r: Rank, root: str, writer: str) -> list[set[str]]:
     torch.manual_seed(0)
     base = torch.randn(8 * r.size, 64)
     mine = base[8 * r.rank : 8 * (r.rank + 1)]
     mgr = db.CheckpointManager(
-        root, every=1, process_group=r.group, fully_parallel=True, incremental=True
+        root, every=1, process_group=r.group, fully_parallel=True, incremental=True, writer=writer
     )
     ad = torch.zeros(4, 64)
     refs, saved = [], {}
@@ -342,8 +342,10 @@ def _two_rank_job(r: Rank, root: str) -> list[set[str]]:
     return refs
 
 
-def test_two_ranks_fully_parallel_async_incremental(pool, tmp_path):
-    refs = pool.run(_two_rank_job, 2, str(tmp_path / "run"), timeout=120)
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_two_ranks_fully_parallel_async_incremental(pool, tmp_path, writer):
+    """The writer process references equal chunks as the thread writer does."""
+    refs = pool.run(_two_rank_job, 2, str(tmp_path / "run"), writer, timeout=120)
     assert refs[0] == refs[1] == [set(), {"base"}, {"base"}]
 
 

@@ -1,0 +1,140 @@
+"""``writer="auto"`` (the default of ``async_save`` and ``CheckpointManager``): which writer each
+save gets, exactly, and that a sync save never starts a process."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dcpbridge as db
+from dcpbridge.engine import writer_process
+from dcpbridge.engine.async_save import AsyncSaver
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.writer_process import AUTO_MIN_BYTES, choose_writer, process_of
+from dcpbridge.storage.write import shared
+from tests.support.dist_pool import Rank, _children
+
+pytestmark = pytest.mark.timeout(300)
+
+BIG = AUTO_MIN_BYTES
+
+
+@pytest.mark.parametrize(
+    ("writer", "format", "url", "nbytes", "started", "chosen"),
+    [
+        ("auto", "dcpbridge", "/ck", BIG, False, "process"),
+        ("auto", "dcpbridge", "/ck", BIG - 1, False, "thread"),  # gains less than a start
+        ("auto", "dcpbridge", "/ck", 0, True, "process"),  # once started, kept
+        ("auto", "dcpbridge", "s3://bucket/ck", BIG, False, "process"),
+        ("auto", "torch_dist", "/ck", BIG, True, "thread"),  # the process writes dcpbridge
+        ("auto", "dcpbridge", "memory://ck", BIG, True, "thread"),  # this process's memory
+        ("auto", "dcpbridge", "simplecache::memory://ck", BIG, False, "thread"),
+        ("thread", "dcpbridge", "/ck", BIG, True, "thread"),
+        ("process", "dcpbridge", "/ck", 0, False, "process"),
+        ("process", "torch_dist", "/ck", 0, False, None),
+        ("bogus", "dcpbridge", "/ck", BIG, False, None),
+    ],
+)
+def test_auto_takes_the_writer_process_where_it_can_write_and_gains(
+    writer, format, url, nbytes, started, chosen
+):
+    if chosen is not None:
+        assert choose_writer(writer, format, url, nbytes, started) == chosen
+        return
+    with pytest.raises(db.InvalidArgumentError) as refused:
+        choose_writer(writer, format, url, nbytes, started)
+    assert (
+        str(refused.value)
+        == {
+            "process": "writer='process' writes format 'dcpbridge', not 'torch_dist'",
+            "bogus": "writer must be 'auto', 'thread' or 'process', got 'bogus'",
+        }[writer]
+    )
+
+
+def test_without_memfd_auto_is_the_thread_and_process_is_refused(monkeypatch):
+    monkeypatch.setattr(shared, "available", lambda: False)
+    assert choose_writer("auto", "dcpbridge", "/ck", BIG, True) == "thread"
+    with pytest.raises(db.InvalidArgumentError) as refused:
+        choose_writer("process", "dcpbridge", "/ck", BIG, False)
+    assert str(refused.value) == "writer='process' needs Linux (os.memfd_create)"
+
+
+def test_a_sync_save_starts_no_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_process, "AUTO_MIN_BYTES", 0)  # (async saves would start one)
+    before = set(_children(os.getpid()))
+    state = {"w": db.ShardedTensor.from_box("w", torch.arange(4096.0), (4096,), (0,))}
+    db.save(state, str(tmp_path))
+    assert set(_children(os.getpid())) == before
+    out = db.load(
+        {"w": db.ShardedTensor.from_box("w", torch.zeros(4096), (4096,), (0,))}, str(tmp_path)
+    )
+    assert torch.equal(out["w"], torch.arange(4096.0))
+
+
+def _sharded(r: Rank, n: int, scale: float) -> dict:
+    w = torch.arange(n, dtype=torch.float32) + 1000 * r.rank + scale
+    return {"w": db.ShardedTensor.from_rank_offsets("w", w, (0, r.rank, 2))}
+
+
+def _loaded(group, r: Rank, path: str, n: int, scale: float, **options) -> bool:
+    tmpl = {"w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(n), (0, r.rank, 2))}
+    out = db.load(tmpl, path, process_group=group, **options)
+    return torch.equal(out["w"], _sharded(r, n, scale)["w"].data)
+
+
+def writers_on_a_new_group(r: Rank, root: str) -> list[tuple[str, bool, bool]]:
+    """Saves of a fresh group's ranks 0 and 1 (a fresh saver: no writer process yet), with
+    the threshold at 4 KiB: (writer, writer process alive, loaded bit-exact) per save."""
+    group = dist.new_group([0, 1])
+    if r.rank >= 2:
+        return []
+    threshold, writer_process.AUTO_MIN_BYTES = writer_process.AUTO_MIN_BYTES, 4096
+    area = AsyncSaver.for_group(Group.resolve(group), 1).area
+    got = []
+    try:
+        calls = [
+            ("small", 512, {}),  # 2 KiB: the thread
+            ("torch_dist", 4096, {"format": "torch_dist"}),  # 16 KiB, not dcpbridge's format
+            ("big", 4096, {}),  # 16 KiB: the writer process starts
+            ("small_after", 512, {}),  # the process is kept
+            ("thread", 4096, {"writer": "thread"}),
+        ]
+        for n, (name, numel, options) in enumerate(calls):
+            path = os.path.join(root, name)
+            handle = db.async_save(_sharded(r, numel, n), path, process_group=group, **options)
+            handle.result(120)
+            process = process_of(area)
+            alive = process is not None and process.pid in _children(os.getpid())
+            load_options = {"allow_pickle": True} if "format" in options else {}
+            got.append((handle.writer, alive, _loaded(group, r, path, numel, n, **load_options)))
+        mgr = db.CheckpointManager(os.path.join(root, "mgr"), every=1, process_group=group)
+        mgr.save(1, _sharded(r, 512, 7))
+        got.append((mgr._pending[1].writer, process_of(area) is not None, True))  # type: ignore[index]
+        mgr.close()
+        got[-1] = (*got[-1][:2], _loaded(group, r, mgr.step_url(1), 512, 7))
+    finally:
+        writer_process.AUTO_MIN_BYTES = threshold
+        process = process_of(area)
+        if process is not None:
+            process.close()
+        dist.destroy_process_group(group)
+        gc.collect()
+    return got
+
+
+def test_auto_writers_of_successive_saves_are_exact(pool, tmp_path):
+    results = pool.run(writers_on_a_new_group, 4, str(tmp_path), default_group=True, timeout=240)
+    want = [
+        ("thread", False, True),
+        ("thread", False, True),
+        ("process", True, True),
+        ("process", True, True),
+        ("thread", True, True),  # named: this save is written here, the process stays
+        ("process", True, True),  # the manager's default is auto too
+    ]
+    assert results == [want, want, [], []]
