@@ -87,9 +87,27 @@ def _loaded(group, r: Rank, path: str, n: int, scale: float, **options) -> bool:
     return torch.equal(out["w"], _sharded(r, n, scale)["w"].data)
 
 
+def _own(r: Rank, n: int) -> dict:
+    """A tensor of ``n`` elements that rank ``r`` alone holds (ranks may stage unequal bytes)."""
+    key = f"own{r.rank}"
+    return {key: db.ShardedTensor.from_box(key, torch.arange(n, dtype=torch.float32), (n,), (0,))}
+
+
+def _mixed(group, r: Rank, path: str) -> tuple[str, bool, bool]:
+    """One save whose rank 0 stages 16 KiB and rank 1 2 KiB: the ranks' writers differ."""
+    n = 4096 if r.rank == 0 else 512
+    handle = db.async_save(_own(r, n), path, process_group=group)
+    handle.result(120)
+    key = f"own{r.rank}"
+    tmpl = {key: db.ShardedTensor.from_box(key, torch.zeros(n), (n,), (0,))}
+    out = db.load(tmpl, path, process_group=group)
+    return handle.writer, True, torch.equal(out[key], torch.arange(n, dtype=torch.float32))
+
+
 def writers_on_a_new_group(r: Rank, root: str) -> list[tuple[str, bool, bool]]:
     """Saves of a fresh group's ranks 0 and 1 (a fresh saver: no writer process yet), with
-    the threshold at 4 KiB: (writer, writer process alive, loaded bit-exact) per save."""
+    the threshold at 4 KiB: (writer, writer process alive, loaded bit-exact) per save; the
+    first one stages unequal bytes, so only rank 0 starts its writer process there."""
     group = dist.new_group([0, 1])
     if r.rank >= 2:
         return []
@@ -97,6 +115,8 @@ def writers_on_a_new_group(r: Rank, root: str) -> list[tuple[str, bool, bool]]:
     area = AsyncSaver.for_group(Group.resolve(group), 1).area
     got = []
     try:
+        got.append(_mixed(group, r, os.path.join(root, "mixed")))
+        got[-1] = (got[-1][0], process_of(area) is not None, got[-1][2])
         calls = [
             ("small", 512, {}),  # 2 KiB: the thread
             ("torch_dist", 4096, {"format": "torch_dist"}),  # 16 KiB, not dcpbridge's format
@@ -129,12 +149,24 @@ def writers_on_a_new_group(r: Rank, root: str) -> list[tuple[str, bool, bool]]:
 
 def test_auto_writers_of_successive_saves_are_exact(pool, tmp_path):
     results = pool.run(writers_on_a_new_group, 4, str(tmp_path), default_group=True, timeout=240)
-    want = [
-        ("thread", False, True),
-        ("thread", False, True),
-        ("process", True, True),
-        ("process", True, True),
+    # rank 0 stages 16 KiB in the first ("mixed") save and keeps its process from there on;
+    # rank 1 stages 2 KiB there and starts its process with "big"
+    rank0 = [
+        ("process", True, True),  # mixed
+        ("process", True, True),  # small: the process is kept
+        ("thread", True, True),  # torch_dist: the process writes dcpbridge only
+        ("process", True, True),  # big
+        ("process", True, True),  # small_after
         ("thread", True, True),  # named: this save is written here, the process stays
         ("process", True, True),  # the manager's default is auto too
     ]
-    assert results == [want, want, [], []]
+    rank1 = [
+        ("thread", False, True),  # mixed
+        ("thread", False, True),  # small
+        ("thread", False, True),  # torch_dist
+        ("process", True, True),  # big: the writer process starts
+        ("process", True, True),  # small_after: kept
+        ("thread", True, True),
+        ("process", True, True),
+    ]
+    assert results == [rank0, rank1, [], []]
