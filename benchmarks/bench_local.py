@@ -357,6 +357,20 @@ def restore_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _local_only(cfg: dict[str, Any], name: str, rpn: int, **kw: Any) -> db.CheckpointManager:
+    """A manager that saves local steps only (every step, copies behind), in ``name{node}``."""
+    return db.CheckpointManager(
+        os.path.join(cfg["disk"], f"never-{name}"),
+        every=1 << 30,
+        local_dir=os.path.join(cfg["shm"], name + "{node}"),
+        local_every=1,
+        replicas=1,
+        ranks_per_node=rpn,
+        async_save=True,
+        **kw,
+    )
+
+
 def _stall(
     rank: int,
     world: int,
@@ -368,15 +382,7 @@ def _stall(
 ) -> dict[str, Any]:
     """The local save's stall (local steps only, copies behind) against a memcpy of the
     rank's share into preallocated memory, its bytes sent and its peak extra RSS."""
-    mgr = db.CheckpointManager(
-        os.path.join(cfg["disk"], "never"),
-        every=1 << 30,
-        local_dir=os.path.join(cfg["shm"], "stall{node}"),
-        local_every=1,
-        replicas=1,
-        ranks_per_node=rpn,
-        async_save=True,
-    )
+    mgr = _local_only(cfg, "stall", rpn)
     flat = torch.empty(share, dtype=torch.uint8)
     views, pos = [], 0
     for v in state.values():
@@ -417,17 +423,7 @@ def _loop_stall(world: int, cfg: dict[str, Any], state: dict[str, Any], rpn: int
     opt = torch.optim.SGD(params, lr=0.1)
     marks: dict[str, float] = {}
     opt.register_step_pre_hook(lambda *_: marks.__setitem__("enter", time.perf_counter()))
-    mgr = db.CheckpointManager(
-        os.path.join(cfg["disk"], "never2"),
-        every=1 << 30,
-        local_dir=os.path.join(cfg["shm"], "loop{node}"),
-        local_every=1,
-        replicas=1,
-        ranks_per_node=rpn,
-        async_save=True,
-        background_staging=True,
-        optimizers=[opt],
-    )
+    mgr = _local_only(cfg, "loop", rpn, background_staging=True, optimizers=[opt])
     opt.register_step_pre_hook(lambda *_: marks.__setitem__("go", time.perf_counter()))
     a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     got: dict[str, list[float]] = {"call": [], "wait": [], "with": [], "without": []}
