@@ -127,21 +127,30 @@ class Reuse:
     entry: CacheEntry
 
 
-def agree_to_reuse(group: Group, cache: SaveCache, structure: Callable[[], int]) -> Reuse | None:
-    """Whether every rank's ``structure()`` still matches its cached entry (one tiny vote).
+def agree_to_reuse(
+    group: Group,
+    cache: SaveCache,
+    structure: Callable[[], int],
+    report: Callable[[], Any] | None = None,
+) -> tuple[Reuse | None, list[Any]]:
+    """Whether every rank's ``structure()`` still matches its cached entry (one tiny vote),
+    and every rank's ``report()`` (run after ``structure()``), carried by the same vote.
 
     Every rank votes on every save, even with an empty cache, so the decision is collective
     even when background saves fill the caches of different ranks at different times. A rank
-    whose ``structure()`` raises makes every rank raise here. The vote replaces the plan
-    exchange, its validation and the ownership exchange, whose results the entry holds.
+    whose ``structure()`` or ``report()`` raises makes every rank raise here. The vote
+    replaces the plan exchange, its validation and the ownership exchange, whose results the
+    entry holds.
     """
 
-    def vote() -> tuple[bool, str]:
+    def vote() -> tuple[bool, str, Any]:
         mine, entry = structure(), cache.entry
-        return entry is not None and mine == entry.structure, new_save_id()
+        extra = report() if report is not None else None
+        return entry is not None and mine == entry.structure, new_save_id(), extra
 
     votes = protocol.agree(group, "plan", vote)
-    if not all(same for same, _ in votes):
-        return None
+    reports = [extra for _, _, extra in votes]
+    if not all(same for same, _, _ in votes):
+        return None, reports
     assert cache.entry is not None
-    return Reuse(votes[0][1], cache.entry)
+    return Reuse(votes[0][1], cache.entry), reports

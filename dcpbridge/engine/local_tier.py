@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import threading
@@ -52,9 +53,8 @@ from dcpbridge.errors import (
     DistributedCheckpointError,
     InvalidArgumentError,
 )
-from dcpbridge.model.intake import for_save
+from dcpbridge.model.intake import SaveParts
 from dcpbridge.model.mapping import ShardedTensor
-from dcpbridge.model.stateful import state_dicts
 from dcpbridge.storage import METADATA_FILE, Location, StorageIndex, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import RangeRead, Storage
@@ -83,9 +83,9 @@ def free_bytes(path: str) -> int | None:
     return shutil.disk_usage(probe).free
 
 
-def state_share(state: Any) -> int:
-    """An upper bound of the bytes this rank writes for ``state``: its tensors plus slack."""
-    parts = for_save(state_dicts(state))
+def parts_share(parts: SaveParts) -> int:
+    """An upper bound of the bytes this rank writes for a sorted state: its tensors plus
+    slack."""
     held = sum(s.data.nbytes for s in parts.shards if isinstance(s, ShardedTensor))
     return held + _SLACK
 
@@ -111,7 +111,8 @@ class LocalTier:
         self.replicas = replicas
         self.nodes = Nodes(group.size, ranks_per_node)
         self.storage_options = storage_options
-        self._behind: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # started by the first local step behind
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._handle: AsyncSaveHandle | None = None
         self.area = StagingArea(1)  # one staging buffer, reused by every local step
         self.documents: dict[tuple[int, str], Metadata] = {}
@@ -169,22 +170,19 @@ class LocalTier:
         stay."""
         self.wait()
         g = self.group
-        try:
-            reports = protocol.agree(
-                g, "local space", lambda: (state_share(state), free_bytes(self.node_dir(self.node)))
-            )
-        except Exception as e:  # raised alike on every rank: all skip this local step
-            self._failed(step, e)
-            return False
-        if self._lacking(step, reports):
-            return False
         url = self.step_url(step)
         opts = save_mod.SaveOptions(**options)
         cache = save_cache(g, opts.validate_access_integrity, opts.format)
-        try:
-            planned = save_mod.plan_save(g, cache, state, opts)
-        except Exception as e:  # raised alike on every rank
+
+        def space(parts: SaveParts) -> tuple[int, int | None]:
+            return parts_share(parts), free_bytes(self.node_dir(self.node))
+
+        try:  # the space reports travel with the plan's vote: one exchange in the call
+            planned = save_mod.plan_save(g, cache, state, opts, report=space)
+        except Exception as e:  # raised alike on every rank: all skip this local step
             self._failed(step, e)
+            return False
+        if self._lacking(step, planned.reports):
             return False
         handle = AsyncSaveHandle(url)
         staging = _Staging(planned, self.area, url, verify, hold_caller) if behind else None
@@ -238,8 +236,18 @@ class LocalTier:
                 handle._finish(None)
 
         self._handle = handle
-        self._behind = threading.Thread(target=run, name="dcpb-local-tier", daemon=True)
-        self._behind.start()
+        if self._worker is None:  # one thread for every step: no thread start in the call
+            self._worker = threading.Thread(target=self._loop, name="dcpb-local-tier", daemon=True)
+            self._worker.start()
+        self._jobs.put(run)
+
+    def _loop(self) -> None:
+        """The tier's thread: run queued local steps in order until ``close`` sends None."""
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except BaseException as e:  # a step logs its own failures; this is a last resort
+                log.error("dcpbridge: local tier: a local step crashed: %r", e)
 
     def _lacking(self, step: int, reports: list[Any]) -> bool:
         """Whether some node lacks space for this step (warned once, by the coordinator)."""
@@ -297,9 +305,8 @@ class LocalTier:
     def wait(self) -> None:
         """Until the background write, copies, commit (and upload) of the last local step
         are done."""
-        if self._behind is not None:
-            self._behind.join()
-            self._behind = None
+        if self._handle is not None:
+            self._handle._done.wait()
         self._handle = None
 
     @staticmethod
@@ -493,8 +500,12 @@ class LocalTier:
         return newest_recoverable(reports, METADATA_FILE, after, step)
 
     def close(self) -> None:
-        """Wait for the background copies and commit of the last local step."""
+        """Wait for the background copies and commit of the last local step; end the
+        tier's thread."""
         self.wait()
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker = None
 
 
 def held_step(location: Location) -> tuple[LocalStep, Metadata] | None:

@@ -117,6 +117,8 @@ class PlannedSave:
     owners: WriteOwners | None = None
     common: Any = None  # the nested common state for torch_dist's common.pt
     error: BaseException | None = None
+    reports: list[Any] = field(default_factory=list)
+    """What every rank's ``report`` of ``plan_save`` returned (rank order; None without)."""
 
     @property
     def shards(self) -> list[Any]:
@@ -124,9 +126,14 @@ class PlannedSave:
 
 
 def plan_save(
-    group: Group, cache: SaveCache, sharded_state_dict: ShardedStateDict, options: SaveOptions
+    group: Group,
+    cache: SaveCache,
+    sharded_state_dict: ShardedStateDict,
+    options: SaveOptions,
+    report: Callable[[SaveParts], Any] | None = None,
 ) -> PlannedSave:
-    """Sort the state and take the collective decisions; a failure raises on every rank."""
+    """Sort the state and take the collective decisions; a failure raises on every rank.
+    ``report(parts)`` (of the sorted state) travels with the first vote: ``reports``."""
     parallel = parallel_group(options.fully_parallel, options.parallelization_group, group)
     planned = PlannedSave()
 
@@ -138,7 +145,8 @@ def plan_save(
         planned.structure = structure_of(parts.shards, parallel, parts.common_layout())
         return planned.structure
 
-    planned.reuse = agree_to_reuse(group, cache, sort)
+    told = None if report is None else lambda: report(planned.parts)
+    planned.reuse, planned.reports = agree_to_reuse(group, cache, sort, told)
     if planned.reuse is not None:
         planned.owners = planned.reuse.entry.owners
     else:

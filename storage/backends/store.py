@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
@@ -413,9 +413,7 @@ class LocalStorage(Storage):
             if len(batches) <= 1:
                 run_all(reads)
                 return
-            with ThreadPoolExecutor(len(batches), thread_name_prefix="dcpb-read") as pool:
-                for fut in [pool.submit(run_all, b) for b in batches]:
-                    fut.result()
+            _READERS.run(run_all, batches)
 
 
 def _sync_file_range() -> Callable[..., int] | None:
@@ -584,6 +582,48 @@ class _FdCache:
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class _ReaderThreads:
+    """Reader threads kept from one fetch to the next: starting a thread waits until it runs,
+    which took milliseconds per thread on a loaded machine, several per restore."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No threads yet (also in a forked child: it has none of its parent's threads)."""
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
+        self._mine = threading.local()  # set in the pool's threads
+
+    def _mark(self) -> None:
+        self._mine.inside = True
+
+    def run(self, fn: Callable[[Any], None], batches: Sequence[Any]) -> None:
+        """``fn(batch)`` for every batch at once; once all ended, raise the first failure (so
+        no read still lands in a caller's buffer after this returns or raises)."""
+        if getattr(self._mine, "inside", False):  # a fetch from a reader thread: no waiting
+            for b in batches:  # on threads that may all be busy with fetches like this one
+                fn(b)
+            return
+        with self._lock:
+            if self._pool is None or self._size < len(batches):
+                # a larger pool; the smaller one's threads end once nothing refers to it
+                self._pool = ThreadPoolExecutor(
+                    len(batches), thread_name_prefix="dcpb-read", initializer=self._mark
+                )
+                self._size = len(batches)
+            pool = self._pool
+        futures = [pool.submit(fn, b) for b in batches]
+        wait(futures)
+        for fut in futures:
+            fut.result()
+
+
+_READERS = _ReaderThreads()
+os.register_at_fork(after_in_child=_READERS.reset)
 
 
 def _balanced_batches(reads: Sequence[Read], parts: int) -> list[Sequence[Read]]:

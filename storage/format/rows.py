@@ -23,7 +23,7 @@ from dcpbridge.storage.format.paths import check_file_name
 from dcpbridge.storage.format.references import check_reference, is_reference
 from dcpbridge.storage.format.table import ItemTable, StoredItem, table_from_rows
 
-_HEX64 = re.compile(r"^[0-9a-f]{16}$")
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 def _item(
@@ -57,7 +57,11 @@ def _item(
             raise CorruptCheckpointError(
                 f"{what}: {expected} block checksums expected, found {_show(checksums)}"
             )
-        if not all(type(c) is str and _HEX64.match(c) for c in checksums):
+        # each a string of 16 characters, and all of them together hex digits: one match
+        if not (
+            all(type(c) is str and len(c) == 16 for c in checksums)
+            and _HEX.fullmatch("".join(checksums))
+        ):
             raise CorruptCheckpointError(f"{what}: checksums must be 16 hex digits each")
     elif checksums is not None:
         raise CorruptCheckpointError(f"{what}: checksums recorded, but no checksum algorithm")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -388,3 +390,31 @@ def test_scatter_reads_fill_their_parts_and_skip_the_gaps(backend):
     assert d == data[-3:]
     with pytest.raises(db.StorageError, match="short read"):
         store.fetch([ScatterRead(path, 299_000, [memoryview(bytearray(500)), 600])], threads=1)
+
+
+def test_local_reads_run_on_kept_threads_and_a_failure_waits_for_the_others(tmp_path):
+    """Threaded local reads run on reader threads kept between fetches (none started per
+    fetch), and a failed read is raised only once the fetch's other reads have ended."""
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(4096))
+    store = storage_for(resolve(str(tmp_path)))
+    threads: list[threading.Thread] = []
+
+    def seen(delay: float = 0.0) -> None:
+        time.sleep(delay)
+        threads.append(threading.current_thread())
+
+    def reads(tail: int) -> list[RangeRead]:  # two batches: the first 4000 bytes, then a tail
+        return [
+            RangeRead(str(path), 0, memoryview(bytearray(4000)), lambda: seen(0.2)),
+            RangeRead(str(path), 4000, memoryview(bytearray(tail)), seen),
+        ]
+
+    with pytest.raises(db.StorageError, match="short read"):
+        store.fetch(reads(200), threads=2)  # the tail runs past the end of the file
+    assert len(threads) == 1  # the slow read had ended
+    before = set(threading.enumerate())
+    for _ in range(2):
+        store.fetch(reads(96), threads=2)
+    assert len(threads) == 5 and all(t in before for t in threads[1:])
+    assert all(t.name.startswith("dcpb-read") for t in threads)

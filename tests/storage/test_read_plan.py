@@ -244,3 +244,39 @@ def test_copy_verified_delivers_the_box_bit_exact_and_names_a_bad_tile(tiled):
     bad[(lo[0] + 3) * sizes[1] * 4 + (lo[1] * 4 if tiled else 0) + 1] ^= 1  # in the box
     with pytest.raises(ChecksumMismatchError, match=r"checksum mismatch in w, block \d+"):
         checksum.copy_verified(grid, bad, memoryview(out), lo, n, expected, what="w")
+
+
+def _tile_by_tile(grid: Grid, data: np.ndarray) -> list[str]:
+    """Reference digests: every tile cut out of the item by numpy slicing, in tile order."""
+    arr = data.reshape(*grid.sizes[:-1], grid.sizes[-1] * grid.itemsize)
+    out = []
+    for _, (lo, n) in grid.tiles((0,) * len(grid.sizes), grid.sizes):
+        index = tuple(slice(o, o + k) for o, k in zip(lo[:-1], n[:-1]))
+        index += (slice(lo[-1] * grid.itemsize, (lo[-1] + n[-1]) * grid.itemsize),)
+        out.append(xxhash.xxh3_64_hexdigest(np.ascontiguousarray(arr[index])))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sizes", "itemsize", "block"),
+    [((1000, 1024), 4, 1 << 20), ((90, 256, 4), 2, 8192), ((37, 512), 8, 1 << 14)],
+)
+def test_column_group_tiles_hashed_by_tile_row_match_tile_by_tile(sizes, itemsize, block):
+    """Chunks whose tiles cut dims 0 and 1 (column groups, the last tile row shorter): whole
+    rows are hashed one tile row at a time through a regrouping copy; the digests equal
+    each tile's cut out alone, whole-row boxes verify, and a flipped byte names its tile."""
+    grid = tensor_grid(sizes, itemsize, block, tiled=True)
+    groups = checksum.column_groups(grid)
+    assert groups > 1 and sizes[0] % grid.tile[0]  # column groups, a shorter last tile row
+    data = np.random.default_rng(1).integers(0, 256, grid.nbytes, np.uint8)
+    expected = _tile_by_tile(grid, data)
+    assert digests(grid, memoryview(data)) == expected
+    row = grid.nbytes // sizes[0]
+    first, rows = grid.tile[0], sizes[0] - grid.tile[0]  # from the second tile row to the end
+    part = memoryview(data[first * row :])
+    box = ((first,) + (0,) * (len(sizes) - 1), (rows, *sizes[1:]))
+    checksum.verify(grid, part, *box, expected, what="w")
+    bad = data[first * row :].copy()
+    bad[row + row // groups * (groups - 1) + 1] ^= 1  # second row, last column group
+    with pytest.raises(ChecksumMismatchError, match=rf"in w, block {2 * groups - 1} "):
+        checksum.verify(grid, memoryview(bad), *box, expected, what="w")
