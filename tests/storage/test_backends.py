@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from threading import current_thread
 from typing import Any
 
 import pytest
@@ -388,3 +389,28 @@ def test_scatter_reads_fill_their_parts_and_skip_the_gaps(backend):
     assert d == data[-3:]
     with pytest.raises(db.StorageError, match="short read"):
         store.fetch([ScatterRead(path, 299_000, [memoryview(bytearray(500)), 600])], threads=1)
+
+
+def test_local_fetches_start_threads_only_for_work_that_pays_for_them(tmp_path):
+    """A few small reads (a small checkpoint's) run on the calling thread; many reads are
+    shared between threads, each read done once, into its own buffer."""
+    data = os.urandom(1 << 16)
+    path = str(tmp_path / "blob")
+    with open(path, "wb") as f:
+        f.write(data)
+    store = storage_for(resolve(str(tmp_path)))
+
+    def fetch(count: int, size: int) -> set[str]:
+        threads: list[str] = []
+        bufs = [bytearray(size) for _ in range(count)]
+        reads = [
+            RangeRead(path, i * size, memoryview(b), lambda: threads.append(current_thread().name))
+            for i, b in enumerate(bufs)
+        ]
+        store.fetch(reads, threads=4)
+        assert len(threads) == count
+        assert all(b == data[i * size : (i + 1) * size] for i, b in enumerate(bufs))
+        return set(threads)
+
+    assert fetch(3, 100) == {current_thread().name}
+    assert all(name.startswith("dcpb-read") for name in fetch(256, 256))
