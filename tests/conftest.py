@@ -64,6 +64,7 @@ MEGATRON_IN_POOL = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile``, the ``MEGATRON_IN_POOL`` modules counted as one file."""
     if config.getvalue("dist") != "loadfile":
