@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,31 @@ LONGEST_FIRST = (
     "tests/e2e/test_interop.py",
     "tests/engine/test_manager.py",
 )
+
+
+# Modules whose tests import megatron-core in the pool's ranks (~2.3 CPU s a rank) and save with
+# it (a process's first save spawns a Manager that imports torch, ~4 CPU s): ``make test`` runs
+# them in one test process, so its pool pays that once, not once per process they land in.
+MEGATRON_IN_POOL = (
+    "tests/mcore/test_megatron_api.py",
+    "tests/mcore/test_strict_entry_points.py",
+    "tests/e2e/test_interop.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, the ``MEGATRON_IN_POOL`` modules counted as one file."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return MEGATRON_IN_POOL[0] if scope in MEGATRON_IN_POOL else scope
+
+    return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -39,6 +39,7 @@ from tests.support.s3_server import free_port
 ROWS = 3 << 19  # 6 MiB of float32 per rank and tensor: the S3 uploads are multipart
 PART = 5 << 20
 PG_TIMEOUT = timedelta(seconds=10)
+STAGING_SURVIVOR_TIMEOUT = timedelta(seconds=2)
 META = "dcpbridge.json"
 
 
@@ -159,6 +160,10 @@ def _rank_main(
         dist.barrier()
         if rank == victim:
             _install_pause(phase, os.path.join(workdir, "paused"))
+        elif phase == "staging":  # the victim pauses before this save's first exchange, so the
+            # survivor's first wait on it can only end in the timeout (a store wait: it cannot
+            # see a dead peer); a shorter one proves the same
+            dist.distributed_c10d._get_default_store().set_timeout(STAGING_SURVIVOR_TIMEOUT)
         if phase == "staging":
             db.async_save(_state(rank, 2.0), path, storage_options=options).result()
         else:

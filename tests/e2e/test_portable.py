@@ -156,8 +156,9 @@ def made(pool, tmp_path_factory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def foreign_pool() -> Iterator[WorkerPool]:
-    """4 gloo ranks in which ``import dcpbridge`` fails."""
-    p = WorkerPool(size=4, blocked=("dcpbridge",))
+    """4 gloo ranks in which ``import dcpbridge`` fails, megatron-core imported (once, before
+    they were forked: every rank runs Megatron's load first)."""
+    p = WorkerPool(size=4, blocked=("dcpbridge",), preload=("megatron.core.dist_checkpointing",))
     yield p
     p.close()
 

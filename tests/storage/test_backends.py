@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from threading import current_thread
 from typing import Any
 
 import pytest
@@ -396,7 +397,7 @@ def test_local_reads_run_on_kept_threads_and_a_failure_waits_for_the_others(tmp_
     """Threaded local reads run on reader threads kept between fetches (none started per
     fetch), and a failed read is raised only once the fetch's other reads have ended."""
     path = tmp_path / "blob"
-    path.write_bytes(os.urandom(4096))
+    path.write_bytes(os.urandom(4 << 20))  # enough work to pay for 2 threads (see fetch)
     store = storage_for(resolve(str(tmp_path)))
     threads: list[threading.Thread] = []
 
@@ -404,10 +405,10 @@ def test_local_reads_run_on_kept_threads_and_a_failure_waits_for_the_others(tmp_
         time.sleep(delay)
         threads.append(threading.current_thread())
 
-    def reads(tail: int) -> list[RangeRead]:  # two batches: the first 4000 bytes, then a tail
+    def reads(tail: int) -> list[RangeRead]:  # two batches: the first 3 MiB, then a tail
         return [
-            RangeRead(str(path), 0, memoryview(bytearray(4000)), lambda: seen(0.2)),
-            RangeRead(str(path), 4000, memoryview(bytearray(tail)), seen),
+            RangeRead(str(path), 0, memoryview(bytearray(3 << 20)), lambda: seen(0.2)),
+            RangeRead(str(path), 3 << 20, memoryview(bytearray((1 << 20) + tail)), seen),
         ]
 
     with pytest.raises(db.StorageError, match="short read"):
@@ -415,6 +416,31 @@ def test_local_reads_run_on_kept_threads_and_a_failure_waits_for_the_others(tmp_
     assert len(threads) == 1  # the slow read had ended
     before = set(threading.enumerate())
     for _ in range(2):
-        store.fetch(reads(96), threads=2)
+        store.fetch(reads(-96), threads=2)
     assert len(threads) == 5 and all(t in before for t in threads[1:])
     assert all(t.name.startswith("dcpb-read") for t in threads)
+
+
+def test_local_fetches_start_threads_only_for_work_that_pays_for_them(tmp_path):
+    """A few small reads (a small checkpoint's) run on the calling thread; many reads are
+    shared between threads, each read done once, into its own buffer."""
+    data = os.urandom(1 << 16)
+    path = str(tmp_path / "blob")
+    with open(path, "wb") as f:
+        f.write(data)
+    store = storage_for(resolve(str(tmp_path)))
+
+    def fetch(count: int, size: int) -> set[str]:
+        threads: list[str] = []
+        bufs = [bytearray(size) for _ in range(count)]
+        reads = [
+            RangeRead(path, i * size, memoryview(b), lambda: threads.append(current_thread().name))
+            for i, b in enumerate(bufs)
+        ]
+        store.fetch(reads, threads=4)
+        assert len(threads) == count
+        assert all(b == data[i * size : (i + 1) * size] for i, b in enumerate(bufs))
+        return set(threads)
+
+    assert fetch(3, 100) == {current_thread().name}
+    assert all(name.startswith("dcpb-read") for name in fetch(256, 256))

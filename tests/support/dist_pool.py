@@ -5,6 +5,9 @@ Each worker joins a world of ``size`` ranks and pre-creates sub-groups of the fi
 default group). Results come back as ``torch.save`` bytes (tensors sent through pipes as
 shared memory break once the sender exits). A test that exceeds its timeout kills the pool,
 which the next test respawns, so one hung collective cannot stall the session.
+
+Ranks are forked from a server that imported torch and dcpbridge; a pool whose ranks must not
+import some packages forks them from one fresh interpreter of its own that blocked them first.
 """
 
 from __future__ import annotations
@@ -65,12 +68,8 @@ def _dumps(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _worker(
-    rank: int, size: int, port: int, conn: Connection, log_path: str, blocked: tuple[str, ...]
-) -> None:
-    if blocked:  # before the task modules: they must run without these packages
-        import_block.install(blocked)
-    # a spawned child inherits "spawn" as its default; a torchrun rank on Linux forks its
+def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) -> None:
+    # a rank inherits its parent's start method (forkserver, spawn); a torchrun rank forks its
     # DataLoader workers (spawning them re-imports torch in each: seconds per epoch)
     mp.set_start_method("fork", force=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -107,6 +106,70 @@ def _worker(
     os._exit(0)
 
 
+def _blocked_parent(
+    size: int,
+    port: int,
+    conns: list[Connection],
+    log_dir: str,
+    blocked: tuple[str, ...],
+    preload: tuple[str, ...],
+    reply: Connection,
+) -> None:
+    """A fresh interpreter in which ``blocked`` cannot be imported: it imports torch (and
+    ``preload``) once, forks the ``size`` ranks and waits for them (each rank a fresh
+    interpreter instead would import torch again: seconds of CPU per rank)."""
+    fd = os.open(os.path.join(log_dir, "parent.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    import_block.install(blocked)  # before anything that could import them
+    import torch.distributed.checkpoint  # noqa: F401  (what _worker imports)
+
+    for name in preload:
+        importlib.import_module(name)
+    ctx = mp.get_context("fork")
+    ranks = []
+    with children_allowed():
+        for rank in range(size):
+            log = os.path.join(log_dir, f"rank{rank}.log")
+            args = (rank, size, port, conns, log)
+            ranks.append(ctx.Process(target=_forked_rank, args=args, daemon=True))
+            ranks[-1].start()
+    for conn in conns:
+        conn.close()
+    reply.send([p.pid for p in ranks])
+    for p in ranks:
+        p.join()
+
+
+def _forked_rank(rank: int, size: int, port: int, conns: list[Connection], log: str) -> None:
+    for other, conn in enumerate(conns):
+        if other != rank:
+            conn.close()  # a rank's pipe ends with it (the others' copies would keep it open)
+    _worker(rank, size, port, conns[rank], log)
+
+
+class _Forked:
+    """A rank that the pool's blocked parent forked (not our child): watched through a pidfd,
+    which turns readable when the process ends."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)
+
+    def is_alive(self) -> bool:
+        return not wait([self.sentinel], 0)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        wait([self.sentinel], timeout)
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux /proc; none elsewhere)."""
     found = []
@@ -122,31 +185,67 @@ def _children(pid: int) -> list[int]:
 
 
 class WorkerPool:
-    """``size`` spawned gloo ranks that run test functions on demand; ``blocked`` packages
-    cannot be imported in them (readers of other tools, run where dcpbridge is absent)."""
+    """``size`` gloo ranks that run test functions on demand; ``blocked`` packages cannot be
+    imported in them (readers of other tools, run where dcpbridge is absent), ``preload``
+    modules are imported before their ranks are forked (only with ``blocked``)."""
 
-    def __init__(self, size: int = 4, *, blocked: tuple[str, ...] = ()) -> None:
-        self.size, self.blocked = size, blocked
-        self._procs: list[mp.process.BaseProcess] = []
+    def __init__(
+        self, size: int = 4, *, blocked: tuple[str, ...] = (), preload: tuple[str, ...] = ()
+    ) -> None:
+        if preload and not blocked:
+            raise ValueError("preload is for pools with blocked packages")
+        self.size, self.blocked, self.preload = size, blocked, preload
+        self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._parent: mp.process.BaseProcess | None = None
         self._logdir = tempfile.mkdtemp(prefix="dcpb-pool-")
 
     def _start(self) -> None:
-        # forked from a server that imported torch and dcpbridge, unless a package is blocked
-        ctx = mp.get_context("spawn") if self.blocked else preloaded.context()
+        if self.blocked:
+            self._start_blocked()
+            self._wait_ready()
+            return
+        ctx = preloaded.context()  # forked from a server that imported torch and dcpbridge
         port = free_port()
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             log = os.path.join(self._logdir, f"rank{rank}.log")
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.size, port, child, log, self.blocked),
+                args=(rank, self.size, port, child, log),
                 daemon=True,
             )
             p.start()
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
+        self._wait_ready()
+
+    def _start_blocked(self) -> None:
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(self.size)]
+        reply, their_reply = ctx.Pipe()
+        args = (self.size, free_port(), [c for _, c in pipes], self._logdir, self.blocked)
+        self._parent = ctx.Process(
+            target=_blocked_parent, args=(*args, self.preload, their_reply), daemon=True
+        )
+        self._parent.start()
+        for _, child in pipes:
+            child.close()
+        their_reply.close()
+        self._conns = [parent for parent, _ in pipes]
+        with reply:
+            try:
+                if not reply.poll(120):
+                    raise EOFError
+                self._procs = [_Forked(pid) for pid in reply.recv()]
+            except EOFError:
+                self.kill()
+                raise RuntimeError(
+                    f"pool ranks were not forked:\n{self._log_tail('parent')}"
+                ) from None
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 120
         for rank, conn in enumerate(self._conns):
             if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -154,9 +253,10 @@ class WorkerPool:
                 raise RuntimeError(f"pool worker {rank} did not start:\n{self._log_tail(rank)}")
             conn.recv()
 
-    def _log_tail(self, rank: int, lines: int = 30) -> str:
+    def _log_tail(self, rank: int | str, lines: int = 30) -> str:
+        name = f"rank{rank}" if isinstance(rank, int) else rank
         try:
-            with open(os.path.join(self._logdir, f"rank{rank}.log")) as f:
+            with open(os.path.join(self._logdir, f"{name}.log")) as f:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return ""
@@ -230,7 +330,12 @@ class WorkerPool:
                 p.kill()
         for p in self._procs:
             p.join(timeout=10)
-        self._procs, self._conns = [], []
+        if self._parent is not None:  # a blocked pool's parent, once its ranks are gone
+            self._parent.kill()
+            self._parent.join(timeout=10)
+            for p in self._procs:
+                p.close()
+        self._procs, self._conns, self._parent = [], [], None
 
     def close(self) -> None:
         for conn in self._conns:

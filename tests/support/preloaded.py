@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import resource
 import runpy
 import subprocess
 import sys
@@ -70,6 +71,13 @@ def _cli(argv: list[str]) -> int:
     return cli.main(argv)
 
 
+def _cli_peak_rss(argv: list[str], out: str) -> int:
+    code = _cli(argv)
+    with open(out, "w") as f:  # KiB; counted from the fork, which starts at the server's RSS
+        f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    return code
+
+
 def _script(path: str) -> None:
     sys.argv = [path]
     runpy.run_path(path, run_name="__main__")
@@ -107,6 +115,17 @@ def run_cli(argv: Sequence[str], timeout: float = 120) -> subprocess.CompletedPr
     """``dcpbridge ARGV`` in a process of its own: exit code, stdout and stderr."""
 
     return _run(partial(_cli, list(argv)), ["dcpbridge", *argv], timeout)
+
+
+def cli_peak_rss(argv: Sequence[str], timeout: float = 120) -> int:
+    """``dcpbridge ARGV`` (which must succeed) in a process of its own: its peak RSS in KiB,
+    counted from the fork on (a server that imported torch, whatever the caller holds)."""
+    with tempfile.TemporaryDirectory(prefix="dcpb-rss-") as d:
+        out = os.path.join(d, "rss")
+        proc = _run(partial(_cli_peak_rss, list(argv), out), ["dcpbridge", *argv], timeout)
+        assert proc.returncode == 0, (argv, proc.returncode, proc.stderr[-2000:])
+        with open(out) as f:
+            return int(f.read())
 
 
 def run_script(path: str, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import fsspec
 import pytest
@@ -23,7 +22,6 @@ from tests.e2e.test_reshard import save_layout
 from tests.support import layouts as L
 from tests.support import preloaded
 from tests.support.dist_pool import Rank
-from tests.tools.test_cli import COMMAND
 
 
 @pytest.mark.parametrize(
@@ -128,26 +126,11 @@ def test_torchrun_workers(tmp_path):
     assert torch.equal(out["w"], w[40:48]) and out["step"] == 3
 
 
-# Runs a command and prints its peak RSS. A small intermediate process is needed: Linux keeps
-# a process's peak RSS across exec, so a child forked from pytest would report pytest's.
-_MEASURE = (
-    "import os, subprocess, sys\n"
-    "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
-    "_, status, usage = os.wait4(p.pid, 0)\n"
-    "print(usage.ru_maxrss)\n"
-    "sys.exit(os.waitstatus_to_exitcode(status))\n"
-)
-
-
 def _peak_rss_mib(*args: str) -> float:
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, *COMMAND, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return int(proc.stdout.split()[-1]) / 1024
+    """The peak RSS of ``dcpbridge ARGS`` in a process forked from one that imported torch (its
+    count starts there, not at this test process's peak; a fresh interpreter would import
+    torch again for each of the three commands)."""
+    return preloaded.cli_peak_rss(args) / 1024
 
 
 def test_reshard_and_export_memory_stay_bounded(tmp_path):
