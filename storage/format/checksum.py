@@ -151,7 +151,7 @@ def item_grid(
     return tensor_grid(tuple(sizes), dtype.itemsize, block, tiled=tiled)
 
 
-def _array(data: memoryview, shape: Sequence[int], itemsize: int) -> np.ndarray:
+def byte_array(data: memoryview | np.ndarray, shape: Sequence[int], itemsize: int) -> np.ndarray:
     """``data`` as a uint8 array of ``shape`` (the last dimension counted in bytes)."""
     flat = np.frombuffer(data, dtype=np.uint8)
     if not shape:
@@ -163,9 +163,7 @@ def _tile_bytes(arr: np.ndarray, box: Box, itemsize: int) -> memoryview | np.nda
     lo, n = box
     if not lo:
         return arr
-    index = tuple(slice(o, o + k) for o, k in zip(lo[:-1], n[:-1]))
-    index += (slice(lo[-1] * itemsize, (lo[-1] + n[-1]) * itemsize),)
-    part = arr[index]
+    part = arr[box_index(lo, n, itemsize)]
     return part if part.flags.c_contiguous else np.ascontiguousarray(part)
 
 
@@ -178,7 +176,7 @@ def _box_digests(
     if groups and offsets[0] % grid.tile[0] == 0 and tuple(lengths[1:]) == grid.sizes[1:]:
         yield from _row_digests(grid, data, offsets[0], lengths[0], groups)
         return
-    arr = _array(data, lengths, grid.itemsize)
+    arr = byte_array(data, lengths, grid.itemsize)
     for index, box in grid.tiles(offsets, lengths):
         yield index, xxhash.xxh3_64_hexdigest(_tile_bytes(arr, box, grid.itemsize)), box
 
@@ -307,20 +305,18 @@ def copy_verified(
     order, a mapped file) into ``out`` (the box's bytes in C order) one tile at a time through
     a scratch buffer that is hashed before it lands: the bytes delivered are the bytes checked,
     whatever happens to ``item`` meanwhile; raise ``ChecksumMismatchError`` naming the tile."""
-    src = _array(item, grid.sizes, grid.itemsize)
-    dst = _array(out, lengths, grid.itemsize)
-    tile_bytes = math.prod(grid.tile) * grid.itemsize
-    scratch = np.empty(tile_bytes, np.uint8)
-    last = len(grid.sizes) - 1
+    src = byte_array(item, grid.sizes, grid.itemsize)
+    dst = byte_array(out, lengths, grid.itemsize)
+    scratch = _scratch(math.prod(grid.tile) * grid.itemsize)
     for index, (lo, n) in grid.tiles(offsets, lengths):
         at = tuple(o + b for o, b in zip(offsets, lo))
         shape = (*n[:-1], n[-1] * grid.itemsize)
         part = scratch[: math.prod(shape)].reshape(shape)
-        np.copyto(part, src[_slices(at, n, grid.itemsize, last)])
+        np.copyto(part, src[box_index(at, n, grid.itemsize)])
         got = xxhash.xxh3_64_hexdigest(part)
         if got != expected[index]:
             raise_mismatch(index, got, expected, what, _span(grid, at, n))
-        dst[_slices(lo, n, grid.itemsize, last)] = part
+        dst[box_index(lo, n, grid.itemsize)] = part
 
 
 def _span(grid: Grid, at: Sequence[int], n: Sequence[int]) -> str:
@@ -330,12 +326,12 @@ def _span(grid: Grid, at: Sequence[int], n: Sequence[int]) -> str:
     return f"elements {list(at)}+{list(n)} of the chunk"
 
 
-def _slices(lo: Sequence[int], n: Sequence[int], itemsize: int, last: int) -> tuple[slice, ...]:
-    """Index of box ``lo``+``n`` in an array whose last dimension counts bytes."""
-    return tuple(
-        slice(o * itemsize, (o + k) * itemsize) if d == last else slice(o, o + k)
-        for d, (o, k) in enumerate(zip(lo, n))
-    )
+def box_index(lo: Sequence[int], n: Sequence[int], itemsize: int) -> tuple[slice, ...]:
+    """Index of box ``lo``+``n`` in a ``byte_array`` (its last dimension counts bytes)."""
+    if not lo:
+        return ()
+    index = tuple(slice(o, o + k) for o, k in zip(lo[:-1], n[:-1]))
+    return (*index, slice(lo[-1] * itemsize, (lo[-1] + n[-1]) * itemsize))
 
 
 def raise_mismatch(

@@ -327,11 +327,9 @@ def _copy_box(
 ) -> None:
     """Copy box ``offsets``+``lengths`` of a C-order chunk of ``sizes`` (bytes ``item``) into
     ``out``, the box's bytes in C order: one strided copy."""
-    rows = item.reshape(*sizes[:-1], sizes[-1] * itemsize)
-    index = tuple(slice(o, o + n) for o, n in zip(offsets[:-1], lengths[:-1]))
-    index += (slice(offsets[-1] * itemsize, (offsets[-1] + lengths[-1]) * itemsize),)
-    dst = np.frombuffer(out, np.uint8).reshape(*lengths[:-1], lengths[-1] * itemsize)
-    np.copyto(dst, rows[index])
+    src = checksum.byte_array(item, sizes, itemsize)
+    dst = checksum.byte_array(out, lengths, itemsize)
+    np.copyto(dst, src[checksum.box_index(offsets, lengths, itemsize)])
 
 
 def run_jobs(
