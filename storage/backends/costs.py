@@ -27,6 +27,10 @@ class ReadCosts:
         if not (self.request_seconds >= 0 and self.byte_seconds > 0):
             raise ValueError(f"read costs must be >= 0 per request and > 0 per byte: {self}")
 
+    def seconds(self, requests: int, nbytes: int) -> float:
+        """What ``requests`` requests for ``nbytes`` bytes in all cost."""
+        return requests * self.request_seconds + nbytes * self.byte_seconds
+
     @property
     def break_even_gap(self) -> int:
         """The gap whose reading costs as much as a request: closer ranges are cheaper joined."""

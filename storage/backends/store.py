@@ -627,8 +627,9 @@ os.register_at_fork(after_in_child=_READERS.reset)
 
 
 # Starting and joining one more reader thread, measured on these 2-core VMs: ~100 us idle,
-# 200-600 us under load. A thread is started only for this much work or more (by the read
-# costs: 10 requests or 800 KB); smaller fetches (a small checkpoint's) run on the caller.
+# 200-600 us under load (a kept thread costs less; the bar stays). A thread takes part only
+# for this much work or more (by the read costs: 10 requests or 800 KB); smaller fetches (a
+# small checkpoint's) run on the caller.
 _THREAD_WORK_SECONDS = 200e-6
 
 
@@ -640,7 +641,7 @@ def _balanced_batches(reads: Sequence[Read], parts: int) -> list[Sequence[Read]]
     """
     sizes = [read_size(r) for r in reads]  # once: a scatter read sums its parts
     total = sum(sizes)
-    work = len(reads) * LOCAL_READ_COSTS.request_seconds + total * LOCAL_READ_COSTS.byte_seconds
+    work = LOCAL_READ_COSTS.seconds(len(reads), total)
     parts = min(parts, int(work / _THREAD_WORK_SECONDS))
     if parts <= 1 or len(reads) <= 1 or total == 0:
         return [reads] if reads else []

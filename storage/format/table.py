@@ -249,10 +249,15 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
             self._sum_starts = ((block, self.tiled), starts)
         return self._sum_starts[1]
 
-    def tensor_id(self, fqn: str) -> int | None:
+    @property
+    def tensor_ids(self) -> dict[str, int]:
+        """Each stored tensor's index by name (built on first use)."""
         if self._tensor_ids is None:
             self._tensor_ids = {name: i for i, name in enumerate(self.tensors)}
-        return self._tensor_ids.get(fqn)
+        return self._tensor_ids
+
+    def tensor_id(self, fqn: str) -> int | None:
+        return self.tensor_ids.get(fqn)
 
     def key(self, row: int) -> ItemKey:
         if row >= self.tensor_rows:
@@ -312,11 +317,7 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
         rows: list[int] = []
         tids: list[int] = []
         unsure: list[tuple[int, tuple[int, ...]]] = []  # (position, offsets) of one-chunk tensors
-        ids = self._tensor_ids
-        if ids is None:
-            self.tensor_id("")
-            ids = self._tensor_ids
-        assert ids is not None
+        ids = self.tensor_ids
         for fqn, offsets in keys:
             if offsets is None:
                 row = self.find((fqn, None))
