@@ -115,9 +115,9 @@ class CheckpointManager:
     default) a writer process where it can, "process" always, "thread" this process; sync
     saves and the local tier always write in this process. With a local tier (``local_dir``)
     and ``persist_behind``, a persistent step that is also a local step is uploaded from the
-    local step's files behind the loop instead of being staged and written again. Retention and the removal of uncommitted
-    directories run on the group's rank 0 after a commit; a failure to delete is logged, never
-    raised (the new checkpoint is safe).
+    local step's files behind the loop instead of being staged and written again. Retention
+    and the removal of uncommitted directories run on the group's rank 0 after a commit; a
+    failure to delete is logged, never raised (the new checkpoint is safe).
     """
 
     def __init__(
