@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dcpbridge-installed
 # parallel test processes (the tests wait on sockets, subprocesses and disks as much as on CPUs)
 JOBS ?= 3
+# the tests start hundreds of interpreters: where the environment turns bytecode caching off
+# (PYTHONDONTWRITEBYTECODE), each of them compiled dcpbridge and the test modules again
+CACHED := env -u PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test test-fast bench lint install
 
@@ -21,11 +24,11 @@ demo: $(STAMP)
 
 # every test but the gpu-marked ones, test modules spread over parallel processes
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" -q -n $(JOBS) --dist loadfile
+	$(CACHED) $(PY) -m pytest -m "not gpu" -q -n $(JOBS) --dist loadfile
 
 # single-process tests only (no gloo worker pool, S3 server or megatron-core): seconds, not minutes
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not gpu and not dist and not s3 and not interop and not slow" -q -n $(JOBS) --dist loadfile
+	$(CACHED) $(PY) -m pytest -m "not gpu and not dist and not s3 and not interop and not slow" -q -n $(JOBS) --dist loadfile
 
 # the bench extra's contenders (s3torchconnector, torch_checkpointing) where the registry has
 # them; their rows say "skipped: not installed" otherwise
