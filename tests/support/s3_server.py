@@ -36,8 +36,36 @@ def scrub_aws_environment() -> None:
     os.environ["AWS_ENDPOINT_URL"] = DEAD_ENDPOINT
 
 
+# Ports for servers the tests start (gloo stores, SeaweedFS) come from below the kernel's
+# ephemeral range, where connect() and gloo's own listeners take theirs, one block per xdist
+# test process, handed out in turn: a port picked here is not taken by another test process or
+# an outgoing connection in the moments before its server binds it.
+_PORT_BLOCK = 1500
+_next_port: dict[int, int] = {}
+
+
+def _ephemeral_low() -> int:
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open("/proc/sys/net/ipv4/ip_local_port_range") as f,
+    ):
+        return int(f.read().split()[0])
+    return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A 127.0.0.1 TCP port that nothing listens on, from this test process's block."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = 10000 + _PORT_BLOCK * (int(worker) if worker.isdigit() else 0)
+    if low + _PORT_BLOCK <= _ephemeral_low():
+        start = _next_port.setdefault(os.getpid(), os.getpid() % _PORT_BLOCK)
+        for n in range(start, start + _PORT_BLOCK):
+            port = low + n % _PORT_BLOCK
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.bind(("127.0.0.1", port))
+                _next_port[os.getpid()] = n + 1
+                return port
+    with socket.socket() as s:  # no block of our own: any port the kernel calls free
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
