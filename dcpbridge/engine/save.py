@@ -45,6 +45,7 @@ from dcpbridge.errors import (
     DistributedCheckpointError,
     InvalidArgumentError,
     StagingError,
+    WriterProcessError,
 )
 from dcpbridge.formats.config import resolve_storage_options
 from dcpbridge.formats.torch_dist import TorchDistSavePlanner, TorchDistWriter
@@ -382,8 +383,12 @@ def async_save(
     except Exception as e:  # raised alike on every rank: reported where each waits
         return saver.submit(target, _raiser(e), None)
     started = process_of(saver.area) is not None
-    writer = choose_writer(writer, opts.format, target, _staged_bytes(planned), started)
-    wrap = attach(saver.area, writer)
+    chosen = choose_writer(writer, opts.format, target, _staged_bytes(planned), started)
+    try:
+        writer, wrap = attach(saver.area, chosen, f"async_save to {target}", writer == "auto")
+    except WriterProcessError as e:  # this rank's alone: carried to every rank's write
+        writer, wrap = chosen, None
+        planned.error = planned.error or e
     job = functools.partial(
         _write_behind, saver.group, cache, planned, target, opts, before_write, wrap
     )

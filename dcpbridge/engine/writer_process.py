@@ -10,6 +10,8 @@ first save large enough to gain from it (``choose_writer``).
 from __future__ import annotations
 
 import functools
+import logging
+import subprocess
 import weakref
 from collections.abc import Callable
 
@@ -17,13 +19,15 @@ import torch
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from dcpbridge.engine.staging import BufferSet, StagingArea
-from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.errors import InvalidArgumentError, WriterProcessError
 from dcpbridge.storage import FsspecCheckpointWriter
 from dcpbridge.storage.format.paths import process_local_url
 from dcpbridge.storage.write import shared
 from dcpbridge.storage.write.process import ProcessWriter, WriterProcess
 
 WRITERS = ("auto", "thread", "process")
+
+log = logging.getLogger(__name__)
 
 _processes: weakref.WeakKeyDictionary[StagingArea, WriterProcess] = weakref.WeakKeyDictionary()
 
@@ -63,20 +67,35 @@ def choose_writer(writer: str, format: str, url: str, nbytes: int, started: bool
     return "process" if started or nbytes >= AUTO_MIN_BYTES else "thread"
 
 
-def attach(area: StagingArea, writer: str) -> Callable[[StorageWriter], StorageWriter] | None:
-    """Set ``area`` (an async saver's) up for ``writer``; with a process, what wraps each
-    save's storage writer so that its data is written there (None: written in this process)."""
+def attach(
+    area: StagingArea, writer: str, what: str, auto: bool = False
+) -> tuple[str, Callable[[StorageWriter], StorageWriter] | None]:
+    """Set ``area`` (an async saver's) up for ``writer``: (the writer it got, what wraps each
+    save's storage writer so that its data is written in the process, or None). A writer
+    process that cannot start raises ``WriterProcessError`` naming ``what`` or, where "auto"
+    chose it (``auto``), leaves the save to the thread writer with a warning."""
     if writer != "process":
         area.use(None)
-        return None
-    area.use(shared_buffers)
+        return writer, None
     process = _processes.get(area)
     if process is None:
         process = _processes[area] = WriterProcess()
         # not at exit: the saves drained at exit still need it (it ends when this process does)
         weakref.finalize(area, process.close).atexit = False
-    process.start()
-    return functools.partial(_wrap, process=process)
+    try:
+        process.start()
+    except (OSError, subprocess.SubprocessError) as e:
+        del _processes[area]  # the next save that wants one tries again
+        area.use(None)
+        error = WriterProcessError(
+            f"{what}: the writer process could not start: {type(e).__name__}: {e}"
+        )
+        if not auto:
+            raise error from e
+        log.warning("%s; the thread writer writes this save", error)
+        return "thread", None
+    area.use(shared_buffers)
+    return "process", functools.partial(_wrap, process=process)
 
 
 def process_of(area: StagingArea) -> WriterProcess | None:

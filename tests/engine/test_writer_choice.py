@@ -3,8 +3,12 @@ save gets, exactly, and that a sync save never starts a process."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import os
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -170,3 +174,69 @@ def test_auto_writers_of_successive_saves_are_exact(pool, tmp_path):
         ("process", True, True),
     ]
     assert results == [rank0, rank1, [], []]
+
+
+@contextlib.contextmanager
+def _warnings(log: logging.Logger) -> Iterator[list[str]]:
+    got: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: got.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        yield got
+    finally:
+        log.removeHandler(handler)
+
+
+def unstartable_writer_process(r: Rank, root: str) -> list:
+    """Rank 0's writer process cannot start (its interpreter is missing): a named "process"
+    fails the save on both ranks; "auto" writes rank 0's part on its thread instead."""
+    group = dist.new_group([0, 1])
+    if r.rank >= 2:
+        return []
+    threshold, writer_process.AUTO_MIN_BYTES = writer_process.AUTO_MIN_BYTES, 0
+    executable = sys.executable
+    if r.rank == 0:
+        sys.executable = os.path.join(root, "no-such-python")
+    area = AsyncSaver.for_group(Group.resolve(group), 1).area
+    got: list = []
+    try:
+        named = os.path.join(root, "named")
+        handle = db.async_save(_sharded(r, 512, 1), named, process_group=group, writer="process")
+        with pytest.raises(db.CheckpointError) as failed:
+            handle.result(120)
+        got.append((type(failed.value).__name__, str(failed.value)))
+        got.append(os.path.exists(os.path.join(named, "dcpbridge.json")))
+        auto = os.path.join(root, "auto")
+        with _warnings(writer_process.log) as warned:
+            handle = db.async_save(_sharded(r, 512, 2), auto, process_group=group)
+            handle.result(120)
+        got.append((handle.writer, _loaded(group, r, auto, 512, 2), warned))
+    finally:
+        sys.executable = executable
+        writer_process.AUTO_MIN_BYTES = threshold
+        process = process_of(area)
+        if process is not None:
+            process.close()
+        dist.destroy_process_group(group)
+        gc.collect()
+    return got
+
+
+def test_a_writer_process_that_cannot_start(pool, tmp_path):
+    results = pool.run(
+        unstartable_writer_process, 4, str(tmp_path), default_group=True, timeout=240
+    )
+    python = tmp_path / "no-such-python"
+    cause = f"FileNotFoundError: [Errno 2] No such file or directory: '{python}'"
+    error = (
+        "WriterProcessError",
+        f"rank 0: async_save to {tmp_path / 'named'}: the writer process could not start: {cause}",
+    )
+    warning = f"async_save to {tmp_path / 'auto'}: the writer process could not start: {cause}"
+    assert results == [
+        [error, False, ("thread", True, [f"{warning}; the thread writer writes this save"])],
+        [error, False, ("process", True, [])],
+        [],
+        [],
+    ]

@@ -55,8 +55,9 @@ def _check_load(r: Rank, path: str, state: dict[str, torch.Tensor], step: int) -
 
 def _writer_process(r: Rank) -> WriterProcess:
     """This rank's async saver's writer process (attached, so started, if it was not)."""
-    wrap = attach(AsyncSaver.for_group(Group.resolve(r.group), 1).area, "process")
-    assert wrap is not None
+    area = AsyncSaver.for_group(Group.resolve(r.group), 1).area
+    writer, wrap = attach(area, "process", "a test's saver")
+    assert writer == "process" and wrap is not None
     return wrap.keywords["process"]
 
 
