@@ -1,8 +1,10 @@
 """Column-split resharding: 2 ranks save split on dim 0, N ranks load split on dim 1.
 
 Each stored row is cut into N pieces, one per loading rank. Contenders, same run:
-- dcpbridge: local files are mapped and each checksum tile of the box is copied into a scratch
-  buffer, verified and copied on (no read syscalls, the bytes between pieces never touched);
+- dcpbridge: local files are mapped, a thread populates the coming boxes' pages ahead of the
+  copies (a cold load's disk reads overlap them), and each tile row of checksum tiles of the
+  box is gathered into a scratch buffer, verified and copied on (no read syscalls, the bytes
+  between pieces never touched);
 - dcpbridge-pread: the same load with mapping off (preads joined by the storage's cost model
   into spans of at most 2x the bytes needed, copied out of a bounce buffer): the path before;
 - DCP: DTensor Shard(0) saved and loaded into DTensor Shard(1) (whole stored chunks read);

@@ -348,6 +348,11 @@ def run_jobs(
     if strided:
         with store.mapped_files() as maps:
             copied: set[int] = set()
+            if maps is not None:  # the disk reads the coming boxes while earlier ones copy
+                spans = [
+                    (job.base + job.plan.span[0], job.base + job.plan.span[1]) for job in strided
+                ]
+                maps.prefetch([(path(job.file), lo, hi) for job, (lo, hi) in zip(strided, spans)])
             for job in strided if maps is not None else ():
                 item = maps.item(path(job.file), job.base, job.stored.nbytes, job.plan.span)
                 if item is None:

@@ -96,7 +96,7 @@ def _left_half(path: str) -> tuple[torch.Tensor, int]:
     return out, reader.bytes_read
 
 
-@pytest.mark.parametrize("where", ["local", "local-unmapped", "memory"])
+@pytest.mark.parametrize("where", ["local", "local-prefetched", "local-unmapped", "memory"])
 def test_column_split_reads_only_needed_rows_and_verifies_only_what_it_delivers(
     tmp_path, request, monkeypatch, where
 ):
@@ -104,7 +104,10 @@ def test_column_split_reads_only_needed_rows_and_verifies_only_what_it_delivers(
     (reading nothing else); memory:// and a kernel that cannot populate mappings join the rows
     into one span by the cost model (the skipped halves read but never delivered). Either way
     a flipped byte in an unneeded half is not this load's concern and a flipped byte in a
-    needed half fails the load."""
+    needed half fails the load (also with the coming boxes populated by a thread ahead)."""
+    if where == "local-prefetched":  # any size: the thread populates while boxes are copied
+        monkeypatch.setattr(store, "PREFETCH_MIN", 0)
+        monkeypatch.setattr(store, "PREFETCH_AHEAD", 0)
     if where == "local-unmapped":  # an advice the kernel refuses (EINVAL), as before 5.14
         monkeypatch.setattr(store, "_MADV_POPULATE_READ", 12345)
     if where == "memory":
@@ -118,7 +121,8 @@ def test_column_split_reads_only_needed_rows_and_verifies_only_what_it_delivers(
     assert torch.equal(out, full0[:, : COLS // 2])
     row = COLS * 4
     joined = (ROWS - 1) * row + row // 2  # one span: the needed halves and the gaps
-    assert read == (ROWS * row // 2 if where == "local" else joined)
+    mapped = where in ("local", "local-prefetched")
+    assert read == (ROWS * row // 2 if mapped else joined)
     _flip(path, "w0", 100 * row + row // 2 + 8)  # row 100, in the unneeded right half
     out, _ = _left_half(path)
     assert torch.equal(out, full0[:, : COLS // 2])

@@ -280,3 +280,40 @@ def test_column_group_tiles_hashed_by_tile_row_match_tile_by_tile(sizes, itemsiz
     bad[row + row // groups * (groups - 1) + 1] ^= 1  # second row, last column group
     with pytest.raises(ChecksumMismatchError, match=rf"in w, block {2 * groups - 1} "):
         checksum.verify(grid, memoryview(bad), *box, expected, what="w")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "itemsize", "block"),
+    [((1000, 1024), 4, 1 << 20), ((70, 256, 8), 4, 1 << 16), ((100, 512), 8, 1 << 16)],
+)
+def test_copy_verified_by_tile_rows_delivers_the_box_and_lands_no_row_with_a_bad_tile(
+    sizes, itemsize, block
+):
+    """Column-group tiles are copied a tile row at a time: the box (middle column groups,
+    rows to the shorter last tile row) arrives bit-exact; a flipped byte in the box raises
+    naming its tile, and nothing of that tile row lands (the rows before it do); a flipped
+    byte in a column group outside the box is not this copy's concern."""
+    grid = tensor_grid(sizes, itemsize, block, tiled=True)
+    groups = checksum.column_groups(grid)
+    assert groups >= 4
+    data = np.random.default_rng(2).integers(0, 256, grid.nbytes, np.uint8)
+    expected = digests(grid, memoryview(data))
+    lo, n = grid.widen((grid.tile[0], grid.tile[1]), (sizes[0] - grid.tile[0], 2 * grid.tile[1]))
+    assert lo[0] + n[0] == sizes[0] and n[1] == 2 * grid.tile[1]
+    row, piece = grid.nbytes // sizes[0], grid.nbytes // sizes[0] // groups
+    want = data.reshape(sizes[0], row)[lo[0] :, piece : 3 * piece]
+    out = np.full(want.size, 7, np.uint8)
+    checksum.copy_verified(grid, data, memoryview(out), lo, n, expected, what="w")
+    assert np.array_equal(out.reshape(want.shape), want)
+    bad = data.copy()
+    bad[(lo[0] + 1) * row + 3 * piece] ^= 1  # second row of the box, the group after it
+    checksum.copy_verified(grid, bad, memoryview(out), lo, n, expected, what="w")
+    assert np.array_equal(out.reshape(want.shape), want)
+    bad[(lo[0] + grid.tile[0] + 2) * row + 2 * piece + 1] ^= 1  # 2nd tile row, 2nd tile
+    out[:] = 7
+    tile = 2 * groups + 2
+    with pytest.raises(ChecksumMismatchError, match=rf"in w, block {tile} \(elements \["):
+        checksum.copy_verified(grid, bad, memoryview(out), lo, n, expected, what="w")
+    landed = out.reshape(want.shape)
+    assert np.array_equal(landed[: grid.tile[0]], want[: grid.tile[0]])
+    assert (landed[grid.tile[0] :] == 7).all()
