@@ -242,3 +242,21 @@ def test_staged_small_items_span_many_batches_and_bad_bytes_never_reach_the_targ
     with pytest.raises(db.ChecksumMismatchError, match=f"'{victim}'.*{item.file}"):
         db.load(_sharded(out), str(tmp_path))
     assert not out[victim].any()
+
+
+def test_staged_spans_are_one_verify_slab_each_where_the_storage_has_slabs():
+    """On storage that verifies in slabs (local disk) a span is at most one slab and a batch
+    one slab per thread (staging stays in cache); elsewhere spans join up to ``max_request``."""
+    import numpy as np
+
+    from dcpbridge.storage.read import span_reads
+
+    n, size = 64, 16 << 10  # 1 MiB of back-to-back 16 KiB items in one file
+    file, start = np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * size
+    nbytes = np.full(n, size, np.int64)
+    local = ReadTuning(min_piece_bytes=0, merge_gap=0, max_request=8 << 20, verify_slab=256 << 10)
+    remote = ReadTuning(min_piece_bytes=0, merge_gap=0, max_request=8 << 20)
+    assert span_reads._spans(file, start, nbytes, local) == [(i, i + 16) for i in (0, 16, 32, 48)]
+    assert span_reads._spans(file, start, nbytes, remote) == [(0, n)]
+    assert span_reads._budget(local, 3) == 3 * (256 << 10)
+    assert span_reads._budget(remote, 3) == span_reads.SPAN_BUDGET
