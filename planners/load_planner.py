@@ -547,8 +547,11 @@ class ShardedLoadPlanner(LoadPlanner):
         )
         self.missing_keys = sorted(self._local.missing)
         common = self.common_keys()
-        requested, names = requested_keys(self._local.requested, common)
-        stored = stored_keys(self._metadata, common)
+        requested: set[str] | None = None
+        names: dict[str, str] = {}
+        if self.missing_keys or self.policy.needs_stored:  # else neither is asked (a full load)
+            requested, names = requested_keys(self._local.requested, common)
+        stored = stored_keys(self._metadata, common) if self.missing_keys else set()
         absent = set()
         for name in self.missing_keys:
             key = names.get(name, name)
