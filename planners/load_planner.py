@@ -418,30 +418,34 @@ def _take_plain_whole(out: LocalReads, sh: Any, stored: dict[str, Any]) -> bool:
     recorded) for any other request: the general path plans it, and raises where it must."""
     data = sh.data
     if (
-        type(data) is not torch.Tensor
+        type(data) is not torch.Tensor  # then is_plain's type test holds: its others follow
         or data.requires_grad  # filled through a detached view by the general path
         or sh.prepend_axis_num
         or getattr(sh, "flattened_range", None) is not None
-        or not is_plain(data)
+        or not data.is_cpu
+        or data.layout != torch.strided
+        or not data.is_contiguous()
     ):
         return False
     fqn = sh.key
     md = stored.get(fqn)
     if type(md) is not TensorStorageMetadata or md.properties.dtype != data.dtype:
         return False
-    offsets, sizes = tuple(sh.global_offset), tuple(data.shape)
-    if md.size != tuple(sh.global_shape) or not math.prod(sizes):
+    sizes = data.shape
+    if md.size != tuple(sh.global_shape) or not data.numel():
         return False
     chunks = md.chunks
-    box = (fqn, offsets)
-    if not (isinstance(chunks, ChunkList) and chunks.holds(offsets, sizes)):
+    offsets = tuple(sh.global_offset)
+    if not (isinstance(chunks, ChunkList) and chunks.holds(offsets, tuple(sizes))):
         return False
+    box = (fqn, offsets)
+    whole_at = out.whole_at
+    if box in whole_at or (out.dests and MetadataIndex(fqn, offsets) in out.dests):
+        return False  # asked for before: the general path reads it once and copies
     whole = out.whole
     assert whole is not None
-    if box in out.whole_at or (out.dests and MetadataIndex(fqn, offsets) in out.dests):
-        return False  # asked for before: the general path reads it once and copies
     out.requested.add(fqn)
-    out.whole_at[box] = len(whole.keys)
+    whole_at[box] = len(whole.keys)
     whole.keys.append(box)
     whole.targets.append(data)
     return True
@@ -543,8 +547,11 @@ class ShardedLoadPlanner(LoadPlanner):
         )
         self.missing_keys = sorted(self._local.missing)
         common = self.common_keys()
-        requested, names = requested_keys(self._local.requested, common)
-        stored = stored_keys(self._metadata, common)
+        requested: set[str] | None = None
+        names: dict[str, str] = {}
+        if self.missing_keys or self.policy.needs_stored:  # else neither is asked (a full load)
+            requested, names = requested_keys(self._local.requested, common)
+        stored = stored_keys(self._metadata, common) if self.missing_keys else set()
         absent = set()
         for name in self.missing_keys:
             key = names.get(name, name)

@@ -21,9 +21,13 @@ PathItem = str | int
 ObjPath = tuple[PathItem, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Leaf:
-    """A leaf value, its DCP key and path, and how to replace it in its parent container."""
+    """A leaf value, its DCP key and path, and how to replace it in its parent container.
+
+    Treated as read-only but not frozen: a frozen dataclass's ``__init__`` sets each field
+    through ``object.__setattr__`` (~5x the cost), and a load builds three per tensor.
+    """
 
     path: str
     value: Any

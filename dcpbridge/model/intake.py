@@ -36,6 +36,7 @@ from dcpbridge.planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
 
 Shard = ShardedTensor | ShardedObject
 _LEAF_TYPES = frozenset({ShardedTensor, ShardedObject, torch.Tensor, torch.nn.Parameter})
+_SHARDS = (ShardedTensor, ShardedObject)
 
 
 def own_tensor(value: Any) -> ShardedTensor:
@@ -227,7 +228,9 @@ class LoadParts:
     plain_tensors: dict[str, ShardedTensor] = field(default_factory=dict)  # by key
     tensor_paths: dict[str, ObjPath] = field(default_factory=dict)  # plain tensors' paths
     values: dict[str, ObjPath] = field(default_factory=dict)  # plain values wanted, by key
-    _slots: dict[int, Callable[[Callable[[Shard], Any]], Any]] = field(default_factory=dict)
+    _slots: dict[int, Shard | Callable[[Callable[[Shard], Any]], Any]] = field(
+        default_factory=dict
+    )  # by the template leaf's id: its one shard (the value is what loaded it), or a slot
 
     def result(self, loaded: Callable[[Shard], Any], value: Callable[[str], Any]) -> Any:
         """The template's structure with every leaf replaced by what was loaded for it:
@@ -236,7 +239,7 @@ class LoadParts:
         def fill(leaf: Leaf) -> Any:
             slot = self._slots.get(id(leaf.value))
             if slot is not None:
-                return slot(loaded)
+                return loaded(slot) if isinstance(slot, _SHARDS) else slot(loaded)
             kind = leaf_kind(leaf.value)
             if kind == "nonpersistent":
                 return leaf.value.unwrap()
@@ -266,7 +269,7 @@ def for_load(tree: Any) -> LoadParts:
             if isinstance(shard, ShardedTensor):
                 shard.init_data()
             parts.shards.append(shard)
-            parts._slots[id(value)] = _one_slot(shard)
+            parts._slots[id(value)] = shard  # not a closure per tensor: ``result`` asks it
         elif kind in ("dtensor", "torch_sharded", "tensor"):
             key = check_key(leaf.path)
             shards = _boxes(key, value, kind)
@@ -282,10 +285,6 @@ def for_load(tree: Any) -> LoadParts:
         else:
             raise refuse(leaf.path, value, kind)
     return parts
-
-
-def _one_slot(shard: Shard) -> Callable[[Callable[[Shard], Any]], Any]:
-    return lambda loaded: loaded(shard)
 
 
 def _plain_slot(value: torch.Tensor, shard: Shard) -> Callable[[Callable[[Shard], Any]], Any]:

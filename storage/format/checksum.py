@@ -273,6 +273,16 @@ def chunk_digests(
     return tuple(digests(_chunk_grid(sizes, dtype, block), data))
 
 
+tile_digest = xxhash.xxh3_64_hexdigest  # the recorded digest of one tile's bytes
+
+
+def chunk_grid_is_one_tile(sizes: torch.Size, dtype: torch.dtype, block: int) -> bool:
+    """Whether a chunk of ``sizes`` and ``dtype`` has one checksum tile, its whole bytes
+    (then ``chunk_digests`` of it is ``(tile_digest(its bytes),)``)."""
+    grid = _chunk_grid(sizes, dtype, block)
+    return grid.count == 1 and grid.nbytes > 0
+
+
 @functools.lru_cache(maxsize=4096)
 def _chunk_grid(sizes: torch.Size, dtype: torch.dtype, block: int) -> Grid:
     return item_grid(math.prod(sizes) * dtype.itemsize, sizes, dtype, block)

@@ -203,7 +203,8 @@ def encode_metadata(metadata: Metadata) -> bytes:
     table = index.items
     if not isinstance(table, ItemTable):
         table = item_table(metadata, table)
-    _check_against(metadata, table)
+    boxes = planned_boxes(metadata)
+    _check_against(metadata, table, boxes)
     block = index.checksum_block_size if index.checksum_algorithm else 0
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
@@ -220,7 +221,6 @@ def encode_metadata(metadata: Metadata) -> bytes:
     table.tiled = index.tiled_checksums
     if not table.tiled:  # flat blocks: what format 2 (rows) and 3 (columns) record
         doc["version"] = 2 if len(table) <= ROWS_AS_OBJECTS else 3
-    boxes = planned_boxes(metadata)
     covered = boxes is not None and boxes.checked and boxes.same_boxes(table)
     try:
         _check_header(_decode_header(doc), table)
@@ -283,9 +283,9 @@ def _item_objects(table: ItemTable, block: int) -> dict[str, Any]:
     return {"tensors": tensors, "objects": objects}
 
 
-def _check_against(metadata: Metadata, table: ItemTable) -> None:
+def _check_against(metadata: Metadata, table: ItemTable, boxes: PlannedBoxes | None) -> None:
     """The table stores exactly the tensors (with their dtypes, shapes and chunk counts) and
-    objects of ``metadata``."""
+    objects of ``metadata`` (``boxes``: its ``planned_boxes``)."""
     state = metadata.state_dict_metadata
     names = [k for k, md in state.items() if isinstance(md, TensorStorageMetadata)]
     if names != table.tensors or len(state) != len(names) + len(table.objects):
@@ -293,7 +293,7 @@ def _check_against(metadata: Metadata, table: ItemTable) -> None:
         missing = sorted(set(state) - stored) or sorted(stored - set(state))
         raise InvalidArgumentError(f"no stored bytes for {missing[:5]} (or stored unplanned)")
     dtypes, shapes = table.dtypes, table.shapes
-    boxes = planned_boxes(metadata)  # chunk lists of the plan: their counts compared at once
+    # chunk lists of the plan: their counts compared at once
     counted = boxes is not None and np.array_equal(boxes.counts, table.counts)
     counts = None if counted else table.counts.tolist()
     for t, fqn in enumerate(names):

@@ -5,9 +5,10 @@ Python per item instead of one job, one buffer view and one request each.
 Used by ``FsspecCheckpointReader.read_whole`` for entries of ``WholeReads`` (plain CPU
 targets whose box is exactly one stored chunk) that are small and have one checksum each:
 the table is read as columns for all of them at once, neighbouring items of a file are
-fetched by one request (``ReadTuning``'s gap and size limits), every item's digest is
-compared with its recorded one before any of its bytes reach the target, and staging memory
-is one buffer of at most ``SPAN_BUDGET`` bytes, reused batch after batch.
+fetched by one request (``ReadTuning``'s gap and size limits; at most one verify slab where
+the storage has them), every item's digest is compared with its recorded one before any of
+its bytes reach the target, and staging memory is one buffer of at most ``SPAN_BUDGET`` bytes
+(one slab per reader thread where there are slabs), reused batch after batch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dcpbridge.storage.read.delivery import is_plain
 from dcpbridge.storage.read.read_plan import ReadTuning, coalesce
 
 SMALL_ITEM = 1 << 20  # items up to this size are staged (larger ones are read in place)
-SPAN_BUDGET = 64 << 20  # staging memory of one batch of spans (each batch starts its threads)
+SPAN_BUDGET = 64 << 20  # most staging memory of one batch of spans (each starts its threads)
 
 
 def small_entries(table: ItemTable, rows: Sequence[int], block: int, *, verify: bool) -> np.ndarray:
@@ -76,7 +77,7 @@ def read_spans(
     file, start, size = table.file[at][order], table.offset[at][order], nbytes[order]
     spans = _spans(file, start, size, tuning)
     lengths = [int(start[hi - 1] + size[hi - 1] - start[lo]) for lo, hi in spans]
-    buffer = np.empty(max(max(lengths), min(SPAN_BUDGET, sum(lengths))), np.uint8)
+    buffer = np.empty(max(max(lengths), min(_budget(tuning, threads), sum(lengths))), np.uint8)
     items = _Sorted(
         start.tolist(),
         size.tolist(),
@@ -97,6 +98,15 @@ def read_spans(
         used += length
     store.fetch(batch, threads)
     return sum(lengths)
+
+
+def _budget(tuning: ReadTuning, threads: int) -> int:
+    """Staging bytes of one batch: where the storage verifies in slabs (local disk), one slab
+    per reader thread, so the reused buffer stays in the CPU's cache (a fresh 64 MiB one
+    faulted in page by page and every span landed in memory the hash and copy then missed)."""
+    if not tuning.verify_slab:
+        return SPAN_BUDGET
+    return min(SPAN_BUDGET, max(1, threads) * tuning.verify_slab)
 
 
 def _checked_targets(
@@ -137,10 +147,13 @@ def _spans(
     """``[lo, hi)`` runs of the sorted items that one request reads each (``coalesce``'s
     joins: same file, at most ``merge_gap`` apart, ``max_request`` and ``max_amplification``)."""
     ranges = zip(file.tolist(), start.tolist(), (start + size).tolist(), range(len(start)))
+    # where the storage verifies in slabs (local disk), a span is one slab: its bytes are
+    # hashed and copied out while still in the CPU's cache, right after its read
+    most = min(tuning.max_request, tuning.verify_slab or tuning.max_request)
     requests = coalesce(
         list(ranges),
         merge_gap=tuning.merge_gap,
-        max_request=tuning.max_request,
+        max_request=most,
         max_amplification=tuning.max_amplification,
     )
     return [(r.members[0][2], r.members[-1][2] + 1) for r in requests]

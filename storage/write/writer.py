@@ -379,10 +379,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             if any(map(stage, datas)):
                 results = _write_carried(out, name, items, datas, rank, block, stage)
             else:  # host data only: one pass, nothing staged
-                results = [
-                    _append_item(out, name, item, data, rank, block)
-                    for item, data in zip(items, datas)
-                ]
+                results = _append_items(out, name, items, datas, rank, block)
             out.flush()
             if self.sync_files:
                 self._store.sync(raw)
@@ -458,6 +455,51 @@ def _append_item(
         checksum.chunk_digests(mv, td.chunk.sizes, td.properties.dtype, block) if block else None
     )
     return _result(item, name, start, len(mv), rank, digests)
+
+
+def _append_items(
+    out: CoalescingFile,
+    name: str,
+    items: list[WriteItem],
+    datas: list[Any],
+    rank: int,
+    block: int,
+) -> list[WriteResult]:
+    """``_append_item`` of every item in order, with small plain CPU tensor chunks (a save of
+    many small tensors) appended here: their byte count and whether they are one checksum
+    tile found once per (sizes, dtype), not per item; any other item goes to ``_append_item``.
+    """
+    results: list[WriteResult] = []
+    shapes: dict[tuple[torch.Size, torch.dtype], tuple[int, bool, tuple[int, ...]]] = {}
+    digest = checksum.tile_digest
+    for item, data in zip(items, datas):
+        td = item.tensor_data
+        if td is None or type(data) not in _PLAIN or item.type == WriteItemType.BYTE_IO:
+            results.append(_append_item(out, name, item, data, rank, block))
+            continue
+        sizes, dtype = td.chunk.sizes, td.properties.dtype
+        known = shapes.get((sizes, dtype))
+        if known is None:
+            nbytes = item_nbytes(item)
+            one = not block or checksum.chunk_grid_is_one_tile(sizes, dtype, block)
+            known = shapes[(sizes, dtype)] = (nbytes, one, tuple(sizes))
+        expected, one_tile, shape = known
+        if (
+            expected >= _SMALL_ITEM
+            or not one_tile
+            or not data.is_cpu
+            or not data.is_contiguous()
+            or data.nbytes != expected
+        ):
+            results.append(_append_item(out, name, item, data, rank, block))
+            continue
+        start = out.align()
+        mv = out.copy_in(data.data_ptr(), expected)
+        stored = StoredItem(
+            name, start, expected, rank, (digest(mv),) if block else None, shape, dtype
+        )
+        results.append(WriteResult(index=item.index, size_in_bytes=expected, storage_data=stored))
+    return results
 
 
 class _Carried:

@@ -242,3 +242,77 @@ def test_staged_small_items_span_many_batches_and_bad_bytes_never_reach_the_targ
     with pytest.raises(db.ChecksumMismatchError, match=f"'{victim}'.*{item.file}"):
         db.load(_sharded(out), str(tmp_path))
     assert not out[victim].any()
+
+
+def test_staged_spans_are_one_verify_slab_each_where_the_storage_has_slabs():
+    """On storage that verifies in slabs (local disk) a span is at most one slab and a batch
+    one slab per thread (staging stays in cache); elsewhere spans join up to ``max_request``."""
+    import numpy as np
+
+    from dcpbridge.storage.read import span_reads
+
+    n, size = 64, 16 << 10  # 1 MiB of back-to-back 16 KiB items in one file
+    file, start = np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * size
+    nbytes = np.full(n, size, np.int64)
+    local = ReadTuning(min_piece_bytes=0, merge_gap=0, max_request=8 << 20, verify_slab=256 << 10)
+    remote = ReadTuning(min_piece_bytes=0, merge_gap=0, max_request=8 << 20)
+    assert span_reads._spans(file, start, nbytes, local) == [(i, i + 16) for i in (0, 16, 32, 48)]
+    assert span_reads._spans(file, start, nbytes, remote) == [(0, n)]
+    assert span_reads._budget(local, 3) == 3 * (256 << 10)
+    assert span_reads._budget(remote, 3) == span_reads.SPAN_BUDGET
+
+
+@pytest.mark.parametrize("block", [0, 64])
+def test_batched_appends_write_and_report_exactly_what_item_by_item_appends_do(block):
+    """``_append_items`` (small plain CPU chunks appended inline) writes the same bytes and
+    reports the same results as ``_append_item`` item by item, for the items it takes and for
+    those it hands on: a non-contiguous tensor, a chunk of several checksum tiles (64-byte
+    blocks), a large chunk, an empty one, a parameter, an object, and data of the wrong size
+    (which raises the same error both ways)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from dcpbridge.planners.save_planner import _tensor_item
+    from dcpbridge.storage.write import writer
+
+    g = torch.Generator().manual_seed(5)
+    datas = [
+        torch.randn(3, 5, generator=g),
+        torch.randn(5, 4, generator=g).t(),  # non-contiguous
+        torch.randn(40, generator=g, dtype=torch.float64),  # 320 bytes: 5 tiles of 64
+        torch.randn(300 << 10, generator=g).to(torch.bfloat16),  # large: written through
+        torch.zeros(0, 3),
+        torch.nn.Parameter(torch.randn(2, 2, generator=g)),
+        io.BytesIO(b"an object"),
+        torch.arange(7, dtype=torch.int8),
+    ]
+    items = [
+        WriteItem(index=MetadataIndex(f"k{i}"), type=WriteItemType.BYTE_IO)
+        if isinstance(d, io.BytesIO)
+        else _tensor_item(f"k{i}", (0,) * d.ndim, tuple(d.shape), tuple(d.shape), d.dtype)
+        for i, d in enumerate(datas)
+    ]
+
+    def written(append) -> tuple[bytes, list]:
+        sink = io.BytesIO()
+        out = writer.CoalescingFile(sink)
+        results = append(out)
+        out.flush()
+        return sink.getvalue(), results
+
+    batched = written(lambda out: writer._append_items(out, "f", items, datas, 3, block))
+    single = written(
+        lambda out: [writer._append_item(out, "f", it, d, 3, block) for it, d in zip(items, datas)]
+    )
+    assert batched == single
+    assert [r.storage_data.checksums is None for r in batched[1]] == [not block] * len(items)
+    assert not block or len(batched[1][2].storage_data.checksums) == 5  # several tiles
+    wrong = [_tensor_item("w", (0,), (4,), (4,), torch.float32)]  # planned 4, resolved 3
+    for append in (
+        writer._append_items,
+        lambda *a: [writer._append_item(*a[:2], wrong[0], a[3][0], *a[4:])],
+    ):
+        with pytest.raises(
+            db.InvalidArgumentError, match="'w' at offsets \\[0\\]: resolved data has 12"
+        ):
+            append(writer.CoalescingFile(io.BytesIO()), "f", wrong, [torch.zeros(3)], 0, block)

@@ -204,3 +204,34 @@ def test_large_chunks_are_read_in_verified_slabs_and_a_flipped_byte_is_named(tmp
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(db.ChecksumMismatchError, match=r"tensor 'big' chunk \[0, 0\].*block \d+"):
         db.load(template, str(tmp_path))
+
+
+def test_plain_tensor_requests_the_column_path_refuses_are_planned_or_raise_as_before(tmp_path):
+    """Plain tensors the fast column path refuses go through the general planner: a tensor
+    that requires grad becomes a column through its detached view, a box of another shape
+    read items; a wrong dtype or global shape raises exactly as that planner raises it."""
+    state = _saved(str(tmp_path))
+    meta = FsspecCheckpointReader(str(tmp_path)).read_metadata()
+    grad = torch.zeros(3, 5, requires_grad=True)
+    template = {
+        "t0": _box("t0", torch.zeros(3, 5), (3, 5), (0, 0)),  # the one column
+        "t1": _box("t1", grad, (3, 5), (0, 0)),  # requires grad: its detached view
+        "t2": _box("t2", torch.zeros(3, 2), (3, 5), (0, 3)),  # part of a chunk: items
+    }
+    out = plan_local_reads(iter_leaves(template), meta, whole_columns=True)
+    assert out.whole is not None and out.whole.keys == [("t0", (0, 0)), ("t1", (0, 0))]
+    view = out.whole.targets[1]
+    assert view is not grad and not view.requires_grad and view.data_ptr() == grad.data_ptr()
+    assert [i.storage_index.fqn for i in out.items] == ["t2"]
+    loaded = db.load(template, str(tmp_path))
+    assert torch.equal(loaded["t1"].detach(), state["t1"])
+    assert torch.equal(loaded["t2"], state["t2"][:, 3:])
+    cases = [
+        (torch.float64, (3, 5), db.DTypeMismatchError, "stored as torch.float32, requested as"),
+        (torch.float32, (3, 6), db.ShapeMismatchError, "global shape in checkpoint is \\(3, 5\\)"),
+    ]
+    for dtype, shape, error, message in cases:
+        data = torch.zeros(3, 5, dtype=dtype)
+        with pytest.raises(error, match=f"'t3': {message}"):
+            db.load({"t3": _box("t3", data, shape, (0, 0))}, str(tmp_path))
+        assert not data.any()
