@@ -134,6 +134,13 @@ class LocalTier:
                 min(replicas, self.nodes.count - 1),
             )
 
+    @property
+    def reader_threads(self) -> int:
+        """A restore's reader threads per rank unless the load names them: 4, at most the
+        machine's cores per rank of a node (reading node-local files is copying: threads
+        beyond the cores only take turns)."""
+        return max(1, min(4, (os.cpu_count() or 1) // self.nodes.ranks_per_node))
+
     # -- locations ----------------------------------------------------------------------------
 
     def node_dir(self, node: int) -> str:

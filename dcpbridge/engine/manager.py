@@ -598,7 +598,7 @@ class CheckpointManager:
             allow_pickle=options.get("allow_pickle", False),
             allow_dtype_cast=options.get("allow_dtype_cast", False),
             copies=copies,
-            thread_count=options.get("thread_count", 4),
+            thread_count=options.get("thread_count", self._local.reader_threads),
         )
         if opened.planner is not None:  # planned and checked on every rank while opening
             assert opened.plan is not None and opened.reader is not None
