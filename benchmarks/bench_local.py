@@ -381,7 +381,8 @@ def _stall(
     sent: list[int],
 ) -> dict[str, Any]:
     """The local save's stall (local steps only, copies behind) against a memcpy of the
-    rank's share into preallocated memory, its bytes sent and its peak extra RSS."""
+    rank's share into preallocated memory (both after a barrier: all ranks copying at once),
+    its bytes sent and its peak extra RSS."""
     mgr = _local_only(cfg, "stall", rpn)
     flat = torch.empty(share, dtype=torch.uint8)
     views, pos = [], 0
@@ -390,6 +391,7 @@ def _stall(
         pos += v.data.nbytes
     memcpy, stall, peaks, sends = [], [], [], []
     for step in range(1, 2 + cfg["repeats"]):
+        dist.barrier()  # every rank copies at once, as every rank stages at once in the save
         t0 = time.perf_counter()
         for dst, v in zip(views, state.values(), strict=True):
             dst.copy_(v.data)

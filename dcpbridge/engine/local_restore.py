@@ -21,8 +21,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from dcpbridge.engine import protocol
 from dcpbridge.engine.bridge import BridgeLoadPlanner
 from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.local_plan import (
     Extent,
+    LocalStep,
     Recoverable,
     choose_sources,
     merge_extents,
@@ -246,6 +248,72 @@ class OpenedStep:
     reader: PeerReader | None = None
 
 
+@dataclass
+class PlannedLoad:
+    """A rank's load of one local step planned by the load planner: the byte ranges it reads."""
+
+    planner: BridgeLoadPlanner
+    plan: LoadPlan
+    extents: list[Extent]
+
+
+def plan_load(
+    template: Any,
+    metadata: Metadata,
+    group: Group,
+    location: Location,
+    *,
+    strict: Policy,
+    allow_pickle: bool,
+    allow_dtype_cast: bool,
+) -> PlannedLoad:
+    """The load's own planning of ``template`` against a local step's document (a dry run)."""
+    parts = for_load(state_dicts(template))
+    planner = BridgeLoadPlanner(
+        parts,
+        parts.shards,
+        legacy_common=False,
+        allow_dtype_cast=allow_dtype_cast,
+        strict=strict,
+        allow_pickle=allow_pickle,
+    )
+    planner.set_up_planner(None, metadata, group.is_coordinator)
+    planner.collect_whole_reads = True
+    plan = planner.create_local_plan()
+    return PlannedLoad(planner, plan, planned_extents(planner, plan, metadata, location))
+
+
+def planning_ahead(
+    tier: LocalTier,
+    template: Any,
+    *,
+    strict: Policy,
+    allow_pickle: bool,
+    allow_dtype_cast: bool,
+) -> Callable[[LocalStep, Metadata], tuple[PlannedLoad, bool]] | None:
+    """``LocalTier.survey``'s ``ahead`` for a load of ``template``: its plan of a held step
+    and whether every byte it reads is in this node's directory (None where the load is
+    planned otherwise: per-rank states, a policy that needs what is stored)."""
+    if strict.needs_stored or _per_rank(template):
+        return None
+
+    @gc_paused
+    def ahead(held: LocalStep, metadata: Metadata) -> tuple[PlannedLoad, bool]:
+        location = tier._location(held.step)
+        planned = plan_load(
+            template,
+            metadata,
+            tier.group,
+            location,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast,
+        )
+        return planned, all(e.name in held.held for e in planned.extents)
+
+    return ahead
+
+
 def open_local_step(
     tier: LocalTier,
     chosen: Recoverable,
@@ -260,11 +328,21 @@ def open_local_step(
     """This rank's view of local step ``chosen``: its document (fetched if the node lacks
     it, decoded once: the survey's where it holds it) and every byte range its load will
     read, local or received (collective: one all-gather where every rank's node holds the
-    document and every byte it reads; transfers only where some rank needs them). With
-    ``copies``, files are read from other nodes' copies wherever there are some."""
+    document and every byte it reads; transfers only where some rank needs them). Where the
+    survey found that every rank reads the step from its own node's directory (the plan made
+    during the survey), no exchange at all: a failure is then raised on every rank by the
+    read's. With ``copies``, files are read from other nodes' copies wherever there are
+    some."""
     group = tier.group
     location = tier._location(chosen.step)
     rank = group.rank
+    key = (chosen.step, chosen.save_id, chosen.digest)
+    ahead = tier.take_ahead(key) if not copies else None
+    if ahead is not None and tier.read_locally == key:  # alike on every rank
+        metadata = tier.documents[(chosen.step, chosen.digest)]
+        needed = choose_sources({e.name for e in ahead.extents}, rank, chosen)
+        log.debug("dcpbridge: local step %d: every rank reads its own node's files", chosen.step)
+        return _opened(chosen, location, metadata, ahead, needed, {}, group, thread_count, False)
     avoid = tier.nodes.ranks_of(tier.node) if copies else ()
     got: Received = {}
     if len(chosen.holders.get(METADATA_FILE, ())) < group.size:  # some node lacks it
@@ -277,49 +355,31 @@ def open_local_step(
 
         got = fetch(group, location, want_document, f"local step {chosen.step}: document")
     opened: list[OpenedStep] = []
-    sources: dict[str, int] = {}
     received: Received = {}
     planned = not strict.needs_stored and not _per_rank(template)
 
     def want_data() -> dict[int, list[Extent]]:
         metadata = _document(tier, chosen, location, got)
-        index = metadata.storage_data
-        assert isinstance(index, StorageIndex)
         options = {"strict": strict, "allow_pickle": allow_pickle}
-        planner = plan = None
+        made = None
         if planned:  # the load's own planning, here: its failure raised on every rank
-            parts = for_load(state_dicts(template))
-            planner = BridgeLoadPlanner(
-                parts,
-                parts.shards,
-                legacy_common=False,
+            made = ahead or plan_load(
+                template,
+                metadata,
+                group,
+                location,
                 allow_dtype_cast=allow_dtype_cast,
                 **options,
             )
-            planner.set_up_planner(None, metadata, group.is_coordinator)
-            planner.collect_whole_reads = True
-            plan = planner.create_local_plan()
-            extents = planned_extents(planner, plan, metadata, location)
+            extents = made.extents
         else:
             extents = needed_extents(
                 template, metadata, group, location, allow_dtype_cast=allow_dtype_cast, **options
             )
-        sources.update(choose_sources({e.name for e in extents}, rank, chosen, avoid=avoid))
-        own = {n for n in index.files if sources.get(n) == rank}
-        sizes = {  # every file's, as its source (or else its first holder) reports it
-            name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
-            for name in index.files
-            if name not in own
-        }
-        store = PeerStorage(storage_for(location), own, received, sizes)
-        checkpoint = PeerCheckpoint(location, Format.DCPBRIDGE, store, metadata=metadata)
-        reader = None
-        if planner is not None:
-            reader = checkpoint.reader(thread_count=thread_count)
-            assert isinstance(reader, PeerReader)
-            reader.set_up_storage_reader(metadata, group.is_coordinator)
-            reader.check_ranges()  # before any buffer is sized by the document
-        opened.append(OpenedStep(checkpoint, planner, plan, reader))
+        sources = choose_sources({e.name for e in extents}, rank, chosen, avoid=avoid)
+        opened.append(
+            _opened(chosen, location, metadata, made, sources, received, group, thread_count, True)
+        )
         return _by_source(extents, sources, rank)
 
     received.update(fetch(group, location, want_data, f"local step {chosen.step}: data"))
@@ -330,6 +390,40 @@ def open_local_step(
         sum(len(data) for ranges in received.values() for _, data in ranges),
     )
     return opened[0]
+
+
+def _opened(
+    chosen: Recoverable,
+    location: Location,
+    metadata: Metadata,
+    made: PlannedLoad | None,
+    sources: dict[str, int],
+    received: Received,
+    group: Group,
+    thread_count: int,
+    check: bool,
+) -> OpenedStep:
+    """The step opened over this node's files (those ``sources`` names this rank for) and
+    ``received`` ranges; with ``made``, its reader set up (``check``: every item's range
+    checked now; else the reads check theirs)."""
+    index = metadata.storage_data
+    assert isinstance(index, StorageIndex)
+    own = {n for n in index.files if sources.get(n) == group.rank}
+    sizes = {  # every file's, as its source (or else its first holder) reports it
+        name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
+        for name in index.files
+        if name not in own
+    }
+    store = PeerStorage(storage_for(location), own, received, sizes)
+    checkpoint = PeerCheckpoint(location, Format.DCPBRIDGE, store, metadata=metadata)
+    if made is None:
+        return OpenedStep(checkpoint)
+    reader = checkpoint.reader(thread_count=thread_count)
+    assert isinstance(reader, PeerReader)
+    reader.set_up_storage_reader(metadata, group.is_coordinator)
+    if check:
+        reader.check_ranges()  # before any buffer is sized by the document
+    return OpenedStep(checkpoint, made.planner, made.plan, reader)
 
 
 def _document(tier: LocalTier, chosen: Recoverable, location: Location, got: Received) -> Metadata:
@@ -361,8 +455,11 @@ __all__ = [
     "PeerCheckpoint",
     "PeerReader",
     "PeerStorage",
+    "PlannedLoad",
     "fetch",
     "needed_extents",
     "open_local_step",
+    "plan_load",
     "planned_extents",
+    "planning_ahead",
 ]

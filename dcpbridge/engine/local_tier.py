@@ -67,6 +67,7 @@ T = TypeVar("T")
 MARKER = "local.json"
 """A local step's commit marker, published atomically in a node's step directory last."""
 _STEP_DIR = re.compile(r"^step_(\d{1,18})$")
+StepKey = tuple[int, str, str]  # (step, save id, document digest)
 _SLACK = 1 << 20  # bytes per rank beyond its tensors: objects, common state, alignment
 
 
@@ -117,6 +118,9 @@ class LocalTier:
         self.area = StagingArea(1)  # one staging buffer, reused by every local step
         self.documents: dict[tuple[int, str], Metadata] = {}
         """The decoded documents of the steps the last ``survey`` found, by (step, digest)."""
+        self._ahead: tuple[StepKey, Any] | None = None
+        self.read_locally: StepKey | None = None
+        """The step every rank reads from its own node's directory (last ``survey``)."""
         self.training = group
         self.group = SideGroup.for_group(group, "local-tier")
         self.node = self.nodes.node_of(self.group.rank)
@@ -129,6 +133,13 @@ class LocalTier:
                 self.nodes.count - 1,
                 min(replicas, self.nodes.count - 1),
             )
+
+    @property
+    def reader_threads(self) -> int:
+        """A restore's reader threads per rank unless the load names them: 4, at most the
+        machine's cores per rank of a node (reading node-local files is copying: threads
+        beyond the cores only take turns)."""
+        return max(1, min(4, (os.cpu_count() or 1) // self.nodes.ranks_per_node))
 
     # -- locations ----------------------------------------------------------------------------
 
@@ -476,22 +487,59 @@ class LocalTier:
                 out.append(held)
         return out
 
-    def survey(self, coordinator: Callable[[], T]) -> tuple[list[list[LocalStep]], T]:
+    def survey(
+        self,
+        coordinator: Callable[[], T],
+        ahead: Callable[[LocalStep, Metadata], tuple[Any, bool]] | None = None,
+    ) -> tuple[list[list[LocalStep]], T]:
         """What every rank's node holds, and ``coordinator()`` (run on the coordinator while
-        it looks at its node's directory): one all-gather on the tier's group."""
+        it looks at its node's directory): one all-gather on the tier's group. With
+        ``ahead``, each rank first runs ``ahead(step, document)`` on the newest step its node
+        holds (a load's planning: (its result, whether it reads that node's files only), kept
+        for ``take_ahead``) and reports whether it reads locally; ``read_locally`` then names
+        the step that every rank reads from its own node's directory (else None), alike on
+        every rank."""
         self.wait()
         self.documents = {}
+        self._ahead = None
 
-        def report() -> tuple[list[LocalStep], T | None]:
+        def report() -> tuple[list[LocalStep], StepKey | None, T | None]:
             if not self.group.is_coordinator:
-                return self.holdings(), None
+                held = self.holdings()
+                return held, self._plan_ahead(held, ahead), None
             with ThreadPoolExecutor(1, thread_name_prefix="dcpb-survey") as pool:
                 other = pool.submit(coordinator)
                 held = self.holdings()
-                return held, other.result()
+                mark = self._plan_ahead(held, ahead)
+                return held, mark, other.result()
 
         everyone = protocol.agree(self.group, "local holdings", report)
-        return [held for held, _ in everyone], everyone[0][1]  # type: ignore[return-value]
+        marks = {mark for _, mark, _ in everyone}
+        self.read_locally = marks.pop() if len(marks) == 1 else None
+        return [held for held, _, _ in everyone], everyone[0][2]  # type: ignore[return-value]
+
+    def _plan_ahead(
+        self, held: list[LocalStep], ahead: Callable[[LocalStep, Metadata], tuple[Any, bool]] | None
+    ) -> StepKey | None:
+        """Run ``ahead`` on the newest held step, keep its result; the step's key where this
+        rank reads it locally. A failure is only logged: the load plans again in a collective
+        step, which raises it on every rank."""
+        if ahead is None or not held:
+            return None
+        newest = max(held, key=lambda s: (s.step, s.save_id, s.digest))
+        key = (newest.step, newest.save_id, newest.digest)
+        try:
+            result, local = ahead(newest, self.documents[(newest.step, newest.digest)])
+        except Exception as e:  # planned again (and raised on every rank) by the load
+            log.debug("dcpbridge: local step %d: planning ahead failed: %r", newest.step, e)
+            return None
+        self._ahead = (key, result)
+        return key if local else None
+
+    def take_ahead(self, key: StepKey) -> Any | None:
+        """The last survey's ``ahead`` result if it planned step ``key``, once."""
+        kept, self._ahead = self._ahead, None
+        return kept[1] if kept is not None and kept[0] == key else None
 
     def newest(self, after: int | None, step: int | None = None) -> Recoverable | None:
         """The newest local step at least ``after`` (exactly ``step`` if given) that the ranks

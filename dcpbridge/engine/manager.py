@@ -32,10 +32,10 @@ from dcpbridge.engine.gc_pause import gc_paused
 from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoints
 from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
-from dcpbridge.engine.local_restore import open_local_step
+from dcpbridge.engine.local_restore import open_local_step, planning_ahead
 from dcpbridge.engine.local_tier import LocalTier, check_local_args
 from dcpbridge.engine.step_guard import StepGuard
-from dcpbridge.engine.strict import parse_strict
+from dcpbridge.engine.strict import Policy, parse_strict
 from dcpbridge.engine.writer_process import check_writer
 from dcpbridge.errors import (
     CheckpointError,
@@ -507,7 +507,15 @@ class CheckpointManager:
         """Load ``step`` (default: the newest of both tiers) from the local tier where the
         ranks can recover it, else from the persistent tier, logging which and why."""
         assert self._local is not None
-        complete, local = self._survey(step)
+        strict, options = _local_load_options(kwargs)
+        ahead = planning_ahead(
+            self._local,
+            template,
+            strict=strict,
+            allow_pickle=options.get("allow_pickle", False),
+            allow_dtype_cast=options.get("allow_dtype_cast", False),
+        )
+        complete, local = self._survey(step, ahead)
         if step is not None and step in complete:
             local = None
             why = f"step {step} is in the persistent tier"
@@ -542,14 +550,15 @@ class CheckpointManager:
         )
         return self._load_persistent(template, step, kwargs)
 
-    def _survey(self, step: int | None) -> tuple[list[int], Recoverable | None]:
+    def _survey(self, step: int | None, ahead: Any = None) -> tuple[list[int], Recoverable | None]:
         """The complete persistent steps (rank 0's listing, made while it looks at its node's
         local directory) and the newest local step the ranks can recover that is newer
-        (exactly ``step`` if given and not persistent): one all-gather in all."""
+        (exactly ``step`` if given and not persistent): one all-gather in all (``ahead``: a
+        load's planning, run before it, as ``LocalTier.survey`` runs it)."""
         assert self._local is not None
         if self._pending is not None:
             self._pending[1]._done.wait()
-        reports, complete = self._local.survey(lambda: self._scan()[0])
+        reports, complete = self._local.survey(lambda: self._scan()[0], ahead)
         if step is not None and step in complete:
             return complete, None
         after = (complete[-1] if complete else None) if step is None else step
@@ -580,9 +589,7 @@ class CheckpointManager:
         self, template: Any, chosen: Recoverable, kwargs: dict[str, Any], copies: bool = False
     ) -> Any:
         assert self._local is not None
-        known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count"}
-        options = {k: v for k, v in kwargs.items() if k in known}
-        strict = parse_strict(options.pop("strict", StrictMode.RAISE_MISSING))
+        strict, options = _local_load_options(kwargs)
         opened = open_local_step(
             self._local,
             chosen,
@@ -591,7 +598,7 @@ class CheckpointManager:
             allow_pickle=options.get("allow_pickle", False),
             allow_dtype_cast=options.get("allow_dtype_cast", False),
             copies=copies,
-            thread_count=options.get("thread_count", 4),
+            thread_count=options.get("thread_count", self._local.reader_threads),
         )
         if opened.planner is not None:  # planned and checked on every rank while opening
             assert opened.plan is not None and opened.reader is not None
@@ -692,6 +699,13 @@ class CheckpointManager:
                 self.close()
             except Exception as e:
                 log.warning("dcpbridge: pending checkpoint failed too: %s", e)
+
+
+def _local_load_options(kwargs: dict[str, Any]) -> tuple[Policy, dict[str, Any]]:
+    """The strict policy and the other options of ``load`` that a local-tier load takes."""
+    known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count"}
+    options = {k: v for k, v in kwargs.items() if k in known}
+    return parse_strict(options.pop("strict", StrictMode.RAISE_MISSING)), options
 
 
 def _positive(name: str, value: Any) -> int:

@@ -99,7 +99,8 @@ def train(r: Rank, root: str, local: str, kwargs: dict) -> dict:
 
 
 def restore(r: Rank, root: str, local: str, axis: int, rpn: int) -> dict:
-    """Restart in ``r.size`` ranks split on ``axis``: the chosen step, bit-exact, and the log."""
+    """Restart in ``r.size`` ranks split on ``axis``: the chosen step, bit-exact, the log and
+    the load's collectives."""
     log = _capture()
     mgr = manager(r, root, local, ranks_per_node=rpn)
     latest = mgr.latest_step()
@@ -109,13 +110,14 @@ def restore(r: Rank, root: str, local: str, axis: int, rpn: int) -> dict:
         )
     }
     t = time.perf_counter()
-    out = mgr.load(tmpl)
+    with record_collectives() as calls:
+        out = mgr.load(tmpl)
     seconds = time.perf_counter() - t
     got = out["step"]
     assert torch.equal(out["w"], piece(weights(got), r.rank, r.size, axis)), (r.rank, got)
     mgr.close()
     logging.getLogger("dcpbridge").removeHandler(log)
-    return {"latest": latest, "step": got, "log": log.lines, "seconds": seconds}
+    return {"latest": latest, "step": got, "log": log.lines, "seconds": seconds, "calls": calls}
 
 
 def restore_counted(r: Rank, root: str, local: str) -> list[tuple[str, str, str]]:
@@ -157,13 +159,17 @@ def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_p
     assert out[1]["calls"] == []  # rank 0 only
     assert any("on_commit(2, 'local'" in line and "tracker down" in line for line in out[0]["log"])
     # every node holds its ranks' parts: one all-gather agrees on the step (and carries rank
-    # 0's listing of the persistent tier), one checks every rank's plan and finds nothing to
-    # transfer, one confirms the read; nothing on the training group, no transfers
+    # 0's listing of the persistent tier and each rank's finding, planned before it, that it
+    # reads its own node's files only), one confirms the read; nothing on the training group,
+    # no request exchange, no transfers
     counted = pool.run(restore_counted, 4, root, local, timeout=120)
-    assert counted == [[("all_gather", "MainThread", "SideGroup")] * 3] * 4
+    assert counted == [[("all_gather", "MainThread", "SideGroup")] * 2] * 4
     shutil.rmtree(node_dir(tmp_path, 1))  # node 1 died; its replacement starts empty
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [6] * 4 and [b["latest"] for b in back] == [6] * 4
+    # node 1's ranks read from node 0's copies: the requests and the serving of the document
+    # and of the data are agreed (two all-gathers each) between the survey and the read
+    assert [b["calls"] for b in back] == [[("all_gather", "MainThread", "SideGroup")] * 6] * 4
     assert any("from the local tier" in line for line in back[0]["log"])
     print(
         f"local save stall (4 ranks, {SHAPE}): {max(o['stall'] for o in out) * 1e3:.1f} ms; "

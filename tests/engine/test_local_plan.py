@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.local_plan import (
     Extent,
     LocalStep,
@@ -16,6 +19,7 @@ from dcpbridge.engine.local_plan import (
     node_needs,
     transfers,
 )
+from dcpbridge.engine.local_tier import LocalTier
 from dcpbridge.errors import InvalidArgumentError
 
 DOC = "dcpbridge.json"
@@ -129,3 +133,15 @@ def test_a_second_try_reads_other_nodes_copies_where_there_are_some():
     got = choose_sources(files, 0, chosen, avoid=[0, 1])
     assert got["f0"] in (2, 3) and got["f1"] == 0  # f1 has no copy elsewhere
     assert choose_sources(files, 2, chosen, avoid=[2, 3]) == {"f0": 0, "f1": 1}
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks_per_node", "threads"),
+    [(2, 2, 1), (2, 8, 1), (12, 4, 3), (16, 2, 4), (96, 8, 4)],
+)
+def test_a_local_restore_reads_with_at_most_the_cores_per_rank(
+    monkeypatch, tmp_path, cores, ranks_per_node, threads
+):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    tier = LocalTier(str(tmp_path), Group(None, 0, 1, 0), replicas=0, ranks_per_node=ranks_per_node)
+    assert tier.reader_threads == threads
