@@ -18,6 +18,7 @@ import dcpbridge as db
 from dcpbridge.engine import writer_process
 from dcpbridge.engine.async_save import AsyncSaver
 from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.staging import StagingArea
 from dcpbridge.engine.writer_process import AUTO_MIN_BYTES, choose_writer, process_of
 from dcpbridge.storage.write import shared
 from tests.support.dist_pool import Rank, _children
@@ -108,6 +109,24 @@ def _mixed(group, r: Rank, path: str) -> tuple[str, bool, bool]:
     return handle.writer, True, torch.equal(out[key], torch.arange(n, dtype=torch.float32))
 
 
+@contextlib.contextmanager
+def _saver_of(group, threshold: int) -> Iterator[StagingArea]:
+    """The async saver's staging area of ``group`` (ranks 0 and 1, new: no writer process
+    yet) with ``AUTO_MIN_BYTES`` at ``threshold`` meanwhile; after, its writer process is
+    closed and the group destroyed."""
+    saved, writer_process.AUTO_MIN_BYTES = writer_process.AUTO_MIN_BYTES, threshold
+    area = AsyncSaver.for_group(Group.resolve(group), 1).area
+    try:
+        yield area
+    finally:
+        writer_process.AUTO_MIN_BYTES = saved
+        process = process_of(area)
+        if process is not None:
+            process.close()
+        dist.destroy_process_group(group)
+        gc.collect()
+
+
 def writers_on_a_new_group(r: Rank, root: str) -> list[tuple[str, bool, bool]]:
     """Saves of a fresh group's ranks 0 and 1 (a fresh saver: no writer process yet), with
     the threshold at 4 KiB: (writer, writer process alive, loaded bit-exact) per save; the
@@ -115,10 +134,8 @@ def writers_on_a_new_group(r: Rank, root: str) -> list[tuple[str, bool, bool]]:
     group = dist.new_group([0, 1])
     if r.rank >= 2:
         return []
-    threshold, writer_process.AUTO_MIN_BYTES = writer_process.AUTO_MIN_BYTES, 4096
-    area = AsyncSaver.for_group(Group.resolve(group), 1).area
     got = []
-    try:
+    with _saver_of(group, 4096) as area:
         got.append(_mixed(group, r, os.path.join(root, "mixed")))
         got[-1] = (got[-1][0], process_of(area) is not None, got[-1][2])
         calls = [
@@ -141,13 +158,6 @@ def writers_on_a_new_group(r: Rank, root: str) -> list[tuple[str, bool, bool]]:
         got.append((mgr._pending[1].writer, process_of(area) is not None, True))  # type: ignore[index]
         mgr.close()
         got[-1] = (*got[-1][:2], _loaded(group, r, mgr.step_url(1), 512, 7))
-    finally:
-        writer_process.AUTO_MIN_BYTES = threshold
-        process = process_of(area)
-        if process is not None:
-            process.close()
-        dist.destroy_process_group(group)
-        gc.collect()
     return got
 
 
@@ -194,13 +204,11 @@ def unstartable_writer_process(r: Rank, root: str) -> list:
     group = dist.new_group([0, 1])
     if r.rank >= 2:
         return []
-    threshold, writer_process.AUTO_MIN_BYTES = writer_process.AUTO_MIN_BYTES, 0
-    executable = sys.executable
-    if r.rank == 0:
-        sys.executable = os.path.join(root, "no-such-python")
-    area = AsyncSaver.for_group(Group.resolve(group), 1).area
     got: list = []
-    try:
+    with _saver_of(group, 0), contextlib.ExitStack() as restore:
+        if r.rank == 0:
+            restore.callback(setattr, sys, "executable", sys.executable)
+            sys.executable = os.path.join(root, "no-such-python")
         named = os.path.join(root, "named")
         handle = db.async_save(_sharded(r, 512, 1), named, process_group=group, writer="process")
         with pytest.raises(db.CheckpointError) as failed:
@@ -212,14 +220,6 @@ def unstartable_writer_process(r: Rank, root: str) -> list:
             handle = db.async_save(_sharded(r, 512, 2), auto, process_group=group)
             handle.result(120)
         got.append((handle.writer, _loaded(group, r, auto, 512, 2), warned))
-    finally:
-        sys.executable = executable
-        writer_process.AUTO_MIN_BYTES = threshold
-        process = process_of(area)
-        if process is not None:
-            process.close()
-        dist.destroy_process_group(group)
-        gc.collect()
     return got
 
 
