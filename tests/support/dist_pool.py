@@ -72,6 +72,7 @@ def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) ->
     # a rank inherits its parent's start method (forkserver, spawn); a torchrun rank forks its
     # DataLoader workers (spawning them re-imports torch in each: seconds per epoch)
     mp.set_start_method("fork", force=True)
+    os.setpgid(0, 0)  # its own process group: what it starts is killed with it (``kill``)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -323,10 +324,11 @@ class WorkerPool:
 
     def kill(self) -> None:
         for p in self._procs:
+            # each rank leads its process group: this also ends what it started (megatron's
+            # Manager, torch's checkpoint process), even where the rank itself was killed
+            with contextlib.suppress(OSError):
+                os.killpg(p.pid, signal.SIGKILL)
             if p.is_alive():
-                for child in _children(p.pid):  # e.g. megatron's Manager: it would outlive us
-                    with contextlib.suppress(OSError):
-                        os.kill(child, signal.SIGKILL)
                 p.kill()
         for p in self._procs:
             p.join(timeout=10)
