@@ -55,8 +55,8 @@ LONGEST_FIRST = (
 
 
 # Modules whose tests import megatron-core in the pool's ranks (~2.3 CPU s a rank) and save with
-# it (a process's first save spawns a Manager that imports torch, ~4 CPU s): ``make test`` runs
-# them in one test process, so its pool pays that once, not once per process they land in.
+# it (its writer starts helper processes): ``make test`` runs them in one test process, so its
+# pool pays that import once, not once per process they land in.
 MEGATRON_IN_POOL = (
     "tests/mcore/test_megatron_api.py",
     "tests/mcore/test_strict_entry_points.py",

@@ -470,8 +470,7 @@ def _append_items(
     tile found once per (sizes, dtype), not per item; any other item goes to ``_append_item``.
     """
     results: list[WriteResult] = []
-    shapes: dict[tuple[torch.Size, torch.dtype], tuple[int, bool, tuple[int, ...]]] = {}
-    digest = checksum.tile_digest
+    shapes: dict[tuple[torch.Size, torch.dtype], tuple[int, bool]] = {}
     for item, data in zip(items, datas):
         td = item.tensor_data
         if td is None or type(data) not in _PLAIN or item.type == WriteItemType.BYTE_IO:
@@ -480,10 +479,9 @@ def _append_items(
         sizes, dtype = td.chunk.sizes, td.properties.dtype
         known = shapes.get((sizes, dtype))
         if known is None:
-            nbytes = item_nbytes(item)
             one = not block or checksum.chunk_grid_is_one_tile(sizes, dtype, block)
-            known = shapes[(sizes, dtype)] = (nbytes, one, tuple(sizes))
-        expected, one_tile, shape = known
+            known = shapes[(sizes, dtype)] = (item_nbytes(item), one)
+        expected, one_tile = known
         if (
             expected >= _SMALL_ITEM
             or not one_tile
@@ -495,10 +493,8 @@ def _append_items(
             continue
         start = out.align()
         mv = out.copy_in(data.data_ptr(), expected)
-        stored = StoredItem(
-            name, start, expected, rank, (digest(mv),) if block else None, shape, dtype
-        )
-        results.append(WriteResult(index=item.index, size_in_bytes=expected, storage_data=stored))
+        digests = (checksum.tile_digest(mv),) if block else None
+        results.append(_result(item, name, start, expected, rank, digests))
     return results
 
 
