@@ -194,7 +194,9 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         tuning: ReadTuning,
     ) -> WholeReads:
         """Read the small entries of ``reads`` through ``span_reads``; the others, left."""
-        rows, _ = table.rows_of(reads.keys)
+        rows = reads.table_rows(table)
+        if rows is None:  # not planned against this table: every key looked up here
+            rows, _ = table.rows_of(reads.keys)
         small = small_entries(table, rows, block, verify=bool(block)).tolist()
         if not small:
             return reads

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.format import checksum
-from dcpbridge.storage.format.table import ItemKey, StoredItem, describe_item
+from dcpbridge.storage.format.table import ItemKey, ItemTable, StoredItem, describe_item
 from dcpbridge.storage.read.delivery import WholeJob, byte_view
 
 
@@ -33,9 +34,26 @@ class WholeReads:
     keys: list[ItemKey] = field(default_factory=list)  # (fqn, chunk offsets)
     targets: list[torch.Tensor] = field(default_factory=list)
     copies: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)  # each key's row in ``table``, as planned
+    table: ItemTable | None = None  # the table ``rows`` index (None: look every key up)
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def add(self, key: ItemKey, target: torch.Tensor, table: Any, row: int) -> None:
+        """Record entry ``key`` -> ``target``, found at ``row`` of ``table`` (an ``ItemTable``
+        or another chunk index: then the reader looks every key up itself)."""
+        if not self.keys:
+            self.table = table if isinstance(table, ItemTable) else None
+        elif table is not self.table:
+            self.table = None
+        self.keys.append(key)
+        self.targets.append(target)
+        self.rows.append(row)
+
+    def table_rows(self, table: ItemTable) -> list[int] | None:
+        """The planned rows, if they index ``table`` (the very object the planner searched)."""
+        return self.rows if self.table is table and len(self.rows) == len(self.keys) else None
 
     def nbytes(self) -> int:
         """Bytes these reads fill (copies not counted)."""
@@ -49,6 +67,8 @@ class WholeReads:
             [self.keys[i] for i in keep],
             [self.targets[i] for i in keep],
             {j: self.copies[i] for j, i in enumerate(keep) if i in self.copies},
+            [self.rows[i] for i in keep] if len(self.rows) == len(self.keys) else [],
+            self.table,
         )
 
 
