@@ -45,7 +45,6 @@ from dcpbridge.storage.backends.regions import narrow_box
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.format.table import ChunkList
 from dcpbridge.storage.format.tiling import distinct
-from dcpbridge.storage.read.delivery import is_plain
 from dcpbridge.storage.read.whole_reads import WholeReads
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
@@ -432,46 +431,43 @@ def _take_plain_wholes(
 ) -> Sequence[Any]:
     """``_plan_box`` + ``_take_whole`` for the commonest requests, with nothing to convert:
     shards whose data is a plain CPU tensor (no grad, no prepended axes) of the stored dtype
-    and global shape, which is one whole stored chunk, asked for once. Returns the others
-    (nothing recorded for them): the general path plans them, and raises where it must."""
+    and global shape, which is one whole stored chunk, asked for once (``WholeReads.add``
+    checks the data against the chunk). Returns the others (nothing recorded for them): the
+    general path plans them, and raises where it must."""
     whole = out.whole
     assert whole is not None
     whole_at, dests, requested = out.whole_at, out.dests, out.requested
     rest = []
-    tensor, strided, meta = torch.Tensor, torch.strided, TensorStorageMetadata
+    tensor, meta = torch.Tensor, TensorStorageMetadata
     for sh in shards:
         data = sh.data
         if (
-            type(data) is not tensor  # then is_plain's type test holds: its others follow
+            type(data) is not tensor  # a plain tensor (``add`` checks the rest of is_plain)
             or data.requires_grad  # filled through a detached view by the general path
             or sh.prepend_axis_num
             or getattr(sh, "flattened_range", None) is not None
-            or not data.is_cpu
-            or data.layout != strided
-            or not data.is_contiguous()
         ):
             rest.append(sh)
             continue
         fqn = sh.key
         md = stored.get(fqn)
-        if type(md) is not meta or md.properties.dtype != data.dtype:
-            rest.append(sh)
-            continue
-        chunks = md.chunks
         offsets = tuple(sh.global_offset)
-        sizes = data.shape
-        row = (
-            chunks.row_of(offsets, sizes)
-            if type(chunks) is ChunkList and md.size == tuple(sh.global_shape) and data.numel()
-            else None
-        )
         box = (fqn, offsets)
-        if row is None or box in whole_at or (dests and MetadataIndex(fqn, offsets) in dests):
+        if (
+            type(md) is not meta
+            or type(md.chunks) is not ChunkList
+            or md.size != tuple(sh.global_shape)
+            or box in whole_at
+            or (dests and MetadataIndex(fqn, offsets) in dests)
+        ):
             rest.append(sh)  # or asked for before: the general path reads it once and copies
             continue
+        at = len(whole.keys)
+        if not whole.add(box, data, md.chunks):
+            rest.append(sh)
+            continue
         requested.add(fqn)
-        whole_at[box] = len(whole.keys)
-        whole.add(box, data, chunks.table, row)
+        whole_at[box] = at
     return rest
 
 
@@ -494,16 +490,14 @@ def _take_whole(
             raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
         whole.copies.setdefault(at, []).append(view)
         return True
-    if view.dtype != md.properties.dtype or not is_plain(view):
-        return False
-    chunks = md.chunks
-    row = chunks.row_of(offsets, sizes) if isinstance(chunks, ChunkList) else None
-    if row is None:
+    if not isinstance(md.chunks, ChunkList) or view.shape != sizes:
         return False
     if out.dests and MetadataIndex(fqn, offsets) in out.dests:
         return False  # already planned as items (an earlier request of another kind)
-    out.whole_at[box] = len(whole.keys)
-    whole.add(box, view, chunks.table, row)
+    at = len(whole.keys)
+    if not whole.add(box, view, md.chunks):  # not the plain chunk of the stored dtype
+        return False
+    out.whole_at[box] = at
     return True
 
 

@@ -519,10 +519,6 @@ class ChunkList(Sequence[ChunkStorageMetadata]):
         """Whether one of these chunks is exactly the box ``offsets``+``sizes``."""
         return self.table.chunk_row(self.t, offsets, sizes) is not None
 
-    def row_of(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
-        """The table row of the chunk that is exactly the box ``offsets``+``sizes``, or None."""
-        return self.table.chunk_row(self.t, offsets, sizes)
-
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, sizes) of this tensor's chunks, ``(n, ndim)`` int64 each."""
         lo, hi = self.rows
