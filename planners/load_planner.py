@@ -45,7 +45,6 @@ from dcpbridge.storage.backends.regions import narrow_box
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.format.table import ChunkList
 from dcpbridge.storage.format.tiling import distinct
-from dcpbridge.storage.read.delivery import is_plain
 from dcpbridge.storage.read.whole_reads import WholeReads
 
 # Keys with more stored chunks than this get a sorted index instead of a linear scan.
@@ -219,35 +218,51 @@ def plan_local_reads(
     *,
     allow_dtype_cast: bool = False,
     whole_columns: bool = False,
+    shards: Sequence[Any] = (),
 ) -> LocalReads:
     """Read items that fill every requested tensor-like leaf and object from ``metadata``.
 
+    ``shards`` are tensor shards (``TensorShard``) each stored under its own key, planned
+    before ``leaves`` as the leaves ``Leaf("", shard)`` would be, the commonest ones in bulk.
     With ``whole_columns``, requests that are exactly one stored chunk, into a plain CPU
     tensor of the stored dtype, go to ``LocalReads.whole`` instead of becoming read items
     (for a reader that takes them: ``FsspecCheckpointReader.read_whole``).
     """
     out = LocalReads(whole=WholeReads() if whole_columns else None)
-    whole = out.whole
     stored = metadata.state_dict_metadata
     indexes: dict[str, ChunkIndex] = {}
+    rest = _take_plain_wholes(out, shards, stored) if out.whole is not None else shards
+    for shard in rest:
+        _plan_leaf(out, Leaf("", shard, None, None), stored, indexes, allow_dtype_cast)
     for leaf in leaves:
-        value = leaf.value
-        kind = leaf_kind(value)
-        if kind in ("object_shard", "object"):
-            fqn = value.unique_key if kind == "object_shard" else leaf.path
-            _plan_object(out, fqn, leaf, stored)
-        elif kind in TENSOR_KINDS:
-            if (
-                whole is not None
-                and kind == "tensor_shard"
-                and _take_plain_whole(out, value, stored)
-            ):
-                continue
-            for sh in tensor_boxes(leaf.path, value, kind):
-                _plan_box(out, sh, stored, indexes, allow_dtype_cast)
-        elif kind != "nonpersistent":
-            raise refuse(leaf.path, value, kind)
+        _plan_leaf(out, leaf, stored, indexes, allow_dtype_cast)
     return out
+
+
+def _plan_leaf(
+    out: LocalReads,
+    leaf: Leaf,
+    stored: dict[str, Any],
+    indexes: dict[str, ChunkIndex],
+    allow_dtype_cast: bool,
+) -> None:
+    """Plan one leaf: an object's bytes item, a tensor's whole-chunk entry or read items."""
+    value = leaf.value
+    kind = leaf_kind(value)
+    if kind in ("object_shard", "object"):
+        fqn = value.unique_key if kind == "object_shard" else leaf.path
+        _plan_object(out, fqn, leaf, stored)
+    elif kind in TENSOR_KINDS:
+        if (
+            out.whole is not None
+            and kind == "tensor_shard"
+            and not _take_plain_wholes(out, (value,), stored)
+        ):
+            return
+        for sh in tensor_boxes(leaf.path, value, kind):
+            _plan_box(out, sh, stored, indexes, allow_dtype_cast)
+    elif kind != "nonpersistent":
+        raise refuse(leaf.path, value, kind)
 
 
 def _plan_object(out: LocalReads, fqn: str, leaf: Leaf, stored: dict[str, Any]) -> None:
@@ -411,44 +426,49 @@ def _plan_box(
     out.items.extend(items)
 
 
-def _take_plain_whole(out: LocalReads, sh: Any, stored: dict[str, Any]) -> bool:
-    """``_plan_box`` + ``_take_whole`` for the commonest request, with nothing to convert: a
-    shard whose data is a plain CPU tensor (no grad, no prepended axes) of the stored dtype
-    and global shape, which is one whole stored chunk, asked for once. False (nothing
-    recorded) for any other request: the general path plans it, and raises where it must."""
-    data = sh.data
-    if (
-        type(data) is not torch.Tensor  # then is_plain's type test holds: its others follow
-        or data.requires_grad  # filled through a detached view by the general path
-        or sh.prepend_axis_num
-        or getattr(sh, "flattened_range", None) is not None
-        or not data.is_cpu
-        or data.layout != torch.strided
-        or not data.is_contiguous()
-    ):
-        return False
-    fqn = sh.key
-    md = stored.get(fqn)
-    if type(md) is not TensorStorageMetadata or md.properties.dtype != data.dtype:
-        return False
-    sizes = data.shape
-    if md.size != tuple(sh.global_shape) or not data.numel():
-        return False
-    chunks = md.chunks
-    offsets = tuple(sh.global_offset)
-    if not (isinstance(chunks, ChunkList) and chunks.holds(offsets, tuple(sizes))):
-        return False
-    box = (fqn, offsets)
-    whole_at = out.whole_at
-    if box in whole_at or (out.dests and MetadataIndex(fqn, offsets) in out.dests):
-        return False  # asked for before: the general path reads it once and copies
+def _take_plain_wholes(
+    out: LocalReads, shards: Sequence[Any], stored: dict[str, Any]
+) -> Sequence[Any]:
+    """``_plan_box`` + ``_take_whole`` for the commonest requests, with nothing to convert:
+    shards whose data is a plain CPU tensor (no grad, no prepended axes) of the stored dtype
+    and global shape, which is one whole stored chunk, asked for once (``WholeReads.add``
+    checks the data against the chunk). Returns the others (nothing recorded for them): the
+    general path plans them, and raises where it must."""
     whole = out.whole
     assert whole is not None
-    out.requested.add(fqn)
-    whole_at[box] = len(whole.keys)
-    whole.keys.append(box)
-    whole.targets.append(data)
-    return True
+    whole_at, dests, requested = out.whole_at, out.dests, out.requested
+    rest = []
+    tensor, meta = torch.Tensor, TensorStorageMetadata
+    for sh in shards:
+        data = sh.data
+        if (
+            type(data) is not tensor  # a plain tensor (``add`` checks the rest of is_plain)
+            or data.requires_grad  # filled through a detached view by the general path
+            or sh.prepend_axis_num
+            or getattr(sh, "flattened_range", None) is not None
+        ):
+            rest.append(sh)
+            continue
+        fqn = sh.key
+        md = stored.get(fqn)
+        offsets = tuple(sh.global_offset)
+        box = (fqn, offsets)
+        if (
+            type(md) is not meta
+            or type(md.chunks) is not ChunkList
+            or md.size != tuple(sh.global_shape)
+            or box in whole_at
+            or (dests and MetadataIndex(fqn, offsets) in dests)
+        ):
+            rest.append(sh)  # or asked for before: the general path reads it once and copies
+            continue
+        at = len(whole.keys)
+        if not whole.add(box, data, md.chunks):
+            rest.append(sh)
+            continue
+        requested.add(fqn)
+        whole_at[box] = at
+    return rest
 
 
 def _take_whole(
@@ -470,16 +490,14 @@ def _take_whole(
             raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
         whole.copies.setdefault(at, []).append(view)
         return True
-    if view.dtype != md.properties.dtype or not is_plain(view):
-        return False
-    chunks = md.chunks
-    if not (isinstance(chunks, ChunkList) and chunks.holds(offsets, sizes)):
+    if not isinstance(md.chunks, ChunkList) or view.shape != sizes:
         return False
     if out.dests and MetadataIndex(fqn, offsets) in out.dests:
         return False  # already planned as items (an earlier request of another kind)
-    out.whole_at[box] = len(whole.keys)
-    whole.keys.append(box)
-    whole.targets.append(view)
+    at = len(whole.keys)
+    if not whole.add(box, view, md.chunks):  # not the plain chunk of the stored dtype
+        return False
+    out.whole_at[box] = at
     return True
 
 
@@ -537,13 +555,20 @@ class ShardedLoadPlanner(LoadPlanner):
         """Stored names that are common state, not keys (none for a plain planner)."""
         return set()
 
+    def requests(self) -> tuple[Sequence[Any], Iterable[Leaf]]:
+        """What to fill: tensor shards each stored under its own key (planned in bulk), and
+        the other leaves (by default every leaf of the state dict, keyed as DCP keys them)."""
+        return (), self.leaves()
+
     def create_local_plan(self) -> LoadPlan:
         assert self._metadata is not None
+        shards, leaves = self.requests()
         self._local = plan_local_reads(
-            self.leaves(),
+            leaves,
             self._metadata,
             allow_dtype_cast=self.allow_dtype_cast,
             whole_columns=self.collect_whole_reads,
+            shards=shards,
         )
         self.missing_keys = sorted(self._local.missing)
         common = self.common_keys()

@@ -177,13 +177,31 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         self.table: dict[str, Any] | None = None
 
     def leaves(self) -> Iterator[Leaf]:
+        shards, rest = self.requests()
+        for shard in shards:
+            yield Leaf("", shard, None, None)
+        yield from rest
+
+    def requests(self) -> tuple[list[ShardedTensor], Iterator[Leaf]]:
+        """The template's ShardedTensors, as they are (planned in bulk), and the other
+        leaves: its objects, plain tensors and values, and the checkpoint's common state."""
+        plain = self.parts.plain_tensors
+        direct = [s for s in self.shards if isinstance(s, ShardedTensor) and s.key not in plain]
+        return direct, self._other_leaves({s.key for s in direct})
+
+    def _other_leaves(self, taken: set[str]) -> Iterator[Leaf]:
+        """``requests``' leaves; ``taken``: the keys of its shards."""
         assert self._metadata is not None
         stored = self._metadata.state_dict_metadata
         self.table = common_table(self._metadata)
         blob = self.legacy_common or COMMON_KEY in stored
-        taken: set[str] = set()
         for shard in self.shards:
-            key = shard.key if isinstance(shard, ShardedTensor) else shard.unique_key
+            if isinstance(shard, ShardedTensor):
+                key = shard.key
+                if key not in self.parts.plain_tensors:
+                    continue  # one of ``requests``' shards
+            else:
+                key = shard.unique_key
             if key in self.parts.plain_tensors:
                 md = stored.get(key)
                 if blob and md is None:
@@ -242,22 +260,32 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         Megatron-Core: the checkpoint's value where it has one, else left out.
         """
         missing = set(self.missing_keys)
+        holes = False  # a MISSING handed out: only then has the result anything to prune
 
         def loaded(shard: Shard) -> Any:
+            nonlocal holes
             if isinstance(shard, ShardedObject):
-                return objects.get(shard.unique_key, MISSING)
-            if shard.key in self.from_blob:
-                return self._copy_from_blob(shard, blob, missing)
-            if shard.key in missing:
-                return MISSING
-            return self.replaced.get(shard.key, shard.data)
+                got = objects.get(shard.unique_key, MISSING)
+            elif shard.key in self.from_blob:
+                got = self._copy_from_blob(shard, blob, missing)
+            elif shard.key in missing:
+                got = MISSING
+            else:
+                return self.replaced.get(shard.key, shard.data)
+            holes = holes or got is MISSING
+            return got
 
         def value(key: str) -> Any:
+            nonlocal holes
             if key in self.values:
                 return self.values[key]
-            return MISSING if blob is None else lookup(blob, self.parts.values[key])
+            got = MISSING if blob is None else lookup(blob, self.parts.values[key])
+            holes = holes or got is MISSING
+            return got
 
-        result = _prune(self.parts.result(loaded, value))
+        result = self.parts.result(loaded, value)
+        if holes:
+            result = _prune(result)
         result = {} if result is MISSING else result
         if self.table is not None:
             for key, raw in self.table["keys"].items():

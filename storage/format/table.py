@@ -139,6 +139,7 @@ class _ChunkIndex:
     _bounds: list[int] | None
     _firsts: tuple[list[list[int]], list[list[int]]] | None
     _chunk_rows: dict[int, dict[tuple[int, ...], int]]
+    _only: list[tuple[tuple[int, ...], tuple[int, ...]] | None] | None
 
     starts: np.ndarray  # row where each tensor's chunks start (a property of the subclass)
 
@@ -163,6 +164,29 @@ class _ChunkIndex:
             else:
                 self._firsts = (self.offsets[rows].tolist(), self.sizes[rows].tolist())
         return self._firsts
+
+    def only_boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
+        """Per tensor, the (offsets, sizes) tuples of its only chunk (None: several or none),
+        built once: asking whether a one-chunk tensor's chunk is a box is one comparison."""
+        if self._only is None:
+            counts = self.counts.tolist()
+            offsets, sizes = self.first_boxes()
+            self._only = [
+                (tuple(o[: len(shape)]), tuple(s[: len(shape)])) if c == 1 else None
+                for o, s, c, shape in zip(offsets, sizes, counts, self.shapes)
+            ]
+        return self._only
+
+    def chunk_row(self, t: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
+        """The row of tensor ``t``'s chunk that is exactly the box ``offsets``+``sizes``
+        (``sizes`` may be a ``torch.Size``), or None."""
+        only = self.only_boxes()[t]
+        if only is not None:
+            return self.bounds[t] if only == (offsets, sizes) else None
+        row = self.find_chunk(t, offsets)
+        if row is None or self.sizes[row, : len(sizes)].tolist() != list(sizes):
+            return None
+        return row
 
     def find_chunk(self, t: int, offsets: tuple[int, ...]) -> int | None:
         """The row of tensor ``t``'s chunk at ``offsets``, or None."""
@@ -210,6 +234,9 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
     _hex_starts: list[int] = field(default_factory=list, repr=False)
     _bounds: list[int] | None = field(default=None, repr=False)
     _firsts: tuple[list[list[int]], list[list[int]]] | None = field(default=None, repr=False)
+    _only: list[tuple[tuple[int, ...], tuple[int, ...]] | None] | None = field(
+        default=None, repr=False
+    )
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -444,6 +471,9 @@ class PlannedBoxes(_ChunkIndex):
     _starts: np.ndarray | None = field(default=None, repr=False)
     _bounds: list[int] | None = field(default=None, repr=False)
     _firsts: tuple[list[list[int]], list[list[int]]] | None = field(default=None, repr=False)
+    _only: list[tuple[tuple[int, ...], tuple[int, ...]] | None] | None = field(
+        default=None, repr=False
+    )
     _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -487,18 +517,7 @@ class ChunkList(Sequence[ChunkStorageMetadata]):
 
     def holds(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
         """Whether one of these chunks is exactly the box ``offsets``+``sizes``."""
-        table, t = self.table, self.t
-        bounds = table.bounds
-        if bounds[t + 1] - bounds[t] == 1:  # one chunk: compare its box as lists
-            nd = len(table.shapes[t])
-            first_offsets, first_sizes = table.first_boxes()
-            return (
-                len(offsets) == nd
-                and first_offsets[t][:nd] == list(offsets)
-                and first_sizes[t][:nd] == list(sizes)
-            )
-        row = table.find_chunk(t, offsets)
-        return row is not None and self.table.sizes[row, : len(sizes)].tolist() == list(sizes)
+        return self.table.chunk_row(self.t, offsets, sizes) is not None
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, sizes) of this tensor's chunks, ``(n, ndim)`` int64 each."""

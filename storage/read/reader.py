@@ -194,7 +194,11 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         tuning: ReadTuning,
     ) -> WholeReads:
         """Read the small entries of ``reads`` through ``span_reads``; the others, left."""
-        rows, _ = table.rows_of(reads.keys)
+        checked = reads.checked(table)
+        if checked is None:  # not recorded against this table: every key looked up here
+            rows, addresses = table.rows_of(reads.keys)[0], None
+        else:
+            rows, addresses = checked
         small = small_entries(table, rows, block, verify=bool(block)).tolist()
         if not small:
             return reads
@@ -206,6 +210,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             [reads.keys[i] for i in small],
             [rows[i] for i in small],
             [reads.targets[i] for i in small],
+            addresses=None if addresses is None else [addresses[i] for i in small],
             store=self._store,
             path=functools.cache(lambda name: self._loc.data_path(name, prefixes)),
             tuning=tuning,

@@ -49,6 +49,7 @@ def read_spans(
     rows: Sequence[int],
     targets: Sequence[torch.Tensor],
     *,
+    addresses: Sequence[int] | None = None,
     store: Storage,
     path: Callable[[str], str],
     tuning: ReadTuning,
@@ -58,6 +59,7 @@ def read_spans(
 ) -> int:
     """Read stored rows ``rows`` (tensor chunks, see ``small_entries``) into ``targets``
     (``block``: the checksum block size, 0 to skip verification); returns the bytes fetched.
+    ``addresses``: the targets' addresses where ``WholeReads.add`` checked them already.
 
     Raises ``CorruptCheckpointError`` naming the entry if a target is not the plain CPU
     tensor of the chunk's dtype and shape, ``ChecksumMismatchError`` before a damaged item's
@@ -68,8 +70,10 @@ def read_spans(
         return 0
     at = np.asarray(rows, dtype=np.int64)
     nbytes = table.nbytes[at]
-    sizes = table.sizes[at].tolist()
-    ptrs = _checked_targets(table, keys, at, targets, nbytes, sizes, url)
+    if addresses is None:
+        ptrs = _checked_targets(table, keys, at, targets, nbytes, table.sizes[at].tolist(), url)
+    else:
+        ptrs = list(addresses)
     expected = None
     if block and table.checksums is not None:
         expected = table.checksums[table.sum_starts(block)[at]]

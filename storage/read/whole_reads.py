@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.format import checksum
-from dcpbridge.storage.format.table import ItemKey, StoredItem, describe_item
-from dcpbridge.storage.read.delivery import WholeJob, byte_view
+from dcpbridge.storage.format.table import ItemKey, ItemTable, StoredItem, describe_item
+from dcpbridge.storage.read.delivery import WholeJob, byte_view, is_plain
 
 
 @dataclass(slots=True)
@@ -27,15 +28,53 @@ class WholeReads:
 
     ``targets[i]`` is a plain, contiguous CPU tensor of the chunk's dtype and sizes;
     ``copies[i]`` lists further tensors asking for the same box (copied from the target once
-    it is read and verified).
+    it is read and verified). Entries recorded by ``add`` were checked to be that against
+    ``table``, and keep their row and address: the reader neither looks them up nor checks
+    them again (entries are never replaced once recorded).
     """
 
     keys: list[ItemKey] = field(default_factory=list)  # (fqn, chunk offsets)
     targets: list[torch.Tensor] = field(default_factory=list)
     copies: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)  # by ``add``: each entry's row in ``table``
+    table: ItemTable | None = None  # the table ``add`` checked every entry against
+    _addresses: list[int] = field(default_factory=list)  # by ``add``: each target's address
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def add(self, key: ItemKey, target: torch.Tensor, chunks: Any) -> bool:
+        """Record entry ``key`` -> ``target`` if ``target`` is a plain CPU tensor that is
+        exactly the chunk at ``key``'s offsets of ``chunks`` (the decoded ``ChunkList`` of
+        ``key``'s tensor): its dtype and sizes. False (nothing recorded) otherwise."""
+        table, t = chunks.table, chunks.t
+        if not isinstance(table, ItemTable) or (self.keys and table is not self.table):
+            return False
+        fqn, offsets = key
+        row = table.chunk_row(t, offsets, target.shape)
+        if (
+            row is None
+            or table.tensors[t] != fqn
+            or target.dtype != table.dtypes[t]
+            or not is_plain(target)
+            or not target.numel()
+        ):
+            return False
+        self.table = table
+        self.keys.append(key)
+        self.targets.append(target)
+        self.rows.append(row)
+        self._addresses.append(target.data_ptr())
+        return True
+
+    def checked(self, table: ItemTable) -> tuple[list[int], list[int]] | None:
+        """(rows, target addresses) of every entry if ``add`` recorded each against ``table``
+        (the very object the reader reads by), else None: then every entry is looked up and
+        checked by the reader."""
+        n = len(self.keys)
+        if self.table is not table or len(self.rows) != n or len(self._addresses) != n:
+            return None
+        return self.rows, self._addresses
 
     def nbytes(self) -> int:
         """Bytes these reads fill (copies not counted)."""
@@ -45,10 +84,14 @@ class WholeReads:
         """The entries not in ``done`` (sorted positions), with their copies."""
         skip = set(done)
         keep = [i for i in range(len(self.keys)) if i not in skip]
+        recorded = len(self.rows) == len(self._addresses) == len(self.keys)
         return WholeReads(
             [self.keys[i] for i in keep],
             [self.targets[i] for i in keep],
             {j: self.copies[i] for j, i in enumerate(keep) if i in self.copies},
+            [self.rows[i] for i in keep] if recorded else [],
+            self.table if recorded else None,
+            [self._addresses[i] for i in keep] if recorded else [],
         )
 
 

@@ -12,6 +12,7 @@ import math
 import os
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -114,16 +115,27 @@ class CoalescingFile:
     """Writes many small items as few large writes; large items go straight through.
 
     Small items are copied into one reused buffer (``copy_in`` takes a raw address, so a
-    tensor's bytes arrive with a single memmove and no Python objects per item).
+    tensor's bytes arrive with a single memmove and no Python objects per item). With
+    ``background``, a full buffer is written (and ``written`` told) on a writer thread while
+    the next one fills: the write's kernel copy and the storage's write-behind overlap the
+    per-item work. ``flush`` waits for it; ``close`` must follow, also after a failure.
     """
 
-    def __init__(self, f: BinaryIO, written: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        f: BinaryIO,
+        written: Callable[[int, int], None] | None = None,
+        *,
+        background: bool = False,
+    ) -> None:
         self._f = f
         self._written = written  # told (start, nbytes) of each write that went out
         self._out = 0  # bytes handed to ``f`` so far
-        self._buf = bytearray(_COALESCE_BYTES + _SMALL_ITEM)
-        self._view = memoryview(self._buf)
-        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        self._buf, self._view, self._addr = _coalescing_buffer()
+        self._spare: tuple[bytearray, memoryview, int] | None = None  # the writer thread's
+        self._background = background
+        self._writes: ThreadPoolExecutor | None = None
+        self._pending: ThreadFuture[None] | None = None
         self._fill = 0
         self.pos = 0
 
@@ -158,18 +170,61 @@ class CoalescingFile:
     def _advance(self, n: int) -> None:
         self._fill += n
         if self._fill >= _COALESCE_BYTES:
-            self.flush()
+            if self._background:
+                self._hand_off()
+            else:
+                self.flush()
+
+    def _hand_off(self) -> None:
+        """Write the full buffer on the writer thread; fill the other one meanwhile."""
+        self._wait()  # the previous hand-off is out: its buffer is free again
+        if self._writes is None:
+            self._writes = ThreadPoolExecutor(1, thread_name_prefix="dcpb-coalesce")
+            self._spare = _coalescing_buffer()
+        assert self._spare is not None
+        self._pending = self._writes.submit(self._emit, self._view[: self._fill])
+        self._spare, (self._buf, self._view, self._addr) = (
+            (self._buf, self._view, self._addr),
+            self._spare,
+        )
+        self._fill = 0
+
+    def _wait(self) -> None:
+        """Wait for the writer thread's write; raise its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def flush(self) -> None:
+        self._wait()
         if self._fill:
             self._emit(self._view[: self._fill])
             self._fill = 0
+
+    def close(self, *, failed: bool = False) -> None:
+        """Wait for a write still on the writer thread and end it (after ``failed``, that
+        write's own failure is not raised: the first one is what the caller reports)."""
+        try:
+            self._wait()
+        except Exception:
+            if not failed:
+                raise
+        finally:
+            if self._writes is not None:
+                self._writes.shutdown()
+                self._writes = None
 
     def _emit(self, data: memoryview) -> None:
         _write_all(self._f, data)
         if self._written is not None:
             self._written(self._out, len(data))
         self._out += len(data)
+
+
+def _coalescing_buffer() -> tuple[bytearray, memoryview, int]:
+    """A coalescing buffer, a view of it and its address."""
+    buf = bytearray(_COALESCE_BYTES + _SMALL_ITEM)
+    return buf, memoryview(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 def _write_all(f: BinaryIO, data: memoryview) -> None:
@@ -372,15 +427,21 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     ) -> list[WriteResult]:
         with self._store.open_write(self._loc.data_path(name)) as raw:
             behind = functools.partial(self._store.write_behind, raw) if self.sync_files else None
-            out = CoalescingFile(raw, behind)
-            block = self.checksum_block_size if self.checksums else 0
-            datas = [planner.resolve_data(item) for item in items]
-            stage = device_copy.on_device
-            if any(map(stage, datas)):
-                results = _write_carried(out, name, items, datas, rank, block, stage)
-            else:  # host data only: one pass, nothing staged
-                results = _append_items(out, name, items, datas, rank, block)
-            out.flush()
+            # on local disk, full buffers are written on a thread (kernel copy, write-behind)
+            out = CoalescingFile(raw, behind, background=self._loc.is_local)
+            try:
+                block = self.checksum_block_size if self.checksums else 0
+                datas = [planner.resolve_data(item) for item in items]
+                stage = device_copy.on_device
+                if any(map(stage, datas)):
+                    results = _write_carried(out, name, items, datas, rank, block, stage)
+                else:  # host data only: one pass, nothing staged
+                    results = _append_items(out, name, items, datas, rank, block)
+                out.flush()
+            except BaseException:
+                out.close(failed=True)  # nothing still writes once the file closes
+                raise
+            out.close()
             if self.sync_files:
                 self._store.sync(raw)
         return results

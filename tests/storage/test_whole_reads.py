@@ -174,6 +174,39 @@ def test_staged_small_reads_refuse_targets_that_are_not_the_stored_chunk(tmp_pat
     assert torch.equal(good, state["t2"])
 
 
+def test_add_records_only_the_stored_chunk_and_the_reader_reads_by_its_rows(tmp_path):
+    """``WholeReads.add`` checks a target against the decoded chunk (dtype, sizes, plain CPU
+    memory) and keeps its row and address; the reader then reads those entries without a
+    lookup, and entries of another table (or none) are looked up and checked as before."""
+    state = _saved(str(tmp_path))
+    reader = FsspecCheckpointReader(str(tmp_path))
+    meta = reader.read_metadata()
+    reader.set_up_storage_reader(meta, True)
+    chunks = meta.state_dict_metadata["t2"].chunks
+    reads = WholeReads()
+    wrong = (
+        torch.zeros(5, 3),
+        torch.zeros(15),
+        torch.zeros(3, 5, dtype=torch.int32),
+        torch.zeros(3, 6)[:, :5],
+        torch.zeros(3, 5, device="meta"),
+    )
+    for target in wrong:
+        assert not reads.add(("t2", (0, 0)), target, chunks)
+    assert not reads.add(("t2", (1, 0)), torch.zeros(3, 5), chunks)  # no chunk at (1, 0)
+    assert not reads.add(("t3", (0, 0)), torch.zeros(3, 5), chunks)  # t2's chunks, not t3's
+    assert reads.keys == [] and reads.targets == []
+    good = [torch.zeros(3, 5) for _ in range(3)]
+    for i, target in enumerate(good):
+        assert reads.add((f"t{i}", (0, 0)), target, meta.state_dict_metadata[f"t{i}"].chunks)
+    table = meta.storage_data.items
+    assert reads.checked(table) == ([0, 1, 2], [t.data_ptr() for t in good])
+    assert reads.without([1]).checked(table) == ([0, 2], [good[0].data_ptr(), good[2].data_ptr()])
+    assert WholeReads(list(reads.keys), list(reads.targets)).checked(table) is None  # not added
+    reader.read_whole(reads)
+    assert all(torch.equal(good[i], state[f"t{i}"]) for i in range(3))
+
+
 def test_large_chunks_are_read_in_verified_slabs_and_a_flipped_byte_is_named(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(3)
     state = {"big": torch.randn(768, 1024, generator=g), "flat": torch.randn(655360, generator=g)}
