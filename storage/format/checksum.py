@@ -207,17 +207,36 @@ def _row_digests(
     grid: Grid, data: memoryview, first: int, rows: int, groups: int
 ) -> list[tuple[int, str, Box]]:
     """``_box_digests`` of whole rows ``first`` (on a tile edge) to ``first + rows`` of a
-    chunk with ``groups`` column groups, hashed one tile row at a time (``_tile_rows``)."""
+    chunk with ``groups`` column groups, hashed one tile at a time (``_tiles_of_rows``)."""
     if rows == 0:
         return []
-    arr = np.frombuffer(data, np.uint8).reshape(rows, groups, len(data) // rows // groups)
     width, rest = grid.tile[1], tuple(grid.sizes[2:])
     out = []
-    for r, n, part, base in _tile_rows(grid, arr, first, 0):
-        for j in range(groups):
-            box = ((r, j * width) + (0,) * len(rest), (n, width, *rest))
-            out.append((base + j, xxhash.xxh3_64_hexdigest(part[j]), box))
+    for r, n, j, tile, index in _tiles_of_rows(grid, data, first, rows, groups):
+        box = ((r, j * width) + (0,) * len(rest), (n, width, *rest))
+        out.append((index, xxhash.xxh3_64_hexdigest(tile), box))
     return out
+
+
+def _tiles_of_rows(
+    grid: Grid, data: memoryview, first: int, rows: int, groups: int
+) -> Iterator[tuple[int, int, int, np.ndarray, int]]:
+    """The tiles of whole rows ``first`` (on a tile edge) to ``first + rows`` of a chunk with
+    ``groups`` column groups (``data``: their bytes), each gathered by one copy into this
+    thread's scratch of one tile, which stays in the core's cache for its hash (a whole tile
+    row at once did not: measured 2-3% more CPU for 8 ranks on 2 cores): ``(row in data, rows,
+    column group, tile bytes, digest index)``; the scratch is reused once the next is asked."""
+    arr = np.frombuffer(data, np.uint8).reshape(rows, groups, len(data) // rows // groups)
+    piece = arr.shape[2]
+    step, across = grid.tile[0], grid.counts[1]
+    scratch = _scratch(min(step, rows) * piece)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        tile = scratch[: n * piece].reshape(n, piece)
+        base = (first + r) // step * across
+        for j in range(groups):
+            np.copyto(tile, arr[r : r + n, j])
+            yield r, n, j, tile, base + j
 
 
 def _tile_rows(
@@ -303,6 +322,21 @@ def verify(
         got = xxhash.xxh3_64_hexdigest(data)  # one tile, the whole item: no array, no walk
         if got != expected[0]:
             raise_mismatch(0, got, expected, what, "the item")
+        return
+    groups = column_groups(grid)
+    if (
+        groups
+        and lengths[0]
+        and offsets[0] % grid.tile[0] == 0
+        and tuple(lengths[1:]) == grid.sizes[1:]
+    ):
+        # whole rows of column-group tiles (a slab of a whole-chunk read): no boxes unless bad
+        for r, n, j, tile, index in _tiles_of_rows(grid, data, offsets[0], lengths[0], groups):
+            got = xxhash.xxh3_64_hexdigest(tile)
+            if got != expected[index]:
+                at = (offsets[0] + r, j * grid.tile[1], *(0,) * (len(offsets) - 2))
+                n_tile = (n, grid.tile[1], *grid.sizes[2:])
+                raise_mismatch(index, got, expected, what, _span(grid, at, n_tile))
         return
     for index, got, (lo, n) in _box_digests(grid, data, offsets, lengths):
         if got != expected[index]:

@@ -263,8 +263,8 @@ def _tile_by_tile(grid: Grid, data: np.ndarray) -> list[str]:
 )
 def test_column_group_tiles_hashed_by_tile_row_match_tile_by_tile(sizes, itemsize, block):
     """Chunks whose tiles cut dims 0 and 1 (column groups, the last tile row shorter): whole
-    rows are hashed one tile row at a time through a regrouping copy; the digests equal
-    each tile's cut out alone, whole-row boxes verify, and a flipped byte names its tile."""
+    rows are hashed one tile at a time through a gathering copy; the digests equal each
+    tile's cut out alone, whole-row boxes verify, and a flipped byte names its tile."""
     grid = tensor_grid(sizes, itemsize, block, tiled=True)
     groups = checksum.column_groups(grid)
     assert groups > 1 and sizes[0] % grid.tile[0]  # column groups, a shorter last tile row
