@@ -9,6 +9,7 @@ functions (which Python runs late, but a reader still follows) and under ``TYPE_
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache  # the tree does not change during a run: read and parsed once
 def _modules() -> dict[str, Path]:
     return {
         _module_name(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))
@@ -92,9 +94,10 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> Iterator[Import
                 yield Import(name, sub if sub in modules else base, at_import, node.lineno)
 
 
-def _all_imports() -> list[Import]:
+@functools.cache
+def _all_imports() -> tuple[Import, ...]:
     modules = _modules()
-    return [i for name, path in modules.items() for i in _imports(name, path, modules)]
+    return tuple(i for name, path in modules.items() for i in _imports(name, path, modules))
 
 
 def _ours(target: str) -> bool:
