@@ -255,16 +255,8 @@ def for_load(tree: Any) -> LoadParts:
     if not isinstance(tree, Mapping):
         raise SerializationError(f"a load template must be a mapping, got {type(tree).__name__}")
     parts = LoadParts(tree)
-    requests, slots = parts.shards, parts._slots
     for leaf in STATE_WALKER.leaves(tree):
         value = leaf.value
-        if type(value) is ShardedTensor:  # dcpbridge's own, the commonest leaf: as it is
-            if value.flattened_range is not None:
-                check_not_flattened(value)
-            value.init_data()
-            requests.append(value)
-            slots[id(value)] = value
-            continue
         kind = leaf_kind(value)
         if kind == "nonpersistent":
             continue
