@@ -57,7 +57,7 @@ class PeerStorage(Storage):
         self._local, self._own, self._received, self._sizes = local, own, received, sizes
 
     def read_costs(self) -> ReadCosts:
-        """This node's directory's: the reader joins ranges as ``needed_extents`` planned."""
+        """This node's directory's: the reader joins ranges as ``plan_load`` planned."""
         return self._local.read_costs()
 
     def file_sizes(self) -> dict[str, int]:
@@ -186,18 +186,6 @@ def _by_source(
         if sources[e.name] != rank:
             out.setdefault(sources[e.name], []).append(e)
     return out
-
-
-def needed_extents(
-    template: Any, metadata: Metadata, group: Group, location: Location, **planner_options: Any
-) -> list[Extent]:
-    """The byte ranges this rank's load of ``template`` reads, planned by the load planner (a
-    dry run: nothing is read): for a part of a stored chunk, the ranges the reader fetches
-    for it, widened to whole checksum tiles (so every byte received is verified)."""
-    parts = for_load(state_dicts(template))
-    planner = BridgeLoadPlanner(parts, parts.shards, legacy_common=False, **planner_options)
-    planner.set_up_planner(None, metadata, group.is_coordinator)
-    return planned_extents(planner, planner.create_local_plan(), metadata, location)
 
 
 def planned_extents(
@@ -360,27 +348,23 @@ def open_local_step(
 
     def want_data() -> dict[int, list[Extent]]:
         metadata = _document(tier, chosen, location, got)
-        options = {"strict": strict, "allow_pickle": allow_pickle}
-        made = None
-        if planned:  # the load's own planning, here: its failure raised on every rank
-            made = ahead or plan_load(
-                template,
-                metadata,
-                group,
-                location,
-                allow_dtype_cast=allow_dtype_cast,
-                **options,
-            )
-            extents = made.extents
-        else:
-            extents = needed_extents(
-                template, metadata, group, location, allow_dtype_cast=allow_dtype_cast, **options
-            )
-        sources = choose_sources({e.name for e in extents}, rank, chosen, avoid=avoid)
-        opened.append(
-            _opened(chosen, location, metadata, made, sources, received, group, thread_count, True)
+        # the load's own planning, here: its failure raised on every rank (where the load
+        # plans again, per rank or with what is stored, only its byte ranges are kept)
+        made = ahead or plan_load(
+            template,
+            metadata,
+            group,
+            location,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast,
         )
-        return _by_source(extents, sources, rank)
+        sources = choose_sources({e.name for e in made.extents}, rank, chosen, avoid=avoid)
+        kept = made if planned else None
+        opened.append(
+            _opened(chosen, location, metadata, kept, sources, received, group, thread_count, True)
+        )
+        return _by_source(made.extents, sources, rank)
 
     received.update(fetch(group, location, want_data, f"local step {chosen.step}: data"))
     log.info(
@@ -457,7 +441,6 @@ __all__ = [
     "PeerStorage",
     "PlannedLoad",
     "fetch",
-    "needed_extents",
     "open_local_step",
     "plan_load",
     "planned_extents",
