@@ -334,9 +334,8 @@ def verify(
         for r, n, j, tile, index in _tiles_of_rows(grid, data, offsets[0], lengths[0], groups):
             got = xxhash.xxh3_64_hexdigest(tile)
             if got != expected[index]:
-                at = (offsets[0] + r, j * grid.tile[1], *(0,) * (len(offsets) - 2))
-                n_tile = (n, grid.tile[1], *grid.sizes[2:])
-                raise_mismatch(index, got, expected, what, _span(grid, at, n_tile))
+                where = _group_tile(grid, offsets[0] + r, j * grid.tile[1], n)
+                raise_mismatch(index, got, expected, what, where)
         return
     for index, got, (lo, n) in _box_digests(grid, data, offsets, lengths):
         if got != expected[index]:
@@ -393,10 +392,15 @@ def _copy_tile_rows(
         for j in range(tiles):
             got = xxhash.xxh3_64_hexdigest(part[j])
             if got != expected[base + j]:
-                at = (offsets[0] + r, offsets[1] + j * grid.tile[1], *(0,) * (len(offsets) - 2))
-                n_tile = (n, grid.tile[1], *grid.sizes[2:])
-                raise_mismatch(base + j, got, expected, what, _span(grid, at, n_tile))
+                where = _group_tile(grid, offsets[0] + r, offsets[1] + j * grid.tile[1], n)
+                raise_mismatch(base + j, got, expected, what, where)
         np.copyto(dst[r : r + n], part.transpose(1, 0, 2))
+
+
+def _group_tile(grid: Grid, row: int, column: int, rows: int) -> str:
+    """Where the column-group tile of ``rows`` rows at (``row``, ``column``) lies."""
+    rest = grid.sizes[2:]
+    return _span(grid, (row, column, *(0,) * len(rest)), (rows, grid.tile[1], *rest))
 
 
 def _span(grid: Grid, at: Sequence[int], n: Sequence[int]) -> str:
