@@ -500,13 +500,7 @@ def _append_item(
     assert td is not None  # DCP's tensor write items always describe their chunk
     expected = item_nbytes(item)
     start = out.align()
-    if (
-        expected < _SMALL_ITEM
-        and type(data) in _PLAIN
-        and data.is_cpu
-        and data.is_contiguous()
-        and data.nbytes == expected
-    ):
+    if _copyable(data, expected):
         mv = out.copy_in(data.data_ptr(), expected)
     else:
         mv = tensor_bytes(data)
@@ -516,6 +510,18 @@ def _append_item(
         checksum.chunk_digests(mv, td.chunk.sizes, td.properties.dtype, block) if block else None
     )
     return _result(item, name, start, len(mv), rank, digests)
+
+
+def _copyable(data: Any, expected: int) -> bool:
+    """Whether ``data`` is a plain, contiguous CPU tensor of ``expected`` bytes, small enough
+    to be copied straight from its memory into the coalescing buffer."""
+    return (
+        expected < _SMALL_ITEM
+        and type(data) in _PLAIN
+        and data.is_cpu
+        and data.is_contiguous()
+        and data.nbytes == expected
+    )
 
 
 def _append_items(
@@ -543,13 +549,7 @@ def _append_items(
             one = not block or checksum.chunk_grid_is_one_tile(sizes, dtype, block)
             known = shapes[(sizes, dtype)] = (item_nbytes(item), one)
         expected, one_tile = known
-        if (
-            expected >= _SMALL_ITEM
-            or not one_tile
-            or not data.is_cpu
-            or not data.is_contiguous()
-            or data.nbytes != expected
-        ):
+        if not one_tile or not _copyable(data, expected):
             results.append(_append_item(out, name, item, data, rank, block))
             continue
         start = out.align()
