@@ -58,6 +58,12 @@ def children_allowed() -> Iterator[None]:
         config["daemon"] = was
 
 
+def crash_tracebacks(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: a worker that crashes writes its Python stacks to the
+    rank's log (torch's own handler, installed before this runs, only names the signal)."""
+    faulthandler.enable(all_threads=True)
+
+
 class RankFailure(AssertionError):
     """One or more ranks of a pooled test raised or hung."""
 
@@ -77,6 +83,7 @@ def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) ->
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung rank, on demand
+    faulthandler.enable(all_threads=True)  # and of a crashed one
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401  (must precede init_process_group)
 
@@ -313,12 +320,15 @@ class WorkerPool:
                     os.kill(self._procs[rank].pid, signal.SIGUSR1)
             time.sleep(1)
             stacks = "\n".join(f"--- rank {r} stacks ---\n{self._log_tail(r, 60)}" for r in hung)
-            self.kill()  # a rank is stuck (e.g. in a collective): start afresh next time
         errors = {r: v for r, (status, v) in results.items() if status == "error"}
         if errors or hung:
-            parts = [f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())]
+            parts = [
+                f"--- rank {r} raised ---\n{tb}--- its log ---\n{self._log_tail(r, 15)}"
+                for r, tb in sorted(errors.items())
+            ]
             if hung:
                 parts.append(f"--- ranks {hung} did not finish within {timeout:.0f}s ---\n{stacks}")
+            self.kill()  # what the failure left behind in a rank does not reach the next test
             raise RankFailure("\n".join(parts))
         return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(nprocs)]
 
