@@ -44,15 +44,19 @@ def refuse(key: str, value: Any, kind: LeafKind) -> SerializationError:
     )
 
 
-def _plain_data(key: str, t: torch.Tensor) -> torch.Tensor:
-    if t.layout != torch.strided or t.is_meta or t.is_quantized:
+def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
+    """``t`` detached, refused unless it is dense; for a save, a conjugate or negative view
+    becomes the values it shows (a copy; its memory holds the values before the view)."""
+    if t.layout != torch.strided or t.is_meta or t.is_quantized or t.is_nested:
+        what = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
         raise SerializationError(
-            f"{key!r}: a {t.layout} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
+            f"{key!r}: a {what} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
         )
-    return t.detach()
+    t = t.detach()
+    return t.resolve_conj().resolve_neg() if save else t
 
 
-def dtensor_box(key: str, dt: DTensor) -> LocalBox | None:
+def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
     """This rank's box of ``dt`` (None if it is not on the mesh); replicas along Replicate
     mesh dimensions other than coordinate 0 are not the main replica."""
     if any(isinstance(p, Partial) for p in dt.placements):
@@ -64,7 +68,7 @@ def dtensor_box(key: str, dt: DTensor) -> LocalBox | None:
     if coordinate is None:
         return None
     shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    local = _plain_data(key, dt.to_local())
+    local = _plain_data(key, dt.to_local(), save)
     if tuple(local.shape) != tuple(shape):
         raise SerializationError(
             f"{key!r}: DTensor local tensor has shape {tuple(local.shape)}, its placements "
@@ -82,12 +86,12 @@ def dtensor_box(key: str, dt: DTensor) -> LocalBox | None:
     )
 
 
-def torch_sharded_boxes(key: str, st: Any) -> list[LocalBox]:
+def torch_sharded_boxes(key: str, st: Any, save: bool = False) -> list[LocalBox]:
     """One box per local shard of a ``torch.distributed._shard`` ShardedTensor."""
     shape = tuple(st.size())
     out = []
     for shard in st.local_shards():
-        data = _plain_data(key, shard.tensor)
+        data = _plain_data(key, shard.tensor, save)
         md = shard.metadata
         out.append(
             LocalBox(
@@ -102,8 +106,9 @@ def torch_sharded_boxes(key: str, st: Any) -> list[LocalBox]:
     return out
 
 
-def tensor_boxes(key: str, value: Any, kind: LeafKind) -> list[TensorShard]:
-    """The boxes a tensor-like leaf stores under ``key`` (a plain tensor: one whole box)."""
+def tensor_boxes(key: str, value: Any, kind: LeafKind, save: bool = False) -> list[TensorShard]:
+    """The boxes a tensor-like leaf stores under ``key`` (a plain tensor: one whole box);
+    ``save``: the data to write (conjugate and negative views resolved), else a template's."""
     if kind == "tensor_shard":
         if getattr(value, "flattened_range", None) is not None:
             raise SerializationError(
@@ -112,12 +117,12 @@ def tensor_boxes(key: str, value: Any, kind: LeafKind) -> list[TensorShard]:
             )
         return [value]
     if kind == "tensor":
-        data = _plain_data(key, value)
+        data = _plain_data(key, value, save)
         shape = tuple(data.shape)
         return [LocalBox(key, data, data.dtype, shape, shape, (0,) * len(shape))]
     if kind == "dtensor":
-        box = dtensor_box(key, value)
+        box = dtensor_box(key, value, save)
         return [] if box is None else [box]
     if kind == "torch_sharded":
-        return torch_sharded_boxes(key, value)
+        return torch_sharded_boxes(key, value, save)
     raise refuse(key, value, kind)

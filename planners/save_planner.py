@@ -159,7 +159,7 @@ def plan_local_writes(
         if leaf.obj_path and kind in ("tensor", "dtensor", "torch_sharded", "object"):
             out.summary.paths[leaf.path] = leaf.obj_path  # stored under its DCP key
         if kind in TENSOR_KINDS:
-            for sh in tensor_boxes(leaf.path, value, kind):
+            for sh in tensor_boxes(leaf.path, value, kind, save=True):
                 key = check_key(sh.key)
                 shape = tuple(sh.global_shape)
                 declare(key, shape, sh.dtype)
@@ -208,6 +208,11 @@ def check_data(sh: TensorShard) -> None:
     if data.is_meta or data.layout != torch.strided:
         raise ShardingValidationError(
             f"ShardedTensor {sh.key!r}: {data.layout} {data.device} data cannot be saved"
+        )
+    if data.is_conj() or data.is_neg():  # its memory holds other values than it shows
+        raise SerializationError(
+            f"ShardedTensor {sh.key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"
+            " view; pass data.resolve_conj().resolve_neg()"
         )
 
 

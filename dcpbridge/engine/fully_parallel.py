@@ -56,19 +56,20 @@ def share_load(rank: int, owners: ReadOwners, shards: list[Any]) -> LoadShare:
 def hand_off(group: Group, share: LoadShare) -> None:
     """Send every box this rank read to the others that need it; receive its own.
 
-    Boxes travel on the group's device (CUDA for NCCL, host for gloo): data elsewhere, or not
-    contiguous, goes through a buffer there and is copied into place after the exchange.
+    Boxes travel on the group's device (CUDA for NCCL, host for gloo): data elsewhere, not
+    contiguous, or a conjugate or negative view (its memory holds other values than it shows)
+    goes through a buffer there and is copied into place after the exchange.
     """
     device = group.tensor_device
     sends = []
     for s, dsts, tag in share.sends:
-        data = s.data.to(device).contiguous()
+        data = s.data.to(device).resolve_conj().resolve_neg().contiguous()
         sends += [(data, dst, tag) for dst in dsts]
     recvs = []
     fixups = []
     for s, src, tag in share.recvs:
         buf = s.data
-        if buf.device != device or not buf.is_contiguous():
+        if buf.device != device or not buf.is_contiguous() or buf.is_conj() or buf.is_neg():
             buf = torch.empty(tuple(buf.shape), dtype=buf.dtype, device=device)
             fixups.append((s.data, buf))
         recvs.append((buf, src, tag))

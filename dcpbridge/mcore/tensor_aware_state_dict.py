@@ -371,7 +371,7 @@ class TensorAwareStateDict:
         for tag, t in enumerate(plan.transfers):
             shard = t.meta.shard
             if t.src == group.rank:
-                data = sources[shard].detach().to(device).contiguous()
+                data = sources[shard].detach().to(device).resolve_conj().resolve_neg().contiguous()
                 sends += [(data, dst, tag) for dst in t.dsts]
             elif group.rank in t.dsts:
                 buf = into.get(shard)
@@ -452,7 +452,12 @@ def _keeps(s: Any, keepers: dict[ShardId, int], rank: int) -> bool:
 
 
 def _receivable(t: torch.Tensor | None, device: torch.device) -> bool:
-    return t is not None and t.is_contiguous() and t.device == device
+    return (
+        t is not None
+        and t.is_contiguous()
+        and t.device == device
+        and not (t.is_conj() or t.is_neg())  # its memory holds other values than it shows
+    )
 
 
 def _cpu_copy(t: torch.Tensor, non_blocking: bool) -> torch.Tensor:

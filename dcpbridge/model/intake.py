@@ -70,8 +70,9 @@ def own_object(value: Any) -> ShardedObject:
     )
 
 
-def _boxes(path: str, value: Any, kind: LeafKind) -> list[ShardedTensor]:
-    """ShardedTensors of a DTensor / torch ShardedTensor / plain tensor leaf."""
+def _boxes(path: str, value: Any, kind: LeafKind, save: bool = False) -> list[ShardedTensor]:
+    """ShardedTensors of a DTensor / torch ShardedTensor / plain tensor leaf (``save``: see
+    ``tensor_boxes``)."""
     return [
         ShardedTensor.from_box(
             b.key,
@@ -80,7 +81,7 @@ def _boxes(path: str, value: Any, kind: LeafKind) -> list[ShardedTensor]:
             b.global_offset,
             replica_id=b.replica_id,
         )
-        for b in tensor_boxes(path, value, kind)
+        for b in tensor_boxes(path, value, kind, save)
     ]
 
 
@@ -160,7 +161,7 @@ def for_save(tree: Any) -> SaveParts:
             parts.shards.append(own_object(value))
         elif kind in ("dtensor", "torch_sharded", "tensor"):
             key = check_key(leaf.path)
-            parts.shards.extend(_boxes(key, value, kind))
+            parts.shards.extend(_boxes(key, value, kind, save=True))
             if kind == "tensor":  # common state: its path is in ``paths``
                 parts.plain[key] = value
                 parts.paths[key] = leaf.obj_path

@@ -45,8 +45,15 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a plain, dense, contiguous CPU tensor (a meta tensor is not is_cpu)."""
-    return type(t) in _PLAIN and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
+    """Whether ``t`` is a plain, dense, contiguous CPU tensor whose memory holds the values it
+    shows (not a conjugate or negative view; a meta tensor is not is_cpu)."""
+    return (
+        type(t) in _PLAIN
+        and t.is_cpu
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())
+    )
 
 
 def byte_view(t: torch.Tensor) -> memoryview | None:

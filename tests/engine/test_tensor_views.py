@@ -1,0 +1,100 @@
+"""Tensors whose memory holds other values than they show (conjugate and negative views) are
+stored as the values they show, and filled as such on load; nested tensors are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import dcpbridge as db
+from tests.support.dist_pool import Rank
+
+C = torch.tensor([1 + 2j, -3 + 0.5j, 4 - 1j, 0.25 + 8j], dtype=torch.complex64)
+
+
+def _views() -> dict[str, torch.Tensor]:
+    """A conjugate view, a negative view (the imaginary part of one) and a plain tensor."""
+    return {"conj": C.conj(), "neg": C.clone().conj().imag, "plain": C.real.clone()}
+
+
+def _shown(t: torch.Tensor) -> torch.Tensor:
+    return t.resolve_conj().resolve_neg().clone()
+
+
+def _template() -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(_shown(v)) for k, v in _views().items()}
+
+
+def _assert_shown(out: dict, sd: dict) -> None:
+    for k, v in sd.items():
+        assert torch.equal(_shown(out[k]), _shown(v)), k
+
+
+@pytest.mark.parametrize(
+    "how", ["save", "async_thread", "background_staging", "torch_dist", "plain_dcp"]
+)
+def test_views_are_stored_as_the_values_they_show(tmp_path, how):
+    sd, path = _views(), str(tmp_path / "ck")
+    assert sd["conj"].is_conj() and sd["neg"].is_neg()
+    if how == "save":
+        db.save(sd, path)
+    elif how == "async_thread":
+        db.async_save(sd, path, writer="thread").result()
+    elif how == "background_staging":
+        db.async_save(sd, path, writer="thread", background_staging=True).result()
+    elif how == "torch_dist":
+        db.save(sd, path, format="torch_dist")
+    else:
+        dcp.save(
+            sd,
+            storage_writer=db.FsspecCheckpointWriter(path),
+            planner=db.ShardedSavePlanner(),
+            no_dist=True,
+        )
+    _assert_shown(db.load(_template(), path), sd)
+    assert C.conj().is_conj() and torch.equal(_shown(sd["conj"]), torch.conj_physical(C))
+
+
+def test_view_templates_are_filled_with_the_stored_values(tmp_path):
+    sd, path = {k: _shown(v) for k, v in _views().items()}, str(tmp_path / "ck")
+    db.save(sd, path)
+    template = {"conj": torch.zeros(4, dtype=torch.complex64).conj(), "neg": torch.zeros(4)}
+    template["neg"] = torch.zeros(4, dtype=torch.complex64).conj().imag
+    before = dict(template)
+    out = db.load(template, path, strict="assume_ok_unexpected")
+    for k in template:
+        assert out[k] is before[k] and (out[k].is_conj() or out[k].is_neg()), k
+        assert torch.equal(_shown(out[k]), sd[k]), k
+
+
+def test_a_sharded_tensor_over_a_view_and_a_nested_tensor_are_refused(tmp_path):
+    st = db.ShardedTensor.from_rank_offsets("w", C.conj())
+    with pytest.raises(db.SerializationError, match=r"'w'.*conjugate view.*resolve_conj"):
+        db.save({"w": st}, str(tmp_path / "a"))
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(db.SerializationError, match=r"'n'.*nested tensor"):
+        db.save({"n": nested}, str(tmp_path / "b"))
+    assert not list(tmp_path.iterdir())
+
+
+def dtensor_conj(r: Rank, path: str) -> list[bool]:
+    """A DTensor over a conjugate view saved; loaded plainly and, fully parallel (each rank
+    reads half and sends it), into view templates."""
+    mesh = DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
+    dt = distribute_tensor(C, mesh, [Shard(0)]).conj()
+    assert dt.to_local().is_conj()
+    db.save({"c": dt}, path, process_group=r.group)
+    out = db.load({"c": torch.zeros(4, dtype=torch.complex64)}, path, process_group=r.group)
+    views = {"c": torch.zeros(4, dtype=torch.complex64).conj()}
+    both = db.load(views, path, process_group=r.group, fully_parallel=True)
+    shown = torch.conj_physical(C)
+    return [torch.equal(out["c"], shown), torch.equal(_shown(both["c"]), shown)]
+
+
+def test_a_dtensor_conjugate_view_is_stored_as_shown(pool, tmp_path):
+    got = pool.run(dtensor_conj, 2, str(tmp_path / "ck"), timeout=60)
+    assert got == [[True, True], [True, True]]
