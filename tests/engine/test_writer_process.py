@@ -83,6 +83,24 @@ def test_saves_through_the_writer_process_load_bit_exact(pool, tmp_path):
         assert first is not None and first == second  # one process, reused
 
 
+def saves_to_s3(r: Rank, url: str, options: dict) -> str:
+    state = _state(r, 6)
+    handle = _save(r, url, state, 6, storage_options=options)
+    handle.result(120)
+    tmpl = _sharded({k: torch.zeros_like(v) for k, v in state.items()}, r, -1)
+    got = db.load(tmpl, url, process_group=r.group, storage_options=options)
+    assert all(torch.equal(got[k], v) for k, v in state.items()) and got["step"] == 6
+    return handle.writer
+
+
+@pytest.mark.s3
+def test_the_writer_process_writes_to_s3(pool, s3_server):
+    url, options = f"s3://{s3_server.new_bucket()}/ck", s3_server.storage_options()
+    assert pool.run(saves_to_s3, 2, url, options, timeout=240) == ["process", "process"]
+    names = {k.rsplit("/", 1)[-1] for k in s3_server.keys(url[5:].split("/")[0])}
+    assert "dcpbridge.json" in names and {n[:5] for n in names} >= {"__0_0", "__1_0"}, names
+
+
 def restarts_after_kill(r: Rank, root: str) -> tuple[int | None, int | None]:
     process = _writer_process(r)
     killed = process.pid
