@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import dcpbridge as db
-from tests.support.dist_pool import Rank, children_allowed, crash_tracebacks
+from tests.support.dist_pool import Rank, children_allowed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,13 +36,7 @@ def _train(r: Rank, sampler: db.GlobalBatchSampler, start: int, stop: int, save=
     while step < stop:
         with children_allowed():
             batches = iter(
-                DataLoader(
-                    range(N),
-                    batch_sampler=sampler,
-                    num_workers=2,
-                    prefetch_factor=2,
-                    worker_init_fn=crash_tracebacks,
-                )
+                DataLoader(range(N), batch_sampler=sampler, num_workers=2, prefetch_factor=2)
             )
         for batch in batches:
             log.append(batch.tolist())
@@ -175,14 +169,7 @@ def _stream(r: Rank) -> StatefulDataLoader:
     """This rank's own stream: its own samples, shuffled by its own generator."""
     ids = list(range(1000 * r.rank, 1000 * r.rank + 40))
     g = torch.Generator().manual_seed(r.rank)
-    return StatefulDataLoader(
-        ids,
-        batch_size=BATCH,
-        shuffle=True,
-        num_workers=2,
-        generator=g,
-        worker_init_fn=crash_tracebacks,
-    )
+    return StatefulDataLoader(ids, batch_size=BATCH, shuffle=True, num_workers=2, generator=g)
 
 
 def _draws(r: Rank, it, position: db.GlobalBatchSampler, steps: range) -> list:

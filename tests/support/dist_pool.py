@@ -58,12 +58,6 @@ def children_allowed() -> Iterator[None]:
         config["daemon"] = was
 
 
-def crash_tracebacks(worker_id: int) -> None:
-    """A DataLoader ``worker_init_fn``: a worker that crashes writes its Python stacks to the
-    rank's log (torch's own handler, installed before this runs, only names the signal)."""
-    faulthandler.enable(all_threads=True)
-
-
 class RankFailure(AssertionError):
     """One or more ranks of a pooled test raised or hung."""
 
@@ -83,7 +77,11 @@ def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) ->
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung rank, on demand
-    faulthandler.enable(all_threads=True)  # and of a crashed one
+    faulthandler.enable(all_threads=True)  # and of a crashed one, or of its DataLoader workers:
+    # they inherit it, and keep it instead of torch's handlers (which only name the signal)
+    from torch.utils.data._utils import signal_handling
+
+    signal_handling._set_worker_signal_handlers = faulthandler.enable
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401  (must precede init_process_group)
 
@@ -323,7 +321,7 @@ class WorkerPool:
         errors = {r: v for r, (status, v) in results.items() if status == "error"}
         if errors or hung:
             parts = [
-                f"--- rank {r} raised ---\n{tb}--- its log ---\n{self._log_tail(r, 15)}"
+                f"--- rank {r} raised ---\n{tb}--- its log ---\n{self._log_tail(r, 60)}"
                 for r, tb in sorted(errors.items())
             ]
             if hung:
