@@ -53,7 +53,9 @@ def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
             f"{key!r}: a {what} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
         )
     t = t.detach()
-    return t.resolve_conj().resolve_neg() if save else t
+    if save and (t.is_conj() or t.is_neg()):
+        return t.resolve_conj().resolve_neg()
+    return t
 
 
 def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
