@@ -46,7 +46,7 @@ def refuse(key: str, value: Any, kind: LeafKind) -> SerializationError:
 
 def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
     """``t`` detached, refused unless it is dense; for a save, a conjugate or negative view
-    becomes the values it shows (a copy; its memory holds the values before the view)."""
+    becomes a copy of the values it shows (its memory holds them unconjugated, unnegated)."""
     if t.layout != torch.strided or t.is_meta or t.is_quantized or t.is_nested:
         what = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
         raise SerializationError(
