@@ -43,7 +43,7 @@ from dcpbridge.planners.strict import decide, parse_strict, requested_keys, stor
 from dcpbridge.planners.walk import Leaf, iter_leaves
 from dcpbridge.storage.backends.regions import narrow_box
 from dcpbridge.storage.errors import CorruptCheckpointError
-from dcpbridge.storage.format.table import ChunkList
+from dcpbridge.storage.format.table import ChunkList, ItemTable
 from dcpbridge.storage.format.tiling import distinct
 from dcpbridge.storage.read.whole_reads import WholeReads
 
@@ -431,44 +431,66 @@ def _take_plain_wholes(
 ) -> Sequence[Any]:
     """``_plan_box`` + ``_take_whole`` for the commonest requests, with nothing to convert:
     shards whose data is a plain CPU tensor (no grad, no prepended axes) of the stored dtype
-    and global shape, which is one whole stored chunk, asked for once (``WholeReads.add``
-    checks the data against the chunk). Returns the others (nothing recorded for them): the
+    and global shape, which is one whole stored chunk of the checkpoint's item table, asked
+    for once. Planned as columns: one pass picks them, ``WholeReads.add_many`` checks their
+    data against the chunks in one more. Returns the others (nothing recorded for them): the
     general path plans them, and raises where it must."""
     whole = out.whole
     assert whole is not None
-    whole_at, dests, requested = out.whole_at, out.dests, out.requested
-    rest = []
-    tensor, meta = torch.Tensor, TensorStorageMetadata
+    table = whole.table  # every entry comes from one item table
+    rest: list[Any] = []
+    picked: list[Any] = []
+    ts: list[int] = []
+    tensor, meta, get = torch.Tensor, TensorStorageMetadata, stored.get
     for sh in shards:
         data = sh.data
         if (
-            type(data) is not tensor  # a plain tensor (``add`` checks the rest of is_plain)
+            type(data) is not tensor  # a plain tensor (``add_many`` checks the rest)
             or data.requires_grad  # filled through a detached view by the general path
             or sh.prepend_axis_num
             or getattr(sh, "flattened_range", None) is not None
         ):
             rest.append(sh)
             continue
-        fqn = sh.key
-        md = stored.get(fqn)
-        offsets = tuple(sh.global_offset)
-        box = (fqn, offsets)
-        if (
-            type(md) is not meta
-            or type(md.chunks) is not ChunkList
-            or md.size != tuple(sh.global_shape)
-            or box in whole_at
-            or (dests and MetadataIndex(fqn, offsets) in dests)
-        ):
-            rest.append(sh)  # or asked for before: the general path reads it once and copies
-            continue
-        at = len(whole.keys)
-        if not whole.add(box, data, md.chunks):
+        md = get(sh.key)
+        chunks = md.chunks if type(md) is meta else None
+        if type(chunks) is not ChunkList or md.size != sh.global_shape:
             rest.append(sh)
             continue
-        requested.add(fqn)
-        whole_at[box] = at
+        if chunks.table is not table:
+            if table is not None or not isinstance(chunks.table, ItemTable):
+                rest.append(sh)
+                continue
+            table = chunks.table
+        picked.append(sh)
+        ts.append(chunks.t)
+    if not picked:
+        return rest
+    keys = [(sh.key, o if type(o := sh.global_offset) is tuple else tuple(o)) for sh in picked]
+    if out.whole_at or out.dests:  # asked for before: the general path reads once and copies
+        before = [i for i, k in enumerate(keys) if _planned(out, k)]
+        if before:
+            rest.extend(picked[i] for i in before)
+            picked, ts, keys = _without(before, picked, ts, keys)
+    at = len(whole.keys)
+    refused = whole.add_many(table, ts, keys, [sh.data for sh in picked])
+    if refused:  # not the plain chunk of the stored dtype, or a box asked for twice
+        rest.extend(picked[i] for i in refused)
+        (keys,) = _without(refused, keys)
+    out.whole_at.update(zip(keys, range(at, at + len(keys))))
+    out.requested.update([k[0] for k in keys])
     return rest
+
+
+def _planned(out: LocalReads, box: tuple[str, Shape]) -> bool:
+    """Whether ``box`` was planned already, as a whole-chunk entry or as read items."""
+    return box in out.whole_at or MetadataIndex(*box) in out.dests
+
+
+def _without(drop: list[int], *columns: list[Any]) -> tuple[list[Any], ...]:
+    """``columns`` without the entries at positions ``drop``."""
+    skip = set(drop)
+    return tuple([x for i, x in enumerate(col) if i not in skip] for col in columns)
 
 
 def _take_whole(

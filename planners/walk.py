@@ -149,14 +149,29 @@ class Walker:
                 seen.add(child[1])
                 yield Leaf(child[1], child[2], node, child[4], child[0])
 
-    def rebuild(self, tree: Any, fn: Callable[[Leaf], Any], prefix: ObjPath = ()) -> Any:
-        """New containers shaped like ``tree``, with ``fn(leaf)`` in place of every leaf."""
+    def rebuild(
+        self,
+        tree: Any,
+        fn: Callable[[Leaf], Any],
+        prefix: ObjPath = (),
+        quick: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """New containers shaped like ``tree``, with ``fn(leaf)`` in place of every leaf;
+        ``quick(value)``, where given, answers first for the leaves of mappings by their value
+        alone (``SLOW``: ask ``fn``), so the commonest leaves need no ``Leaf`` each."""
 
         def go(path: ObjPath, key: str, node: Any, parent: Any, slot: Any) -> Any:
             if self.is_leaf(node, path):
                 return fn(Leaf(key, node, parent, slot, path))
             dot = f"{key}." if path else ""
             if isinstance(node, Mapping):  # leaves by their type: no call of ``go`` each
+                if quick is not None:
+                    return {
+                        k: got
+                        if _plain(v) and (got := quick(v)) is not SLOW
+                        else _child(go, fn, path, dot, str(k), v, node, k)
+                        for k, v in node.items()
+                    }
                 return {
                     k: fn(Leaf(dot + s, v, node, k, (*path, s)))
                     if _plain(v)
@@ -167,6 +182,25 @@ class Walker:
             return like(node, [go((*path, i), f"{dot}{i}", v, node, i) for i, v in enumerate(node)])
 
         return go(prefix, dotted(prefix), tree, None, None)
+
+
+SLOW: Any = object()  # ``rebuild``'s ``quick`` cannot answer for this value
+
+
+def _child(
+    go: Callable[..., Any],
+    fn: Callable[[Leaf], Any],
+    path: ObjPath,
+    dot: str,
+    s: str,
+    v: Any,
+    node: Any,
+    k: Any,
+) -> Any:
+    """``rebuild``'s answer for child ``k`` of mapping ``node`` (``s``: its name)."""
+    if _plain(v):
+        return fn(Leaf(dot + s, v, node, k, (*path, s)))
+    return go((*path, s), dot + s, v, node, k)
 
 
 def set_path(tree: dict[str, Any], obj_path: ObjPath, value: Any) -> None:

@@ -32,11 +32,12 @@ from dcpbridge.model.state import HOLE
 from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.leaves import check_key, refuse, tensor_boxes
 from dcpbridge.planners.protocol import LeafKind, leaf_kind
-from dcpbridge.planners.walk import STATE_WALKER, Leaf, ObjPath, set_path
+from dcpbridge.planners.walk import SLOW, STATE_WALKER, Leaf, ObjPath, set_path
 
 Shard = ShardedTensor | ShardedObject
 _LEAF_TYPES = frozenset({ShardedTensor, ShardedObject, torch.Tensor, torch.nn.Parameter})
 _SHARDS = (ShardedTensor, ShardedObject)
+_SHARD_TYPES = frozenset(_SHARDS)  # checked before isinstance: the commonest slots
 
 
 def own_tensor(value: Any) -> ShardedTensor:
@@ -237,10 +238,19 @@ class LoadParts:
         """The template's structure with every leaf replaced by what was loaded for it:
         ``loaded(shard)`` for shards (MISSING if absent), ``value(key)`` for plain values."""
 
+        slots = self._slots
+
+        def filled(leaf_value: Any) -> Any:
+            slot = slots.get(id(leaf_value))
+            if slot is None:
+                return SLOW
+            shard = type(slot) in _SHARD_TYPES or isinstance(slot, _SHARDS)
+            return loaded(slot) if shard else slot(loaded)
+
         def fill(leaf: Leaf) -> Any:
-            slot = self._slots.get(id(leaf.value))
-            if slot is not None:
-                return loaded(slot) if isinstance(slot, _SHARDS) else slot(loaded)
+            got = filled(leaf.value)
+            if got is not SLOW:
+                return got
             kind = leaf_kind(leaf.value)
             if kind == "nonpersistent":
                 return leaf.value.unwrap()
@@ -248,7 +258,7 @@ class LoadParts:
                 return value(leaf.path)
             return leaf.value
 
-        return STATE_WALKER.rebuild(self.template, fill)
+        return STATE_WALKER.rebuild(self.template, fill, quick=filled)
 
 
 def for_load(tree: Any) -> LoadParts:
@@ -256,8 +266,18 @@ def for_load(tree: Any) -> LoadParts:
     if not isinstance(tree, Mapping):
         raise SerializationError(f"a load template must be a mapping, got {type(tree).__name__}")
     parts = LoadParts(tree)
+    all_shards, slots = parts.shards, parts._slots
     for leaf in STATE_WALKER.leaves(tree):
         value = leaf.value
+        if type(value) is ShardedTensor:  # the commonest leaf: own_tensor's and init_data's
+            if value.flattened_range is not None:  # checks, without their calls
+                check_not_flattened(value)
+            data = value.data
+            if data is None or data.is_meta:
+                value.init_data()
+            all_shards.append(value)
+            slots[id(value)] = value
+            continue
         kind = leaf_kind(value)
         if kind == "nonpersistent":
             continue

@@ -205,12 +205,17 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
         if not self._all_ranges_checked:
             self.check_ranges()  # every item inside its file, before anything is sized by them
         prefixes = index.prefixes
+        every = len(small) == len(reads)  # the common case: no column copied
+
+        def pick(column: Sequence[Any]) -> Sequence[Any]:
+            return column if every else [column[i] for i in small]
+
         self.bytes_read += read_spans(
             table,
-            [reads.keys[i] for i in small],
-            [rows[i] for i in small],
-            [reads.targets[i] for i in small],
-            addresses=None if addresses is None else [addresses[i] for i in small],
+            pick(reads.keys),
+            pick(rows),
+            pick(reads.targets),
+            addresses=None if addresses is None else pick(addresses),
             store=self._store,
             path=functools.cache(lambda name: self._loc.data_path(name, prefixes)),
             tuning=tuning,
@@ -219,10 +224,10 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             url=self._loc.url,
         )
         copies = reads.copies
-        for i in small:
+        for i in small if copies else ():
             for view in copies.get(i, ()):
                 view.copy_(reads.targets[i])
-        return reads.without(small)
+        return WholeReads() if every else reads.without(small)
 
     def _run(self, jobs: Sequence[Job], index: StorageIndex, tuning: ReadTuning) -> None:
         """Fetch, verify and hand over ``jobs``, counting the bytes read."""

@@ -47,25 +47,57 @@ class WholeReads:
         """Record entry ``key`` -> ``target`` if ``target`` is a plain CPU tensor that is
         exactly the chunk at ``key``'s offsets of ``chunks`` (the decoded ``ChunkList`` of
         ``key``'s tensor): its dtype and sizes. False (nothing recorded) otherwise."""
-        table, t = chunks.table, chunks.t
-        if not isinstance(table, ItemTable) or (self.keys and table is not self.table):
-            return False
-        fqn, offsets = key
-        row = table.chunk_row(t, offsets, target.shape)
-        if (
-            row is None
-            or table.tensors[t] != fqn
-            or target.dtype != table.dtypes[t]
-            or not is_plain(target)
-            or not target.numel()
-        ):
-            return False
-        self.table = table
-        self.keys.append(key)
-        self.targets.append(target)
-        self.rows.append(row)
-        self._addresses.append(target.data_ptr())
-        return True
+        table = chunks.table
+        return isinstance(table, ItemTable) and not self.add_many(
+            table, [chunks.t], [key], [target]
+        )
+
+    def add_many(
+        self,
+        table: ItemTable,
+        ts: Sequence[int],
+        keys: Sequence[ItemKey],
+        targets: Sequence[torch.Tensor],
+    ) -> list[int]:
+        """``add`` of many entries at once, each key's tensor given by its index ``ts[i]`` in
+        ``table`` (its ``ChunkList``'s), in one pass over them. Returns the positions
+        not recorded: those ``add`` would refuse, and repeats of a chunk this call records."""
+        if self.keys and table is not self.table:
+            return list(range(len(keys)))
+        only, bounds, dtypes, names = table.only_boxes(), table.bounds, table.dtypes, table.tensors
+        refused: list[int] = []
+        took: list[int] = []
+        rows: list[int] = []
+        taken: set[int] = set()
+        for i, (t, key, target) in enumerate(zip(ts, keys, targets)):
+            box = only[t]
+            if box is not None:  # a one-chunk tensor (most): its chunk is the box, or none is
+                fits = box[0] == key[1] and box[1] == target.shape and 0 not in box[1]
+                row = bounds[t] if fits else None
+            else:
+                row = table.chunk_row(t, key[1], target.shape)
+                if row is not None and not target.numel():
+                    row = None
+            if (
+                row is None
+                or row in taken
+                or names[t] != key[0]
+                or target.dtype != dtypes[t]
+                or not is_plain(target)
+            ):
+                refused.append(i)
+                continue
+            took.append(i)
+            rows.append(row)
+            taken.add(row)
+        if took:
+            self.table = table
+            chosen = [targets[i] for i in took]
+            self.keys.extend([keys[i] for i in took])
+            self.targets.extend(chosen)
+            self.rows.extend(rows)
+            self._addresses.extend([t.data_ptr() for t in chosen])
+        return refused
 
     def checked(self, table: ItemTable) -> tuple[list[int], list[int]] | None:
         """(rows, target addresses) of every entry if ``add`` recorded each against ``table``

@@ -316,3 +316,122 @@ def test_batched_appends_write_and_report_exactly_what_item_by_item_appends_do(b
             db.InvalidArgumentError, match="'w' at offsets \\[0\\]: resolved data has 12"
         ):
             append(writer.CoalescingFile(io.BytesIO()), "f", wrong, [torch.zeros(3)], 0, block)
+
+
+def _mixed_template(state: dict[str, torch.Tensor], split: torch.Tensor) -> dict[str, object]:
+    """A load template of ``state``'s keys as plain shards, with: a box asked for twice, plain
+    tensors, a shard with grad, a box that is one stored chunk of ``split`` and one that spans
+    both of its chunks."""
+    keys = list(state)
+    out: dict[str, object] = _sharded({k: torch.zeros_like(state[k]) for k in keys[:-20]})
+    again = keys[3]
+    out["again"] = db.ShardedTensor.from_box(
+        again, torch.zeros_like(state[again]), state[again].shape, (0,) * state[again].ndim
+    )
+    out.update({k: torch.zeros_like(state[k]) for k in keys[-20:-1]})  # plain tensors
+    last = keys[-1]
+    grad = torch.nn.Parameter(torch.zeros(state[last].shape, dtype=torch.float64))
+    out["grad"] = db.ShardedTensor.from_box(last, grad, tuple(grad.shape), (0,) * grad.ndim)
+    out["chunk"] = db.ShardedTensor.from_box("split", torch.zeros(2, 10), (4, 10), (2, 0))
+    out["across"] = db.ShardedTensor.from_box("split", torch.zeros(2, 4), (4, 10), (1, 3))
+    return out
+
+
+def test_plain_shards_are_planned_as_columns_beside_every_other_kind_of_request(tmp_path):
+    """Among many plain shards: a box asked for twice, plain tensors, a shard with grad and a
+    tensor saved in two chunks. The plain shards (once each) and the stored chunk go to the
+    whole-chunk columns in one batch, the repeat becomes a copy, the shard with grad a column
+    entry of the general path, the box across two chunks read items; a load fills every one
+    bit for bit."""
+    state = _state(120, seed=5)
+    state["layer119.w"] = state["layer119.w"].double()
+    split = torch.arange(40.0).reshape(4, 10)
+    saved: dict[str, object] = dict(_sharded(state))
+    saved["top"] = db.ShardedTensor.from_box("split", split[:2], (4, 10), (0, 0))
+    saved["bottom"] = db.ShardedTensor.from_box("split", split[2:], (4, 10), (2, 0))
+    db.save(saved, str(tmp_path))
+    meta = FsspecCheckpointReader(str(tmp_path)).read_metadata()
+    template = _mixed_template(state, split)
+    shards = [v for k, v in template.items() if isinstance(v, db.ShardedTensor)]
+    local = plan_local_reads((), meta, whole_columns=True, shards=shards)
+    keys = list(state)
+    assert local.whole is not None
+    assert [k for k, _ in local.whole.keys] == [*keys[:-20], "split", keys[-1]]
+    assert local.whole.targets[-1].data_ptr() == template["grad"].data.data_ptr()  # detached
+    ((at, [copy]),) = local.whole.copies.items()
+    assert at == 3 and copy.data_ptr() == template["again"].data.data_ptr()
+    assert [i.dest_index.fqn for i in local.items] == ["split", "split"]  # across both chunks
+    assert local.requested == {*keys[:-20], keys[-1], "split"}
+
+    loaded = db.load(template, str(tmp_path))
+    for k in keys[:-20]:
+        assert torch.equal(loaded[k], state[k]) and loaded[k] is template[k].data, k
+    assert torch.equal(loaded["again"], state[keys[3]])
+    for k in keys[-20:-1]:
+        assert torch.equal(loaded[k], state[k]) and loaded[k] is template[k], k
+    assert torch.equal(loaded["grad"].detach(), state[keys[-1]])
+    assert torch.equal(loaded["chunk"], split[2:]) and torch.equal(
+        loaded["across"], split[1:3, 3:7]
+    )
+
+
+@pytest.mark.parametrize("wrong", ["dtype", "shape"])
+def test_one_plain_shard_whose_stored_dtype_or_shape_differs_raises_naming_it(tmp_path, wrong):
+    """Among many plain shards planned as columns, one whose template disagrees with what is
+    stored raises the general path's error, naming it."""
+    state = _state(150, seed=6)
+    db.save(_sharded(state), str(tmp_path))
+    victim = "layer77.w"  # int64 (3, 5)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    if wrong == "dtype":
+        out[victim] = torch.zeros(3, 5, dtype=torch.float16)
+        error, match = (
+            db.DTypeMismatchError,
+            "'layer77.w': stored as torch.int64, requested as torch.float16",
+        )
+    else:
+        out[victim] = torch.zeros(3, 4, dtype=torch.int64)
+        error, match = (
+            db.ShapeMismatchError,
+            r"'layer77.w': global shape in checkpoint is \(3, 5\), requested \(3, 4\)",
+        )
+    with pytest.raises(error, match=match):
+        db.load(_sharded(out), str(tmp_path))
+
+
+def test_spans_join_items_exactly_as_coalesce_does():
+    """``span_reads._spans`` (columns, one search per span) cuts the same requests as
+    ``coalesce`` for random items: gaps, overlaps, several files, every limit."""
+    import random
+
+    import numpy as np
+
+    from dcpbridge.storage.read import span_reads
+    from dcpbridge.storage.read.read_plan import coalesce
+
+    rng = random.Random(0)
+    for _ in range(400):
+        rows, ends = [], {}
+        for f in sorted(rng.randint(0, 2) for _ in range(rng.randint(0, 40))):
+            at = max(0, ends.get(f, 0) + rng.choice([0, 0, 0, 1, 64, 500, 5000, -3]))
+            size = rng.choice([1, 16, 1000, 4096, 20000])
+            rows.append((f, at, size))
+            ends[f] = at + size
+        rows.sort()
+        file, start, size = (np.array([r[i] for r in rows], np.int64) for i in range(3))
+        tuning = ReadTuning(
+            4096,
+            merge_gap=rng.choice([0, 10, 600, 8000]),
+            max_request=rng.choice([1, 5000, 30000, 100000]),
+            max_amplification=rng.choice([1.0, 1.5, float("inf")]),
+            verify_slab=rng.choice([0, 20000]),
+        )
+        most = min(tuning.max_request, tuning.verify_slab or tuning.max_request)
+        requests = coalesce(
+            [(f, a, a + n, i) for i, (f, a, n) in enumerate(rows)],
+            merge_gap=tuning.merge_gap,
+            max_request=most,
+            max_amplification=tuning.max_amplification,
+        )
+        expected = [(r.members[0][2], r.members[-1][2] + 1) for r in requests]
+        assert span_reads._spans(file, start, size, tuning) == expected
