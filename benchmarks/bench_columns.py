@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
-from benchmarks.common import drop_page_cache, fresh_dir, table
+from benchmarks.common import drop_page_cache, fresh_dir, proc_io, table
 from benchmarks.launch import run
 
 TC = "torch_checkpointing"
@@ -81,11 +81,7 @@ def _full(i: int, rows: int, cols: int) -> torch.Tensor:
 
 def _io() -> tuple[int, int]:
     """(rchar, read_bytes) of this process: bytes through read syscalls, bytes from storage."""
-    got = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            got[name] = int(value)
+    got = proc_io()
     return got.get("rchar", 0), got.get("read_bytes", 0)
 
 

@@ -9,14 +9,13 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
-from benchmarks.common import drop_page_cache, fresh_dir, table
+from benchmarks.common import drop_page_cache, fresh_dir, proc_io, table
 from benchmarks.launch import run
 
 
 def _io() -> tuple[int, int]:
-    with open("/proc/self/io") as f:
-        fields = dict(line.split(":") for line in f)
-    return int(fields["rchar"]), int(fields["wchar"])
+    got = proc_io()
+    return got["rchar"], got["wchar"]
 
 
 def _model(total: int) -> dict[str, torch.Tensor]:

@@ -22,13 +22,17 @@ def drop_page_cache() -> bool:
         return False
 
 
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters: ``rchar``/``wchar`` (bytes through read and write
+    syscalls, page cache hits included), ``read_bytes`` (fetched from storage, mapped pages
+    included), ..."""
+    with open("/proc/self/io") as f:
+        return {name: int(value) for name, _, value in (line.partition(":") for line in f)}
+
+
 def rchar() -> int:
     """Bytes this process has read through read/pread syscalls (page cache hits included)."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    return 0
+    return proc_io().get("rchar", 0)
 
 
 @contextmanager
