@@ -7,6 +7,7 @@ persistent step (with a log line) when the local tier cannot serve a step or a b
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -145,6 +146,12 @@ def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_p
     root, local, out = _train(pool, tmp_path)
     for node in (0, 1):
         assert sorted(os.listdir(node_dir(tmp_path, node))) == ["step_00000006"]
+    # a local step's document packs its items as columns however few (every rank of a restore
+    # decodes its node's copy); a persistent step of as few items lists them as objects
+    doc = json.loads((tmp_path / "node1" / "step_00000006" / "dcpbridge.json").read_bytes())
+    assert doc["version"] == 4 and set(doc["items"]) >= {"offsets", "checksums"}
+    doc = json.loads((tmp_path / "persistent" / "step_00000004" / "dcpbridge.json").read_bytes())
+    assert "items" not in doc and doc["tensors"]["w"]["chunks"][0]["checksums"]
     calls = out[0]["calls"]
     assert [(s, t) for s, t, _ in calls] == [
         (1, "local"),
