@@ -50,7 +50,8 @@ Received = dict[str, list[tuple[int, memoryview]]]  # file -> (offset, bytes) ra
 
 
 class PeerStorage(Storage):
-    """This node's step directory for the files it holds, received ranges for the others."""
+    """This node's step directory for the files it holds, received ranges for the others;
+    every file's size as the survey found it (``sizes``: no listing again)."""
 
     def __init__(self, local: Storage, own: set[str], received: Received, sizes: dict[str, int]):
         super().__init__(local.location)
@@ -61,10 +62,7 @@ class PeerStorage(Storage):
         return self._local.read_costs()
 
     def file_sizes(self) -> dict[str, int]:
-        present = self._local.file_sizes() if self._own else {}
-        out = {n: s for n, s in present.items() if n in self._own}
-        out.update(self._sizes)
-        return out
+        return dict(self._sizes)
 
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
         mine = [r for r in reads if _name(r.path) in self._own]
@@ -137,7 +135,7 @@ def fetch(
     failure: list[BaseException] = []
     sends = []
     for dst, extents in sorted(plan.get(group.rank, {}).items()):
-        buf = torch.zeros(sum(e.nbytes for e in extents), dtype=torch.uint8)
+        buf = torch.empty(sum(e.nbytes for e in extents), dtype=torch.uint8)  # read over
         view, pos = memoryview(buf.numpy()), 0
         reads = []
         for e in extents:
@@ -155,6 +153,7 @@ def fetch(
             store.fetch(reads, threads=2)
         except Exception as err:  # still sent (zeros), so no peer waits; raised below on all
             failure.append(err)
+            buf.zero_()
         sends.append((buf, dst, 0))
     recvs, mine = [], requests[group.rank]
     bufs: dict[int, torch.Tensor] = {}
@@ -393,10 +392,9 @@ def _opened(
     index = metadata.storage_data
     assert isinstance(index, StorageIndex)
     own = {n for n in index.files if sources.get(n) == group.rank}
-    sizes = {  # every file's, as its source (or else its first holder) reports it
+    sizes = {  # every file's, as its source (or else its first holder) reported it
         name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
         for name in index.files
-        if name not in own
     }
     store = PeerStorage(storage_for(location), own, received, sizes)
     checkpoint = PeerCheckpoint(location, Format.DCPBRIDGE, store, metadata=metadata)

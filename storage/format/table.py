@@ -230,8 +230,7 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
     _tensor_ids: dict[str, int] | None = field(default=None, repr=False)
     _object_rows: dict[str, int] | None = field(default=None, repr=False)
     _chunk_rows: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict, repr=False)
-    _hex: tuple[str, ...] | None = field(default=None, repr=False)
-    _hex_starts: list[int] = field(default_factory=list, repr=False)
+    _hex: dict[tuple[int, int, bool], tuple[str, ...]] = field(default_factory=dict, repr=False)
     _bounds: list[int] | None = field(default=None, repr=False)
     _firsts: tuple[list[list[int]], list[list[int]]] | None = field(default=None, repr=False)
     _only: list[tuple[tuple[int, ...], tuple[int, ...]] | None] | None = field(
@@ -310,22 +309,22 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
             return None
         return self.find_chunk(t, tuple(offsets))
 
-    def _sums(self, block: int) -> tuple[tuple[str, ...], list[int]] | None:
-        """Every row's checksums as hex, and where each row's start (None without checksums)."""
+    def _sums(self, row: int, block: int) -> tuple[str, ...] | None:
+        """Row ``row``'s checksums as hex (None without checksums), made on first use: a rank
+        looks up its own items, not every item of the job."""
         if self.checksums is None:
             return None
-        if self._hex is None:
-            self._hex = ints_to_hex(self.checksums)
-            self._hex_starts = self.sum_starts(block).tolist()
-        return self._hex, self._hex_starts
+        key = (row, block, self.tiled)
+        got = self._hex.get(key)
+        if got is None:
+            starts = self.sum_starts(block)
+            got = self._hex[key] = ints_to_hex(self.checksums[starts[row] : starts[row + 1]])
+        return got
 
     def stored(self, row: int, block: int = 0, t: int | None = None) -> StoredItem:
         """The ``StoredItem`` of ``row`` (``block``: the checksum block size, if any; ``t``:
         the row's tensor, if known)."""
-        sums = None
-        hexes = self._sums(block)
-        if hexes is not None:
-            sums = hexes[0][hexes[1][row] : hexes[1][row + 1]]
+        sums = self._sums(row, block)
         sizes = dtype = None
         if row < self.tensor_rows:
             if t is None:
@@ -395,12 +394,12 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
         file, offset = self.file[at].tolist(), self.offset[at].tolist()
         nbytes, rank = self.nbytes[at].tolist(), self.rank[at].tolist()
         sizes = self.sizes[tensor_at].tolist() if nt else []
-        hexes = self._sums(self.block_size)
+        block = self.block_size
         files, dtypes = self.files, self.dtypes
         for j, row in enumerate(rows):
             if row < 0:
                 continue
-            sums = None if hexes is None else hexes[0][hexes[1][row] : hexes[1][row + 1]]
+            sums = self._sums(row, block)
             t = tids[j]
             size = dtype = None
             if row < nt:

@@ -296,6 +296,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self.sync_files = sync_files
         self.checksums = checksums
         self.checksum_block_size = checksum_block_size
+        self.columns = False  # the document's items as packed columns however few
         self._save_id = ""
         self._is_coordinator = False
         self._written: set[str] = set()
@@ -381,6 +382,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             checksums=self.checksums,
             checksum_block_size=self.checksum_block_size,
             sync=self.sync_files,
+            columns=self.columns,
         )
 
     def abort(self) -> None:
@@ -633,9 +635,10 @@ def publish(
     checksum_block_size: int,
     sync: bool,
     makedirs: bool = False,
+    columns: bool = False,
 ) -> None:
     """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
-    the checkpoint it replaced."""
+    the checkpoint it replaced (``columns``: as ``encode_index``)."""
     raw = encode_index(
         metadata,
         items,
@@ -644,6 +647,7 @@ def publish(
         checksums=checksums,
         checksum_block_size=checksum_block_size,
         prefixes=store.location.prefixes,
+        columns=columns,
     )
     if makedirs:
         store.makedirs()
@@ -675,9 +679,11 @@ def encode_index(
     checksums: bool,
     checksum_block_size: int = checksum.DEFAULT_BLOCK_SIZE,
     prefixes: int = 1,
+    columns: bool = False,
 ) -> bytes:
     """The commit document of ``metadata`` with ``items`` (a mapping or an ``ItemTable``) as
-    its storage index (data files spread over ``prefixes`` folders)."""
+    its storage index (data files spread over ``prefixes`` folders; ``columns``: items packed
+    as columns however few)."""
     files = (
         items.files if isinstance(items, ItemTable) else sorted({i.file for i in items.values()})
     )
@@ -690,7 +696,7 @@ def encode_index(
         world_size=world_size,
         prefixes=prefixes,
     )
-    return encode_metadata(metadata)
+    return encode_metadata(metadata, columns=columns)
 
 
 def results_table(

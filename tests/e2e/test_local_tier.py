@@ -7,6 +7,7 @@ persistent step (with a log line) when the local tier cannot serve a step or a b
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import torch
 
 import dcpbridge as db
 from dcpbridge.engine import local_tier
+from dcpbridge.storage.backends.store import Storage
 from tests.support.collective_counts import record_collectives
 from tests.support.dist_pool import Rank, RankFailure
 
@@ -120,15 +122,33 @@ def restore(r: Rank, root: str, local: str, axis: int, rpn: int) -> dict:
     return {"latest": latest, "step": got, "log": log.lines, "seconds": seconds, "calls": calls}
 
 
-def restore_counted(r: Rank, root: str, local: str) -> list[tuple[str, str, str]]:
-    """A restart in the same layout: bit-exact, and the collectives its load issued."""
+def restore_counted(r: Rank, root: str, local: str) -> tuple[list, list[tuple[str, str]]]:
+    """A restart in the same layout: bit-exact, the collectives its load issued and its
+    listings of local directories (method, the directory's name)."""
     mgr = manager(r, root, local)
     tmpl = {"w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 12), (0, r.rank, 4))}
-    with record_collectives() as calls:
-        out = mgr.load(tmpl)
+    listed: list[tuple[str, str]] = []
+    originals = {m: getattr(Storage, m) for m in ("list_names", "file_sizes")}
+
+    def counting(method: str):
+        def listing(self):
+            if "persistent" not in self.location.root:
+                listed.append((method, os.path.basename(self.location.root)))
+            return originals[method](self)
+
+        return listing
+
+    for method in originals:
+        setattr(Storage, method, counting(method))
+    try:
+        with record_collectives() as calls:
+            out = mgr.load(tmpl)
+    finally:
+        for method, original in originals.items():
+            setattr(Storage, method, original)
     assert torch.equal(out["w"], piece(weights(out["step"]), r.rank, 4, 0)) and out["step"] == 6
     mgr.close()
-    return calls
+    return calls, listed
 
 
 def node_dir(tmp_path, node: int) -> str:
@@ -145,6 +165,12 @@ def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_p
     root, local, out = _train(pool, tmp_path)
     for node in (0, 1):
         assert sorted(os.listdir(node_dir(tmp_path, node))) == ["step_00000006"]
+    # a local step's document packs its items as columns however few (every rank of a restore
+    # decodes its node's copy); a persistent step of as few items lists them as objects
+    doc = json.loads((tmp_path / "node1" / "step_00000006" / "dcpbridge.json").read_bytes())
+    assert doc["version"] == 4 and set(doc["items"]) >= {"offsets", "checksums"}
+    doc = json.loads((tmp_path / "persistent" / "step_00000004" / "dcpbridge.json").read_bytes())
+    assert "items" not in doc and doc["tensors"]["w"]["chunks"][0]["checksums"]
     calls = out[0]["calls"]
     assert [(s, t) for s, t, _ in calls] == [
         (1, "local"),
@@ -163,7 +189,12 @@ def test_a_wiped_node_restores_the_newest_local_step_from_the_copies(pool, tmp_p
     # reads its own node's files only), one confirms the read; nothing on the training group,
     # no request exchange, no transfers
     counted = pool.run(restore_counted, 4, root, local, timeout=120)
-    assert counted == [[("all_gather", "MainThread", "SideGroup")] * 2] * 4
+    assert [calls for calls, _ in counted] == [[("all_gather", "MainThread", "SideGroup")] * 2] * 4
+    # each rank lists its node's directory and the step's once (the survey's); the read takes
+    # the sizes it reported
+    assert [listed for _, listed in counted] == [
+        [("list_names", f"node{r // 2}"), ("file_sizes", "step_00000006")] for r in range(4)
+    ]
     shutil.rmtree(node_dir(tmp_path, 1))  # node 1 died; its replacement starts empty
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [6] * 4 and [b["latest"] for b in back] == [6] * 4

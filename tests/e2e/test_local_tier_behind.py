@@ -43,10 +43,10 @@ def loop(r: Rank, root: str, local: str, kwargs: dict, fail: dict | None = None)
     log = _capture()
     write, upload = save_mod.write_planned, local_persist._upload_file
 
-    def failing_write(group, cache, planned, url, opts, *rest):
+    def failing_write(group, cache, planned, url, opts, *rest, **kw):
         if (group.rank, f"step_{fail['write'][1]:08d}") == (fail["write"][0], url[-13:]):
             planned.error = OSError("disk gone")  # raised inside the write's first step
-        return write(group, cache, planned, url, opts, *rest)
+        return write(group, cache, planned, url, opts, *rest, **kw)
 
     def failing_upload(local, source, store, target):
         if r.rank == fail["upload"][0]:

@@ -351,3 +351,25 @@ def test_planner_data_is_written_as_plain_json_or_refused():
     for bad in ({"k": {1, 2}}, {"k": ["a", object()]}, {"k": torch.zeros(1)}):
         with pytest.raises(TypeError, match="planner_data must be JSON-serializable"):
             fmt._jsonable(bad)
+
+
+@pytest.mark.parametrize(
+    "digest",
+    ["ABCDEF0123456789", "\uff10" * 16, "0x0123456789abcd", " 123456789abcdef", 12345678],
+)
+def test_a_rows_document_refuses_checksums_that_are_not_lowercase_hex(tmp_path, digest):
+    """One object per item (a small save): a checksum in capitals, other digits, a prefix, a
+    space or a number is refused; the untouched document decodes, each item's checksums as
+    written (looked up one row at a time)."""
+    path = tmp_path / "ck"
+    db.save(_state(), str(path))
+    doc = json.loads((path / META).read_bytes())
+    assert "items" not in doc  # rows, not columns
+    decoded = fmt.decode_metadata((path / META).read_bytes(), where="ck").storage_data
+    for fqn, entry in doc["tensors"].items():
+        for c in entry["chunks"]:
+            assert decoded.items.get((fqn, tuple(c["offsets"]))).checksums == tuple(c["checksums"])
+    doc.pop("digest")
+    doc["tensors"]["w"]["chunks"][1]["checksums"][0] = digest
+    with pytest.raises(db.CorruptCheckpointError, match="checksums must be 16 hex digits each"):
+        fmt.decode_metadata(fmt.sign_document(doc), where="ck")
