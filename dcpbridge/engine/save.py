@@ -214,7 +214,11 @@ def write_planned(
     def prepare() -> tuple[Any, SavePlanner, StorageWriter]:
         state, planner, writer = _planner_and_writer(planned, checkpoint_dir, options)
         planner.columns = group.size > 1  # type: ignore[attr-defined]  # see ShardedSavePlanner
-        return state, planner, writer if wrap is None else wrap(writer)
+        if wrap is not None:
+            return state, planner, wrap(writer)
+        if isinstance(writer, FsspecCheckpointWriter):  # its finish runs here, on this object
+            writer.sync_in_finish = True
+        return state, planner, writer
 
     run_save(
         prepare,

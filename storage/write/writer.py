@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -10,6 +11,7 @@ import json
 import logging
 import math
 import os
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future as ThreadFuture
@@ -297,6 +299,11 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self.checksums = checksums
         self.checksum_block_size = checksum_block_size
         self.columns = False  # the document's items as packed columns however few
+        # The coordinator's own local files synced on a thread while ``finish`` encodes the
+        # commit (joined before it); only for a caller whose ``finish`` runs on this object
+        # after its ``write_data`` (dcpbridge's engine without a writer process)
+        self.sync_in_finish = False
+        self._late: _LateSyncs | None = None
         self._save_id = ""
         self._is_coordinator = False
         self._written: set[str] = set()
@@ -348,6 +355,15 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             )
         self._save_id = target.save_id
         self._written = set()
+        self._drop_late()
+        late = (
+            _LateSyncs(self._store, self._loc.url)
+            if self.sync_in_finish
+            and self._is_coordinator
+            and self.sync_files
+            and self._loc.is_local
+            else None
+        )
         device_copy.settle_device_work()  # GPU tensors are copied from writer threads
         reused, reused_results, items = self._split_reused(plan.items, planner, target.rank)
         sizes = [item_nbytes(item) for item in items]
@@ -355,13 +371,20 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
 
         def write_file(index: int) -> list[WriteResult]:
             name = data_file_name(target.rank, index, target.save_id)
-            return self._write_file(name, buckets[index], planner, target.rank)
+            return self._write_file(name, buckets[index], planner, target.rank, late)
 
-        if len(buckets) <= 1 or (self._loc.is_local and _mostly_small(sizes)):
-            results = [r for i in range(len(buckets)) for r in write_file(i)]
-        else:
-            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpb-write") as pool:
-                results = [r for rs in pool.map(write_file, range(len(buckets))) for r in rs]
+        try:
+            if len(buckets) <= 1 or (self._loc.is_local and _mostly_small(sizes)):
+                results = [r for i in range(len(buckets)) for r in write_file(i)]
+            else:
+                with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpb-write") as pool:
+                    results = [r for rs in pool.map(write_file, range(len(buckets))) for r in rs]
+        except BaseException:
+            if late is not None:
+                late.close()
+            raise
+        if late is not None:
+            self._late = late.start()
         if reused:
             results, buckets = reused_results + results, [reused, *buckets]
         digest_of = getattr(planner, "plan_digest", None)  # dcpbridge's planners have one
@@ -373,17 +396,22 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        publish(
-            self._store,
-            metadata,
-            results_table(metadata, results, checksums=self.checksums),
-            save_id=self._save_id,
-            world_size=len(results),
-            checksums=self.checksums,
-            checksum_block_size=self.checksum_block_size,
-            sync=self.sync_files,
-            columns=self.columns,
-        )
+        late = self._late
+        try:
+            publish(
+                self._store,
+                metadata,
+                results_table(metadata, results, checksums=self.checksums),
+                save_id=self._save_id,
+                world_size=len(results),
+                checksums=self.checksums,
+                checksum_block_size=self.checksum_block_size,
+                sync=self.sync_files,
+                columns=self.columns,
+                synced=None if late is None else late.wait,
+            )
+        finally:
+            self._drop_late()  # also when the encoding failed before the wait
 
     def abort(self) -> None:
         """Remove the data files this rank wrote for a save that failed (best effort).
@@ -392,6 +420,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         files named with this save's id are touched, so the previous checkpoint at the same
         location stays intact; nothing is removed if the commit did land.
         """
+        self._drop_late()
         names, self._written = sorted(self._written), set()
         if not names:
             return
@@ -404,6 +433,13 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _drop_late(self) -> None:
+        """Wait for syncs a save left behind (one whose ``finish`` did not run) and close
+        their files; their failure is no longer anyone's to report."""
+        late, self._late = self._late, None
+        if late is not None:
+            late.close()
 
     def _split_reused(
         self, items: list[WriteItem], planner: SavePlanner, rank: int
@@ -418,16 +454,21 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         )
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
+        self,
+        name: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        rank: int,
+        late: _LateSyncs | None = None,
     ) -> list[WriteResult]:
+        """Write ``items`` to file ``name`` and sync it (with ``late``: hand it there open,
+        to be synced and closed later)."""
         self._written.add(name)
-        with storage_faults(lambda: f"{self._loc.url}: write {name}"):
-            return self._write_items(name, items, planner, rank)
-
-    def _write_items(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int
-    ) -> list[WriteResult]:
-        with self._store.open_write(self._loc.data_path(name)) as raw:
+        with (
+            storage_faults(lambda: f"{self._loc.url}: write {name}"),
+            contextlib.ExitStack() as stack,
+        ):
+            raw = stack.enter_context(self._store.open_write(self._loc.data_path(name)))
             behind = functools.partial(self._store.write_behind, raw) if self.sync_files else None
             # on local disk, full buffers are written on a thread (kernel copy, write-behind)
             out = CoalescingFile(raw, behind, background=self._loc.is_local)
@@ -444,9 +485,60 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
                 out.close(failed=True)  # nothing still writes once the file closes
                 raise
             out.close()
-            if self.sync_files:
+            if late is not None:
+                late.add(name, raw, stack.pop_all())
+            elif self.sync_files:
                 self._store.sync(raw)
         return results
+
+
+class _LateSyncs:
+    """Written local files whose sync runs on a thread (``start``) while the caller goes on;
+    ``wait`` joins it, raising the first failure (naming the file); ``close`` joins it
+    without raising. Each file is closed once synced or when the syncs end."""
+
+    def __init__(self, store: Storage, url: str) -> None:
+        self._store, self._url = store, url
+        self._files: list[tuple[str, BinaryIO, contextlib.ExitStack]] = []
+        self._lock = threading.Lock()
+        self._thread: ThreadPoolExecutor | None = None
+        self._done: ThreadFuture[None] | None = None
+
+    def add(self, name: str, f: BinaryIO, closing: contextlib.ExitStack) -> None:
+        with self._lock:  # write threads hand their files in concurrently
+            self._files.append((name, f, closing))
+
+    def start(self) -> _LateSyncs:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="dcpb-sync")
+        self._done = self._thread.submit(self._sync_all)
+        return self
+
+    def _sync_all(self) -> None:
+        try:
+            for name, f, _ in self._files:
+                with storage_faults(lambda name=name: f"{self._url}: write {name}"):
+                    self._store.sync(f)
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        files, self._files = self._files, []
+        with contextlib.ExitStack() as stack:
+            for _, _, closing in files:
+                stack.push(closing)
+
+    def wait(self) -> None:
+        try:
+            if self._done is not None:
+                self._done.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        self._close_files()
 
 
 def _positions(items: list[WriteItem], buckets: list[list[WriteItem]]) -> list[int] | range:
@@ -636,9 +728,11 @@ def publish(
     sync: bool,
     makedirs: bool = False,
     columns: bool = False,
+    synced: Callable[[], None] | None = None,
 ) -> None:
     """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
-    the checkpoint it replaced (``columns``: as ``encode_index``)."""
+    the checkpoint it replaced (``columns``: as ``encode_index``; ``synced``: waits until the
+    data files are durable, called once the document is encoded, before it is committed)."""
     raw = encode_index(
         metadata,
         items,
@@ -649,6 +743,8 @@ def publish(
         prefixes=store.location.prefixes,
         columns=columns,
     )
+    if synced is not None:
+        synced()
     if makedirs:
         store.makedirs()
     current = store.read_committed(METADATA_FILE)
