@@ -17,6 +17,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.protocol import LeafKind, LocalBox, TensorShard
+from dcpbridge.storage.read.delivery import as_shown
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 TENSOR_KINDS = frozenset({"tensor", "dtensor", "torch_sharded", "tensor_shard"})
@@ -52,10 +53,7 @@ def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
         raise SerializationError(
             f"{key!r}: a {what} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
         )
-    t = t.detach()
-    if save and (t.is_conj() or t.is_neg()):
-        return t.resolve_conj().resolve_neg()
-    return t
+    return as_shown(t.detach()) if save else t.detach()
 
 
 def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:

@@ -60,6 +60,7 @@ from dcpbridge.planners.protocol import (
 from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
 from dcpbridge.storage.format.fields import dtype_name, parse_dtype
 from dcpbridge.storage.format.table import ChunkList, PlannedBoxes, Sources
+from dcpbridge.storage.read.delivery import holds_its_values
 
 _MAX_REPORTED = 20
 
@@ -209,7 +210,7 @@ def check_data(sh: TensorShard) -> None:
         raise ShardingValidationError(
             f"ShardedTensor {sh.key!r}: {data.layout} {data.device} data cannot be saved"
         )
-    if data.is_conj() or data.is_neg():  # its memory holds other values than it shows
+    if not holds_its_values(data):
         raise SerializationError(
             f"ShardedTensor {sh.key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"
             " view; pass data.resolve_conj().resolve_neg()"

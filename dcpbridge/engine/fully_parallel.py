@@ -15,6 +15,7 @@ import torch
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import BoxId, ReadOwners, box_id
 from dcpbridge.model.mapping import ShardedTensor
+from dcpbridge.storage.read.delivery import as_shown, holds_its_values
 
 
 @dataclass
@@ -63,13 +64,13 @@ def hand_off(group: Group, share: LoadShare) -> None:
     device = group.tensor_device
     sends = []
     for s, dsts, tag in share.sends:
-        data = s.data.to(device).resolve_conj().resolve_neg().contiguous()
+        data = as_shown(s.data.to(device)).contiguous()
         sends += [(data, dst, tag) for dst in dsts]
     recvs = []
     fixups = []
     for s, src, tag in share.recvs:
         buf = s.data
-        if buf.device != device or not buf.is_contiguous() or buf.is_conj() or buf.is_neg():
+        if buf.device != device or not buf.is_contiguous() or not holds_its_values(buf):
             buf = torch.empty(tuple(buf.shape), dtype=buf.dtype, device=device)
             fixups.append((s.data, buf))
         recvs.append((buf, src, tag))

@@ -49,6 +49,7 @@ from dcpbridge.model.state import (
 from dcpbridge.planners import StrictMode
 from dcpbridge.planners.distribution import Holding
 from dcpbridge.planners.strict import Policy, decide, parse_strict
+from dcpbridge.storage.read.delivery import as_shown, holds_its_values
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +372,7 @@ class TensorAwareStateDict:
         for tag, t in enumerate(plan.transfers):
             shard = t.meta.shard
             if t.src == group.rank:
-                data = sources[shard].detach().to(device).resolve_conj().resolve_neg().contiguous()
+                data = as_shown(sources[shard].detach().to(device)).contiguous()
                 sends += [(data, dst, tag) for dst in t.dsts]
             elif group.rank in t.dsts:
                 buf = into.get(shard)
@@ -452,12 +453,7 @@ def _keeps(s: Any, keepers: dict[ShardId, int], rank: int) -> bool:
 
 
 def _receivable(t: torch.Tensor | None, device: torch.device) -> bool:
-    return (
-        t is not None
-        and t.is_contiguous()
-        and t.device == device
-        and not (t.is_conj() or t.is_neg())  # its memory holds other values than it shows
-    )
+    return t is not None and t.is_contiguous() and t.device == device and holds_its_values(t)
 
 
 def _cpu_copy(t: torch.Tensor, non_blocking: bool) -> torch.Tensor:

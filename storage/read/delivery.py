@@ -44,15 +44,26 @@ Slot = tuple["Job", int, memoryview]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def holds_its_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds the values it shows: not a conjugate or negative view,
+    whose memory holds them unconjugated or unnegated (its bytes are not its values)."""
+    return not (t.is_conj() or t.is_neg())
+
+
+def as_shown(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a conjugate or negative view a copy of the values it shows."""
+    return t if holds_its_values(t) else t.resolve_conj().resolve_neg()
+
+
 def is_plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is a plain, dense, contiguous CPU tensor whose memory holds the values it
-    shows (not a conjugate or negative view; a meta tensor is not is_cpu)."""
+    shows (a meta tensor is not is_cpu)."""
     return (
         type(t) in _PLAIN
         and t.is_cpu
         and t.layout == torch.strided
         and t.is_contiguous()
-        and not (t.is_conj() or t.is_neg())
+        and holds_its_values(t)
     )
 
 
