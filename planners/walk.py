@@ -165,15 +165,10 @@ class Walker:
                 return fn(Leaf(key, node, parent, slot, path))
             dot = f"{key}." if path else ""
             if isinstance(node, Mapping):  # leaves by their type: no call of ``go`` each
-                if quick is not None:
-                    return {
-                        k: got
-                        if _plain(v) and (got := quick(v)) is not SLOW
-                        else _child(go, fn, path, dot, str(k), v, node, k)
-                        for k, v in node.items()
-                    }
                 return {
-                    k: fn(Leaf(dot + s, v, node, k, (*path, s)))
+                    k: got
+                    if quick is not None and _plain(v) and (got := quick(v)) is not SLOW
+                    else fn(Leaf(dot + s, v, node, k, (*path, s)))
                     if _plain(v)
                     else go((*path, s), dot + s, v, node, k)
                     for k, v in node.items()
@@ -185,22 +180,6 @@ class Walker:
 
 
 SLOW: Any = object()  # ``rebuild``'s ``quick`` cannot answer for this value
-
-
-def _child(
-    go: Callable[..., Any],
-    fn: Callable[[Leaf], Any],
-    path: ObjPath,
-    dot: str,
-    s: str,
-    v: Any,
-    node: Any,
-    k: Any,
-) -> Any:
-    """``rebuild``'s answer for child ``k`` of mapping ``node`` (``s``: its name)."""
-    if _plain(v):
-        return fn(Leaf(dot + s, v, node, k, (*path, s)))
-    return go((*path, s), dot + s, v, node, k)
 
 
 def set_path(tree: dict[str, Any], obj_path: ObjPath, value: Any) -> None:
