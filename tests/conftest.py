@@ -31,26 +31,30 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The longest modules (minutes on 2 cores), started first: ``make test`` hands whole modules to
-# its processes in collection order, so one of these started last would run alone at the end.
+# its processes in this order, so one of these started last would run alone at the end. The
+# modules that mostly wait (stalled S3 stores, killed ranks' timeouts: wall time about twice
+# their CPU time) sit between CPU-bound ones, so that the other process keeps the CPUs busy
+# while they wait (side by side they left the machine half idle for half a minute).
 LONGEST_FIRST = (
     "tests/test_examples_more.py",
+    "tests/e2e/test_s3_stall.py",  # waits (beside the torchrun examples, which use both cores)
     "tests/test_examples.py",
     "tests/e2e/test_integrity.py",
     "tests/e2e/test_faults.py",
     "tests/e2e/test_dcp_scenarios.py",
+    "tests/engine/test_manager.py",  # waits
     "tests/tools/test_offline.py",
     "tests/storage/test_backends.py",
     "tests/mcore/test_megatron_api.py",
+    "tests/storage/test_s3.py",  # waits
     "tests/e2e/test_portable.py",
     "tests/tools/test_cli.py",
     "tests/engine/test_writer_process.py",
-    "tests/e2e/test_s3_stall.py",
     "tests/e2e/test_local_tier.py",
-    "tests/storage/test_s3.py",
+    "tests/engine/test_writer_choice.py",
     "tests/e2e/test_dcp_extensions.py",
     "tests/storage/test_hostile_fuzz.py",
     "tests/e2e/test_interop.py",
-    "tests/engine/test_manager.py",
 )
 
 
