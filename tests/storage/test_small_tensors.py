@@ -435,3 +435,37 @@ def test_spans_join_items_exactly_as_coalesce_does():
         )
         expected = [(r.members[0][2], r.members[-1][2] + 1) for r in requests]
         assert span_reads._spans(file, start, size, tuning) == expected
+
+
+def test_spans_of_larger_items_are_read_into_their_targets_skipping_gaps(tmp_path, monkeypatch):
+    """Spans whose items are all >= DIRECT_ITEM bytes land straight in their targets (one
+    scatter read each, the bytes of items not asked for skipped), tinier ones are staged:
+    both bit-exact; a flipped byte in a direct item fails the load naming it and its file."""
+    from dcpbridge.storage.read import span_reads
+
+    g = torch.Generator().manual_seed(7)
+    sizes = (1024, 4096, 1536)  # float32 elements: 4, 16 and 6 KiB, all read in place
+    state = {f"big{i}": torch.randn(sizes[i % 3], generator=g) for i in range(600)}
+    state.update({f"tiny{i}": torch.randn(5, generator=g) for i in range(600)})  # staged
+    db.save(_sharded(state), str(tmp_path))
+    spans = {"in_place": 0, "deliver": 0}  # spans read into their targets, spans staged
+    for method in spans:
+        original = getattr(span_reads._Sorted, method)
+
+        def counted(self, *args, _method=method, _original=original):
+            spans[_method] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(span_reads._Sorted, method, counted)
+    wanted = [k for i, k in enumerate(state) if i % 3]  # every third item left: gaps
+    out = {k: torch.zeros_like(state[k]) for k in wanted}
+    db.load(_sharded(out), str(tmp_path), strict="assume_ok_unexpected")
+    assert all(torch.equal(out[k], state[k]) for k in wanted)
+    assert spans["in_place"] > 0 and spans["deliver"] > 0
+
+    victim = "big301"  # 16 KiB
+    item = _stored(str(tmp_path), victim, 1)
+    _flip_byte(str(tmp_path), item, item.nbytes - 3)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(db.ChecksumMismatchError, match=f"'{victim}'.*{item.file}"):
+        db.load(_sharded(out), str(tmp_path))
