@@ -69,10 +69,12 @@ class WholeReads:
         took: list[int] = []
         rows: list[int] = []
         taken: set[int] = set()
+        plain = is_plain
         for i, (t, key, target) in enumerate(zip(ts, keys, targets)):
             box = only[t]
             if box is not None:  # a one-chunk tensor (most): its chunk is the box, or none is
-                fits = box[0] == key[1] and box[1] == target.shape and 0 not in box[1]
+                sizes = box[1]
+                fits = box[0] == key[1] and sizes == target.shape and 0 not in sizes
                 row = bounds[t] if fits else None
             else:
                 row = table.chunk_row(t, key[1], target.shape)
@@ -81,9 +83,9 @@ class WholeReads:
             if (
                 row is None
                 or row in taken
-                or names[t] != key[0]
                 or target.dtype != dtypes[t]
-                or not is_plain(target)
+                or names[t] != key[0]
+                or not plain(target)
             ):
                 refused.append(i)
                 continue
