@@ -3,8 +3,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dcpbridge-installed
-# parallel test processes: 2 on the 2-core machine (a third kept both cores busy as well but
-# cost 20% more CPU in all, from its own pool, forkserver and collection: 6 m 49 s vs 5 m 59 s)
+# parallel test processes: 2 on the 2-core machine (with 3, each with its own worker pool,
+# forkserver and collection, the run used ~20% more CPU in all: 6 m 49 s against 5 m 59 s)
 JOBS ?= 2
 # the tests start hundreds of interpreters: where the environment turns bytecode caching off
 # (PYTHONDONTWRITEBYTECODE), each of them compiled dcpbridge and the test modules again
