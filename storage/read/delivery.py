@@ -55,16 +55,15 @@ def as_shown(t: torch.Tensor) -> torch.Tensor:
     return t if holds_its_values(t) else t.resolve_conj().resolve_neg()
 
 
-def is_plain(t: torch.Tensor, _strided: torch.layout = torch.strided) -> bool:
+def is_plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is a plain, dense, contiguous CPU tensor whose memory holds the values it
-    shows (``holds_its_values``, inlined: loads ask this of every small tensor; a meta tensor
-    is not is_cpu)."""
+    shows (a meta tensor is not is_cpu)."""
     return (
         type(t) in _PLAIN
         and t.is_cpu
-        and t.layout is _strided
+        and t.layout == torch.strided
         and t.is_contiguous()
-        and not (t.is_conj() or t.is_neg())
+        and holds_its_values(t)
     )
 
 

@@ -89,8 +89,8 @@ def read_spans(
     file, start, size = table.file[at][order], table.offset[at][order], nbytes[order]
     spans = _spans(file, start, size, tuning)
     lengths = [int(start[hi - 1] + size[hi - 1] - start[lo]) for lo, hi in spans]
-    direct = np.minimum.reduceat(size, [lo for lo, _ in spans]) >= DIRECT_ITEM
-    staged = [length for length, d in zip(lengths, direct.tolist()) if not d]
+    direct = (np.minimum.reduceat(size, [lo for lo, _ in spans]) >= DIRECT_ITEM).tolist()
+    staged = [length for length, d in zip(lengths, direct) if not d]
     budget = min(_budget(tuning, threads), sum(staged))
     buffer = np.empty(max(max(staged, default=0), budget), np.uint8)
     items = _Sorted(
@@ -102,7 +102,7 @@ def read_spans(
     )
     batch: list[RangeRead | ScatterRead] = []
     used = 0
-    for (lo, hi), length, straight in zip(spans, lengths, direct.tolist()):
+    for (lo, hi), length, straight in zip(spans, lengths, direct):
         name, at_file = path(table.files[int(file[lo])]), items.starts[lo]
         if straight:
             batch.append(ScatterRead(name, at_file, *items.in_place(lo, hi)))
@@ -240,10 +240,8 @@ class _Sorted:
                 return
             digest = xxhash.xxh3_64_intdigest
             for i, view in enumerate(views, lo):
-                got = digest(view)
-                if got != digests[i]:
-                    hexes = [f"{digests[i]:016x}"]
-                    checksum.raise_mismatch(0, f"{got:016x}", hexes, self.name(i), "the item")
+                if (got := digest(view)) != digests[i]:
+                    self._mismatch(i, got)
 
         return parts, verify
 
@@ -258,12 +256,15 @@ class _Sorted:
             for i in range(lo, hi):
                 a = starts[i] - first
                 length = lens[i]
-                if digests is not None:
-                    got = digest(view[a : a + length])
-                    if got != digests[i]:
-                        hexes = [f"{digests[i]:016x}"]
-                        checksum.raise_mismatch(0, f"{got:016x}", hexes, self.name(i), "the item")
+                if digests is not None and (got := digest(view[a : a + length])) != digests[i]:
+                    self._mismatch(i, got)
                 if length:
                     memmove(ptrs[i], address + a, length)
 
         return done
+
+    def _mismatch(self, i: int, got: int) -> None:
+        """Raise ``ChecksumMismatchError`` for item ``i``, whose bytes hash to ``got``."""
+        assert self.digests is not None
+        hexes = [f"{self.digests[i]:016x}"]
+        checksum.raise_mismatch(0, f"{got:016x}", hexes, self.name(i), "the item")

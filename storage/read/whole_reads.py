@@ -69,7 +69,6 @@ class WholeReads:
         took: list[int] = []
         rows: list[int] = []
         taken: set[int] = set()
-        plain = is_plain
         for i, (t, key, target) in enumerate(zip(ts, keys, targets)):
             box = only[t]
             if box is not None:  # a one-chunk tensor (most): its chunk is the box, or none is
@@ -85,7 +84,7 @@ class WholeReads:
                 or row in taken
                 or target.dtype != dtypes[t]
                 or names[t] != key[0]
-                or not plain(target)
+                or not is_plain(target)
             ):
                 refused.append(i)
                 continue
