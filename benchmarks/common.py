@@ -30,11 +30,6 @@ def proc_io() -> dict[str, int]:
         return {name: int(value) for name, _, value in (line.partition(":") for line in f)}
 
 
-def rchar() -> int:
-    """Bytes this process has read through read/pread syscalls (page cache hits included)."""
-    return proc_io().get("rchar", 0)
-
-
 @contextmanager
 def timer(out: list[float]):
     t0 = time.perf_counter()
