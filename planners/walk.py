@@ -164,17 +164,18 @@ class Walker:
             if self.is_leaf(node, path):
                 return fn(Leaf(key, node, parent, slot, path))
             dot = f"{key}." if path else ""
-            if isinstance(node, Mapping):  # leaves by their type: no call of ``go`` each
-                return {
-                    k: got
-                    if quick is not None and _plain(v) and (got := quick(v)) is not SLOW
-                    else fn(Leaf(dot + s, v, node, k, (*path, s)))
-                    if _plain(v)
-                    else go((*path, s), dot + s, v, node, k)
-                    for k, v in node.items()
-                    for s in (str(k),)
-                }
+            if isinstance(node, Mapping):
+                return {k: entry(path, dot, node, k, v) for k, v in node.items()}
             return like(node, [go((*path, i), f"{dot}{i}", v, node, i) for i, v in enumerate(node)])
+
+        def entry(path: ObjPath, dot: str, node: Any, k: Any, v: Any) -> Any:
+            """A mapping's value ``v`` at ``k``: leaves by their type, no call of ``go`` each."""
+            s = str(k)
+            if not _plain(v):
+                return go((*path, s), dot + s, v, node, k)
+            if quick is not None and (got := quick(v)) is not SLOW:
+                return got
+            return fn(Leaf(dot + s, v, node, k, (*path, s)))
 
         return go(prefix, dotted(prefix), tree, None, None)
 
