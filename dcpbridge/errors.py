@@ -56,6 +56,11 @@ class DataLayoutError(DataStateError):
     saved by another number of ranks, or missing a rank's cell."""
 
 
+class TiedTensorsError(CheckpointError, ValueError):
+    """Keys that share one tensor's memory in a load template (tied weights) are stored with
+    different values, so no single tensor can hold both."""
+
+
 class StagingError(CheckpointError, RuntimeError):
     """Copying an async save's state into host memory failed (the message names the cause)."""
 
@@ -101,6 +106,7 @@ __all__ = [
     "StagingMutationError",
     "StorageError",
     "StorageFileNotFoundError",
+    "TiedTensorsError",
     "UnexpectedKeysError",
     "UnsafePathError",
     "UnsupportedExtensionError",

@@ -20,6 +20,7 @@ from dcpbridge.engine.common_table import check_common_table
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
+from dcpbridge.model.ties import untie
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
@@ -169,7 +170,8 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         self, parts: LoadParts, shards: list[Shard], *, legacy_common: bool, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self.parts, self.shards = parts, shards
+        self.parts = parts
+        self.shards, self.ties = untie(shards)  # tied keys' shards read into scratch
         self.legacy_common = legacy_common  # the common state is one blob (torch_dist)
         self.values: dict[str, Any] = {}  # plain values and common entries, by key
         self.from_blob: set[str] = set()  # plain tensors to copy out of the blob
@@ -246,6 +248,12 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """A new whole tensor to read stored tensor ``key`` into, as it is stored."""
         t = torch.empty(md.size, dtype=md.properties.dtype)
         return ShardedTensor.from_box(key, t, tuple(md.size), (0,) * t.ndim)
+
+    def after_reads(self) -> None:
+        """Once every read is done (inside the read step, so a failure raises on every rank):
+        tied keys must have been stored with the same values."""
+        if self.ties.pairs:
+            self.ties.settle({*self.missing_keys, *self.replaced, *self.from_blob})
 
     def shard_objects(self) -> dict[str, Any]:
         """Loaded ShardedObjects by storage key."""

@@ -1,0 +1,94 @@
+"""Tied weights in a load template: tensor shards of different keys that share one memory.
+
+Each key is read on its own, so the reads of two tied keys would land on the same bytes: the
+last one silently winning, or one key's checksum verified over the other's bytes. Instead,
+every shard but the first of a tied group is read into scratch memory of its own; once every
+read is done, the scratch must hold the bytes the shared memory holds. Tied keys stored with
+different values raise ``TiedTensorsError`` naming both, on every rank; equal ones (what a
+model with tied embeddings saves) load as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dcpbridge.errors import TiedTensorsError
+from dcpbridge.model.mapping import ShardedTensor
+
+
+@dataclass(slots=True)
+class Ties:
+    """(shard that reads into the shared memory, its tied key's shard reading into scratch)."""
+
+    pairs: list[tuple[ShardedTensor, ShardedTensor]] = field(default_factory=list)
+
+    def settle(self, unfilled: Collection[str]) -> None:
+        """After every read: the scratch of each pair matches the shared memory, or raise
+        ``TiedTensorsError``. ``unfilled`` keys were not read into their shard (absent, or
+        stored in another dtype or shape): a scratch whose shared memory was not read fills it."""
+        filled: set[int] = set()
+        for kept, scratch in self.pairs:
+            if scratch.key in unfilled:
+                continue
+            if kept.key in unfilled and id(kept) not in filled:
+                with torch.no_grad():  # a parameter's own memory
+                    kept.data.copy_(scratch.data)  # type: ignore[union-attr]
+                filled.add(id(kept))
+            elif not _same_bytes(kept.data, scratch.data):  # type: ignore[arg-type]
+                raise TiedTensorsError(
+                    f"{kept.key!r} and {scratch.key!r} share one tensor's memory in the load "
+                    "template (tied weights), but the checkpoint holds different values for "
+                    "them: give each its own tensor to load both"
+                )
+
+
+def untie(shards: Sequence[Any]) -> tuple[list[Any], Ties]:
+    """``shards`` with each tensor shard that is the very memory of an earlier one of another
+    key (same address, dtype, shape and strides) replaced by a copy reading into scratch, and
+    the pairs ``Ties.settle`` checks once every read is done."""
+    ties = Ties()
+    seen: dict[int, ShardedTensor] = {}
+    at = seen.setdefault
+    out: list[Any] | None = None
+    for i, shard in enumerate(shards):
+        if type(shard) is not ShardedTensor and not isinstance(shard, ShardedTensor):
+            continue
+        data = shard.data
+        if data is None or (first := at(data.data_ptr(), shard)) is shard:
+            continue
+        if not _tied(first, shard):
+            continue
+        if out is None:
+            out = list(shards)
+        scratch = dataclasses.replace(shard, data=torch.empty_like(data))
+        out[i] = scratch
+        ties.pairs.append((first, scratch))
+    return (list(shards) if out is None else out), ties
+
+
+def _tied(a: ShardedTensor, b: ShardedTensor) -> bool:
+    """Whether ``b``'s data is ``a``'s very memory (both at one address) under another key."""
+    x, y = a.data, b.data
+    assert x is not None and y is not None
+    return (
+        a.key != b.key
+        and x.numel() > 0
+        and x.device == y.device
+        and x.dtype == y.dtype
+        and x.shape == y.shape
+        and x.stride() == y.stride()
+    )
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs of the same bits are equal; 0.0 and -0.0 are not)."""
+    return torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,91 @@
+"""Tied weights in a load template: keys that share one tensor's memory load when the
+checkpoint holds the same values for them, and raise ``TiedTensorsError`` naming both (on
+every rank) when it holds different ones, instead of one key silently taking the other's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcpbridge as db
+from dcpbridge.model.ties import untie
+from tests.support.dist_pool import Rank
+
+# a staged small item, a small item read straight into its tensor, a whole chunk
+SIZES = [4, 4096, 1 << 18]
+
+
+def _save(path: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    db.save({"a": a, "b": b, "other": torch.arange(8.0)}, path)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_tied_plain_tensors_stored_alike_load_into_their_one_memory(tmp_path, n):
+    _save(str(tmp_path), torch.full((n,), 3.0), torch.full((n,), 3.0))
+    t = torch.zeros(n)
+    out = db.load({"a": t, "b": t, "other": torch.zeros(8)}, str(tmp_path))
+    assert out["a"] is t and out["b"] is t
+    assert torch.equal(t, torch.full((n,), 3.0))
+    assert torch.equal(out["other"], torch.arange(8.0))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["plain", "sharded", "parameter views"])
+def test_tied_keys_stored_with_different_values_raise_naming_both(tmp_path, n, kind):
+    _save(str(tmp_path), torch.full((n,), 1.0), torch.full((n,), 2.0))
+    p = torch.nn.Parameter(torch.zeros(n))
+    if kind == "plain":
+        template = {"a": p.data, "b": p.data}
+    elif kind == "sharded":
+        template = {k: db.ShardedTensor.from_box(k, p.data, (n,), (0,)) for k in ("a", "b")}
+    else:  # what module.state_dict() hands out for a tied parameter: two detached views
+        template = {"a": p.detach(), "b": p.detach()}
+    with pytest.raises(db.TiedTensorsError) as e:
+        db.load(template, str(tmp_path))
+    assert "'a' and 'b' share one tensor's memory" in str(e.value)
+
+
+def test_a_tied_key_absent_from_the_checkpoint_takes_the_stored_one(tmp_path):
+    db.save({"b": torch.full((6,), 5.0)}, str(tmp_path))
+    t = torch.zeros(6)
+    out, _, unexpected = db.load({"a": t, "b": t}, str(tmp_path), strict="return_all")
+    assert torch.equal(t, torch.full((6,), 5.0)) and out["b"] is t
+    assert "a" in unexpected  # Megatron's naming: requested, not stored
+
+
+def test_only_one_memory_under_two_keys_is_a_tie():
+    base = torch.zeros(4, 4)
+    shards = [
+        db.ShardedTensor.from_box("a", base, (4, 4), (0, 0)),
+        db.ShardedTensor.from_box("a", base, (4, 4), (0, 0)),  # one box asked twice: a copy
+        db.ShardedTensor.from_box("b", base[:2], (2, 4), (0, 0)),  # a part of it: not a tie
+        db.ShardedTensor.from_box("c", base.t(), (4, 4), (0, 0)),  # other strides
+        db.ShardedTensor.from_box("d", base, (4, 4), (0, 0)),  # tied to "a"
+        db.ShardedTensor.from_box("e", torch.zeros(0), (0,), (0,)),
+        db.ShardedTensor.from_box("f", torch.zeros(0), (0,), (0,)),
+    ]
+    out, ties = untie(shards)
+    assert [(kept.key, scratch.key) for kept, scratch in ties.pairs] == [("a", "d")]
+    assert out[:4] == shards[:4] and out[5:] == shards[5:]
+    assert out[4] is not shards[4] and out[4].data.data_ptr() != base.data_ptr()
+    assert shards[4].data is base  # the template keeps its own tensors
+
+
+def run_tied_on_one_rank(r: Rank, path: str) -> str:
+    """Rank 0 ties "a" and "b"; rank 1 does not: both must raise."""
+    t = torch.zeros(4)
+    template = {"a": t, "b": t} if r.rank == 0 else {"a": torch.zeros(4), "b": torch.zeros(4)}
+    try:
+        db.load(template, path, process_group=r.group)
+    except db.TiedTensorsError as e:
+        return f"TiedTensorsError: {e}"
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_a_conflicting_tie_on_one_rank_raises_on_every_rank(pool, tmp_path):
+    _save(str(tmp_path), torch.full((4,), 1.0), torch.full((4,), 2.0))
+    got = pool.run(run_tied_on_one_rank, 2, str(tmp_path))
+    assert got[0] == got[1]  # the same error, naming the rank, on both
+    assert got[0].startswith("TiedTensorsError: rank 0: 'a' and 'b' share one tensor's memory")
