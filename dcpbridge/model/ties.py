@@ -11,7 +11,7 @@ model with tied embeddings saves) load as before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +47,10 @@ class Ties:
                 )
 
 
-def untie(shards: Sequence[Any]) -> tuple[list[Any], Ties]:
+def untie(shards: list[Any]) -> tuple[list[Any], Ties]:
     """``shards`` with each tensor shard that is the very memory of an earlier one of another
-    key (same address, dtype, shape and strides) replaced by a copy reading into scratch, and
-    the pairs ``Ties.settle`` checks once every read is done."""
+    key (same address, dtype, shape and strides) replaced by a copy reading into scratch (the
+    same list where nothing is tied), and the pairs ``Ties.settle`` checks after the reads."""
     ties = Ties()
     seen: dict[int, ShardedTensor] = {}
     at = seen.setdefault
@@ -68,7 +68,7 @@ def untie(shards: Sequence[Any]) -> tuple[list[Any], Ties]:
         scratch = dataclasses.replace(shard, data=torch.empty_like(data))
         out[i] = scratch
         ties.pairs.append((first, scratch))
-    return (list(shards) if out is None else out), ties
+    return (shards if out is None else out), ties
 
 
 def _tied(a: ShardedTensor, b: ShardedTensor) -> bool:
