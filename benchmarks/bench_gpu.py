@@ -110,6 +110,10 @@ def target_case(
     def bridge_save() -> None:
         db.save(_sharded(tensors), fresh("dcpbridge"))
 
+    def bridge_save_2_files() -> None:
+        """The writer's default before it chose its files by bytes and cores."""
+        db.save(_sharded(tensors), fresh("dcpbridge"), thread_count=2)
+
     stalls: list[float] = []
 
     def bridge_async() -> None:
@@ -132,6 +136,7 @@ def target_case(
         "raw 8 files": raw_parallel_save,
         "dcp": dcp_save,
         "dcpbridge": bridge_save,
+        "dcpbridge 2 files": bridge_save_2_files,
         "async": bridge_async,
     }
     for fn in saves.values():  # warm: pinned pools, CUDA contexts, first file creation
@@ -156,6 +161,7 @@ def target_case(
     summary = [
         f"gpu {label} save: dcpbridge {save['dcp'] / save['dcpbridge']:.2f}x DCP, "
         f"{save['async'] / save['dcpbridge']:.2f}x async+wait, "
+        f"{save['dcpbridge 2 files'] / save['dcpbridge']:.2f}x 2 files, "
         f"{save['raw'] / save['dcpbridge']:.2f}x raw write+fsync, "
         f"{save['raw 8 files'] / save['dcpbridge']:.2f}x raw in 8 parallel files "
         f"(the storage's limit is {save['dcp'] / save['raw 8 files']:.2f}x DCP)",

@@ -79,7 +79,7 @@ class SaveOptions:
     validate_access_integrity: bool = True  # check the shards tile every tensor exactly once
     fully_parallel: bool = False  # spread replicated shards' writes over the group
     parallelization_group: dist.ProcessGroup | None = None  # for fully_parallel (default: all)
-    thread_count: int = 2  # writer threads per rank
+    thread_count: int | None = None  # writer threads per rank (None: by its bytes and cores)
     sync_files: bool = True  # fsync data files before the commit
     checksums: bool = True  # xxh3 block checksums (format "dcpbridge")
     format: str = "dcpbridge"  # or "torch_dist", which Megatron-Core's load reads
@@ -94,7 +94,8 @@ class SaveOptions:
             raise InvalidArgumentError(
                 "reuse_from needs format='dcpbridge' with checksums (they decide what is reused)"
             )
-        if not isinstance(self.thread_count, int) or self.thread_count < 1:
+        count = self.thread_count
+        if count is not None and (not isinstance(count, int) or count < 1):
             raise InvalidArgumentError(f"thread_count must be >= 1, got {self.thread_count!r}")
 
 
@@ -176,7 +177,7 @@ def _planner_and_writer(
             checkpoint_dir,
             planned.common,
             storage_options=storage_options,
-            thread_count=options.thread_count,
+            thread_count=2 if options.thread_count is None else options.thread_count,
             sync_files=options.sync_files,
         )
         planner: SavePlanner = TorchDistSavePlanner(validate=validate, owners=planned.owners)

@@ -106,8 +106,8 @@ class CheckpointDefaults:
     """Save in the background (``async`` in the file)."""
     fully_parallel: bool = False
     """Spread the writing of replicated shards over their holders."""
-    threads: int = 2
-    """Writer threads (data files) per rank."""
+    threads: int | None = None
+    """Writer threads (data files) per rank (None: by the rank's bytes and cores)."""
     checksums: bool = True
     """Record and verify block checksums."""
     profile: str | None = None

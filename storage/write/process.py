@@ -32,7 +32,12 @@ from torch.futures import Future
 from dcpbridge.storage.errors import CheckpointError, WriterProcessError
 from dcpbridge.storage.format.document import data_file_name
 from dcpbridge.storage.write import shared
-from dcpbridge.storage.write.writer import FsspecCheckpointWriter, _RankTarget, tensor_bytes
+from dcpbridge.storage.write.writer import (
+    MOST_FILES,
+    FsspecCheckpointWriter,
+    _RankTarget,
+    tensor_bytes,
+)
 
 CHILD_MODULE = "dcpbridge.storage.write.process_main"
 # The child's entry: ``dcpbridge`` and ``torch.distributed.checkpoint`` as bare packages, then
@@ -70,7 +75,7 @@ class WriteJob:
 
     url: str
     storage_options: dict[str, Any]
-    thread_count: int
+    thread_count: int | None
     sync_files: bool
     checksums: bool
     checksum_block_size: int
@@ -307,9 +312,8 @@ class ProcessWriter:
         )
         # until the child says what it wrote, every name it may write is this save's to remove
         inner._save_id = target.save_id
-        inner._written = {
-            data_file_name(target.rank, i, target.save_id) for i in range(inner.thread_count)
-        }
+        most = MOST_FILES if inner.thread_count is None else inner.thread_count
+        inner._written = {data_file_name(target.rank, i, target.save_id) for i in range(most)}
         results, names = self.process.write(job, segments)
         inner._written = set(names)
         fut: Future[list[WriteResult]] = Future()

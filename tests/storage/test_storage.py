@@ -192,3 +192,41 @@ def test_an_object_whose_header_is_damaged_is_corrupt_not_a_refused_pickle(tmp_p
     tmpl = {"rng": db.ShardedObject("rng", None, (1,), (0,))}
     with pytest.raises(db.CorruptCheckpointError, match="object 'rng/shard_0_1' is not rea"):
         db.load(tmpl, str(path))
+
+
+def test_automatic_data_files_follow_the_bytes_and_the_cores_per_rank(monkeypatch):
+    from dcpbridge.storage.write import writer as W
+
+    monkeypatch.setattr(W.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    mib = 1 << 20
+    assert W.data_files(2048 * mib, 3) == 3  # the caller's choice stands
+    assert W.data_files(10 * mib, None) == 2  # small saves: two files, as always
+    assert W.data_files(512 * mib, None) == 4  # one per 128 MiB
+    assert W.data_files(2048 * mib, None) == W.MOST_FILES == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 16 cores shared by 8 ranks: 2 each
+    assert W.data_files(2048 * mib, None) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert W.data_files(2048 * mib, None) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert W.data_files(2048 * mib, None) == 8
+
+
+def test_an_automatic_save_on_many_cores_writes_more_files_and_loads_bit_exact(
+    tmp_path, monkeypatch
+):
+    from dcpbridge.storage.write import writer as W
+
+    monkeypatch.setattr(W, "cores_per_rank", lambda: 16)
+    monkeypatch.setattr(W, "_FILE_BYTES", 32 << 10)
+    sd = {
+        f"w{i}": torch.randn(64, 64, generator=torch.Generator().manual_seed(i)) for i in range(12)
+    }
+    db.save({k: db.ShardedTensor.from_box(k, v, (64, 64), (0, 0)) for k, v in sd.items()}, tmp_path)
+    data = [n for n in os.listdir(tmp_path) if n.endswith(".bin")]
+    assert len(data) == 6, data  # 12 x 16 KiB: one file per 32 KiB (at most 8)
+    out = {k: torch.zeros(64, 64) for k in sd}
+    db.load(
+        {k: db.ShardedTensor.from_box(k, v, (64, 64), (0, 0)) for k, v in out.items()}, tmp_path
+    )
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
