@@ -248,3 +248,71 @@ def test_fully_parallel_load_into_gpu_tensors_over_gloo(pool, tmp_path):
     path = str(tmp_path / "ck")
     pool.run(_save_model_and_vec, 4, path)
     assert pool.run(_fp_load_into_gpu, 4, path) == [38] * 4
+
+
+LOCAL_SHAPE = (64, 48)
+
+
+def _local_weights(step: int, device: str) -> torch.Tensor:
+    return torch.arange(64 * 48, dtype=torch.float32, device=device).reshape(LOCAL_SHAPE) + step
+
+
+def _local_manager(r, root: str, local: str) -> db.CheckpointManager:
+    return db.CheckpointManager(
+        root,
+        every=4,
+        local_dir=local,
+        local_every=1,
+        replicas=1,
+        ranks_per_node=2,
+        async_save=True,
+        process_group=r.group,
+    )
+
+
+def _local_save_from(r, root: str, local: str, device: str) -> None:
+    """Six steps of GPU state: persistent step 4, local steps (with copies) up to 6."""
+    mgr = _local_manager(r, root, local)
+    for step in range(1, 7):
+        w = _local_weights(step, device).chunk(r.size)[r.rank].clone()
+        b = torch.full((32,), step, dtype=torch.bfloat16, device=device).chunk(r.size)[r.rank]
+        mgr.save(
+            step,
+            {
+                "w": db.ShardedTensor.from_rank_offsets("w", w, (0, r.rank, r.size)),
+                "b": db.ShardedTensor.from_rank_offsets("b", b.clone(), (0, r.rank, r.size)),
+                "step": step,
+            },
+        )
+    mgr.close()
+
+
+def _local_restore_into(r, root: str, local: str, device: str, axis: int) -> int:
+    """A restart on ``r.size`` ranks split on ``axis``, into templates on ``device``."""
+    mgr = _local_manager(r, root, local)
+    w = torch.zeros(LOCAL_SHAPE, device=device).chunk(r.size, dim=axis)[r.rank].clone()
+    b = torch.zeros(32 // r.size, dtype=torch.bfloat16, device=device)
+    out = mgr.load(
+        {
+            "w": db.ShardedTensor.from_rank_offsets("w", w, (axis, r.rank, r.size)),
+            "b": db.ShardedTensor.from_rank_offsets("b", b, (0, r.rank, r.size)),
+            "step": 0,
+        }
+    )
+    mgr.close()
+    step = out["step"]
+    want = _local_weights(step, "cpu").chunk(r.size, dim=axis)[r.rank]
+    assert out["w"].device.type == device and torch.equal(out["w"].cpu(), want), r.rank
+    assert torch.equal(out["b"].cpu(), torch.full((32 // r.size,), step, dtype=torch.bfloat16))
+    return step
+
+
+def test_the_local_tier_saves_gpu_state_and_restores_it_into_gpu_templates(pool, tmp_path):
+    import shutil
+
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    pool.run(_local_save_from, 4, root, local, "cuda", timeout=180)
+    shutil.rmtree(tmp_path / "node1")  # node 1 died: its parts come from node 0's copies
+    # step 6 exists only in the local tier (the persistent tier's newest is 4)
+    assert pool.run(_local_restore_into, 4, root, local, "cuda", 0, timeout=180) == [6] * 4
+    assert pool.run(_local_restore_into, 2, root, local, "cuda", 1, timeout=180) == [6] * 2
