@@ -294,6 +294,26 @@ def test_replicated_dtensors_fully_parallel_and_async(pool, tmp_path, use_async)
     assert all(torch.equal(out["model"][k], full(k)) for k in SHAPES)
 
 
+def save_colliding_stages(r: Rank, path: str, fully_parallel: bool) -> str:
+    """Two pipeline stages whose tensor-parallel DTensors share a key but not their values:
+    each stage's ranks are main replicas of their boxes, so the save cannot pick one."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    w = distribute_tensor(full("w") + 100 * stage, mesh["tp"], [Shard(0)], src_data_rank=None)
+    with pytest.raises(db.ShardingValidationError) as e:
+        db.save({"w": w}, path, fully_parallel=fully_parallel)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_two_main_replicas_of_one_box_refused(pool, tmp_path, fully_parallel):
+    """With fully_parallel, one stage's values were written and the other's silently lost."""
+    path = str(tmp_path / "ck")
+    errors = pool.run(save_colliding_stages, 4, path, fully_parallel, default_group=True)
+    assert len(set(errors)) == 1 and "'w'" in errors[0] and "replica" in errors[0]
+    assert not os.path.exists(path) or not os.listdir(path)
+
+
 # -- Megatron-Core's own objects, recognised by their fields ----------------------------------------
 
 
