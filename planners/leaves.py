@@ -67,7 +67,8 @@ def _scattered(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -
     for d in sorted({p.dim % ndim for p in placements if _strided(p)}):
         index = torch.arange(shape[d]).reshape([-1 if i == d else 1 for i in range(ndim)])
         kept = [p if getattr(p, "dim", None) in (d, d - ndim) else Replicate() for p in placements]
-        rows = distribute_tensor(index, mesh, kept, src_data_rank=None).to_local().reshape(-1)
+        rows = distribute_tensor(index, mesh, kept, src_data_rank=None).to_local()
+        rows = rows.reshape(-1).cpu()  # on a GPU mesh, the index was moved to its device
         if len(rows) and not torch.equal(
             rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows))
         ):
