@@ -10,6 +10,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dcpbridge.planners.errors import ShardingValidationError, key_list
 from dcpbridge.planners.protocol import ReplicaId
 
 ShardId = Hashable
@@ -65,6 +66,24 @@ def holders(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, list[int]]:
             if not ranks or ranks[-1] != rank:
                 ranks.append(rank)
     return out
+
+
+def check_one_main(holdings: Sequence[Sequence[Holding]]) -> None:
+    """Refuse shards that several ranks hold as the main replica: they may hold different
+    values (two pipeline stages' tensors under one key), and spreading writes keeps one."""
+    mains: dict[ShardId, list[int]] = {}
+    for rank, held in enumerate(holdings):
+        for h in held:
+            if h.main:
+                mains.setdefault(h.shard, []).append(rank)
+    twice = [f"{s!r} by ranks {r}" for s, r in mains.items() if len(set(r)) > 1]
+    if twice:
+        raise ShardingValidationError(
+            "invalid sharding, nothing was saved: shards held as the main replica (replica_id "
+            f"0) by several ranks of the parallelization group: {key_list(sorted(twice), '; ')} "
+            "(two main replicas of one shard? check replica_id; a DTensor's replicas are its "
+            "Replicate mesh dimensions only)"
+        )
 
 
 def distribute(

@@ -8,11 +8,13 @@ Anything else that carries sharding is refused by name rather than pickled.
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dcpbridge.planners.errors import SerializationError
@@ -56,6 +58,29 @@ def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
     return as_shown(t.detach()) if save else t.detach()
 
 
+@functools.lru_cache(maxsize=1024)
+def _scattered(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> str | None:
+    """Where a ``_StridedShard`` layout gives this rank indices of a dimension that are not
+    one block (torch's box starts at the first of them: its bytes would be other indices'),
+    or None; cached, as building the index DTensors takes milliseconds."""
+    ndim = len(shape)
+    for d in sorted({p.dim % ndim for p in placements if _strided(p)}):
+        index = torch.arange(shape[d]).reshape([-1 if i == d else 1 for i in range(ndim)])
+        kept = [p if getattr(p, "dim", None) in (d, d - ndim) else Replicate() for p in placements]
+        rows = distribute_tensor(index, mesh, kept, src_data_rank=None).to_local()
+        rows = rows.reshape(-1).cpu()  # on a GPU mesh, the index was moved to its device
+        if len(rows) and not torch.equal(
+            rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows))
+        ):
+            return f"indices {rows.tolist()[:8]} of dimension {d}"
+    return None
+
+
+def _strided(p: Any) -> bool:
+    """A sharding placement other than ``Shard`` (FSDP2's ``_StridedShard``)."""
+    return type(p) is not Shard and isinstance(getattr(p, "dim", None), int)
+
+
 def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
     """This rank's box of ``dt`` (None if it is not on the mesh); replicas along Replicate
     mesh dimensions other than coordinate 0 are not the main replica."""
@@ -70,9 +95,19 @@ def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
     shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     local = _plain_data(key, dt.to_local(), save)
     if tuple(local.shape) != tuple(shape):
+        if local.numel() or math.prod(shape):
+            raise SerializationError(
+                f"{key!r}: DTensor local tensor has shape {tuple(local.shape)}, its placements "
+                f"{dt.placements} give {tuple(shape)}"
+            )
+        local = local.reshape(shape)  # FSDP2 gives some empty shards another empty shape
+    scattered = any(_strided(p) for p in dt.placements) and _scattered(
+        dt.device_mesh, tuple(dt.placements), tuple(dt.shape)
+    )
+    if scattered:
         raise SerializationError(
-            f"{key!r}: DTensor local tensor has shape {tuple(local.shape)}, its placements "
-            f"{dt.placements} give {tuple(shape)}"
+            f"{key!r}: DTensor placements {dt.placements} give this rank {scattered}, not one "
+            "block; redistribute it to Shard or Replicate placements"
         )
     replica = tuple(c for c, p in zip(coordinate, dt.placements) if isinstance(p, Replicate))
     return LocalBox(

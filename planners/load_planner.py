@@ -372,6 +372,10 @@ def _plan_box(
     out.requested.add(fqn)
     md = stored.get(fqn)
     if not isinstance(md, TensorStorageMetadata):
+        if md is not None:  # nothing to fill the tensor from (and a common key is not missing)
+            raise ShapeMismatchError(
+                f"{fqn!r}: stored as a value, not a tensor; requested as a tensor of shape {shape}"
+            )
         out.missing.append(fqn)
         return
     if md.properties.dtype != view.dtype and not allow_dtype_cast:

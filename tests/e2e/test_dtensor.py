@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import dcpbridge as db
 from tests.support.dist_pool import Rank
@@ -293,6 +294,26 @@ def test_replicated_dtensors_fully_parallel_and_async(pool, tmp_path, use_async)
     assert all(torch.equal(out["model"][k], full(k)) for k in SHAPES)
 
 
+def save_colliding_stages(r: Rank, path: str, fully_parallel: bool) -> str:
+    """Two pipeline stages whose tensor-parallel DTensors share a key but not their values:
+    each stage's ranks are main replicas of their boxes, so the save cannot pick one."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    w = distribute_tensor(full("w") + 100 * stage, mesh["tp"], [Shard(0)], src_data_rank=None)
+    with pytest.raises(db.ShardingValidationError) as e:
+        db.save({"w": w}, path, fully_parallel=fully_parallel)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_two_main_replicas_of_one_box_refused(pool, tmp_path, fully_parallel):
+    """With fully_parallel, one stage's values were written and the other's silently lost."""
+    path = str(tmp_path / "ck")
+    errors = pool.run(save_colliding_stages, 4, path, fully_parallel, default_group=True)
+    assert len(set(errors)) == 1 and "'w'" in errors[0] and "replica" in errors[0]
+    assert not os.path.exists(path) or not os.listdir(path)
+
+
 # -- Megatron-Core's own objects, recognised by their fields ----------------------------------------
 
 
@@ -376,28 +397,82 @@ def test_cuda_dtensors_save_and_load(pool, tmp_path):
 # -- FSDP2 on top of tensor parallelism: strided sharding ---------------------------------------
 
 
-def save_fsdp_over_tp(r: Rank, path: str) -> dict:
+def fsdp_over_tp(seed: int) -> torch.nn.Module:
+    """FSDP2 over TP on a (dp, tp) mesh: colwise gives strided rows; rowwise with one input
+    column leaves tp rank 1 no column, where FSDP2 reports its empty shard as (0, 0)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 12))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(1, 3))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    w = model[0].weight
-    placements = [type(p).__name__ for p in w.placements]
+    return model
+
+
+def fsdp_over_tp_full(seed: int) -> dict[str, torch.Tensor]:
+    """The global values ``fsdp_over_tp(seed)`` starts from (full_tensor hangs on empty shards)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(1, 3))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def local_box(full_value: torch.Tensor, dt: DTensor) -> torch.Tensor:
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return full_value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def save_fsdp_over_tp(r: Rank, path: str) -> list[str]:
+    model = fsdp_over_tp(0)
+    placements = [type(p).__name__ for p in model[0].weight.placements]
     db.save({"model": model.state_dict()}, path)
-    return {"placements": placements, "w": w.full_tensor(), "b": model[0].bias.full_tensor()}
+    loaded = fsdp_over_tp(1)  # other values; filled in place, strided shards included
+    db.load({"model": loaded.state_dict()}, path)
+    full = fsdp_over_tp_full(0)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v.to_local().reshape(-1), local_box(full[k], v).reshape(-1)), k
+    return placements
 
 
-def test_fsdp2_over_tensor_parallel_strided_shards(pool, tmp_path):
+def test_fsdp2_over_tensor_parallel_strided_and_empty_shards(pool, tmp_path):
     path = str(tmp_path / "ck")
     results = pool.run(save_fsdp_over_tp, 4, path, default_group=True)
-    assert results[0]["placements"] == ["_StridedShard", "Shard"]
-    out = db.load({"model": {"0.weight": torch.zeros(12, 8), "0.bias": torch.zeros(12)}}, path)
-    assert torch.equal(out["model"]["0.weight"], results[0]["w"])
-    assert torch.equal(out["model"]["0.bias"], results[0]["b"])
+    assert results[0] == ["_StridedShard", "Shard"]
+    full = fsdp_over_tp_full(0)
+    out = db.load({"model": {k: torch.zeros_like(v) for k, v in full.items()}}, path)
+    assert all(torch.equal(out["model"][k], v) for k, v in full.items())
+
+
+def strided_not_one_block(r: Rank, path: str, save: bool) -> str:
+    """``_StridedShard(0, split_factor=2)`` alone gives rank 0 rows [0, 1, 3, 4] of 6: no box
+    holds them (torch reports rows 0-3), so a load filled them with rows 0-3."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dt = distribute_tensor(
+        full("w").clone() if save else torch.zeros(SHAPES["w"]),
+        mesh_of(r),
+        [_StridedShard(0, split_factor=2)],
+        src_data_rank=None,
+    )
+    call = db.save if save else db.load
+    with pytest.raises(db.SerializationError) as e:
+        call({"w": dt}, path + "-again" if save else path, process_group=r.group)
+    assert save or not dt.to_local().any()  # the template is left as it was
+    return str(e.value)
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_strided_shards_of_several_blocks_refused_not_misplaced(pool, tmp_path, save):
+    path = str(tmp_path / "ck")
+    db.save({"w": full("w")}, path)
+    errors = pool.run(strided_not_one_block, 2, path, save)
+    assert errors[0] == errors[1] and "'w'" in errors[0] and "not one block" in errors[0]
+    assert not os.path.exists(path + "-again") or not os.listdir(path + "-again")
 
 
 # -- torch's own DCP writer, and torch ShardedTensor <-> DTensor --------------------------------

@@ -122,6 +122,33 @@ def test_tensor_stored_where_the_template_holds_a_value(tmp_path, writer):
     assert out["step"] == 4
 
 
+def value_for_tensor(r: Rank, path: str) -> list[str]:
+    """A template tensor (DTensor or plain) whose key the checkpoint holds as a value."""
+    mesh = DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
+    errors = []
+    for tensor in (distribute_tensor(torch.zeros(4), mesh, [Shard(0)]), torch.zeros(4)):
+        with pytest.raises(db.ShapeMismatchError) as e:
+            db.load({"w": tensor, "t": torch.zeros(2)}, path, process_group=r.group)
+        errors.append(str(e.value))
+    return errors
+
+
+def test_value_stored_where_the_template_holds_a_tensor(pool, tmp_path):
+    """The request was silently dropped from the result (the key is common state, so not
+    counted missing), the template left unfilled: it raises naming the key, on every rank."""
+    path = str(tmp_path / "ck")
+    db.save({"w": 5, "t": torch.arange(2.0)}, path)
+    errors = pool.run(value_for_tensor, 2, path)
+    assert errors[0] == errors[1] and all("'w': stored as a value" in e for e in errors[0])
+    with pytest.raises(CheckpointException, match=r"ShapeMismatchError.*'w': stored as a value"):
+        dcp.load(
+            {"w": torch.zeros(4)},
+            storage_reader=db.FsspecCheckpointReader(path),
+            planner=db.ShardedLoadPlanner(strict="ignore_all"),
+            no_dist=True,
+        )
+
+
 def save_nested(r: Rank, path: str) -> None:
     mesh = DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
     state = {
