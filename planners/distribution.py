@@ -10,6 +10,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dcpbridge.planners.errors import ShardingValidationError, key_list
 from dcpbridge.planners.protocol import ReplicaId
 
 ShardId = Hashable
@@ -65,6 +66,30 @@ def holders(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, list[int]]:
             if not ranks or ranks[-1] != rank:
                 ranks.append(rank)
     return out
+
+
+def check_single_main(holdings: Sequence[Sequence[Holding]]) -> None:
+    """Raise ``ShardingValidationError`` naming every shard that more than one rank holds as
+    its main replica: ``distribute`` would keep one of those copies and drop the others."""
+    mains = holders([[h for h in held if h.main] for held in holdings])
+    twice = [(shard, ranks) for shard, ranks in mains.items() if len(ranks) > 1]
+    if not twice:
+        return
+    listed = key_list(_describe(shard, ranks) for shard, ranks in sorted(twice, key=_by_order))
+    raise ShardingValidationError(
+        f"{len(twice)} shard(s) with more than one main replica (replica_id 0) in the "
+        f"parallelization group: {listed}; exactly one holder of a shard may be its main replica"
+    )
+
+
+def _describe(shard: ShardId, ranks: list[int]) -> str:
+    if isinstance(shard, tuple) and len(shard) == 2:  # (key, global offset)
+        return f"{shard[0]!r} at offset {shard[1]} (ranks {ranks})"
+    return f"{shard!r} (ranks {ranks})"
+
+
+def _by_order(item: tuple[ShardId, list[int]]) -> tuple[str, str]:
+    return _order(item[0])
 
 
 def distribute(

@@ -20,7 +20,13 @@ from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group
 from dcpbridge.model.mapping import ShardedTensor
-from dcpbridge.planners.distribution import Holding, distribute, holders, is_main_replica
+from dcpbridge.planners.distribution import (
+    Holding,
+    check_single_main,
+    distribute,
+    holders,
+    is_main_replica,
+)
 from dcpbridge.planners.protocol import chunk_sizes
 
 ShardId = tuple[str, tuple[int, ...]]
@@ -102,7 +108,9 @@ def write_owners(
     def held() -> list[Holding]:
         return [Holding(shard_id(s), _nbytes(s), owners.writes_alone(s)) for s in _tensors(shards)]
 
-    assigned = assign(parallel, held)
+    everyone = protocol.agree(parallel, "fully-parallel exchange", held)
+    check_single_main(everyone)  # the same verdict on every member
+    assigned = distribute(everyone)
     return dataclasses.replace(owners, assigned=assigned, parallel_rank=parallel.rank)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -92,6 +93,24 @@ def test_fully_parallel_save_exact_owners_balance_and_cache(pool, tmp_path):
     assert max(per_rank) / min(per_rank) <= 1.05, per_rank
     out = db.load(_replicas(0, False), str(tmp_path / "1"))
     assert all(torch.equal(out[k], t) for k, t in model.items())
+
+
+def fp_two_main_replicas(r: Rank, path: str) -> str:
+    """Both ranks claim the main replica of one box, with different bytes."""
+    data = torch.arange(8.0) + 100 * r.rank
+    sd = {"w": db.ShardedTensor.from_box("w", data, (8,), (0,), replica_id=(0, 0, 0))}
+    with pytest.raises(db.ShardingValidationError) as raised:
+        db.save(sd, path, process_group=r.group, fully_parallel=True)
+    return str(raised.value)
+
+
+def test_fully_parallel_refuses_two_main_replicas_of_one_shard(pool, tmp_path):
+    """Spreading the writes must not pick one of two differing "main" copies silently."""
+    path = str(tmp_path / "twice")
+    first, second = pool.run(fp_two_main_replicas, 2, path, timeout=60)
+    assert first == second
+    assert "'w' at offset (0,)" in first and "ranks [0, 1]" in first, first
+    assert not os.path.exists(os.path.join(path, "dcpbridge.json"))
 
 
 def _rchar() -> int:
