@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,8 +34,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpbridge.errors import InvalidArgumentError, SerializationError
+from dcpbridge.errors import InvalidArgumentError, SerializationError, ShardingValidationError
 from dcpbridge.formats.checkpoint import MEGATRON_COMMON, MEGATRON_CONFIG
+from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
 from dcpbridge.storage import METADATA_FILE, Location, resolve
@@ -55,6 +57,24 @@ class TorchDistSavePlanner(ShardedSavePlanner):
     """Our save planning, with each ShardedObject stored as ``[data]`` as Megatron stores it."""
 
     list_wrapped_objects = True
+
+
+def sharded_part(shards: list[Any], common_tensors: Mapping[str, Any]) -> list[Any]:
+    """The shards a torch_dist save writes to its DCP files: all but the boxes of the common
+    state's plain tensors, which go to ``common.pt``. A ShardedTensor keyed like one of them
+    is refused: one DCP key cannot hold both, and either would be lost."""
+    if not common_tensors:
+        return shards
+    tensors = [s for s in shards if isinstance(s, ShardedTensor) and s.key in common_tensors]
+    clash = sorted(k for k, n in Counter(s.key for s in tensors).items() if n > 1)
+    if clash:
+        raise ShardingValidationError(
+            f"{', '.join(map(repr, clash))}: a ShardedTensor has the key of a plain tensor of "
+            "the common state (its dotted path); a torch_dist checkpoint cannot hold both "
+            "under one key: rename one of them"
+        )
+    dropped = {id(s) for s in tensors}
+    return [s for s in shards if id(s) not in dropped]
 
 
 class _PortableStorageMeta:

@@ -313,6 +313,20 @@ def test_drop_in_save_load_with_megatron_parameters(tmp_path):
         dc.load({"a": _template("a")}, path, sharded_strategy=object())
 
 
+def test_torch_dist_refuses_a_sharded_tensor_keyed_like_a_common_tensor(tmp_path):
+    """The plain tensor goes to common.pt; the ShardedTensor of the same key was dropped."""
+    path = str(tmp_path / "td")
+    sd = {"w": torch.ones(4), "m": _st("w")}
+    with pytest.raises(db.ShardingValidationError, match=r"'w'.* common state"):
+        dc.save(sd, path, dc.get_default_save_sharded_strategy("torch_dist"))
+    assert not os.path.exists(path) or os.listdir(path) == []
+    # a ShardedObject of that key is no clash (stored as 'w/shard_0_1'): it is kept
+    sd = {"w": torch.ones(4), "o": db.ShardedObject("w", {"a": 1}, (1,), (0,))}
+    dc.save(sd, path, dc.get_default_save_sharded_strategy("torch_dist"))
+    out = dc.load({"w": torch.zeros(4), "o": db.ShardedObject("w", None, (1,), (0,))}, path)
+    assert out["o"] == {"a": 1} and torch.equal(out["w"], torch.ones(4))
+
+
 def drop_in_ranks(r: Rank, path: str, strict: str):
     """2 ranks through the drop-in: rank 0 asks for 'ghost' too, nobody asks for 'b.x'."""
     from dcpbridge.dist_checkpointing.strategies import (
