@@ -327,6 +327,30 @@ def test_torch_dist_refuses_a_sharded_tensor_keyed_like_a_common_tensor(tmp_path
     assert out["o"] == {"a": 1} and torch.equal(out["w"], torch.ones(4))
 
 
+def test_hostile_torch_dist_config_and_common_state_are_corrupt_checkpoints(tmp_path):
+    """A metadata.json nested past the JSON parser's recursion limit, or a common.pt that is
+    not a dict, raises CorruptCheckpointError (not RecursionError; no common state dropped)."""
+    path = str(tmp_path / "td")
+    dc.save({"a": _st("a"), "it": 3}, path, dc.get_default_save_sharded_strategy("torch_dist"))
+    config = os.path.join(path, "metadata.json")
+    with open(config) as f:
+        good = f.read()
+    with open(config, "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(db.CorruptCheckpointError, match=r"metadata\.json is not a Megatron-Core"):
+        dc.load_common_state_dict(path)
+    assert not dc.check_is_distributed_checkpoint(path)
+    with open(config, "w") as f:
+        f.write(good)
+    torch.save([1, 2], os.path.join(path, "common.pt"))
+    for read in (
+        lambda: dc.load({"a": _template("a")}, path),
+        lambda: dc.load_content_metadata(path),
+    ):
+        with pytest.raises(db.CorruptCheckpointError, match=r"common\.pt holds a list"):
+            read()
+
+
 def drop_in_ranks(r: Rank, path: str, strict: str):
     """2 ranks through the drop-in: rank 0 asks for 'ghost' too, nobody asks for 'b.x'."""
     from dcpbridge.dist_checkpointing.strategies import (
