@@ -141,7 +141,7 @@ def plan_save(
     def sort() -> int:
         parts = for_save(state_dicts(sharded_state_dict))
         if options.format == "torch_dist":  # plain tensors go to common.pt, not to shards
-            parts.shards = sharded_part(parts.shards, parts.plain)
+            parts.shards = sharded_part(parts)
         planned.parts = parts
         planned.structure = structure_of(parts.shards, parallel, parts.common_layout())
         return planned.structure

@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from torch.futures import Future
 
 from dcpbridge.errors import InvalidArgumentError, SerializationError, ShardingValidationError
 from dcpbridge.formats.checkpoint import MEGATRON_COMMON, MEGATRON_CONFIG
+from dcpbridge.model.intake import SaveParts
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
@@ -59,22 +60,28 @@ class TorchDistSavePlanner(ShardedSavePlanner):
     list_wrapped_objects = True
 
 
-def sharded_part(shards: list[Any], common_tensors: Mapping[str, Any]) -> list[Any]:
+def sharded_part(parts: SaveParts) -> list[Any]:
     """The shards a torch_dist save writes to its DCP files: all but the boxes of the common
-    state's plain tensors, which go to ``common.pt``. A ShardedTensor keyed like one of them
-    is refused: one DCP key cannot hold both, and either would be lost."""
-    if not common_tensors:
-        return shards
-    tensors = [s for s in shards if isinstance(s, ShardedTensor) and s.key in common_tensors]
-    clash = sorted(k for k, n in Counter(s.key for s in tensors).items() if n > 1)
+    state's plain tensors, which go to ``common.pt`` with the rest of the common state. A
+    shard stored under a key of the common state is refused, as dcpbridge's own format
+    does: a load could not tell them apart (and the plain tensor's box would hide it)."""
+    common, plain = parts.paths, parts.plain
+    if not common:
+        return parts.shards
+    names = Counter(n for n in map(_stored_key, parts.shards) if n in common)
+    clash = sorted(n for n, count in names.items() if count > (n in plain))  # a plain box: 1
     if clash:
         raise ShardingValidationError(
-            f"{', '.join(map(repr, clash))}: a ShardedTensor has the key of a plain tensor of "
-            "the common state (its dotted path); a torch_dist checkpoint cannot hold both "
-            "under one key: rename one of them"
+            f"{', '.join(map(repr, clash))}: a ShardedTensor or ShardedObject is stored under "
+            "the key (dotted path) of a value of the common state; a torch_dist checkpoint "
+            "cannot tell them apart on load: rename one of them"
         )
-    dropped = {id(s) for s in tensors}
-    return [s for s in shards if id(s) not in dropped]
+    return [s for s in parts.shards if not (isinstance(s, ShardedTensor) and s.key in plain)]
+
+
+def _stored_key(shard: Any) -> str:
+    """The DCP key a ShardedTensor or ShardedObject is stored under."""
+    return shard.key if isinstance(shard, ShardedTensor) else shard.unique_key
 
 
 class _PortableStorageMeta:

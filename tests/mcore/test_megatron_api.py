@@ -313,13 +313,28 @@ def test_drop_in_save_load_with_megatron_parameters(tmp_path):
         dc.load({"a": _template("a")}, path, sharded_strategy=object())
 
 
-def test_torch_dist_refuses_a_sharded_tensor_keyed_like_a_common_tensor(tmp_path):
-    """The plain tensor goes to common.pt; the ShardedTensor of the same key was dropped."""
+@pytest.mark.parametrize(
+    ("common", "sharded"),
+    [
+        ({"w": torch.ones(4)}, _st("w")),  # the ShardedTensor was dropped
+        ({"w": 3}, _st("w")),  # loaded back as the value
+        ({"a": {"b": 3}}, _st("a.b")),
+        ({"o/shard_0_1": 5}, db.ShardedObject("o", {"v": 1}, (1,), (0,))),
+    ],
+    ids=["tensor", "value", "nested_value", "object"],
+)
+def test_torch_dist_refuses_shards_keyed_like_common_state(tmp_path, common, sharded):
+    """As dcpbridge's own format does: one key cannot name both (a load returned the wrong
+    one, or the save dropped the shard)."""
     path = str(tmp_path / "td")
-    sd = {"w": torch.ones(4), "m": _st("w")}
-    with pytest.raises(db.ShardingValidationError, match=r"'w'.* common state"):
-        dc.save(sd, path, dc.get_default_save_sharded_strategy("torch_dist"))
+    name = sharded.key if isinstance(sharded, db.ShardedTensor) else sharded.unique_key
+    with pytest.raises(db.ShardingValidationError, match=rf"'{name}': .*common state"):
+        dc.save({**common, "m": sharded}, path, ("torch_dist", 1))
     assert not os.path.exists(path) or os.listdir(path) == []
+
+
+def test_torch_dist_keeps_an_object_keyed_like_a_common_tensor(tmp_path):
+    path = str(tmp_path / "td")
     # a ShardedObject of that key is no clash (stored as 'w/shard_0_1'): it is kept
     sd = {"w": torch.ones(4), "o": db.ShardedObject("w", {"a": 1}, (1,), (0,))}
     dc.save(sd, path, dc.get_default_save_sharded_strategy("torch_dist"))
