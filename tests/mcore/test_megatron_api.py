@@ -184,6 +184,17 @@ def test_load_plain_tensors_idiom_and_sharded_metadata(ckpt):
     assert (theirs.key, theirs.global_shape, theirs.global_offset) == ("rng", (2,), (1,))
 
 
+def test_a_zero_dim_object_grid_is_named_by_its_key(tmp_path):
+    """A ShardedObject of shape () is stored as 'o/shard__'; strict results and the sharded
+    metadata name it like any other grid ('o', not its storage name; not left out)."""
+    path = str(tmp_path / "zero_dim")
+    db.save({"o": db.ShardedObject("o", {"v": 1}, (), ()), "a": _st("a")}, path)
+    _, missing, unexpected = dc.load({"a": _template("a")}, path, strict="return_all")
+    assert (missing, unexpected) == ({"o"}, set())
+    cell = dc.load_sharded_metadata(path)["o/shard__"]
+    assert (cell.key, cell.global_shape, cell.global_offset) == ("o", (), ())
+
+
 def test_remove_sharded_tensors(ckpt):
     files_before = {f for f in os.listdir(ckpt) if f.endswith(".bin")}
     assert dc.remove_sharded_tensors(ckpt, "b.") is None
