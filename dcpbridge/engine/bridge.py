@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from dcpbridge.engine.common_table import check_common_table
+from dcpbridge.errors import InvalidRequestError
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
@@ -167,12 +168,21 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
     """Plans ``load``: the template's shards and values plus the checkpoint's common state."""
 
     def __init__(
-        self, parts: LoadParts, shards: list[Shard], *, legacy_common: bool, **kwargs: Any
+        self,
+        parts: LoadParts,
+        shards: list[Shard],
+        *,
+        legacy_common: bool,
+        common: Any = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.parts = parts
         self.shards, self.ties = untie(shards)  # tied keys' shards read into scratch
         self.legacy_common = legacy_common  # the common state is one blob (torch_dist)
+        # that blob, where it was read before planning (torch_dist's common.pt): a value it
+        # holds is the one loaded, as Megatron-Core loads it, even where a shard has its key
+        self.common = common
         self.values: dict[str, Any] = {}  # plain values and common entries, by key
         self.from_blob: set[str] = set()  # plain tensors to copy out of the blob
         self.replaced: dict[str, torch.Tensor] = {}  # plain tensors stored in another form
@@ -197,16 +207,19 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         stored = self._metadata.state_dict_metadata
         self.table = common_table(self._metadata)
         blob = self.legacy_common or COMMON_KEY in stored
+        plain = self.parts.plain_tensors
         for shard in self.shards:
             if isinstance(shard, ShardedTensor):
                 key = shard.key
-                if key not in self.parts.plain_tensors:
+                if key not in plain:
                     continue  # one of ``requests``' shards
             else:
                 key = shard.unique_key
-            if key in self.parts.plain_tensors:
+            if key in plain:
                 md = stored.get(key)
-                if blob and md is None:
+                if blob and (md is None or self._in_common(self.parts.tensor_paths[key])):
+                    if md is not None:
+                        self._check_unambiguous(key)
                     self.from_blob.add(key)
                     continue
                 if isinstance(md, TensorStorageMetadata) and (
@@ -216,9 +229,9 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                     self.replaced[key] = shard.data
             taken.add(key)
             yield Leaf("", shard, None, None)
-        for key in self.parts.values:  # plain values: the checkpoint's, where it has them
+        for key, path in self.parts.values.items():  # plain values: the checkpoint's
             md = stored.get(key)
-            if md is None:
+            if md is None or self._in_common(path):
                 continue
             taken.add(key)
             if isinstance(md, TensorStorageMetadata):  # a tensor where the template has a value
@@ -239,6 +252,20 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                 yield Leaf(key, None, self.values, key)
         if COMMON_KEY in stored:
             yield Leaf(COMMON_KEY, None, self.values, COMMON_KEY)
+
+    def _check_unambiguous(self, key: str) -> None:
+        """Refuse a template asking for ``key`` both as a plain tensor (the common state's
+        value) and as a ShardedTensor, where the checkpoint holds both under that key."""
+        if sum(isinstance(s, ShardedTensor) and s.key == key for s in self.shards) > 1:
+            raise InvalidRequestError(
+                f"{key!r}: the load template asks for it both as a plain tensor and as a "
+                "ShardedTensor, and the checkpoint holds both a common-state value (common.pt) "
+                "and a stored tensor under that key; rename one of them in the template"
+            )
+
+    def _in_common(self, path: ObjPath) -> bool:
+        """Whether the common state read before planning holds a value at ``path``."""
+        return self.common is not None and lookup(self.common, path) is not MISSING
 
     def common_keys(self) -> set[str]:
         return {COMMON_KEY, *(self.table["keys"] if self.table else ())}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -351,6 +352,27 @@ def test_torch_dist_keeps_an_object_keyed_like_a_common_tensor(tmp_path):
     dc.save(sd, path, dc.get_default_save_sharded_strategy("torch_dist"))
     out = dc.load({"w": torch.zeros(4), "o": db.ShardedObject("w", None, (1,), (0,))}, path)
     assert out["o"] == {"a": 1} and torch.equal(out["w"], torch.ones(4))
+
+
+def test_torch_dist_common_state_wins_over_a_shard_of_the_same_key(tmp_path):
+    """Megatron-Core writes a common-state value and a ShardedTensor under one key apart
+    (common.pt, .metadata) and loads the value from common.pt: so does dcpbridge."""
+    path, common = str(tmp_path / "td"), str(tmp_path / "common")
+    sd = {"m": _st("w"), "x": _st("it"), "y": _st("a.b", 6), "q": _st("q")}
+    dc.save(sd, path, ("torch_dist", 1))
+    dc.save({"w": torch.ones(4), "it": 3, "a": {"b": "v"}}, common, ("torch_dist", 1))
+    shutil.copy(os.path.join(common, "common.pt"), os.path.join(path, "common.pt"))
+    template = {"w": torch.zeros(4), "it": 0, "a": {"b": ""}, "x": _template("it")}
+    out = dc.load({**template, "y": _template("a.b", 6)}, path)
+    assert type(out["it"]) is int and out["it"] == 3 and out["a"] == {"b": "v"}
+    assert torch.equal(out["w"], torch.ones(4))
+    assert torch.equal(out["x"], torch.arange(4.0)) and torch.equal(out["y"], torch.arange(6.0))
+    out = dc.load({"m": _template("w")}, path)
+    assert torch.equal(out["m"], torch.arange(4.0)) and torch.equal(out["w"], torch.ones(4))
+    with pytest.raises(db.InvalidRequestError, match=r"'w': the load template asks for it both"):
+        dc.load({**template, "m": _template("w")}, path)
+    # a plain tensor the common state lacks still reads the stored tensor of its key
+    assert torch.equal(dc.load({"q": torch.zeros(4)}, path)["q"], torch.arange(4.0))
 
 
 def test_hostile_torch_dist_config_and_common_state_are_corrupt_checkpoints(tmp_path):
