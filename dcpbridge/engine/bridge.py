@@ -337,12 +337,21 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         return result, missing - set(self.missing_keys)
 
     def _copy_from_blob(self, shard: ShardedTensor, blob: Any, missing: set[str]) -> Any:
+        """The blob's value of a plain tensor: copied in place, or as stored where it is not
+        a tensor of the template's dtype and shape (never cast, as from stored entries)."""
         found = lookup(blob, self.parts.tensor_paths[shard.key])
-        if not isinstance(found, torch.Tensor) or found.shape != shard.data.shape:
+        if found is MISSING:
             missing.add(shard.key)
             return MISSING
-        shard.data.copy_(found)
-        return shard.data
+        data = shard.data
+        if (
+            not isinstance(found, torch.Tensor)
+            or found.dtype != data.dtype
+            or found.shape != data.shape
+        ):
+            return found
+        data.copy_(found)
+        return data
 
 
 def _prune(tree: Any) -> Any:

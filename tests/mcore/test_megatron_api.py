@@ -375,6 +375,19 @@ def test_torch_dist_common_state_wins_over_a_shard_of_the_same_key(tmp_path):
     assert torch.equal(dc.load({"q": torch.zeros(4)}, path)["q"], torch.arange(4.0))
 
 
+def test_torch_dist_common_tensors_in_another_form_come_back_as_stored(tmp_path):
+    """As from dcpbridge's format (README: Keys): not cast into the template's dtype, not
+    reported missing for another shape."""
+    path = str(tmp_path / "td")
+    stored = torch.tensor([1.0000001, 2.5, 3.3], dtype=torch.float64)
+    dc.save({"t": stored, "u": torch.arange(6.0), "n": 3}, path, ("torch_dist", 1))
+    template = {"t": torch.zeros(3, dtype=torch.bfloat16), "u": torch.zeros(4), "n": torch.zeros(2)}
+    out = dc.load(template, path)
+    assert out["t"].dtype == torch.float64 and torch.equal(out["t"], stored)
+    assert torch.equal(out["u"], torch.arange(6.0)) and out["n"] == 3
+    assert not template["t"].any() and not template["u"].any()  # left as they were
+
+
 def test_hostile_torch_dist_config_and_common_state_are_corrupt_checkpoints(tmp_path):
     """A metadata.json nested past the JSON parser's recursion limit, or a common.pt that is
     not a dict, raises CorruptCheckpointError (not RecursionError; no common state dropped)."""
