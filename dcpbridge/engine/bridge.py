@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from dcpbridge.engine.common_table import check_common_table
@@ -186,6 +190,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         self.values: dict[str, Any] = {}  # plain values and common entries, by key
         self.from_blob: set[str] = set()  # plain tensors to copy out of the blob
         self.replaced: dict[str, torch.Tensor] = {}  # plain tensors stored in another form
+        self.as_values: set[str] = set()  # plain tensors stored as values (read into values)
         self.table: dict[str, Any] | None = None
 
     def leaves(self) -> Iterator[Leaf]:
@@ -221,6 +226,12 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                     if md is not None:
                         self._check_unambiguous(key)
                     self.from_blob.add(key)
+                    continue
+                if isinstance(md, BytesStorageMetadata) and isinstance(shard, ShardedTensor):
+                    # the plain tensor is stored as a value: it comes back as stored
+                    self.as_values.add(key)
+                    taken.add(key)
+                    yield Leaf(key, None, self.values, key)
                     continue
                 if isinstance(md, TensorStorageMetadata) and (
                     md.properties.dtype != shard.dtype or tuple(md.size) != shard.global_shape
@@ -280,7 +291,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """Once every read is done (inside the read step, so a failure raises on every rank):
         tied keys must have been stored with the same values."""
         if self.ties.pairs:
-            self.ties.settle({*self.missing_keys, *self.replaced, *self.from_blob})
+            self.ties.settle({*self.missing_keys, *self.replaced, *self.from_blob, *self.as_values})
 
     def shard_objects(self) -> dict[str, Any]:
         """Loaded ShardedObjects by storage key."""
@@ -296,7 +307,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """
         missing = set(self.missing_keys)
         holes = False  # a MISSING handed out: only then has the result anything to prune
-        filled_all = not (self.from_blob or missing or self.replaced)  # every tensor in place
+        filled_all = not (self.from_blob or missing or self.replaced or self.as_values)
 
         def loaded(shard: Shard) -> Any:
             nonlocal holes
@@ -306,6 +317,8 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                 got = objects.get(shard.unique_key, MISSING)
             elif shard.key in self.from_blob:
                 got = self._copy_from_blob(shard, blob, missing)
+            elif shard.key in self.as_values:
+                got = self.values.get(shard.key, MISSING)
             elif shard.key in missing:
                 got = MISSING
             else:

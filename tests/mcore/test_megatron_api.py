@@ -375,12 +375,14 @@ def test_torch_dist_common_state_wins_over_a_shard_of_the_same_key(tmp_path):
     assert torch.equal(dc.load({"q": torch.zeros(4)}, path)["q"], torch.arange(4.0))
 
 
-def test_torch_dist_common_tensors_in_another_form_come_back_as_stored(tmp_path):
-    """As from dcpbridge's format (README: Keys): not cast into the template's dtype, not
-    reported missing for another shape."""
-    path = str(tmp_path / "td")
+@pytest.mark.parametrize("fmt", ["dcpbridge", "torch_dist"])
+def test_common_tensors_in_another_form_come_back_as_stored(tmp_path, fmt):
+    """README (Keys): a plain tensor stored in another dtype or shape, or stored as a value,
+    comes back as stored (torch_dist cast it, or called it missing; both formats dropped the
+    value)."""
+    path = str(tmp_path / fmt)
     stored = torch.tensor([1.0000001, 2.5, 3.3], dtype=torch.float64)
-    dc.save({"t": stored, "u": torch.arange(6.0), "n": 3}, path, ("torch_dist", 1))
+    db.save({"t": stored, "u": torch.arange(6.0), "n": 3}, path, format=fmt)
     template = {"t": torch.zeros(3, dtype=torch.bfloat16), "u": torch.zeros(4), "n": torch.zeros(2)}
     out = dc.load(template, path)
     assert out["t"].dtype == torch.float64 and torch.equal(out["t"], stored)
