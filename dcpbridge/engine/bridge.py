@@ -274,6 +274,15 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                 "and a stored tensor under that key; rename one of them in the template"
             )
 
+    def _plain_in_common(self) -> set[str]:
+        """The template's plain tensors the common state read before planning holds, this
+        rank's own or not: a fully-parallel load hands boxes over before they are filled
+        from it, so every rank fills them itself."""
+        if self.common is None:
+            return set()
+        paths = self.parts.tensor_paths
+        return {k for k in self.parts.plain_tensors if self._in_common(paths[k])}
+
     def _in_common(self, path: ObjPath) -> bool:
         """Whether the common state read before planning holds a value at ``path``."""
         return self.common is not None and lookup(self.common, path) is not MISSING
@@ -307,7 +316,8 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """
         missing = set(self.missing_keys)
         holes = False  # a MISSING handed out: only then has the result anything to prune
-        filled_all = not (self.from_blob or missing or self.replaced or self.as_values)
+        from_blob = self.from_blob | self._plain_in_common()
+        filled_all = not (from_blob or missing or self.replaced or self.as_values)
 
         def loaded(shard: Shard) -> Any:
             nonlocal holes
@@ -315,7 +325,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                 return shard.data
             if isinstance(shard, ShardedObject):
                 got = objects.get(shard.unique_key, MISSING)
-            elif shard.key in self.from_blob:
+            elif shard.key in from_blob:
                 got = self._copy_from_blob(shard, blob, missing)
             elif shard.key in self.as_values:
                 got = self.values.get(shard.key, MISSING)

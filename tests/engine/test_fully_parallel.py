@@ -165,6 +165,26 @@ def test_fully_parallel_load_reads_each_box_once(pool, tmp_path):
     assert all(saved == 1 for _, _, saved in results)  # no exchange of boxes the second time
 
 
+def fp_torch_dist_common_tensors(r: Rank, path: str, phase: str) -> Any:
+    """Plain tensors of a torch_dist checkpoint live in common.pt, which every rank reads."""
+    if phase == "save":
+        sd = {"scale": torch.full((3,), 0.5), "big": torch.arange(1000.0)}
+        db.save(sd, path, process_group=r.group, format="torch_dist")
+        return None
+    template = {"scale": torch.zeros(3), "big": torch.zeros(1000)}
+    out = db.load(template, path, process_group=r.group, fully_parallel=True)
+    return out["scale"], out["big"]
+
+
+def test_fully_parallel_load_of_torch_dist_common_tensors(pool, tmp_path):
+    """Each box's reader filled it from common.pt only after handing it to the others, who
+    got the template's zeros."""
+    path = str(tmp_path / "td")
+    pool.run(fp_torch_dist_common_tensors, 2, path, "save", timeout=60)
+    for scale, big in pool.run(fp_torch_dist_common_tensors, 2, path, "load", timeout=60):
+        assert torch.equal(scale, torch.full((3,), 0.5)) and torch.equal(big, torch.arange(1000.0))
+
+
 def tp_dp_save_and_load(r: Rank, root: str) -> None:
     """TP=2 x DP=2 (rank = dp * 2 + tp) with the data-parallel groups as parallelization groups."""
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
