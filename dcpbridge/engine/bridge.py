@@ -25,7 +25,7 @@ from dcpbridge.errors import InvalidRequestError
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
-from dcpbridge.model.ties import untie
+from dcpbridge.model.ties import same_bytes, tied_conflict, untie
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
@@ -300,7 +300,31 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """Once every read is done (inside the read step, so a failure raises on every rank):
         tied keys must have been stored with the same values."""
         if self.ties.pairs:
+            self._check_common_ties()
             self.ties.settle({*self.missing_keys, *self.replaced, *self.from_blob, *self.as_values})
+
+    def _check_common_ties(self) -> None:
+        """Tied keys of which one or both come from the common state read before planning
+        (filled only after the reads): their values must be alike too."""
+        common = self._plain_in_common()
+        if not common:
+            return
+        for kept, scratch in self.ties.pairs:
+            if kept.key in common or scratch.key in common:
+                a, b = self._tied_value(kept, common), self._tied_value(scratch, common)
+                if a is not None and b is not None and not same_bytes(a, b):
+                    raise tied_conflict(kept.key, scratch.key)
+
+    def _tied_value(self, shard: ShardedTensor, common: set[str]) -> torch.Tensor | None:
+        """What a tied shard loads into the shared memory (None: it loads nothing there)."""
+        data = shard.data
+        assert data is not None
+        if shard.key not in common:
+            unfilled = self.missing_keys, self.replaced, self.as_values
+            return None if any(shard.key in keys for keys in unfilled) else data
+        found = lookup(self.common, self.parts.tensor_paths[shard.key])
+        fits = isinstance(found, torch.Tensor) and found.dtype == data.dtype
+        return found if fits and found.shape == data.shape else None
 
     def shard_objects(self) -> dict[str, Any]:
         """Loaded ShardedObjects by storage key."""
