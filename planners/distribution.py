@@ -68,22 +68,29 @@ def holders(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, list[int]]:
     return out
 
 
-def check_one_main(holdings: Sequence[Sequence[Holding]]) -> None:
-    """Refuse shards that several ranks hold as the main replica: they may hold different
-    values (two pipeline stages' tensors under one key), and spreading writes keeps one."""
-    mains: dict[ShardId, list[int]] = {}
-    for rank, held in enumerate(holdings):
-        for h in held:
-            if h.main:
-                mains.setdefault(h.shard, []).append(rank)
-    twice = [f"{s!r} by ranks {r}" for s, r in mains.items() if len(set(r)) > 1]
-    if twice:
-        raise ShardingValidationError(
-            "invalid sharding, nothing was saved: shards held as the main replica (replica_id "
-            f"0) by several ranks of the parallelization group: {key_list(sorted(twice), '; ')} "
-            "(two main replicas of one shard? check replica_id; a DTensor's replicas are its "
-            "Replicate mesh dimensions only)"
-        )
+def check_single_main(holdings: Sequence[Sequence[Holding]]) -> None:
+    """Raise ``ShardingValidationError`` naming every shard that more than one rank holds as
+    its main replica: ``distribute`` would keep one of those copies and drop the others."""
+    mains = holders([[h for h in held if h.main] for held in holdings])
+    twice = [(shard, ranks) for shard, ranks in mains.items() if len(ranks) > 1]
+    if not twice:
+        return
+    listed = key_list(_describe(shard, ranks) for shard, ranks in sorted(twice, key=_by_order))
+    raise ShardingValidationError(
+        f"{len(twice)} shard(s) with more than one main replica (replica_id 0) in the "
+        f"parallelization group: {listed}; exactly one holder of a shard may be its main replica "
+        "(a DTensor's replicas are its Replicate mesh dimensions only)"
+    )
+
+
+def _describe(shard: ShardId, ranks: list[int]) -> str:
+    if isinstance(shard, tuple) and len(shard) == 2:  # (key, global offset)
+        return f"{shard[0]!r} at offset {shard[1]} (ranks {ranks})"
+    return f"{shard!r} (ranks {ranks})"
+
+
+def _by_order(item: tuple[ShardId, list[int]]) -> tuple[str, str]:
+    return _order(item[0])
 
 
 def distribute(

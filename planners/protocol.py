@@ -44,7 +44,10 @@ class ObjectShard(Protocol):
     def unique_key(self) -> str: ...
 
 
-_OBJECT_NAME = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
+# offsets and shape are "."-joined integers, both empty for a grid of shape ()
+_OBJECT_NAME = re.compile(
+    r"^(?P<key>.+)/shard_(?P<offset>(?:\d+(?:\.\d+)*)?)_(?P<shape>(?:\d+(?:\.\d+)*)?)$"
+)
 
 
 def parse_object_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
@@ -52,8 +55,8 @@ def parse_object_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]
     m = _OBJECT_NAME.match(name)
     if m is None:
         return None
-    offset = tuple(int(x) for x in m["offset"].split("."))
-    shape = tuple(int(x) for x in m["shape"].split("."))
+    offset = tuple(int(x) for x in m["offset"].split(".") if x)
+    shape = tuple(int(x) for x in m["shape"].split(".") if x)
     if len(offset) != len(shape):
         return None
     return m["key"], offset, shape

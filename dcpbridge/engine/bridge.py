@@ -13,14 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from dcpbridge.engine.common_table import check_common_table
+from dcpbridge.errors import InvalidRequestError
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
-from dcpbridge.model.ties import untie
+from dcpbridge.model.ties import same_bytes, tied_conflict, untie
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
@@ -167,15 +172,25 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
     """Plans ``load``: the template's shards and values plus the checkpoint's common state."""
 
     def __init__(
-        self, parts: LoadParts, shards: list[Shard], *, legacy_common: bool, **kwargs: Any
+        self,
+        parts: LoadParts,
+        shards: list[Shard],
+        *,
+        legacy_common: bool,
+        common: Any = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.parts = parts
         self.shards, self.ties = untie(shards)  # tied keys' shards read into scratch
         self.legacy_common = legacy_common  # the common state is one blob (torch_dist)
+        # that blob, where it was read before planning (torch_dist's common.pt): a value it
+        # holds is the one loaded, as Megatron-Core loads it, even where a shard has its key
+        self.common = common
         self.values: dict[str, Any] = {}  # plain values and common entries, by key
         self.from_blob: set[str] = set()  # plain tensors to copy out of the blob
         self.replaced: dict[str, torch.Tensor] = {}  # plain tensors stored in another form
+        self.as_values: set[str] = set()  # plain tensors stored as values (read into values)
         self.table: dict[str, Any] | None = None
 
     def leaves(self) -> Iterator[Leaf]:
@@ -197,17 +212,26 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         stored = self._metadata.state_dict_metadata
         self.table = common_table(self._metadata)
         blob = self.legacy_common or COMMON_KEY in stored
+        plain = self.parts.plain_tensors
         for shard in self.shards:
             if isinstance(shard, ShardedTensor):
                 key = shard.key
-                if key not in self.parts.plain_tensors:
+                if key not in plain:
                     continue  # one of ``requests``' shards
             else:
                 key = shard.unique_key
-            if key in self.parts.plain_tensors:
+            if key in plain:
                 md = stored.get(key)
-                if blob and md is None:
+                if blob and (md is None or self._in_common(self.parts.tensor_paths[key])):
+                    if md is not None:
+                        self._check_unambiguous(key)
                     self.from_blob.add(key)
+                    continue
+                if isinstance(md, BytesStorageMetadata) and isinstance(shard, ShardedTensor):
+                    # the plain tensor is stored as a value: it comes back as stored
+                    self.as_values.add(key)
+                    taken.add(key)
+                    yield Leaf(key, None, self.values, key)
                     continue
                 if isinstance(md, TensorStorageMetadata) and (
                     md.properties.dtype != shard.dtype or tuple(md.size) != shard.global_shape
@@ -216,9 +240,9 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                     self.replaced[key] = shard.data
             taken.add(key)
             yield Leaf("", shard, None, None)
-        for key in self.parts.values:  # plain values: the checkpoint's, where it has them
+        for key, path in self.parts.values.items():  # plain values: the checkpoint's
             md = stored.get(key)
-            if md is None:
+            if md is None or self._in_common(path):
                 continue
             taken.add(key)
             if isinstance(md, TensorStorageMetadata):  # a tensor where the template has a value
@@ -240,6 +264,29 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         if COMMON_KEY in stored:
             yield Leaf(COMMON_KEY, None, self.values, COMMON_KEY)
 
+    def _check_unambiguous(self, key: str) -> None:
+        """Refuse a template asking for ``key`` both as a plain tensor (the common state's
+        value) and as a ShardedTensor, where the checkpoint holds both under that key."""
+        if sum(isinstance(s, ShardedTensor) and s.key == key for s in self.shards) > 1:
+            raise InvalidRequestError(
+                f"{key!r}: the load template asks for it both as a plain tensor and as a "
+                "ShardedTensor, and the checkpoint holds both a common-state value (common.pt) "
+                "and a stored tensor under that key; rename one of them in the template"
+            )
+
+    def _plain_in_common(self) -> set[str]:
+        """The template's plain tensors the common state read before planning holds, this
+        rank's own or not: a fully-parallel load hands boxes over before they are filled
+        from it, so every rank fills them itself."""
+        if self.common is None:
+            return set()
+        paths = self.parts.tensor_paths
+        return {k for k in self.parts.plain_tensors if self._in_common(paths[k])}
+
+    def _in_common(self, path: ObjPath) -> bool:
+        """Whether the common state read before planning holds a value at ``path``."""
+        return self.common is not None and lookup(self.common, path) is not MISSING
+
     def common_keys(self) -> set[str]:
         return {COMMON_KEY, *(self.table["keys"] if self.table else ())}
 
@@ -253,7 +300,31 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """Once every read is done (inside the read step, so a failure raises on every rank):
         tied keys must have been stored with the same values."""
         if self.ties.pairs:
-            self.ties.settle({*self.missing_keys, *self.replaced, *self.from_blob})
+            self._check_common_ties()
+            self.ties.settle({*self.missing_keys, *self.replaced, *self.from_blob, *self.as_values})
+
+    def _check_common_ties(self) -> None:
+        """Tied keys of which one or both come from the common state read before planning
+        (filled only after the reads): their values must be alike too."""
+        common = self._plain_in_common()
+        if not common:
+            return
+        for kept, scratch in self.ties.pairs:
+            if kept.key in common or scratch.key in common:
+                a, b = self._tied_value(kept, common), self._tied_value(scratch, common)
+                if a is not None and b is not None and not same_bytes(a, b):
+                    raise tied_conflict(kept.key, scratch.key)
+
+    def _tied_value(self, shard: ShardedTensor, common: set[str]) -> torch.Tensor | None:
+        """What a tied shard loads into the shared memory (None: it loads nothing there)."""
+        data = shard.data
+        assert data is not None
+        if shard.key not in common:
+            unfilled = self.missing_keys, self.replaced, self.as_values
+            return None if any(shard.key in keys for keys in unfilled) else data
+        found = lookup(self.common, self.parts.tensor_paths[shard.key])
+        fits = isinstance(found, torch.Tensor) and found.dtype == data.dtype
+        return found if fits and found.shape == data.shape else None
 
     def shard_objects(self) -> dict[str, Any]:
         """Loaded ShardedObjects by storage key."""
@@ -269,7 +340,8 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """
         missing = set(self.missing_keys)
         holes = False  # a MISSING handed out: only then has the result anything to prune
-        filled_all = not (self.from_blob or missing or self.replaced)  # every tensor in place
+        from_blob = self.from_blob | self._plain_in_common()
+        filled_all = not (from_blob or missing or self.replaced or self.as_values)
 
         def loaded(shard: Shard) -> Any:
             nonlocal holes
@@ -277,8 +349,10 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                 return shard.data
             if isinstance(shard, ShardedObject):
                 got = objects.get(shard.unique_key, MISSING)
-            elif shard.key in self.from_blob:
+            elif shard.key in from_blob:
                 got = self._copy_from_blob(shard, blob, missing)
+            elif shard.key in self.as_values:
+                got = self.values.get(shard.key, MISSING)
             elif shard.key in missing:
                 got = MISSING
             else:
@@ -310,12 +384,21 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         return result, missing - set(self.missing_keys)
 
     def _copy_from_blob(self, shard: ShardedTensor, blob: Any, missing: set[str]) -> Any:
+        """The blob's value of a plain tensor: copied in place, or as stored where it is not
+        a tensor of the template's dtype and shape (never cast, as from stored entries)."""
         found = lookup(blob, self.parts.tensor_paths[shard.key])
-        if not isinstance(found, torch.Tensor) or found.shape != shard.data.shape:
+        if found is MISSING:
             missing.add(shard.key)
             return MISSING
-        shard.data.copy_(found)
-        return shard.data
+        data = shard.data
+        if (
+            not isinstance(found, torch.Tensor)
+            or found.dtype != data.dtype
+            or found.shape != data.shape
+        ):
+            return found
+        data.copy_(found)
+        return data
 
 
 def _prune(tree: Any) -> Any:

@@ -185,10 +185,12 @@ def _load(
         reader = checkpoint.reader(thread_count=thread_count, verify_checksums=verify_checksums)
         if isinstance(reader, FsspecCheckpointReader):  # the planner may allocate
             reader.check_ranges()  # common tensors by their recorded sizes
+        legacy_common = checkpoint.format == Format.TORCH_DIST
         planner = BridgeLoadPlanner(
             parts,
             share.read if share else parts.shards,
-            legacy_common=checkpoint.format == Format.TORCH_DIST,
+            legacy_common=legacy_common,
+            common=checkpoint.read_common() if legacy_common else None,
             strict=strict,
             allow_pickle=allow_pickle,
             allow_dtype_cast=allow_dtype_cast,
@@ -221,7 +223,9 @@ def _deliver(
     stateful: Any, planner: BridgeLoadPlanner, checkpoint: Checkpoint, warned: list[str]
 ) -> Any:
     """The loaded values handed back in ``stateful``'s structure (after the read step)."""
-    blob = checkpoint.common_state(planner.values)  # older checkpoints' one common object
+    blob = planner.common  # torch_dist's common.pt, read before planning
+    if blob is None:
+        blob = checkpoint.common_state(planner.values)  # older checkpoints' one common object
     objects = checkpoint.loaded_objects(planner.shard_objects())
     result, late = planner.result(objects, blob)
     if late:  # plain tensors the common blob of an older checkpoint lacks

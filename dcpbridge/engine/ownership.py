@@ -22,7 +22,7 @@ from dcpbridge.engine.collectives import Group
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners.distribution import (
     Holding,
-    check_one_main,
+    check_single_main,
     distribute,
     holders,
     is_main_replica,
@@ -109,7 +109,7 @@ def write_owners(
         return [Holding(shard_id(s), _nbytes(s), owners.writes_alone(s)) for s in _tensors(shards)]
 
     everyone = protocol.agree(parallel, "fully-parallel exchange", held)
-    check_one_main(everyone)  # what the group would write once, from one of its mains
+    check_single_main(everyone)  # the same verdict on every member
     assigned = distribute(everyone)
     return dataclasses.replace(owners, assigned=assigned, parallel_rank=parallel.rank)
 

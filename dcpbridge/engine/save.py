@@ -48,7 +48,7 @@ from dcpbridge.errors import (
     WriterProcessError,
 )
 from dcpbridge.formats.config import resolve_storage_options
-from dcpbridge.formats.torch_dist import TorchDistSavePlanner, TorchDistWriter
+from dcpbridge.formats.torch_dist import TorchDistSavePlanner, TorchDistWriter, sharded_part
 from dcpbridge.model.intake import SaveParts, for_save, normalize
 from dcpbridge.model.mapping import ShardedStateDict
 from dcpbridge.model.state import (
@@ -142,7 +142,7 @@ def plan_save(
     def sort() -> int:
         parts = for_save(state_dicts(sharded_state_dict))
         if options.format == "torch_dist":  # plain tensors go to common.pt, not to shards
-            parts.shards = [s for s in parts.shards if s.key not in parts.plain]
+            parts.shards = sharded_part(parts)
         planned.parts = parts
         planned.structure = structure_of(parts.shards, parallel, parts.common_layout())
         return planned.structure

@@ -91,7 +91,7 @@ def _megatron_backend(location: Location, files: Storage) -> str:
     raw = files.read_file(location.path(MEGATRON_CONFIG))
     try:
         backend = json.loads(raw).get("sharded_backend")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, too deep
         raise CorruptCheckpointError(
             f"{location.url}: {MEGATRON_CONFIG} is not a Megatron-Core checkpoint config"
         ) from None
@@ -183,12 +183,17 @@ class Checkpoint:
         return self.read_common()
 
     def read_common(self) -> Any:
-        """``common.pt`` of a torch_dist checkpoint (safe loading unless ``allow_pickle``)."""
-        return load_object(
-            io.BytesIO(self.common_bytes()),
-            allow_pickle=self.allow_pickle,
-            what=self.location.path(MEGATRON_COMMON),
+        """``common.pt`` of a torch_dist checkpoint (safe loading unless ``allow_pickle``):
+        a dict, as Megatron-Core and dcpbridge write it."""
+        what = self.location.path(MEGATRON_COMMON)
+        common = load_object(
+            io.BytesIO(self.common_bytes()), allow_pickle=self.allow_pickle, what=what
         )
+        if not isinstance(common, dict):
+            raise CorruptCheckpointError(
+                f"{what} holds a {type(common).__name__}, not the dict of a common state"
+            )
+        return common
 
     def common_bytes(self) -> bytes:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,8 +34,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpbridge.errors import InvalidArgumentError, SerializationError
+from dcpbridge.errors import InvalidArgumentError, SerializationError, ShardingValidationError
 from dcpbridge.formats.checkpoint import MEGATRON_COMMON, MEGATRON_CONFIG
+from dcpbridge.model.intake import SaveParts
+from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
 from dcpbridge.storage import METADATA_FILE, Location, resolve
@@ -55,6 +58,30 @@ class TorchDistSavePlanner(ShardedSavePlanner):
     """Our save planning, with each ShardedObject stored as ``[data]`` as Megatron stores it."""
 
     list_wrapped_objects = True
+
+
+def sharded_part(parts: SaveParts) -> list[Any]:
+    """The shards a torch_dist save writes to its DCP files: all but the boxes of the common
+    state's plain tensors, which go to ``common.pt`` with the rest of the common state. A
+    shard stored under a key of the common state is refused, as dcpbridge's own format
+    does: a load could not tell them apart (and the plain tensor's box would hide it)."""
+    common, plain = parts.paths, parts.plain
+    if not common:
+        return parts.shards
+    names = Counter(n for n in map(_stored_key, parts.shards) if n in common)
+    clash = sorted(n for n, count in names.items() if count > (n in plain))  # a plain box: 1
+    if clash:
+        raise ShardingValidationError(
+            f"{', '.join(map(repr, clash))}: a ShardedTensor or ShardedObject is stored under "
+            "the key (dotted path) of a value of the common state; a torch_dist checkpoint "
+            "cannot tell them apart on load: rename one of them"
+        )
+    return [s for s in parts.shards if not (isinstance(s, ShardedTensor) and s.key in plain)]
+
+
+def _stored_key(shard: Any) -> str:
+    """The DCP key a ShardedTensor or ShardedObject is stored under."""
+    return shard.key if isinstance(shard, ShardedTensor) else shard.unique_key
 
 
 class _PortableStorageMeta:

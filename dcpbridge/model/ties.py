@@ -39,12 +39,17 @@ class Ties:
                 with torch.no_grad():  # a parameter's own memory
                     kept.data.copy_(scratch.data)  # type: ignore[union-attr]
                 filled.add(id(kept))
-            elif not _same_bytes(kept.data, scratch.data):  # type: ignore[arg-type]
-                raise TiedTensorsError(
-                    f"{kept.key!r} and {scratch.key!r} share one tensor's memory in the load "
-                    "template (tied weights), but the checkpoint holds different values for "
-                    "them: give each its own tensor to load both"
-                )
+            elif not same_bytes(kept.data, scratch.data):  # type: ignore[arg-type]
+                raise tied_conflict(kept.key, scratch.key)
+
+
+def tied_conflict(kept: str, scratch: str) -> TiedTensorsError:
+    """The error of tied keys ``kept`` and ``scratch`` stored with different values."""
+    return TiedTensorsError(
+        f"{kept!r} and {scratch!r} share one tensor's memory in the load template (tied "
+        "weights), but the checkpoint holds different values for them: give each its own "
+        "tensor to load both"
+    )
 
 
 def untie(shards: list[Any]) -> tuple[list[Any], Ties]:
@@ -85,7 +90,7 @@ def _tied(a: ShardedTensor, b: ShardedTensor) -> bool:
     )
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaNs of the same bits are equal; 0.0 and -0.0 are not)."""
     return torch.equal(_bytes(a), _bytes(b))
 

@@ -123,19 +123,24 @@ def test_tensor_stored_where_the_template_holds_a_value(tmp_path, writer):
 
 
 def value_for_tensor(r: Rank, path: str) -> list[str]:
-    """A template tensor (DTensor or plain) whose key the checkpoint holds as a value."""
+    """Template tensors whose key the checkpoint holds as a value: a DTensor or a sharded
+    tensor raises, a plain tensor comes back as the stored value."""
     mesh = DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
     errors = []
-    for tensor in (distribute_tensor(torch.zeros(4), mesh, [Shard(0)]), torch.zeros(4)):
+    sharded = db.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, r.rank, r.size))
+    for tensor in (distribute_tensor(torch.zeros(4), mesh, [Shard(0)]), sharded):
         with pytest.raises(db.ShapeMismatchError) as e:
             db.load({"w": tensor, "t": torch.zeros(2)}, path, process_group=r.group)
         errors.append(str(e.value))
+    out = db.load({"w": torch.zeros(4), "t": torch.zeros(2)}, path, process_group=r.group)
+    assert out["w"] == 5 and torch.equal(out["t"], torch.arange(2.0))
     return errors
 
 
 def test_value_stored_where_the_template_holds_a_tensor(pool, tmp_path):
     """The request was silently dropped from the result (the key is common state, so not
-    counted missing), the template left unfilled: it raises naming the key, on every rank."""
+    counted missing), the template left unfilled: a sharded one raises naming the key, on
+    every rank; a plain one comes back as stored, as a plain tensor of another form does."""
     path = str(tmp_path / "ck")
     db.save({"w": 5, "t": torch.arange(2.0)}, path)
     errors = pool.run(value_for_tensor, 2, path)

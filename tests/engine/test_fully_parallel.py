@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -94,6 +95,24 @@ def test_fully_parallel_save_exact_owners_balance_and_cache(pool, tmp_path):
     assert all(torch.equal(out[k], t) for k, t in model.items())
 
 
+def fp_two_main_replicas(r: Rank, path: str) -> str:
+    """Both ranks claim the main replica of one box, with different bytes."""
+    data = torch.arange(8.0) + 100 * r.rank
+    sd = {"w": db.ShardedTensor.from_box("w", data, (8,), (0,), replica_id=(0, 0, 0))}
+    with pytest.raises(db.ShardingValidationError) as raised:
+        db.save(sd, path, process_group=r.group, fully_parallel=True)
+    return str(raised.value)
+
+
+def test_fully_parallel_refuses_two_main_replicas_of_one_shard(pool, tmp_path):
+    """Spreading the writes must not pick one of two differing "main" copies silently."""
+    path = str(tmp_path / "twice")
+    first, second = pool.run(fp_two_main_replicas, 2, path, timeout=60)
+    assert first == second
+    assert "'w' at offset (0,)" in first and "ranks [0, 1]" in first, first
+    assert not os.path.exists(os.path.join(path, "dcpbridge.json"))
+
+
 def _rchar() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
@@ -144,6 +163,26 @@ def test_fully_parallel_load_reads_each_box_once(pool, tmp_path):
     assert max(n for n, _, _ in results) <= 2 * 1.5 * model_bytes / 4
     assert all(p2p == 1 for _, p2p, _ in results)
     assert all(saved == 1 for _, _, saved in results)  # no exchange of boxes the second time
+
+
+def fp_torch_dist_common_tensors(r: Rank, path: str, phase: str) -> Any:
+    """Plain tensors of a torch_dist checkpoint live in common.pt, which every rank reads."""
+    if phase == "save":
+        sd = {"scale": torch.full((3,), 0.5), "big": torch.arange(1000.0)}
+        db.save(sd, path, process_group=r.group, format="torch_dist")
+        return None
+    template = {"scale": torch.zeros(3), "big": torch.zeros(1000)}
+    out = db.load(template, path, process_group=r.group, fully_parallel=True)
+    return out["scale"], out["big"]
+
+
+def test_fully_parallel_load_of_torch_dist_common_tensors(pool, tmp_path):
+    """Each box's reader filled it from common.pt only after handing it to the others, who
+    got the template's zeros."""
+    path = str(tmp_path / "td")
+    pool.run(fp_torch_dist_common_tensors, 2, path, "save", timeout=60)
+    for scale, big in pool.run(fp_torch_dist_common_tensors, 2, path, "load", timeout=60):
+        assert torch.equal(scale, torch.full((3,), 0.5)) and torch.equal(big, torch.arange(1000.0))
 
 
 def tp_dp_save_and_load(r: Rank, root: str) -> None:

@@ -45,6 +45,21 @@ def test_tied_keys_stored_with_different_values_raise_naming_both(tmp_path, n, k
     assert "'a' and 'b' share one tensor's memory" in str(e.value)
 
 
+@pytest.mark.parametrize("stored", [(1.0, 2.0), (3.0, 3.0)], ids=["different", "alike"])
+def test_tied_plain_tensors_of_a_torch_dist_common_state(tmp_path, stored):
+    """torch_dist keeps plain tensors in common.pt, filled after the reads: one key silently
+    took the other's values."""
+    a, b = (torch.full((4,), v) for v in stored)
+    db.save({"a": a, "b": b}, str(tmp_path), format="torch_dist")
+    t = torch.zeros(4)
+    if stored[0] != stored[1]:
+        with pytest.raises(db.TiedTensorsError, match="'a' and 'b' share one tensor's memory"):
+            db.load({"a": t, "b": t}, str(tmp_path))
+    else:
+        out = db.load({"a": t, "b": t}, str(tmp_path))
+        assert out["a"] is t and out["b"] is t and torch.equal(t, a)
+
+
 def test_a_tied_key_absent_from_the_checkpoint_takes_the_stored_one(tmp_path):
     db.save({"b": torch.full((6,), 5.0)}, str(tmp_path))
     t = torch.zeros(6)

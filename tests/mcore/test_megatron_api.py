@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -184,6 +185,17 @@ def test_load_plain_tensors_idiom_and_sharded_metadata(ckpt):
     assert (theirs.key, theirs.global_shape, theirs.global_offset) == ("rng", (2,), (1,))
 
 
+def test_a_zero_dim_object_grid_is_named_by_its_key(tmp_path):
+    """A ShardedObject of shape () is stored as 'o/shard__'; strict results and the sharded
+    metadata name it like any other grid ('o', not its storage name; not left out)."""
+    path = str(tmp_path / "zero_dim")
+    db.save({"o": db.ShardedObject("o", {"v": 1}, (), ()), "a": _st("a")}, path)
+    _, missing, unexpected = dc.load({"a": _template("a")}, path, strict="return_all")
+    assert (missing, unexpected) == ({"o"}, set())
+    cell = dc.load_sharded_metadata(path)["o/shard__"]
+    assert (cell.key, cell.global_shape, cell.global_offset) == ("o", (), ())
+
+
 def test_remove_sharded_tensors(ckpt):
     files_before = {f for f in os.listdir(ckpt) if f.endswith(".bin")}
     assert dc.remove_sharded_tensors(ckpt, "b.") is None
@@ -311,6 +323,95 @@ def test_drop_in_save_load_with_megatron_parameters(tmp_path):
         dc.save(sd, str(tmp_path / "c"), common_strategy=("torch", 1))
     with pytest.raises(dc.CheckpointingException, match="not supported"):
         dc.load({"a": _template("a")}, path, sharded_strategy=object())
+
+
+@pytest.mark.parametrize(
+    ("common", "sharded"),
+    [
+        ({"w": torch.ones(4)}, _st("w")),  # the ShardedTensor was dropped
+        ({"w": 3}, _st("w")),  # loaded back as the value
+        ({"a": {"b": 3}}, _st("a.b")),
+        ({"o/shard_0_1": 5}, db.ShardedObject("o", {"v": 1}, (1,), (0,))),
+    ],
+    ids=["tensor", "value", "nested_value", "object"],
+)
+def test_torch_dist_refuses_shards_keyed_like_common_state(tmp_path, common, sharded):
+    """As dcpbridge's own format does: one key cannot name both (a load returned the wrong
+    one, or the save dropped the shard)."""
+    path = str(tmp_path / "td")
+    name = sharded.key if isinstance(sharded, db.ShardedTensor) else sharded.unique_key
+    with pytest.raises(db.ShardingValidationError, match=rf"'{name}': .*common state"):
+        dc.save({**common, "m": sharded}, path, ("torch_dist", 1))
+    assert not os.path.exists(path) or os.listdir(path) == []
+
+
+def test_torch_dist_keeps_an_object_keyed_like_a_common_tensor(tmp_path):
+    path = str(tmp_path / "td")
+    # a ShardedObject of that key is no clash (stored as 'w/shard_0_1'): it is kept
+    sd = {"w": torch.ones(4), "o": db.ShardedObject("w", {"a": 1}, (1,), (0,))}
+    dc.save(sd, path, dc.get_default_save_sharded_strategy("torch_dist"))
+    out = dc.load({"w": torch.zeros(4), "o": db.ShardedObject("w", None, (1,), (0,))}, path)
+    assert out["o"] == {"a": 1} and torch.equal(out["w"], torch.ones(4))
+
+
+def test_torch_dist_common_state_wins_over_a_shard_of_the_same_key(tmp_path):
+    """Megatron-Core writes a common-state value and a ShardedTensor under one key apart
+    (common.pt, .metadata) and loads the value from common.pt: so does dcpbridge."""
+    path, common = str(tmp_path / "td"), str(tmp_path / "common")
+    sd = {"m": _st("w"), "x": _st("it"), "y": _st("a.b", 6), "q": _st("q")}
+    dc.save(sd, path, ("torch_dist", 1))
+    dc.save({"w": torch.ones(4), "it": 3, "a": {"b": "v"}}, common, ("torch_dist", 1))
+    shutil.copy(os.path.join(common, "common.pt"), os.path.join(path, "common.pt"))
+    template = {"w": torch.zeros(4), "it": 0, "a": {"b": ""}, "x": _template("it")}
+    out = dc.load({**template, "y": _template("a.b", 6)}, path)
+    assert type(out["it"]) is int and out["it"] == 3 and out["a"] == {"b": "v"}
+    assert torch.equal(out["w"], torch.ones(4))
+    assert torch.equal(out["x"], torch.arange(4.0)) and torch.equal(out["y"], torch.arange(6.0))
+    out = dc.load({"m": _template("w")}, path)
+    assert torch.equal(out["m"], torch.arange(4.0)) and torch.equal(out["w"], torch.ones(4))
+    with pytest.raises(db.InvalidRequestError, match=r"'w': the load template asks for it both"):
+        dc.load({**template, "m": _template("w")}, path)
+    # a plain tensor the common state lacks still reads the stored tensor of its key
+    assert torch.equal(dc.load({"q": torch.zeros(4)}, path)["q"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("fmt", ["dcpbridge", "torch_dist"])
+def test_common_tensors_in_another_form_come_back_as_stored(tmp_path, fmt):
+    """README (Keys): a plain tensor stored in another dtype or shape, or stored as a value,
+    comes back as stored (torch_dist cast it, or called it missing; both formats dropped the
+    value)."""
+    path = str(tmp_path / fmt)
+    stored = torch.tensor([1.0000001, 2.5, 3.3], dtype=torch.float64)
+    db.save({"t": stored, "u": torch.arange(6.0), "n": 3}, path, format=fmt)
+    template = {"t": torch.zeros(3, dtype=torch.bfloat16), "u": torch.zeros(4), "n": torch.zeros(2)}
+    out = dc.load(template, path)
+    assert out["t"].dtype == torch.float64 and torch.equal(out["t"], stored)
+    assert torch.equal(out["u"], torch.arange(6.0)) and out["n"] == 3
+    assert not template["t"].any() and not template["u"].any()  # left as they were
+
+
+def test_hostile_torch_dist_config_and_common_state_are_corrupt_checkpoints(tmp_path):
+    """A metadata.json nested past the JSON parser's recursion limit, or a common.pt that is
+    not a dict, raises CorruptCheckpointError (not RecursionError; no common state dropped)."""
+    path = str(tmp_path / "td")
+    dc.save({"a": _st("a"), "it": 3}, path, dc.get_default_save_sharded_strategy("torch_dist"))
+    config = os.path.join(path, "metadata.json")
+    with open(config) as f:
+        good = f.read()
+    with open(config, "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(db.CorruptCheckpointError, match=r"metadata\.json is not a Megatron-Core"):
+        dc.load_common_state_dict(path)
+    assert not dc.check_is_distributed_checkpoint(path)
+    with open(config, "w") as f:
+        f.write(good)
+    torch.save([1, 2], os.path.join(path, "common.pt"))
+    for read in (
+        lambda: dc.load({"a": _template("a")}, path),
+        lambda: dc.load_content_metadata(path),
+    ):
+        with pytest.raises(db.CorruptCheckpointError, match=r"common\.pt holds a list"):
+            read()
 
 
 def drop_in_ranks(r: Rank, path: str, strict: str):
