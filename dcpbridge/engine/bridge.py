@@ -20,14 +20,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-from dcpbridge.engine.common_table import check_common_table
-from dcpbridge.errors import InvalidRequestError
+from dcpbridge.engine.common_table import WHERE, check_common_table
+from dcpbridge.errors import CorruptCheckpointError, InvalidRequestError
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
 from dcpbridge.model.ties import same_bytes, tied_conflict, untie
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
+from dcpbridge.planners.errors import key_list
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
 from dcpbridge.planners.walk import Leaf, ObjPath, like, set_path
 
@@ -145,6 +146,16 @@ def common_table(metadata: Metadata) -> dict[str, Any] | None:
     return check_common_table(table) if isinstance(table, dict) and "keys" in table else None
 
 
+def _check_common_entries(table: dict[str, Any], stored: Mapping[str, Any]) -> None:
+    """Every key the common-state table lists is a stored entry (a save records one for each):
+    a damaged document's listed key would otherwise hide a request for it, never missing."""
+    lost = [key for key in table["keys"] if key not in stored]
+    if lost:
+        raise CorruptCheckpointError(
+            f"{WHERE}: lists common keys the checkpoint stores no entry for: {key_list(map(repr, lost))}"
+        )
+
+
 def _path(raw: Any) -> ObjPath:
     return tuple(p if isinstance(p, int) else str(p) for p in raw)
 
@@ -212,6 +223,8 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         stored = self._metadata.state_dict_metadata
         self.table = common_table(self._metadata)
         blob = self.legacy_common or COMMON_KEY in stored
+        if self.table is not None and not blob:
+            _check_common_entries(self.table, stored)
         plain = self.parts.plain_tensors
         for shard in self.shards:
             if isinstance(shard, ShardedTensor):

@@ -94,3 +94,15 @@ def test_plain_dcp_planner_data_may_map_a_key_named_common(tmp_path):
     doc["planner_data"]["common"] = ["common"]  # what plain dcp.save with our planner records
     (tmp_path / "dcpbridge.json").write_bytes(sign_document(doc))
     assert torch.equal(db.load({"w": torch.zeros(2)}, str(tmp_path))["w"], torch.ones(2))
+
+
+def test_a_listed_common_key_without_a_stored_entry_is_a_corrupt_checkpoint(saved):
+    """A damaged document listing a request's key as common state, with no entry for it: the
+    request was never counted missing, and the load returned without it."""
+    doc = json.loads((saved / "dcpbridge.json").read_bytes())
+    del doc["tensors"]["w"]
+    doc["planner_data"]["common"]["keys"]["w"] = ["w"]
+    (saved / "dcpbridge.json").write_bytes(sign_document(doc))
+    needle = r"planner_data\.common: lists common keys the checkpoint stores no entry for: 'w'"
+    with pytest.raises(db.CorruptCheckpointError, match=needle):
+        db.load({"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}, str(saved))
