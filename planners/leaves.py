@@ -40,6 +40,9 @@ def refuse(key: str, value: Any, kind: LeafKind) -> SerializationError:
         "factory": "a ShardedTensorFactory (save and load it with dcpbridge.save/load, which "
         "apply factories)",
         "unknown_sharded": "a tensor subclass or sharding metadata dcpbridge does not know",
+        "dtensor": "a DTensor, which Megatron's split (common state + ShardedTensors and "
+        "ShardedObjects) has no place for: save DTensors with dcpbridge.save or "
+        "CheckpointManager, or give a ShardedTensor of its local shard",
     }.get(kind, kind)
     return SerializationError(
         f"{key!r} is {type(value).__module__}.{type(value).__qualname__}, {kind_text}; "

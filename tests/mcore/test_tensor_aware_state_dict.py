@@ -437,3 +437,21 @@ def test_missing_shards_returned_and_duplicates_tolerated_without_validation(poo
     assert results == [(set(), set()), (set(), set()), (set(), {"extra"}), (set(), set())]
     calls = pool.run(failure_case, 4, "duplicate_unvalidated")
     assert calls == [{"all_gather": 1}] * 4
+
+
+def _dtensor_refused(r: Rank) -> str:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(r.group or dist.group.WORLD, "cpu")
+    state = {"w": distribute_tensor(torch.zeros(4), mesh, [Shard(0)])}
+    with pytest.raises(db.SerializationError) as e:
+        TASD.from_state_dict(state, parallelization_group=r.group)
+    return str(e.value)
+
+
+def test_a_dtensor_is_refused_with_what_to_do_instead(pool):
+    """Megatron's split has no place for a DTensor; the error said only 'dtensor'."""
+    (message,) = pool.run(_dtensor_refused, 1)
+    assert message.startswith("'w' is torch.distributed.tensor.DTensor, a DTensor, which")
+    assert "save DTensors with dcpbridge.save or CheckpointManager" in message
