@@ -79,6 +79,17 @@ def _scattered(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _local_shape_and_offset(
+    mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """DTensor's own box of this rank, cached: the same for every tensor of a mesh, placements
+    and shape, and torch computes a strided one in milliseconds (1.7 ms here, 0.05-0.09 ms
+    for Shard and Replicate), on every save and load of every such tensor."""
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local), tuple(offset)
+
+
 def _strided(p: Any) -> bool:
     """A sharding placement other than ``Shard`` (FSDP2's ``_StridedShard``)."""
     return type(p) is not Shard and isinstance(getattr(p, "dim", None), int)
@@ -95,7 +106,7 @@ def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
     coordinate = dt.device_mesh.get_coordinate()
     if coordinate is None:
         return None
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    shape, offset = _local_shape_and_offset(dt.device_mesh, tuple(dt.placements), tuple(dt.shape))
     local = _plain_data(key, dt.to_local(), save)
     if tuple(local.shape) != tuple(shape):
         if local.numel() or math.prod(shape):
