@@ -288,13 +288,17 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
             )
 
     def _plain_in_common(self) -> set[str]:
-        """The template's plain tensors the common state read before planning holds, this
-        rank's own or not: a fully-parallel load hands boxes over before they are filled
-        from it, so every rank fills them itself."""
-        if self.common is None:
+        """The template's plain tensors the common state read before planning holds."""
+        return self._plain_in(self.common)
+
+    def _plain_in(self, blob: Any) -> set[str]:
+        """The template's plain tensors a common blob holds, this rank's own or not: a
+        fully-parallel load hands boxes over before they are filled from it, so every rank
+        (each reads the blob) fills them itself."""
+        if blob is None:
             return set()
         paths = self.parts.tensor_paths
-        return {k for k in self.parts.plain_tensors if self._in_common(paths[k])}
+        return {k for k in self.parts.plain_tensors if lookup(blob, paths[k]) is not MISSING}
 
     def _in_common(self, path: ObjPath) -> bool:
         """Whether the common state read before planning holds a value at ``path``."""
@@ -353,7 +357,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """
         missing = set(self.missing_keys)
         holes = False  # a MISSING handed out: only then has the result anything to prune
-        from_blob = self.from_blob | self._plain_in_common()
+        from_blob = self.from_blob | self._plain_in(self.common if blob is None else blob)
         filled_all = not (from_blob or missing or self.replaced or self.as_values)
 
         def loaded(shard: Shard) -> Any:

@@ -214,14 +214,19 @@ def test_reader_writes_through_raw_pointers_only_into_plain_tensors():
     assert _byte_view(torch.zeros(4, device="meta")) is None
 
 
-def test_older_common_blob_still_loads(tmp_path):
-    """Checkpoints of dcpbridge < 0.2 kept the common state as one ``__common__`` object."""
+def _save_older_common_blob(path, blob: dict) -> None:
+    """A checkpoint as dcpbridge < 0.2 wrote it: the common state as one ``__common__``
+    object, beside the ShardedTensor ``w`` = arange(4)."""
     from dcpbridge.engine.bridge import BridgeSavePlanner
 
     w = db.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))
-    blob = {"iteration": 3, "rng": torch.arange(2), "cfg": {"lr": 0.1}}
     planner = BridgeSavePlanner([w], {"__common__": blob}, {})
-    dcp.save({}, storage_writer=db.FsspecCheckpointWriter(tmp_path), planner=planner, no_dist=True)
+    dcp.save({}, storage_writer=db.FsspecCheckpointWriter(path), planner=planner, no_dist=True)
+
+
+def test_older_common_blob_still_loads(tmp_path):
+    """Checkpoints of dcpbridge < 0.2 kept the common state as one ``__common__`` object."""
+    _save_older_common_blob(tmp_path, {"iteration": 3, "rng": torch.arange(2), "cfg": {"lr": 0.1}})
     rng = torch.zeros(2, dtype=torch.int64)
     tmpl = {
         "w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(4)),
@@ -233,3 +238,23 @@ def test_older_common_blob_still_loads(tmp_path):
     assert out["rng"] is rng and torch.equal(rng, torch.arange(2))  # filled from the blob
     assert out["cfg"] == {"lr": 0.1}
     assert db.load_common_state_dict(tmp_path)["cfg"] == {"lr": 0.1}
+
+
+def _fully_parallel_from_older_blob(r, path: str) -> list:
+    tmpl = {
+        "w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(4), replica_id=r.rank),
+        "rng": torch.zeros(2, dtype=torch.int64),
+        "big": torch.zeros(64),
+    }
+    out = db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    return [out["w"].tolist(), out["rng"].tolist(), out["big"].tolist(), out["iteration"]]
+
+
+def test_a_fully_parallel_load_fills_every_rank_s_plain_tensors_from_an_older_blob(pool, tmp_path):
+    """The plain tensors a rank received from the one that read them held that rank's
+    template zeros: the blob filled them only after the hand-over (one zeroed per rank)."""
+    _save_older_common_blob(
+        tmp_path, {"iteration": 3, "rng": torch.arange(2), "big": torch.arange(64.0)}
+    )
+    want = [[0.0, 1.0, 2.0, 3.0], [0, 1], list(range(64)), 3]
+    assert pool.run(_fully_parallel_from_older_blob, 2, str(tmp_path)) == [want] * 2
