@@ -143,7 +143,8 @@ def coverage_problems(key: str, shape: Shape, chunks: Sequence[Placed]) -> list[
         problems.append(
             f"{key!r}: shards overlap: rank {a.rank} {fmt_box(a.offsets, a.sizes)} and "
             f"rank {b.rank} {fmt_box(b.offsets, b.sizes)} both write {fmt_box(*both)} "
-            "(two main replicas of one shard? check replica_id)"
+            "(two main replicas of one shard? check replica_id; DTensors whose data-parallel "
+            "copies are off their mesh: save with fully_parallel=True)"
         )
     if problems:
         return problems

@@ -6,7 +6,8 @@ several of its ranks hold over them (``distribute``); the common state by the co
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import dataclasses
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -68,11 +69,36 @@ def holders(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, list[int]]:
     return out
 
 
+def keep_one_main(
+    holdings: Sequence[Sequence[Holding]], shards: Iterable[ShardId]
+) -> list[list[Holding]]:
+    """``holdings`` where each of ``shards`` stays a main replica on its lowest-rank main
+    holder only (copies proven equal: any one of them may be written)."""
+    first: dict[ShardId, int] = {}
+    wanted = set(shards)
+    for rank, held in enumerate(holdings):
+        for h in held:
+            if h.main and h.shard in wanted:
+                first.setdefault(h.shard, rank)
+    return [
+        [
+            dataclasses.replace(h, main=False) if h.main and first.get(h.shard, rank) != rank else h
+            for h in held
+        ]
+        for rank, held in enumerate(holdings)
+    ]
+
+
+def mains_held_twice(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, list[int]]:
+    """Each shard that more than one rank holds as its main replica, with those ranks."""
+    mains = holders([[h for h in held if h.main] for held in holdings])
+    return {shard: ranks for shard, ranks in mains.items() if len(ranks) > 1}
+
+
 def check_single_main(holdings: Sequence[Sequence[Holding]]) -> None:
     """Raise ``ShardingValidationError`` naming every shard that more than one rank holds as
     its main replica: ``distribute`` would keep one of those copies and drop the others."""
-    mains = holders([[h for h in held if h.main] for held in holdings])
-    twice = [(shard, ranks) for shard, ranks in mains.items() if len(ranks) > 1]
+    twice = list(mains_held_twice(holdings).items())
     if not twice:
         return
     listed = key_list(_describe(shard, ranks) for shard, ranks in sorted(twice, key=_by_order))

@@ -16,6 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import xxhash
+
 from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group
@@ -26,8 +29,12 @@ from dcpbridge.planners.distribution import (
     distribute,
     holders,
     is_main_replica,
+    keep_one_main,
+    mains_held_twice,
 )
+from dcpbridge.planners.errors import ShardingValidationError, key_list
 from dcpbridge.planners.protocol import chunk_sizes
+from dcpbridge.storage.write.writer import tensor_bytes
 
 ShardId = tuple[str, tuple[int, ...]]
 BoxId = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -64,6 +71,9 @@ class WriteOwners:
     common_tensors: frozenset[str] = frozenset()
     assigned: Mapping[ShardId, int] | None = None
     parallel_rank: int = 0
+    # shards several members hold as main replicas that are copies by placement (DTensors
+    # whose data-parallel copies are off their mesh): each save checks they are still equal
+    copies: frozenset[ShardId] = frozenset()
 
     def writes(self, shard: Any) -> bool:
         """Whether this rank writes ``shard``."""
@@ -98,9 +108,19 @@ def assign(
 
 
 def write_owners(
-    group: Group, parallel: Group | None, shards: list[Any], common_tensors: Any = ()
+    group: Group,
+    parallel: Group | None,
+    shards: list[Any],
+    common_tensors: Any = (),
+    placed: Any = (),
 ) -> WriteOwners:
-    """The ``WriteOwners`` of a save on ``group`` (collective over ``parallel``, if given)."""
+    """The ``WriteOwners`` of a save on ``group`` (collective over ``parallel``, if given).
+
+    ``placed``: keys whose replicas only their placement tells (DTensors, torch's sharded
+    tensors). Several members holding one of their shards as main replica are copies the
+    mesh does not show (tensor parallelism under DDP), if their bytes are equal: checked
+    (``check_copies``), one is written. Any other shard with two main replicas is refused.
+    """
     owners = WriteOwners(group.is_coordinator, frozenset(common_tensors))
     if parallel is None:
         return owners
@@ -109,9 +129,49 @@ def write_owners(
         return [Holding(shard_id(s), _nbytes(s), owners.writes_alone(s)) for s in _tensors(shards)]
 
     everyone = protocol.agree(parallel, "fully-parallel exchange", held)
+    placed = set(placed)
+    copies = frozenset(s for s in mains_held_twice(everyone) if s[0] in placed)
+    if copies:
+        check_copies(parallel, shards, copies, owners)
+        everyone = keep_one_main(everyone, copies)
     check_single_main(everyone)  # the same verdict on every member
     assigned = distribute(everyone)
-    return dataclasses.replace(owners, assigned=assigned, parallel_rank=parallel.rank)
+    return dataclasses.replace(
+        owners, assigned=assigned, parallel_rank=parallel.rank, copies=copies
+    )
+
+
+def check_copies(
+    parallel: Group, shards: list[Any], copies: frozenset[ShardId], owners: WriteOwners
+) -> None:
+    """Raise ``ShardingValidationError`` on every member of ``parallel`` unless each of
+    ``copies`` holds the same bytes on every member holding it as main replica (collective:
+    one exchange of digests). Different bytes are two tensors under one key (pipeline
+    stages' layers named alike), not copies: writing one would lose the other."""
+    mine = [s for s in _tensors(shards) if shard_id(s) in copies and owners.writes_alone(s)]
+
+    def digests() -> dict[ShardId, tuple[str, int]]:
+        return {shard_id(s): (str(s.dtype), _digest(s.data)) for s in mine}
+
+    seen: dict[ShardId, set[tuple[str, int]]] = {}
+    holders_of: dict[ShardId, list[int]] = {}
+    for rank, got in enumerate(protocol.agree(parallel, "replica digests", digests)):
+        for shard, digest in got.items():
+            seen.setdefault(shard, set()).add(digest)
+            holders_of.setdefault(shard, []).append(rank)
+    differ = sorted((s for s, d in seen.items() if len(d) > 1), key=repr)
+    if differ:
+        listed = key_list(f"{s[0]!r} at offset {s[1]} (ranks {holders_of[s]})" for s in differ)
+        raise ShardingValidationError(
+            f"invalid sharding, nothing was saved: {len(differ)} shard(s) held as the main "
+            f"replica by several ranks with different values: {listed}; copies of a tensor "
+            "(data parallelism off the mesh) must be equal, and two tensors need two keys"
+        )
+
+
+def _digest(data: torch.Tensor) -> int:
+    """xxh3-64 of a tensor's bytes (a device tensor's through a host copy)."""
+    return xxhash.xxh3_64_intdigest(tensor_bytes(data))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dcpbridge.engine.cache import Reuse, SaveCache, agree_to_reuse, save_cache,
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.drive import run_save
 from dcpbridge.engine.gc_pause import gc_paused
-from dcpbridge.engine.ownership import WriteOwners, write_owners
+from dcpbridge.engine.ownership import WriteOwners, check_copies, write_owners
 from dcpbridge.engine.staging import (
     BufferSet,
     StagingArea,
@@ -149,14 +149,17 @@ def plan_save(
 
     told = None if report is None else lambda: report(planned.parts)
     planned.reuse, planned.reports = agree_to_reuse(group, cache, sort, told)
-    if planned.reuse is not None:
-        planned.owners = planned.reuse.entry.owners
-    else:
-        common_tensors = () if options.format == "torch_dist" else planned.parts.plain
-        try:
-            planned.owners = write_owners(group, parallel, planned.shards, common_tensors)
-        except Exception as e:  # raised on ``parallel`` only: carried to the whole group
-            planned.error = e
+    try:  # a failure is raised on ``parallel`` only: carried to the whole group
+        if planned.reuse is not None:
+            planned.owners = owners = planned.reuse.entry.owners
+            if owners.copies and parallel is not None:  # still equal? (every save)
+                check_copies(parallel, planned.shards, owners.copies, owners)
+        else:
+            common_tensors = () if options.format == "torch_dist" else planned.parts.plain
+            placed = planned.parts.tensor_paths
+            planned.owners = write_owners(group, parallel, planned.shards, common_tensors, placed)
+    except Exception as e:
+        planned.error = e
     if options.format == "torch_dist" and group.is_coordinator:
         planned.common = planned.parts.nested_common()
     return planned

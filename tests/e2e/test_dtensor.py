@@ -314,6 +314,37 @@ def test_two_main_replicas_of_one_box_refused(pool, tmp_path, fully_parallel):
     assert not os.path.exists(path) or not os.listdir(path)
 
 
+def save_tp_under_ddp(r: Rank, path: str) -> list[str]:
+    """Tensor parallelism under DDP: each data-parallel replica holds its DTensors on its own
+    tp mesh, so every replica looks like the main one. With fully_parallel the copies are
+    checked equal at every save and written once; a copy that diverged fails the save."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_coordinate()[0]
+
+    def state(scale: float, drift: float = 0.0) -> dict:
+        w = full("w") * scale + drift * dp
+        return {"w": distribute_tensor(w, mesh["tp"], [Shard(0)], src_data_rank=None)}
+
+    db.save(state(1.0), path + "/1", fully_parallel=True)
+    db.save(state(2.0), path + "/2", fully_parallel=True)  # the cached plan: checked again
+    with pytest.raises(db.ShardingValidationError) as e:
+        db.save(state(3.0, drift=1.0), path + "/3", fully_parallel=True)
+    return [str(e.value)]
+
+
+def test_tensor_parallel_under_ddp_saves_its_equal_copies_once(pool, tmp_path):
+    path = str(tmp_path)
+    errors = pool.run(save_tp_under_ddp, 4, path, default_group=True)
+    assert len({e[0] for e in errors}) == 1 and "with different values" in errors[0][0]
+    assert "'w' at offset (0, 0)" in errors[0][0] and "'w' at offset" in errors[0][0]
+    for step, scale in (("1", 1.0), ("2", 2.0)):
+        doc = json.loads((tmp_path / step / "dcpbridge.json").read_bytes())
+        assert len(doc["tensors"]["w"]["chunks"]) == 2  # each tp box once, not once per copy
+        out = db.load({"w": torch.zeros(SHAPES["w"])}, str(tmp_path / step))
+        assert torch.equal(out["w"], full("w") * scale)
+    assert not (tmp_path / "3").exists() or not os.listdir(tmp_path / "3")
+
+
 # -- Megatron-Core's own objects, recognised by their fields ----------------------------------------
 
 
