@@ -7,7 +7,7 @@ several of its ranks hold over them (``distribute``); the common state by the co
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,19 +70,15 @@ def holders(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, list[int]]:
 
 
 def keep_one_main(
-    holdings: Sequence[Sequence[Holding]], shards: Iterable[ShardId]
+    holdings: Sequence[Sequence[Holding]], copies: Mapping[ShardId, Sequence[int]]
 ) -> list[list[Holding]]:
-    """``holdings`` where each of ``shards`` stays a main replica on its lowest-rank main
-    holder only (copies proven equal: any one of them may be written)."""
-    first: dict[ShardId, int] = {}
-    wanted = set(shards)
-    for rank, held in enumerate(holdings):
-        for h in held:
-            if h.main and h.shard in wanted:
-                first.setdefault(h.shard, rank)
+    """``holdings`` where each shard of ``copies`` (its main holders, lowest rank first) stays
+    a main replica on its first holder only (copies proven equal: any one may be written)."""
     return [
         [
-            dataclasses.replace(h, main=False) if h.main and first.get(h.shard, rank) != rank else h
+            dataclasses.replace(h, main=False)
+            if h.main and h.shard in copies and copies[h.shard][0] != rank
+            else h
             for h in held
         ]
         for rank, held in enumerate(holdings)
@@ -95,15 +91,16 @@ def mains_held_twice(holdings: Sequence[Sequence[Holding]]) -> dict[ShardId, lis
     return {shard: ranks for shard, ranks in mains.items() if len(ranks) > 1}
 
 
-def check_single_main(holdings: Sequence[Sequence[Holding]]) -> None:
-    """Raise ``ShardingValidationError`` naming every shard that more than one rank holds as
-    its main replica: ``distribute`` would keep one of those copies and drop the others."""
-    twice = list(mains_held_twice(holdings).items())
+def check_single_main(twice: Mapping[ShardId, list[int]]) -> None:
+    """Raise ``ShardingValidationError`` naming every shard of ``twice`` (``mains_held_twice``)
+    that more than one rank holds as its main replica: ``distribute`` would keep one of those
+    copies and drop the others."""
     if not twice:
         return
-    listed = key_list(_describe(shard, ranks) for shard, ranks in sorted(twice, key=_by_order))
+    items = sorted(twice.items(), key=_by_order)
+    listed = key_list(_describe(shard, ranks) for shard, ranks in items)
     raise ShardingValidationError(
-        f"{len(twice)} shard(s) with more than one main replica (replica_id 0) in the "
+        f"{len(items)} shard(s) with more than one main replica (replica_id 0) in the "
         f"parallelization group: {listed}; exactly one holder of a shard may be its main replica "
         "(a DTensor's replicas are its Replicate mesh dimensions only)"
     )

@@ -357,7 +357,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """
         missing = set(self.missing_keys)
         holes = False  # a MISSING handed out: only then has the result anything to prune
-        from_blob = self.from_blob | self._plain_in(self.common if blob is None else blob)
+        from_blob = self.from_blob | self._plain_in(blob)  # also what other ranks read
         filled_all = not (from_blob or missing or self.replaced or self.as_values)
 
         def loaded(shard: Shard) -> Any:

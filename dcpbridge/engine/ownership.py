@@ -16,9 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import xxhash
-
 from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group
@@ -34,7 +31,7 @@ from dcpbridge.planners.distribution import (
 )
 from dcpbridge.planners.errors import ShardingValidationError, key_list
 from dcpbridge.planners.protocol import chunk_sizes
-from dcpbridge.storage.write.writer import tensor_bytes
+from dcpbridge.storage.write.writer import tensor_digest
 
 ShardId = tuple[str, tuple[int, ...]]
 BoxId = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -130,14 +127,15 @@ def write_owners(
 
     everyone = protocol.agree(parallel, "fully-parallel exchange", held)
     placed = set(placed)
-    copies = frozenset(s for s in mains_held_twice(everyone) if s[0] in placed)
-    if copies:
-        check_copies(parallel, shards, copies, owners)
+    twice = mains_held_twice(everyone)
+    copies = {s: ranks for s, ranks in twice.items() if s[0] in placed}
+    check_single_main({s: ranks for s, ranks in twice.items() if s not in copies})
+    if copies:  # the same verdicts on every member
+        check_copies(parallel, shards, frozenset(copies), owners)
         everyone = keep_one_main(everyone, copies)
-    check_single_main(everyone)  # the same verdict on every member
     assigned = distribute(everyone)
     return dataclasses.replace(
-        owners, assigned=assigned, parallel_rank=parallel.rank, copies=copies
+        owners, assigned=assigned, parallel_rank=parallel.rank, copies=frozenset(copies)
     )
 
 
@@ -151,27 +149,21 @@ def check_copies(
     mine = [s for s in _tensors(shards) if shard_id(s) in copies and owners.writes_alone(s)]
 
     def digests() -> dict[ShardId, tuple[str, int]]:
-        return {shard_id(s): (str(s.dtype), _digest(s.data)) for s in mine}
+        return {shard_id(s): (str(s.dtype), tensor_digest(s.data)) for s in mine}
 
-    seen: dict[ShardId, set[tuple[str, int]]] = {}
-    holders_of: dict[ShardId, list[int]] = {}
+    by_digest: dict[ShardId, dict[tuple[str, int], list[int]]] = {}
     for rank, got in enumerate(protocol.agree(parallel, "replica digests", digests)):
         for shard, digest in got.items():
-            seen.setdefault(shard, set()).add(digest)
-            holders_of.setdefault(shard, []).append(rank)
-    differ = sorted((s for s, d in seen.items() if len(d) > 1), key=repr)
+            by_digest.setdefault(shard, {}).setdefault(digest, []).append(rank)
+    differ = sorted((s for s, seen in by_digest.items() if len(seen) > 1), key=repr)
     if differ:
-        listed = key_list(f"{s[0]!r} at offset {s[1]} (ranks {holders_of[s]})" for s in differ)
+        ranks = {s: sorted(r for rs in by_digest[s].values() for r in rs) for s in differ}
+        listed = key_list(f"{s[0]!r} at offset {s[1]} (ranks {ranks[s]})" for s in differ)
         raise ShardingValidationError(
             f"invalid sharding, nothing was saved: {len(differ)} shard(s) held as the main "
             f"replica by several ranks with different values: {listed}; copies of a tensor "
             "(data parallelism off the mesh) must be equal, and two tensors need two keys"
         )
-
-
-def _digest(data: torch.Tensor) -> int:
-    """xxh3-64 of a tensor's bytes (a device tensor's through a host copy)."""
-    return xxhash.xxh3_64_intdigest(tensor_bytes(data))
 
 
 @dataclass(frozen=True)

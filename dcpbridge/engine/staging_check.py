@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from dcpbridge.errors import StagingMutationError
 from dcpbridge.model.mapping import ShardedTensor
-from dcpbridge.storage.write.writer import tensor_bytes
+from dcpbridge.storage.write.writer import tensor_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +37,11 @@ def mark_live(writes: list[ShardedTensor]) -> list[LiveMark]:
     return [LiveMark(s, _version(s.data)) for s in writes]
 
 
-def _digest(t: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(tensor_bytes(t))
-
-
 def _changed(mark: LiveMark, copy: torch.Tensor) -> str | None:
     """How the live tensor of ``mark`` changed since the call, or None."""
     if _version(mark.shard.data) != mark.version:
         return "modified in place"
-    if _digest(copy) != _digest(mark.shard.data):
+    if tensor_digest(copy) != tensor_digest(mark.shard.data):
         return "differs from its staged copy"
     return None
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -79,6 +80,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.cpu()
     t = t.contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """xxh3-64 of the tensor's elements in C order (a device tensor's through a host copy)."""
+    return xxhash.xxh3_64_intdigest(tensor_bytes(tensor))
 
 
 def item_nbytes(item: WriteItem) -> int:
