@@ -65,11 +65,9 @@ class WholeReads:
         if self.keys and table is not self.table:
             return list(range(len(keys)))
         only, bounds, dtypes, names = table.only_boxes(), table.bounds, table.dtypes, table.tensors
-        refused: list[int] = []
-        took: list[int] = []
-        rows: list[int] = []
-        taken: set[int] = set()
-        for i, (t, key, target) in enumerate(zip(ts, keys, targets)):
+        found: list[int | None] = []  # each entry's row, None where refused
+        note = found.append
+        for t, key, target in zip(ts, keys, targets):
             box = only[t]
             if box is not None:  # a one-chunk tensor (most): its chunk is the box, or none is
                 sizes = box[1]
@@ -79,26 +77,58 @@ class WholeReads:
                 row = table.chunk_row(t, key[1], target.shape)
                 if row is not None and not target.numel():
                     row = None
-            if (
-                row is None
-                or row in taken
-                or target.dtype != dtypes[t]
-                or names[t] != key[0]
-                or not is_plain(target)
+            if row is not None and (
+                target.dtype != dtypes[t] or names[t] != key[0] or not is_plain(target)
             ):
+                row = None
+            note(row)
+        rows = [r for r in found if r is not None]
+        if len(rows) != len(found) or len(set(rows)) != len(rows):  # refusals or repeats
+            return self._record_some(table, keys, targets, found)
+        if rows:
+            self._record(table, keys, targets, rows)
+        return []
+
+    def _record_some(
+        self,
+        table: ItemTable,
+        keys: Sequence[ItemKey],
+        targets: Sequence[torch.Tensor],
+        found: list[int | None],
+    ) -> list[int]:
+        """``add_many``'s records where some entries are refused or repeat a chunk an earlier
+        entry of the call takes; returns the positions not recorded."""
+        refused: list[int] = []
+        took: list[int] = []
+        taken: set[int] = set()
+        for i, row in enumerate(found):
+            if row is None or row in taken:
                 refused.append(i)
-                continue
-            took.append(i)
-            rows.append(row)
-            taken.add(row)
+            else:
+                took.append(i)
+                taken.add(row)
         if took:
-            self.table = table
-            chosen = [targets[i] for i in took]
-            self.keys.extend([keys[i] for i in took])
-            self.targets.extend(chosen)
-            self.rows.extend(rows)
-            self._addresses.extend([t.data_ptr() for t in chosen])
+            self._record(
+                table,
+                [keys[i] for i in took],
+                [targets[i] for i in took],
+                [found[i] for i in took],  # type: ignore[misc]
+            )
         return refused
+
+    def _record(
+        self,
+        table: ItemTable,
+        keys: Sequence[ItemKey],
+        targets: Sequence[torch.Tensor],
+        rows: Sequence[int],
+    ) -> None:
+        """Append entries checked against ``table`` with their rows and target addresses."""
+        self.table = table
+        self.keys.extend(keys)
+        self.targets.extend(targets)
+        self.rows.extend(rows)
+        self._addresses.extend([t.data_ptr() for t in targets])
 
     def checked(self, table: ItemTable) -> tuple[list[int], list[int]] | None:
         """(rows, target addresses) of every entry if ``add`` recorded each against ``table``
