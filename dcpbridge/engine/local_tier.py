@@ -98,6 +98,14 @@ def parts_share(parts: SaveParts) -> int:
     return held + _SLACK
 
 
+def run_of(root: str) -> str:
+    """The run a local step belongs to: its manager's persistent root, as an absolute path or
+    the URL (a new job that reuses ``local_dir`` with another root must not resume from it)."""
+    if "://" in root:
+        return root.rstrip("/")
+    return os.path.abspath(os.path.expanduser(root)).rstrip("/") or "/"
+
+
 def document_digest(raw: bytes) -> str:
     """What tells two documents of one step apart."""
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
@@ -113,9 +121,11 @@ class LocalTier:
         *,
         replicas: int,
         ranks_per_node: int,
+        run: str,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.local_dir = local_dir.rstrip("/") or "/"
+        self.run = run  # ``run_of`` the manager's root: recorded in and required of markers
         self.replicas = replicas
         self.nodes = Nodes(group.size, ranks_per_node)
         self.storage_options = storage_options
@@ -386,7 +396,13 @@ class LocalTier:
 
         protocol.agree(g, "local copies: write", write_received)
         marker = json.dumps(
-            {"step": step, "save_id": index.save_id, "digest": document_digest(raw)}, sort_keys=True
+            {
+                "step": step,
+                "save_id": index.save_id,
+                "digest": document_digest(raw),
+                "run": self.run,
+            },
+            sort_keys=True,
         ).encode()
         protocol.agree(
             g,
@@ -482,7 +498,8 @@ class LocalTier:
             if m is None:
                 continue
             try:
-                found = held_step(resolve(self.step_url(int(m.group(1))), self.storage_options))
+                location = resolve(self.step_url(int(m.group(1))), self.storage_options)
+                found = held_step(location, self.run)
             except (CheckpointError, OSError, ValueError) as e:
                 log.warning(
                     "dcpbridge: local tier: ignoring %s: %s", self.step_url(int(m.group(1))), e
@@ -571,10 +588,10 @@ def _columns(writer: StorageWriter) -> StorageWriter:
     return writer
 
 
-def held_step(location: Location) -> tuple[LocalStep, Metadata] | None:
-    """The committed local step at ``location`` as this node holds it, and its decoded
-    document (None: no marker); raises if its marker or document is not what a commit
-    writes."""
+def held_step(location: Location, run: str) -> tuple[LocalStep, Metadata] | None:
+    """The committed local step of ``run`` at ``location`` as this node holds it, and its
+    decoded document (None: no marker, or a step of another run, left for retention to
+    remove); raises if its marker or document is not what a commit writes."""
     store = storage_for(location)
     try:
         marker = json.loads(store.read_file(location.path(MARKER)))
@@ -585,6 +602,14 @@ def held_step(location: Location) -> tuple[LocalStep, Metadata] | None:
         for k, t in (("step", int), ("save_id", str), ("digest", str))
     ):
         raise CorruptCheckpointError(f"{location.path(MARKER)} is not a local step marker")
+    if marker.get("run") != run:  # another job's (or an older dcpbridge's, which named none)
+        log.info(
+            "dcpbridge: local tier: ignoring %s: a step of the run at %s, not of %s",
+            location.url,
+            marker.get("run"),
+            run,
+        )
+        return None
     raw = store.read_file(location.path(METADATA_FILE))
     digest = document_digest(raw)
     if digest != marker["digest"]:

@@ -33,7 +33,7 @@ from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoint
 from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step, planning_ahead
-from dcpbridge.engine.local_tier import LocalTier, check_local_args
+from dcpbridge.engine.local_tier import LocalTier, check_local_args, run_of
 from dcpbridge.engine.step_guard import StepGuard
 from dcpbridge.engine.strict import Policy, parse_strict
 from dcpbridge.engine.writer_process import check_writer
@@ -191,7 +191,11 @@ class CheckpointManager:
             if not os.fspath(local_dir):
                 raise InvalidArgumentError("local_dir must name a directory")
             self._local = LocalTier(
-                os.fspath(local_dir), self._group, replicas=replicas, ranks_per_node=ranks_per_node
+                os.fspath(local_dir),
+                self._group,
+                replicas=replicas,
+                ranks_per_node=ranks_per_node,
+                run=run_of(self.root),
             )
         if persist_behind and self._local is None:
             raise InvalidArgumentError("persist_behind uploads local steps: it needs local_dir")

@@ -351,3 +351,48 @@ def test_a_failed_copy_transfer_skips_that_step_on_every_rank_and_the_next_commi
         assert sorted(os.listdir(node_dir(tmp_path, node))) == [f"step_{STEPS + 1:08d}"]
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [STEPS + 1] * 4
+
+
+def two_runs(r: Rank, tmp: str) -> dict:
+    """Run A trains (persistent 4, local 5 and 6); run B, another root, reuses its
+    ``local_dir``, finds nothing to resume and saves local step 1; A restarts."""
+    local = os.path.join(tmp, "node{node}")
+    run_a, run_b = os.path.join(tmp, "runA"), os.path.join(tmp, "runB")
+    a = manager(r, run_a, local, ranks_per_node=1)
+    w = piece(weights(0), r.rank, r.size, 0)
+    for step in range(1, STEPS + 1):
+        w.mul_(0.5).add_(step)
+        a.save(step, state(w, r.rank, r.size, step))
+    a.close()
+    b = manager(r, run_b, local, ranks_per_node=1)
+    out: dict = {"b_latest": b.latest_step()}
+    tmpl = {
+        "w": db.ShardedTensor.from_rank_offsets(
+            "w", torch.zeros(SHAPE[0] // 2, SHAPE[1]), (0, r.rank, 2)
+        )
+    }
+    try:
+        b.load(tmpl)
+    except db.CheckpointError as e:
+        out["b_load"] = f"{type(e).__name__}: {e}"
+    b.save(1, state(torch.full((SHAPE[0] // 2, SHAPE[1]), -1.0), r.rank, r.size, 1))
+    b.close()
+    out["held"] = sorted(os.listdir(local.replace("{node}", str(r.rank))))
+    a = manager(r, run_a, local, ranks_per_node=1)
+    out["a_latest"] = a.latest_step()
+    got = a.load(tmpl)
+    assert torch.equal(got["w"], piece(weights(got["step"]), r.rank, r.size, 0))
+    out["a_step"] = got["step"]
+    a.close()
+    return out
+
+
+def test_a_run_never_resumes_from_another_runs_local_steps(pool, tmp_path):
+    """Local steps belong to their manager's root: a job with another root that reuses the
+    same ``local_dir`` (a new run, the same /dev/shm path) never loads them (before, run B
+    resumed from run A's local step 6, silently), and its first local commit removes them."""
+    for out in pool.run(two_runs, 2, str(tmp_path), timeout=120):
+        assert out["b_latest"] is None
+        assert out["b_load"].startswith("NotACheckpointError: ") and "runB" in out["b_load"]
+        assert out["held"] == ["step_00000001"]  # run B's; run A's step 6 removed
+        assert (out["a_latest"], out["a_step"]) == (4, 4)  # A: its persistent step, not B's 1

@@ -143,5 +143,7 @@ def test_a_local_restore_reads_with_at_most_the_cores_per_rank(
     monkeypatch, tmp_path, cores, ranks_per_node, threads
 ):
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    tier = LocalTier(str(tmp_path), Group(None, 0, 1, 0), replicas=0, ranks_per_node=ranks_per_node)
+    tier = LocalTier(
+        str(tmp_path), Group(None, 0, 1, 0), replicas=0, ranks_per_node=ranks_per_node, run="r"
+    )
     assert tier.reader_threads == threads
