@@ -499,7 +499,7 @@ class LocalTier:
                 continue
             try:
                 location = resolve(self.step_url(int(m.group(1))), self.storage_options)
-                found = held_step(location, self.run)
+                found = held_step(location, self.run, int(m.group(1)))
             except (CheckpointError, OSError, ValueError) as e:
                 log.warning(
                     "dcpbridge: local tier: ignoring %s: %s", self.step_url(int(m.group(1))), e
@@ -588,10 +588,10 @@ def _columns(writer: StorageWriter) -> StorageWriter:
     return writer
 
 
-def held_step(location: Location, run: str) -> tuple[LocalStep, Metadata] | None:
-    """The committed local step of ``run`` at ``location`` as this node holds it, and its
-    decoded document (None: no marker, or a step of another run, left for retention to
-    remove); raises if its marker or document is not what a commit writes."""
+def held_step(location: Location, run: str, step: int) -> tuple[LocalStep, Metadata] | None:
+    """Committed local step ``step`` of ``run`` at ``location`` (its directory) as this node
+    holds it, and its decoded document (None: no marker, or a step of another run, left for
+    retention to remove); raises if its marker or document is not what a commit writes."""
     store = storage_for(location)
     try:
         marker = json.loads(store.read_file(location.path(MARKER)))
@@ -602,6 +602,10 @@ def held_step(location: Location, run: str) -> tuple[LocalStep, Metadata] | None
         for k, t in (("step", int), ("save_id", str), ("digest", str))
     ):
         raise CorruptCheckpointError(f"{location.path(MARKER)} is not a local step marker")
+    if marker["step"] != step:  # a renamed or copied directory: its files are not where named
+        raise CorruptCheckpointError(
+            f"{location.path(MARKER)} names step {marker['step']}, not its directory's {step}"
+        )
     if marker.get("run") != run:  # another job's (or an older dcpbridge's, which named none)
         log.info(
             "dcpbridge: local tier: ignoring %s: a step of the run at %s, not of %s",

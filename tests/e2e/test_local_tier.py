@@ -396,3 +396,23 @@ def test_a_run_never_resumes_from_another_runs_local_steps(pool, tmp_path):
         assert out["b_load"].startswith("NotACheckpointError: ") and "runB" in out["b_load"]
         assert out["held"] == ["step_00000001"]  # run B's; run A's step 6 removed
         assert (out["a_latest"], out["a_step"]) == (4, 4)  # A: its persistent step, not B's 1
+
+
+def test_a_local_step_whose_marker_names_another_step_is_ignored(tmp_path, caplog):
+    """A step directory renamed or copied by hand (its marker names another step) does not
+    count: ``latest_step`` once offered it and the load then fell back; now it is skipped
+    with a warning naming the marker."""
+    local = str(tmp_path / "shm")
+    options = dict(every=2, local_dir=local, local_every=1, replicas=0)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    mgr.close()
+    os.rename(os.path.join(local, "step_00000003"), os.path.join(local, "step_00000009"))
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        assert mgr.latest_step() == 2
+        out = mgr.load({"w": torch.zeros(4)})
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
+    assert "local.json names step 3, not its directory's 9" in caplog.text
+    mgr.close()
