@@ -4,8 +4,8 @@ An unpickled ``.metadata`` holds allowed types but any values: fields may be mis
 another type, sizes absurd, chunks outside their tensor, byte ranges outside the files.
 ``check_metadata`` refuses all of that with a ``CorruptCheckpointError`` naming the key, and
 bounds what a load can be made to allocate by the bytes really stored: each tensor's chunks
-add up to its element count, each chunk fits in its stored bytes, and each stored byte range
-lies inside its file.
+add up to its element count without overlapping (so they tile the tensor), each chunk fits in
+its stored bytes, and each stored byte range lies inside its file.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from dcpbridge.errors import CorruptCheckpointError, UnsafePathError
+from dcpbridge.planners.boxes import Placed, find_overlaps, fmt_box
 from dcpbridge.storage.format.paths import check_file_name
 from dcpbridge.storage.format.table import MAX_NDIM, MAX_SIZE
 
@@ -198,6 +199,7 @@ def _tensor(key: str, md: Any, places: Mapping[Any, _StorageInfo], seen: set[int
     seen.add(id(chunks))
     itemsize = md.properties.dtype.itemsize
     covered = 0
+    placed: list[Placed] = []
     for chunk in chunks:
         if type(chunk) is not ChunkStorageMetadata:
             raise CorruptCheckpointError(f"{key!r}: a chunk is a {type(chunk).__name__}")
@@ -212,6 +214,7 @@ def _tensor(key: str, md: Any, places: Mapping[Any, _StorageInfo], seen: set[int
                 f"{tuple(size)}"
             )
         covered += volume
+        placed.append(Placed(tuple(offsets), tuple(sizes), len(placed)))
         info = places.get((key, offsets))
         if info is None:
             raise CorruptCheckpointError(
@@ -225,6 +228,13 @@ def _tensor(key: str, md: Any, places: Mapping[Any, _StorageInfo], seen: set[int
     if covered != numel:
         raise CorruptCheckpointError(
             f"{key!r}: its chunks hold {covered} elements, its size {tuple(size)} has {numel}"
+        )
+    # inside the tensor and as many elements as it has: they tile it unless two overlap (then
+    # part of it is in no chunk, and a load would hand back the template's values there)
+    for a, b in find_overlaps(placed, limit=1):
+        raise CorruptCheckpointError(
+            f"{key!r}: chunks {fmt_box(a.offsets, a.sizes)} and {fmt_box(b.offsets, b.sizes)} "
+            "overlap"
         )
 
 

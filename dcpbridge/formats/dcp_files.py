@@ -90,15 +90,21 @@ def stored_place(location: Location, metadata: Metadata, index: MetadataIndex) -
     return info
 
 
-def chunk_limits(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], int]:
-    """The most bytes each stored tensor chunk's ``torch.save`` blob may decode to."""
+def stored_chunks(
+    metadata: Metadata,
+) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
+    """The dtype and sizes of each stored tensor chunk, by (key, offsets)."""
     out = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            itemsize = md.properties.dtype.itemsize
             for c in md.chunks:
-                out[(fqn, tuple(c.offsets))] = math.prod(c.sizes) * itemsize + TORCH_SAVE_SLACK
+                out[(fqn, tuple(c.offsets))] = (md.properties.dtype, tuple(c.sizes))
     return out
+
+
+def chunk_limit(dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
+    """The most bytes a stored tensor chunk's ``torch.save`` blob may decode to."""
+    return math.prod(sizes) * dtype.itemsize + TORCH_SAVE_SLACK
 
 
 def undo_transforms(
@@ -131,7 +137,8 @@ class DcpFileReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.thread_count = max(1, thread_count)
         self.metadata: Metadata | None = None
-        self._limits: dict[tuple[str, tuple[int, ...]], int] | None = None
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
+        self._chunks = {}  # stored_chunks of the metadata, once asked for
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.location.url:
@@ -154,22 +161,27 @@ class DcpFileReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **_: Any) -> None:
         if metadata is not self.metadata:
-            self._limits = None
+            self._chunks = {}
         self.metadata = metadata
 
-    def _limit(self, item: ReadItem) -> int | None:
-        """What ``item``'s stored bytes may decode to (None for an object)."""
+    def _chunk(self, item: ReadItem) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """The dtype and sizes of the stored chunk ``item`` reads (None for an object)."""
         if item.type == LoadItemType.BYTE_IO:
             return None
-        if self._limits is None:
-            self._limits = chunk_limits(self.read_metadata())
+        if not self._chunks:
+            self._chunks = stored_chunks(self.read_metadata())
         index = item.storage_index
-        limit = self._limits.get((index.fqn, tuple(index.offset or ())))
-        if limit is None:
+        found = self._chunks.get((index.fqn, tuple(index.offset or ())))
+        if found is None:
             raise CorruptCheckpointError(
                 f"{self.location.url}: {index.fqn!r} has no chunk at {list(index.offset or ())}"
             )
-        return limit
+        return found
+
+    def _limit(self, item: ReadItem) -> int | None:
+        """What ``item``'s stored bytes may decode to (None for an object)."""
+        chunk = self._chunk(item)
+        return None if chunk is None else chunk_limit(*chunk)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -188,7 +200,7 @@ class DcpFileReader(StorageReader):
             what = f"{self.location.url}: {item.storage_index.fqn!r} in {info.relative_path}"
             limit = functools.partial(self._limit, item)
             decoded = functools.partial(undo_transforms, info, what=what, limit=limit)
-            deliver = _delivery(item, buf, planner, decoded, what)
+            deliver = _delivery(item, buf, planner, decoded, what, self._chunk(item))
             batch.append(RangeRead(path, int(info.offset), buf, deliver))
             size += len(buf)
             if size >= _BATCH_BYTES:
@@ -207,9 +219,11 @@ def _delivery(
     planner: LoadPlanner,
     decoded: Callable[[memoryview], bytes | memoryview],
     what: str,
+    stored: tuple[torch.dtype, tuple[int, ...]] | None,
 ) -> Any:
     """What to do with ``item``'s fetched bytes (``decoded`` undoes DCP's transforms): hand
-    an object over, or copy a tensor's box."""
+    an object over, or copy a tensor's box out of the chunk, which must be the ``stored``
+    dtype and sizes its metadata names (a blob of another tensor is refused, never cast or cut)."""
 
     def deliver() -> None:
         data = decoded(raw)
@@ -222,6 +236,12 @@ def _delivery(
             raise CorruptCheckpointError(f"{what}: not a stored tensor: {e}") from e
         if not isinstance(chunk, torch.Tensor):
             raise CorruptCheckpointError(f"{what}: holds a {type(chunk).__name__}, not a tensor")
+        assert stored is not None
+        if (chunk.dtype, tuple(chunk.shape)) != stored:
+            raise CorruptCheckpointError(
+                f"{what}: holds a {chunk.dtype} tensor of shape {tuple(chunk.shape)} where its "
+                f"metadata names a {stored[0]} chunk of {stored[1]}"
+            )
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             chunk = chunk.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()

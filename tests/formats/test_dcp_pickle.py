@@ -258,6 +258,7 @@ def test_an_unknown_class_is_refused_naming_it_unless_allowed(plain_dcp):
     [
         ("huge_size", "needs .* bytes, .* are stored"),
         ("uncovered", "its chunks hold 12 elements"),
+        ("overlapping", r"'a': chunks \[0:2, 0:4\] and \[1:2, 0:4\] overlap"),
         ("outside", "lies outside"),
         ("too_many_dims", "more than 64 dimensions"),
         ("escaping_file", "refusing file name '../../etc/passwd'"),
@@ -280,6 +281,13 @@ def test_inconsistent_metadata_is_refused_before_any_read(plain_dcp, change, mes
         }
     elif change == "uncovered":
         a.size = torch.Size([1 << 30, 4])
+    elif change == "overlapping":  # 12 elements, inside, but row 1 twice and row 2 never
+        a.chunks = [
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 4])),
+            ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([1, 4])),
+        ]
+        md.storage_data[MetadataIndex("a", [0, 0])] = info
+        md.storage_data[MetadataIndex("a", [1, 0])] = info
     elif change == "outside":
         a.chunks[0].sizes = torch.Size([4, 4])
     elif change == "too_many_dims":
@@ -298,6 +306,30 @@ def test_inconsistent_metadata_is_refused_before_any_read(plain_dcp, change, mes
     with pytest.raises(db.CorruptCheckpointError, match=message) as caught:
         db.load({"a": torch.zeros(3, 4)}, plain_dcp)
     assert "/.metadata" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "b",
+            r"holds a torch.int64 tensor of shape \(5,\) where its metadata names a "
+            r"torch.float32 chunk of \(3, 4\)",
+        ),
+        ("h", r"holds a torch.bfloat16 tensor of shape \(2, 3\)"),
+    ],
+)
+def test_a_stored_chunk_of_another_dtype_or_shape_is_refused(plain_dcp, source, message):
+    """The blob a chunk's storage entry points at must be that chunk: another tensor's was
+    cut to the request (a RuntimeError past its end) or cast into the template."""
+    md = _metadata(plain_dcp)
+    (key,) = (k for k in md.storage_data if k.fqn == "a")
+    (other,) = (v for k, v in md.storage_data.items() if k.fqn == source)
+    md.storage_data[key] = other
+    _write_metadata(plain_dcp, md)
+    with pytest.raises(db.CorruptCheckpointError, match=message) as caught:
+        db.load({"a": torch.zeros(3, 4)}, plain_dcp)
+    assert "'a' in __0_0.distcp" in str(caught.value)
 
 
 def _growth_mb() -> float:
