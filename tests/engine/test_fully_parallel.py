@@ -165,6 +165,31 @@ def test_fully_parallel_load_reads_each_box_once(pool, tmp_path):
     assert all(saved == 1 for _, _, saved in results)  # no exchange of boxes the second time
 
 
+def fp_box_in_two_dtypes(r: Rank, path: str, cast: bool) -> str | list[float]:
+    """Both ranks ask the whole of 'vec', rank 1 in float64."""
+    dtype = torch.float64 if r.rank == 1 else torch.float32
+    sd = {"vec": db.ShardedTensor.from_box("vec", torch.zeros(10, dtype=dtype), (10,), (0,))}
+    try:
+        out = db.load(sd, path, process_group=r.group, fully_parallel=True, allow_dtype_cast=cast)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    assert out["vec"].dtype == dtype
+    return out["vec"].tolist()
+
+
+def test_a_box_asked_in_two_dtypes_is_never_handed_over_as_bytes(pool, tmp_path):
+    """One box requested in float32 on rank 0 and float64 on rank 1: rank 0 read it and
+    sent its float32 bytes, which rank 1 took as float64 values (garbage, silently). Now
+    each dtype is its own box: the float64 request raises on every rank as it does without
+    fully_parallel, or with allow_dtype_cast loads the stored values on both."""
+    path = str(tmp_path / "ck")
+    pool.run(_save_model_and_vec, 2, path)
+    expected = "DTypeMismatchError: rank 1: 'vec': stored as torch.float32, requested as "
+    assert all(e.startswith(expected) for e in pool.run(fp_box_in_two_dtypes, 2, path, False))
+    values = L.full("vec").tolist()
+    assert pool.run(fp_box_in_two_dtypes, 2, path, True) == [values, values]
+
+
 def fp_torch_dist_common_tensors(r: Rank, path: str, phase: str) -> Any:
     """Plain tensors of a torch_dist checkpoint live in common.pt, which every rank reads."""
     if phase == "save":
