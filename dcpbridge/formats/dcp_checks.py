@@ -225,6 +225,29 @@ def _tensor(key: str, md: Any, places: Mapping[Any, _StorageInfo], seen: set[int
                 f"{key!r}: the chunk at {tuple(offsets)} needs {volume * itemsize} bytes, "
                 f"{info.length} are stored"
             )
+    _check_tiling(key, size, placed, covered)
+
+
+def check_tiling(key: str, size: tuple[int, ...], chunks: list[Any]) -> None:
+    """Raise ``CorruptCheckpointError`` unless the non-empty ``chunks`` (DCP chunk metadata)
+    of tensor ``key`` of ``size`` lie inside it and tile it exactly once."""
+    placed = []
+    for chunk in chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if math.prod(sizes) == 0:
+            continue
+        if len(offsets) != len(size) or any(
+            o < 0 or o + n > m for o, n, m in zip(offsets, sizes, size)
+        ):
+            raise CorruptCheckpointError(
+                f"{key!r}: chunk at {offsets} of size {sizes} lies outside {tuple(size)}"
+            )
+        placed.append(Placed(offsets, sizes, len(placed)))
+    _check_tiling(key, size, placed, sum(p.numel for p in placed))
+
+
+def _check_tiling(key: str, size: tuple[int, ...], placed: list[Placed], covered: int) -> None:
+    numel = math.prod(size)
     if covered != numel:
         raise CorruptCheckpointError(
             f"{key!r}: its chunks hold {covered} elements, its size {tuple(size)} has {numel}"

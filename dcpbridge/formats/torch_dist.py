@@ -34,8 +34,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpbridge.errors import InvalidArgumentError, SerializationError, ShardingValidationError
+from dcpbridge.errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    SerializationError,
+    ShardingValidationError,
+)
 from dcpbridge.formats.checkpoint import MEGATRON_COMMON, MEGATRON_CONFIG
+from dcpbridge.formats.dcp_checks import check_tiling
 from dcpbridge.model.intake import SaveParts
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners import ShardedSavePlanner
@@ -208,11 +214,20 @@ class TorchDistWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        portable = portable_metadata(metadata)
+        for key, md in portable.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):  # what a load would refuse (overlaps:
+                try:  # ranks' shards with validate_access_integrity=False) is not committed
+                    check_tiling(key, tuple(md.size), md.chunks)
+                except CorruptCheckpointError as e:
+                    raise InvalidArgumentError(
+                        f"{self.location.url}: refusing to commit invalid metadata: {e}"
+                    ) from None
         store = self.store
         common = serialize_object(self.common_state, "the common state").getvalue()
         self._committed.append(MEGATRON_COMMON)
         store.commit_file(MEGATRON_COMMON, common, f"{MEGATRON_COMMON}.tmp", sync=self.sync_files)
-        self.inner.finish(portable_metadata(metadata), results)
+        self.inner.finish(portable, results)
         config = json.dumps(MEGATRON_CHECKPOINT_CONFIG).encode()
         store.commit_file(MEGATRON_CONFIG, config, f"{MEGATRON_CONFIG}.tmp", sync=self.sync_files)
 

@@ -272,3 +272,35 @@ def test_a_failed_staging_returns_its_buffers(pool, tmp_path):
     assert all(s[0].startswith("StagingError") for s in seen), seen  # raised on every rank
     assert "cannot copy this object" in seen[1][0], seen
     assert pool.run(load_value, 2, path) == [3, 3]
+
+
+def save_overlapping(r: Rank, path: str, fmt: str) -> str:
+    """Rank 0 holds rows 0:3, rank 1 rows 2:4 of one (4, 2) tensor, integrity check off."""
+    rows = (0, 3) if r.rank == 0 else (2, 4)
+    local = torch.full((rows[1] - rows[0], 2), float(r.rank))
+    sd = {"w": db.ShardedTensor.from_box("w", local, (4, 2), (rows[0], 0)), "step": 1}
+    try:
+        db.save(sd, path, process_group=r.group, validate_access_integrity=False, format=fmt)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "why"),
+    [
+        ("dcpbridge", "chunks [0, 0]+[3, 2] and [2, 0]+[2, 2] overlap"),
+        ("torch_dist", "'w': its chunks hold 10 elements, its size (4, 2) has 8"),
+    ],
+)
+def test_overlapping_shards_without_the_integrity_check_are_never_committed(
+    pool, tmp_path, fmt, why
+):
+    """With ``validate_access_integrity=False`` a torch_dist save of shards that overlap was
+    committed, and its load then refused it (Megatron's would take either rank's row 2).
+    Both formats now refuse to commit on every rank, and leave nothing."""
+    path = tmp_path / "ck"
+    for text in pool.run(save_overlapping, 2, str(path), fmt):
+        assert text.startswith("InvalidArgumentError: rank 0: ") and why in text, text
+        assert "refusing to commit invalid metadata" in text
+    assert not path.exists() or sorted(os.listdir(path)) == []
