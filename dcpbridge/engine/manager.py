@@ -362,7 +362,7 @@ class CheckpointManager:
             self._pending = (step, handle)
             return
         save_mod.save(state, url, **options)
-        self._previous = step
+        self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
         self._after_commit()
         self._notify(step, "persistent", url)
@@ -419,7 +419,7 @@ class CheckpointManager:
         step, handle = self._pending
         self._pending = None
         handle.result()
-        self._previous = step
+        self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
         self._after_commit()
         self._notify(step, "persistent", handle.checkpoint_dir)
@@ -450,9 +450,15 @@ class CheckpointManager:
         names = [step_dir_name(s) for s in kept]
         remove_checkpoints(self._location(), [step_dir_name(s) for s in doomed], names)
 
+    def _committed(self, step: int) -> None:
+        """Record the commit of ``step`` for incremental saves: the newest complete step stays
+        the one referenced (retention may remove a step saved below it, after a rollback)."""
+        if self._previous is not None:
+            self._previous = max(self._previous, step)
+
     def _reuse_from(self, step: int) -> str | None:
         """The step an incremental save of ``step`` references: the newest committed one
-        (rank 0's view of storage, agreed once; then the last commit of this manager)."""
+        (rank 0's view of storage, agreed once; then the newest commit of this manager)."""
         if self._previous is None:
             self._previous = self._agree(lambda: max([*self._scan()[0], -1]))
         previous = self._previous

@@ -359,3 +359,20 @@ def test_a_step_that_later_steps_reference_is_not_saved_again(tmp_path):
     assert torch.equal(out["base"], _crash_state(2)["base"])
     mgr.save(2, _crash_state(2))  # nothing references step 2: it may be saved again
     assert mgr.all_steps() == [1, 2]
+
+
+def test_a_step_below_the_newest_that_retention_removed_is_not_referenced_later(tmp_path):
+    """A step retention removed right after its save is not referenced later (saves would fail)."""
+    mgr = db.CheckpointManager(tmp_path, every=1, keep_last=1, async_save=False, incremental=True)
+    for step in (8, 10):
+        mgr.save(step, _crash_state(step))
+    mgr.save(9, _crash_state(9))  # below the newest: retention keeps only step 10
+    assert mgr.all_steps() == [10]
+    mgr.save(11, _crash_state(11))
+    assert mgr.all_steps() == [11]
+    assert referenced(mgr.step_url(11)) == {"base"}
+    out = mgr.load(_template())
+    assert torch.equal(out["base"], _crash_state(11)["base"])
+    assert torch.equal(out["ad"], _crash_state(11)["ad"]) and out["step"] == 11
+    mgr.close()
+
