@@ -376,3 +376,17 @@ def test_a_step_below_the_newest_that_retention_removed_is_not_referenced_later(
     assert torch.equal(out["ad"], _crash_state(11)["ad"]) and out["step"] == 11
     mgr.close()
 
+
+def test_a_save_over_the_checkpoint_its_reuse_from_references_keeps_those_bytes(tmp_path):
+    """Re-saving s1 from s2 (which references s1) keeps the old files the new s1 names too."""
+    saved = {1: _crash_state(1), 2: _crash_state(2)}
+    db.save(saved[1], tmp_path / "s1")
+    db.save(saved[2], tmp_path / "s2", reuse_from=tmp_path / "s1")
+    assert referenced(str(tmp_path / "s2")) == {"base"}
+    db.save(saved[1], tmp_path / "s1", reuse_from=tmp_path / "s2")
+    assert stored(str(tmp_path / "s1"))[("base", (0, 0))].startswith("../s1/")
+    for s in (1, 2):
+        out = db.load(_template(), tmp_path / f"s{s}")
+        assert torch.equal(out["base"], saved[s]["base"])
+        assert torch.equal(out["ad"], saved[s]["ad"]) and out["step"] == s
+    assert fsck(str(tmp_path)).missing == []
