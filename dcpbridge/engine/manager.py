@@ -199,6 +199,11 @@ class CheckpointManager:
         self.background_staging, self.verify_staging = background_staging, verify_staging
         check_writer(writer, "dcpbridge")
         self.writer = writer
+        if incremental and not self.checksums:  # else only the second save would fail
+            raise InvalidArgumentError(
+                "incremental=True needs checksums (they decide what is reused): the "
+                "configuration file's checkpoint section sets checksums: false"
+            )
         self.incremental = incremental  # reference chunks equal to the previous step's
         self._previous: int | None = None  # the newest committed step (incremental saves)
         self._guard = StepGuard(self._in_flight)

@@ -390,3 +390,12 @@ def test_a_save_over_the_checkpoint_its_reuse_from_references_keeps_those_bytes(
         assert torch.equal(out["base"], saved[s]["base"])
         assert torch.equal(out["ad"], saved[s]["ad"]) and out["step"] == s
     assert fsck(str(tmp_path)).missing == []
+
+
+def test_incremental_without_checksums_is_refused_when_the_manager_is_made(tmp_path):
+    """incremental=True without checksums fails at once, not at every save after the first."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("checkpoint: {checksums: false}\n")
+    with pytest.raises(db.InvalidArgumentError, match="incremental=True needs checksums"):
+        db.CheckpointManager(tmp_path / "run", async_save=False, incremental=True, config=cfg)
+    assert not (tmp_path / "run").exists()
