@@ -399,3 +399,55 @@ def test_incremental_without_checksums_is_refused_when_the_manager_is_made(tmp_p
     with pytest.raises(db.InvalidArgumentError, match="incremental=True needs checksums"):
         db.CheckpointManager(tmp_path / "run", async_save=False, incremental=True, config=cfg)
     assert not (tmp_path / "run").exists()
+
+
+def _behind(root, **kwargs) -> db.CheckpointManager:
+    """Every step persistent, every second one uploaded from its local step (not incremental)."""
+    return db.CheckpointManager(
+        root / "run",
+        every=1,
+        async_save=False,
+        incremental=True,
+        local_dir=root / "local",
+        local_every=2,
+        persist_behind=True,
+        **kwargs,
+    )
+
+
+def test_a_refused_upload_over_a_referenced_step_keeps_that_step(tmp_path):
+    """A refused upload over a referenced step deletes nothing (the later step stays loadable)."""
+    mgr = _behind(tmp_path)
+    for step in (1, 2, 3):
+        mgr.save(step, _crash_state(step))
+    assert stored(mgr.step_url(3))[("base", (0, 0))].startswith("../step_00000002/")
+    with pytest.raises(db.InvalidArgumentError, match="step_00000003 reference its files"):
+        mgr.save(2, _crash_state(2))
+    assert mgr.all_steps() == [1, 2, 3]
+    for step in (2, 3):
+        out = mgr.load(_template(), step=step)
+        assert torch.equal(out["base"], _crash_state(step)["base"])
+        assert torch.equal(out["ad"], _crash_state(step)["ad"]) and out["step"] == step
+    mgr.close()
+
+
+def test_a_failed_upload_keeps_the_step_saved_there_before(tmp_path, monkeypatch):
+    """A failed upload removes what it wrote, never a checkpoint committed there before."""
+    from dcpbridge.engine import local_persist
+
+    mgr = _behind(tmp_path)
+    mgr.save(2, _crash_state(2))
+
+    def gone(*args: object) -> None:
+        raise OSError("bucket gone")
+
+    monkeypatch.setattr(local_persist, "_upload_file", gone)
+    for step in (2, 4):
+        with pytest.raises(db.CheckpointError, match="bucket gone"):
+            mgr.save(step, _crash_state(step + 10))
+    assert mgr.all_steps() == [2]
+    assert not (tmp_path / "run" / "step_00000004").exists()
+    out = mgr.load(_template(), step=2)
+    assert torch.equal(out["ad"], _crash_state(2)["ad"]) and out["step"] == 2
+    assert fsck(str(tmp_path / "run")).missing == []
+    mgr.close()
