@@ -451,3 +451,21 @@ def test_a_failed_upload_keeps_the_step_saved_there_before(tmp_path, monkeypatch
     assert torch.equal(out["ad"], _crash_state(2)["ad"]) and out["step"] == 2
     assert fsck(str(tmp_path / "run")).missing == []
     mgr.close()
+
+
+def test_bytes_the_previous_step_lost_are_written_again_not_referenced(tmp_path):
+    """Bytes the previous step references that are gone or cut short are written again."""
+    mgr = db.CheckpointManager(tmp_path, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    assert referenced(mgr.step_url(2)) == {"base"}
+    shutil.rmtree(tmp_path / "step_00000001")
+    mgr.save(3, _crash_state(3))
+    assert referenced(mgr.step_url(3)) == set()
+    os.truncate(tmp_path / "step_00000003" / stored(mgr.step_url(3))[("base", (0, 0))], 100)
+    mgr.save(4, _crash_state(4))
+    assert referenced(mgr.step_url(4)) == set()
+    out = mgr.load(_template(), step=4)
+    assert torch.equal(out["base"], _crash_state(4)["base"])
+    assert torch.equal(out["ad"], _crash_state(4)["ad"]) and out["step"] == 4
+    mgr.close()
