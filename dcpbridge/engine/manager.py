@@ -47,6 +47,7 @@ from dcpbridge.formats.config import Config, load_config, resolve_storage_option
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.write.reuse import Previous
 
 log = logging.getLogger("dcpbridge")
 
@@ -462,12 +463,25 @@ class CheckpointManager:
             self._previous = max(self._previous, step)
 
     def _reuse_from(self, step: int) -> str | None:
-        """The step an incremental save of ``step`` references: the newest committed one
-        (rank 0's view of storage, agreed once; then the newest commit of this manager)."""
+        """The step an incremental save of ``step`` references: the newest committed one whose
+        document reads (rank 0's view of storage, agreed once; then the newest commit of this
+        manager)."""
         if self._previous is None:
-            self._previous = self._agree(lambda: max([*self._scan()[0], -1]))
+            self._previous = self._agree(self._newest_readable)
         previous = self._previous
         return None if previous < 0 or previous == step else self.step_url(previous)
+
+    def _newest_readable(self) -> int:
+        """The newest complete step whose commit document an incremental save can read (-1:
+        none); a damaged one is skipped with a warning, so it never fails every later save."""
+        for step in reversed(self._scan()[0]):
+            try:
+                Previous.open(self._location(step))
+            except CheckpointError as e:
+                log.warning("dcpbridge: incremental saves skip step %d: %s", step, e)
+                continue
+            return step
+        return -1
 
     def _stored_metric(self, step: int) -> float | None:
         """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None)."""

@@ -469,3 +469,24 @@ def test_bytes_the_previous_step_lost_are_written_again_not_referenced(tmp_path)
     assert torch.equal(out["base"], _crash_state(4)["base"])
     assert torch.equal(out["ad"], _crash_state(4)["ad"]) and out["step"] == 4
     mgr.close()
+
+
+def test_a_damaged_newest_step_does_not_stop_incremental_saves(tmp_path, caplog):
+    """A resumed job references the newest readable step, not a damaged newest one (every save
+    would fail)."""
+    mgr = db.CheckpointManager(tmp_path, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    mgr.close()
+    (tmp_path / "step_00000002" / "dcpbridge.json").write_text("{garbage")
+    mgr = db.CheckpointManager(tmp_path, every=1, keep_last=2, async_save=False, incremental=True)
+    for step in (3, 4):
+        mgr.save(step, _crash_state(step))
+    assert "step_00000002" in caplog.text and "not valid JSON" in caplog.text
+    assert mgr.all_steps() == [3, 4]
+    assert stored(mgr.step_url(3))[("base", (0, 0))].startswith("../step_00000001/")
+    for step in (3, 4):
+        out = mgr.load(_template(), step=step)
+        assert torch.equal(out["base"], _crash_state(step)["base"])
+        assert torch.equal(out["ad"], _crash_state(step)["ad"]) and out["step"] == step
+    mgr.close()
