@@ -29,7 +29,7 @@ from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.gc_pause import gc_paused
-from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoints
+from dcpbridge.engine.incremental import child, refuse_if_referenced, remove_checkpoints
 from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step, planning_ahead
@@ -42,6 +42,7 @@ from dcpbridge.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
+    UnsafePathError,
 )
 from dcpbridge.formats.config import Config, load_config, resolve_storage_options
 from dcpbridge.planners import StrictMode
@@ -390,7 +391,7 @@ class CheckpointManager:
             location = self._location(step)
             store = storage_for(location)
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
-                names = [step_dir_name(s) for s in self._scan()[0]]
+                names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
             elif store.list_names():
                 self._remove_steps([step], self._scan()[0])
@@ -451,10 +452,27 @@ class CheckpointManager:
             log.warning("dcpbridge: retention in %s failed: %s", self.root, e)
 
     def _remove_steps(self, doomed: list[int], kept: list[int]) -> None:
-        """Delete steps ``doomed``, keeping the files the committed steps ``kept`` reference
-        (read from their commit files: incremental saves share files between steps)."""
-        names = [step_dir_name(s) for s in kept]
+        """Delete steps ``doomed``, keeping the files the committed steps ``kept`` and the
+        other checkpoints under the root reference (read from their commit files: incremental
+        saves share files between steps)."""
+        names = [step_dir_name(s) for s in kept] + self._others()
         remove_checkpoints(self._location(), [step_dir_name(s) for s in doomed], names)
+
+    def _others(self) -> list[str]:
+        """Committed checkpoints under the root that are not steps (a ``db.save`` beside them
+        may reference a step's files with ``reuse_from``)."""
+        out = []
+        root = self._location()
+        for name in storage_for(root).list_names():
+            if _STEP_DIR.match(name):
+                continue
+            try:
+                location = child(root, name)
+            except UnsafePathError:  # no reference can name it
+                continue
+            if storage_for(location).exists(METADATA_FILE):
+                out.append(name)
+        return out
 
     def _committed(self, step: int) -> None:
         """Record the commit of ``step`` for incremental saves: the newest complete step stays

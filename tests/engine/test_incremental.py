@@ -490,3 +490,19 @@ def test_a_damaged_newest_step_does_not_stop_incremental_saves(tmp_path, caplog)
         assert torch.equal(out["base"], _crash_state(step)["base"])
         assert torch.equal(out["ad"], _crash_state(step)["ad"]) and out["step"] == step
     mgr.close()
+
+
+def test_retention_keeps_the_files_another_checkpoint_beside_the_steps_references(tmp_path):
+    """A checkpoint saved beside the steps with reuse_from=a step keeps that step's bytes."""
+    mgr = db.CheckpointManager(tmp_path, every=1, keep_last=1, async_save=False, incremental=True)
+    mgr.save(1, _crash_state(1))
+    db.save(_crash_state(1), tmp_path / "best", reuse_from=mgr.step_url(1))
+    (tmp_path / "notes on the run.txt").write_text("not a checkpoint")
+    for step in (2, 3):
+        mgr.save(step, {"ad": _crash_state(step)["ad"], "step": step})
+    assert mgr.all_steps() == [3]
+    out = db.load(_template(), tmp_path / "best")
+    assert torch.equal(out["base"], _crash_state(1)["base"])
+    assert torch.equal(out["ad"], _crash_state(1)["ad"]) and out["step"] == 1
+    assert fsck(str(tmp_path)).missing == []
+    mgr.close()
