@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from dcpbridge.engine import protocol
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.incremental import files_in
 from dcpbridge.engine.local_plan import writer_rank
 from dcpbridge.errors import CheckpointError
 from dcpbridge.storage import METADATA_FILE, Location, StorageIndex
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_faults
+from dcpbridge.storage.format.document import DATA_FILE_RE
+from dcpbridge.storage.format.paths import spread_dir
+from dcpbridge.storage.write.writer import committed_save_id
 
 log = logging.getLogger("dcpbridge")
 _PIECE = 8 << 20  # bytes per read while uploading a data file
@@ -68,19 +72,44 @@ def upload(group: Group, job: PersistJob, local: Location, raw: bytes, index: St
     except Exception as e:  # raised alike on every rank: reported at the next save/wait
         error = e
         if group.is_coordinator:  # every rank is done with it: nothing half-written stays
-            _remove(job.location)
+            _remove(job.location, index)
     job.handle._finish(error)
 
 
-def _remove(location: Location) -> None:
-    """Delete what a failed upload left at ``location`` (best effort: it never committed)."""
+def _remove(location: Location, index: StorageIndex) -> None:
+    """Delete what a failed upload of the local step ``index`` left at ``location`` (best
+    effort): its data files, and the folder where no checkpoint is left in it. A checkpoint
+    committed there before (a re-save) and files other checkpoints reference stay."""
     try:
         with storage_faults(f"{location.url}: remove"):
-            location.fs.invalidate_cache(location.root)
-            if location.fs.exists(location.root):
-                location.fs.rm(location.root, recursive=True)
+            store = storage_for(location)
+            if committed_save_id(store) == index.save_id:
+                return  # it committed: nothing of it is half-written
+            mine = {_relative(name, index.prefixes) for name in index.files}
+            left = files_in(location)
+            base = location.root.rstrip("/")
+            if any(_needs_folder(p) and p not in mine for p in left):
+                doomed = [f"{base}/{p}" for p in left if p in mine]
+                if doomed:
+                    location.fs.rm(doomed)
+            elif location.fs.exists(base):
+                location.fs.rm(base, recursive=True)
+            location.fs.invalidate_cache(base)
     except CheckpointError as e:
         log.warning("dcpbridge: removing the failed upload at %s failed: %s", location.url, e)
+
+
+def _relative(name: str, prefixes: int) -> str:
+    """Path of a local step's data file ``name`` inside a checkpoint folder."""
+    folder = spread_dir(name, prefixes)
+    return f"{folder}/{name}" if folder else name
+
+
+def _needs_folder(path: str) -> bool:
+    """Whether file ``path`` of a checkpoint folder may belong to a checkpoint (its commit
+    file or a data file, which later incremental steps may reference)."""
+    last = path.rsplit("/", 1)[-1]
+    return last == METADATA_FILE or bool(DATA_FILE_RE.match(last))
 
 
 def _upload_mine(group: Group, job: PersistJob, local: Location, index: StorageIndex) -> None:

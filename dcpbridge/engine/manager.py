@@ -29,7 +29,7 @@ from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.gc_pause import gc_paused
-from dcpbridge.engine.incremental import refuse_if_referenced, remove_checkpoints
+from dcpbridge.engine.incremental import child, refuse_if_referenced, remove_checkpoints
 from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step, planning_ahead
@@ -42,11 +42,13 @@ from dcpbridge.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
+    UnsafePathError,
 )
 from dcpbridge.formats.config import Config, load_config, resolve_storage_options
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.write.reuse import Previous
 
 log = logging.getLogger("dcpbridge")
 
@@ -203,6 +205,11 @@ class CheckpointManager:
         self.background_staging, self.verify_staging = background_staging, verify_staging
         check_writer(writer, "dcpbridge")
         self.writer = writer
+        if incremental and not self.checksums:  # else only the second save would fail
+            raise InvalidArgumentError(
+                "incremental=True needs checksums (they decide what is reused): the "
+                "configuration file's checkpoint section sets checksums: false"
+            )
         self.incremental = incremental  # reference chunks equal to the previous step's
         self._previous: int | None = None  # the newest committed step (incremental saves)
         self._guard = StepGuard(self._in_flight)
@@ -366,7 +373,7 @@ class CheckpointManager:
             self._pending = (step, handle)
             return
         save_mod.save(state, url, **options)
-        self._previous = step
+        self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
         self._after_commit()
         self._notify(step, "persistent", url)
@@ -388,7 +395,7 @@ class CheckpointManager:
             location = self._location(step)
             store = storage_for(location)
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
-                names = [step_dir_name(s) for s in self._scan()[0]]
+                names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
             elif store.list_names():
                 self._remove_steps([step], self._scan()[0])
@@ -423,7 +430,7 @@ class CheckpointManager:
         step, handle = self._pending
         self._pending = None
         handle.result()
-        self._previous = step
+        self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
         self._after_commit()
         self._notify(step, "persistent", handle.checkpoint_dir)
@@ -449,18 +456,54 @@ class CheckpointManager:
             log.warning("dcpbridge: retention in %s failed: %s", self.root, e)
 
     def _remove_steps(self, doomed: list[int], kept: list[int]) -> None:
-        """Delete steps ``doomed``, keeping the files the committed steps ``kept`` reference
-        (read from their commit files: incremental saves share files between steps)."""
-        names = [step_dir_name(s) for s in kept]
+        """Delete steps ``doomed``, keeping the files the committed steps ``kept`` and the
+        other checkpoints under the root reference (read from their commit files: incremental
+        saves share files between steps)."""
+        names = [step_dir_name(s) for s in kept] + self._others()
         remove_checkpoints(self._location(), [step_dir_name(s) for s in doomed], names)
 
+    def _others(self) -> list[str]:
+        """Committed checkpoints under the root that are not steps (a ``db.save`` beside them
+        may reference a step's files with ``reuse_from``)."""
+        out = []
+        root = self._location()
+        for name in storage_for(root).list_names():
+            if _STEP_DIR.match(name):
+                continue
+            try:
+                location = child(root, name)
+            except UnsafePathError:  # no reference can name it
+                continue
+            if storage_for(location).exists(METADATA_FILE):
+                out.append(name)
+        return out
+
+    def _committed(self, step: int) -> None:
+        """Record the commit of ``step`` for incremental saves: the newest complete step stays
+        the one referenced (retention may remove a step saved below it, after a rollback)."""
+        if self._previous is not None:
+            self._previous = max(self._previous, step)
+
     def _reuse_from(self, step: int) -> str | None:
-        """The step an incremental save of ``step`` references: the newest committed one
-        (rank 0's view of storage, agreed once; then the last commit of this manager)."""
+        """The step an incremental save of ``step`` references: the newest committed one whose
+        document reads (rank 0's view of storage, agreed once; then the newest commit of this
+        manager)."""
         if self._previous is None:
-            self._previous = self._agree(lambda: max([*self._scan()[0], -1]))
+            self._previous = self._agree(self._newest_readable)
         previous = self._previous
         return None if previous < 0 or previous == step else self.step_url(previous)
+
+    def _newest_readable(self) -> int:
+        """The newest complete step whose commit document an incremental save can read (-1:
+        none); a damaged one is skipped with a warning, so it never fails every later save."""
+        for step in reversed(self._scan()[0]):
+            try:
+                Previous.open(self._location(step))
+            except CheckpointError as e:
+                log.warning("dcpbridge: incremental saves skip step %d: %s", step, e)
+                continue
+            return step
+        return -1
 
     def _stored_metric(self, step: int) -> float | None:
         """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None)."""

@@ -3,7 +3,9 @@ reference to that checkpoint's stored bytes instead of being written again.
 
 Equality is decided from checksums only: the previous checkpoint's recorded digests against
 the digests of the bytes about to be written (hashed before the write, stopping at the first
-tile that differs), so nothing of the previous checkpoint but its commit document is read.
+tile that differs), so nothing of the previous checkpoint but its commit document is read
+(and, once an item is found equal, the size of the file holding it: bytes that are gone or cut
+short are written again, never referenced).
 A reference names the sibling checkpoint's file (``storage/format/references.py``); where that
 item was itself a reference, the new one points straight at the original file: no chains.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +59,8 @@ class Previous:
 
     dir_name: str
     index: StorageIndex
+    location: Location | None = None
+    _sizes: dict[str, int] = field(default_factory=dict)  # sizes of its files, looked up
 
     @classmethod
     def open(cls, location: Location) -> Previous:
@@ -73,7 +77,27 @@ class Previous:
         metadata = decode_metadata(raw, where=path)
         index = metadata.storage_data
         assert isinstance(index, StorageIndex)
-        return cls(location.root.rstrip("/").rsplit("/", 1)[-1], index)
+        return cls(location.root.rstrip("/").rsplit("/", 1)[-1], index, location)
+
+    def stored_whole(self, stored: StoredItem) -> bool:
+        """Whether the file holding ``stored`` exists and holds its whole range (its size
+        looked up once per save): bytes that are gone are never referenced again."""
+        if self.location is None:
+            return True
+        size = self._sizes.get(stored.file)
+        if size is None:
+            size = self._sizes[stored.file] = self._size_of(stored.file)
+        return size >= stored.offset + stored.nbytes
+
+    def _size_of(self, file: str) -> int:
+        """Size of data file ``file`` of the previous checkpoint (-1 where it is gone)."""
+        assert self.location is not None
+        path = self.location.data_path(file, self.index.prefixes)
+        self.location.fs.invalidate_cache(path)  # another process may have removed it
+        try:
+            return storage_for(self.location).file_size(path)
+        except FileNotFoundError:
+            return -1
 
     def usable(self, block: int) -> bool:
         """Whether its digests compare with this save's (same algorithm, block and tiles)."""
@@ -148,7 +172,7 @@ def split_reused(
             rest.append(item)
             continue
         mv = _host_bytes(resolve(item), tensor_bytes)
-        if not _same(item, stored, mv, block):
+        if not _same(item, stored, mv, block) or not previous.stored_whole(stored):
             rest.append(item)
             continue
         reused.append(item)

@@ -13,7 +13,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
@@ -44,6 +44,7 @@ from dcpbridge.storage.format.document import (
     temp_metadata_name,
 )
 from dcpbridge.storage.format.paths import resolve
+from dcpbridge.storage.format.references import is_reference, reference_dir
 from dcpbridge.storage.write.reuse import Previous, check_siblings, split_reused
 from dcpbridge.storage.write.written import written_columns, written_table
 
@@ -791,7 +792,18 @@ def publish(
     # Conditional: if another save committed since ``current`` was read, this one raises
     # (and its caller removes its files) instead of replacing a commit it never saw.
     store.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
-    remove_replaced_files(store, replaced, save_id)
+    index = metadata.storage_data
+    assert isinstance(index, StorageIndex)
+    own = _referenced_here(store.location.root, index.files)
+    remove_replaced_files(store, [n for n in replaced if n not in own], save_id)
+
+
+def _referenced_here(root: str, files: Iterable[str]) -> set[str]:
+    """Names of the files of checkpoint folder ``root`` that its own document ``files``
+    references (``../<this folder>/...``: an incremental save over the checkpoint its
+    ``reuse_from`` references): replacing the old commit must keep them."""
+    here = root.rstrip("/").rsplit("/", 1)[-1]
+    return {f.rsplit("/", 1)[-1] for f in files if is_reference(f) and reference_dir(f) == here}
 
 
 def _document(raw: bytes | None) -> dict[str, Any] | None:

@@ -359,3 +359,150 @@ def test_a_step_that_later_steps_reference_is_not_saved_again(tmp_path):
     assert torch.equal(out["base"], _crash_state(2)["base"])
     mgr.save(2, _crash_state(2))  # nothing references step 2: it may be saved again
     assert mgr.all_steps() == [1, 2]
+
+
+def test_a_step_below_the_newest_that_retention_removed_is_not_referenced_later(tmp_path):
+    """A step retention removed right after its save is not referenced later (saves would fail)."""
+    mgr = db.CheckpointManager(tmp_path, every=1, keep_last=1, async_save=False, incremental=True)
+    for step in (8, 10):
+        mgr.save(step, _crash_state(step))
+    mgr.save(9, _crash_state(9))  # below the newest: retention keeps only step 10
+    assert mgr.all_steps() == [10]
+    mgr.save(11, _crash_state(11))
+    assert mgr.all_steps() == [11]
+    assert referenced(mgr.step_url(11)) == {"base"}
+    out = mgr.load(_template())
+    assert torch.equal(out["base"], _crash_state(11)["base"])
+    assert torch.equal(out["ad"], _crash_state(11)["ad"]) and out["step"] == 11
+    mgr.close()
+
+
+def test_a_save_over_the_checkpoint_its_reuse_from_references_keeps_those_bytes(tmp_path):
+    """Re-saving s1 from s2 (which references s1) keeps the old files the new s1 names too."""
+    saved = {1: _crash_state(1), 2: _crash_state(2)}
+    db.save(saved[1], tmp_path / "s1")
+    db.save(saved[2], tmp_path / "s2", reuse_from=tmp_path / "s1")
+    assert referenced(str(tmp_path / "s2")) == {"base"}
+    db.save(saved[1], tmp_path / "s1", reuse_from=tmp_path / "s2")
+    assert stored(str(tmp_path / "s1"))[("base", (0, 0))].startswith("../s1/")
+    for s in (1, 2):
+        out = db.load(_template(), tmp_path / f"s{s}")
+        assert torch.equal(out["base"], saved[s]["base"])
+        assert torch.equal(out["ad"], saved[s]["ad"]) and out["step"] == s
+    assert fsck(str(tmp_path)).missing == []
+
+
+def test_incremental_without_checksums_is_refused_when_the_manager_is_made(tmp_path):
+    """incremental=True without checksums fails at once, not at every save after the first."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("checkpoint: {checksums: false}\n")
+    with pytest.raises(db.InvalidArgumentError, match="incremental=True needs checksums"):
+        db.CheckpointManager(tmp_path / "run", async_save=False, incremental=True, config=cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def _behind(root, **kwargs) -> db.CheckpointManager:
+    """Every step persistent, every second one uploaded from its local step (not incremental)."""
+    return db.CheckpointManager(
+        root / "run",
+        every=1,
+        async_save=False,
+        incremental=True,
+        local_dir=root / "local",
+        local_every=2,
+        persist_behind=True,
+        **kwargs,
+    )
+
+
+def test_a_refused_upload_over_a_referenced_step_keeps_that_step(tmp_path):
+    """A refused upload over a referenced step deletes nothing (the later step stays loadable)."""
+    mgr = _behind(tmp_path)
+    for step in (1, 2, 3):
+        mgr.save(step, _crash_state(step))
+    assert stored(mgr.step_url(3))[("base", (0, 0))].startswith("../step_00000002/")
+    with pytest.raises(db.InvalidArgumentError, match="step_00000003 reference its files"):
+        mgr.save(2, _crash_state(2))
+    assert mgr.all_steps() == [1, 2, 3]
+    for step in (2, 3):
+        out = mgr.load(_template(), step=step)
+        assert torch.equal(out["base"], _crash_state(step)["base"])
+        assert torch.equal(out["ad"], _crash_state(step)["ad"]) and out["step"] == step
+    mgr.close()
+
+
+def test_a_failed_upload_keeps_the_step_saved_there_before(tmp_path, monkeypatch):
+    """A failed upload removes what it wrote, never a checkpoint committed there before."""
+    from dcpbridge.engine import local_persist
+
+    mgr = _behind(tmp_path)
+    mgr.save(2, _crash_state(2))
+
+    def gone(*args: object) -> None:
+        raise OSError("bucket gone")
+
+    monkeypatch.setattr(local_persist, "_upload_file", gone)
+    for step in (2, 4):
+        with pytest.raises(db.CheckpointError, match="bucket gone"):
+            mgr.save(step, _crash_state(step + 10))
+    assert mgr.all_steps() == [2]
+    assert not (tmp_path / "run" / "step_00000004").exists()
+    out = mgr.load(_template(), step=2)
+    assert torch.equal(out["ad"], _crash_state(2)["ad"]) and out["step"] == 2
+    assert fsck(str(tmp_path / "run")).missing == []
+    mgr.close()
+
+
+def test_bytes_the_previous_step_lost_are_written_again_not_referenced(tmp_path):
+    """Bytes the previous step references that are gone or cut short are written again."""
+    mgr = db.CheckpointManager(tmp_path, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    assert referenced(mgr.step_url(2)) == {"base"}
+    shutil.rmtree(tmp_path / "step_00000001")
+    mgr.save(3, _crash_state(3))
+    assert referenced(mgr.step_url(3)) == set()
+    os.truncate(tmp_path / "step_00000003" / stored(mgr.step_url(3))[("base", (0, 0))], 100)
+    mgr.save(4, _crash_state(4))
+    assert referenced(mgr.step_url(4)) == set()
+    out = mgr.load(_template(), step=4)
+    assert torch.equal(out["base"], _crash_state(4)["base"])
+    assert torch.equal(out["ad"], _crash_state(4)["ad"]) and out["step"] == 4
+    mgr.close()
+
+
+def test_a_damaged_newest_step_does_not_stop_incremental_saves(tmp_path, caplog):
+    """A resumed job references the newest readable step, not a damaged newest one (every save
+    would fail)."""
+    mgr = db.CheckpointManager(tmp_path, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    mgr.close()
+    (tmp_path / "step_00000002" / "dcpbridge.json").write_text("{garbage")
+    mgr = db.CheckpointManager(tmp_path, every=1, keep_last=2, async_save=False, incremental=True)
+    for step in (3, 4):
+        mgr.save(step, _crash_state(step))
+    assert "step_00000002" in caplog.text and "not valid JSON" in caplog.text
+    assert mgr.all_steps() == [3, 4]
+    assert stored(mgr.step_url(3))[("base", (0, 0))].startswith("../step_00000001/")
+    for step in (3, 4):
+        out = mgr.load(_template(), step=step)
+        assert torch.equal(out["base"], _crash_state(step)["base"])
+        assert torch.equal(out["ad"], _crash_state(step)["ad"]) and out["step"] == step
+    mgr.close()
+
+
+def test_retention_keeps_the_files_another_checkpoint_beside_the_steps_references(tmp_path):
+    """A checkpoint saved beside the steps with reuse_from=a step keeps that step's bytes."""
+    mgr = db.CheckpointManager(tmp_path, every=1, keep_last=1, async_save=False, incremental=True)
+    mgr.save(1, _crash_state(1))
+    db.save(_crash_state(1), tmp_path / "best", reuse_from=mgr.step_url(1))
+    (tmp_path / "notes on the run.txt").write_text("not a checkpoint")
+    for step in (2, 3):
+        mgr.save(step, {"ad": _crash_state(step)["ad"], "step": step})
+    assert mgr.all_steps() == [3]
+    out = db.load(_template(), tmp_path / "best")
+    assert torch.equal(out["base"], _crash_state(1)["base"])
+    assert torch.equal(out["ad"], _crash_state(1)["ad"]) and out["step"] == 1
+    assert fsck(str(tmp_path)).missing == []
+    mgr.close()
