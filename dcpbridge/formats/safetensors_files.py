@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpbridge.errors import CorruptCheckpointError
+from dcpbridge.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dcpbridge.formats.safetensors_chunks import (
     FileChunk,
     GlobalTensor,
@@ -34,6 +35,9 @@ from dcpbridge.storage.backends.store import Storage
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+# The shards of a Hugging Face export (transformers', dcpbridge's): valid only under an index,
+# which the writer publishes last (without it, the export did not finish).
+_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,14 @@ def _files(
     if location.root.endswith(".safetensors"):
         folder = resolve(_parent_url(location), storage_options)
         return folder, [location.root.rstrip("/").rsplit("/", 1)[-1]], None
-    return location, sorted(n for n in store.list_names() if n.endswith(".safetensors")), None
+    names = sorted(n for n in store.list_names() if n.endswith(".safetensors"))
+    shards = [n for n in names if _HF_SHARD.match(n)]
+    if shards:
+        raise IncompleteCheckpointError(
+            f"{location.url}: {shards[0]} is a shard of a Hugging Face export but no "
+            f"{SAFETENSORS_INDEX} (written last) exists: the export did not finish"
+        )
+    return location, names, None
 
 
 def open_safetensors(

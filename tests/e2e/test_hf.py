@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpbridge as db
 from dcpbridge.tools.hf import Held, plan_hf
+from tests.support import preloaded
 from tests.support.dist_pool import Rank
 from tests.support.limits import file_size_limit
 
@@ -166,6 +167,36 @@ def test_a_rank_failing_mid_save_leaves_no_index(pool, tmp_path):
     assert outcomes[0].startswith(f"StorageError: rank 1: {path}: write model-"), outcomes[0]
     assert "File too large" in outcomes[0], outcomes[0]
     assert not os.path.exists(path) or os.listdir(path) == []
+
+
+def _killed_after_headers(path: str) -> None:
+    """``save_hf`` in a process killed at its first tensor byte (every header in place)."""
+    from dcpbridge.tools import hf
+
+    def die(*_: object) -> None:
+        os._exit(9)
+
+    hf._box_parts = die  # type: ignore[assignment]
+    db.save_hf(full(), path, max_shard_bytes=SHARD_BYTES)
+
+
+@pytest.mark.timeout(120)
+def test_a_save_killed_before_its_index_is_refused_not_read_as_zeros(tmp_path):
+    """A killed ``save_hf`` leaves full-size shards (headers written, data zeros) and no
+    index: loading them must raise, not return zeros (Hugging Face writes the index last)."""
+    path = str(tmp_path / "killed")
+    p = preloaded.context().Process(target=_killed_after_headers, args=(path,))
+    p.start()
+    p.join(100)
+    assert p.exitcode == 9
+    names = sorted(os.listdir(path))
+    assert INDEX not in names and names[0] == "model-00001-of-00002.safetensors", names
+    template = {k: torch.zeros_like(v) for k, v in full().items()}
+    error = rf"{path}: model-00001-of-00002\.safetensors .* but no {INDEX}"
+    with pytest.raises(db.IncompleteCheckpointError, match=error):
+        db.load(template, path)
+    with pytest.raises(db.IncompleteCheckpointError, match=error):
+        db.open_source(path)
 
 
 def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
