@@ -164,7 +164,8 @@ def export_safetensors(
     Every rank of ``group`` (one process if None) calls it with the same arguments: each
     writes the files a deterministic split by bytes gives it, and the coordinator writes the
     index once every rank's files are durable. A failure on any rank raises on every rank
-    and removes the files (no index is written).
+    and removes the files (no index is written). An earlier export's index at
+    ``destination`` is removed before any file is written, so it never names new shards.
     """
     group = group or Group(None, 0, 1, 0)
     location = resolve(destination, storage_options)
@@ -180,6 +181,9 @@ def export_safetensors(
     def plan() -> bool:
         created = location.is_local and not os.path.exists(location.root)  # before any write
         store.makedirs()
+        if group.is_coordinator and SAFETENSORS_INDEX in store.list_names():
+            # an earlier export's index would name this one's shards among its own
+            store.remove([SAFETENSORS_INDEX])
         return created
 
     created = protocol.agree(group, "plan", plan)[0]

@@ -199,6 +199,41 @@ def test_a_save_killed_before_its_index_is_refused_not_read_as_zeros(tmp_path):
         db.open_source(path)
 
 
+def _export_killed_after_one_shard(source: str, path: str) -> None:
+    """``export_safetensors`` (``convert --force``) killed once its first shard is durable."""
+    from dcpbridge.tools import export
+
+    header = export.safetensors_header
+    calls = []
+
+    def second_shard_dies(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            os._exit(9)
+        return header(*args)
+
+    export.safetensors_header = second_shard_dies  # type: ignore[assignment]
+    src = db.open_source(source)
+    export.export_safetensors(src, path, max_shard_bytes=SHARD_BYTES)
+
+
+@pytest.mark.timeout(120)
+def test_an_export_killed_over_an_older_one_does_not_mix_their_shards(tmp_path):
+    """Exporting over an earlier export (same file names) removes its index before writing:
+    a kill mid-way never leaves the old index naming one new shard and one old shard."""
+    old, new = full(), {k: (_bytes(v) + 1).view(v.dtype).view(v.shape) for k, v in full().items()}
+    path, source = str(tmp_path / "hf"), str(tmp_path / "new.pt")
+    db.save_hf(old, path, max_shard_bytes=SHARD_BYTES)
+    torch.save(new, source)
+    p = preloaded.context().Process(target=_export_killed_after_one_shard, args=(source, path))
+    p.start()
+    p.join(100)
+    assert p.exitcode == 9
+    template = {k: torch.zeros_like(v) for k, v in old.items()}
+    with pytest.raises(db.IncompleteCheckpointError, match=rf"but no {INDEX}"):
+        db.load(template, path)
+
+
 def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
