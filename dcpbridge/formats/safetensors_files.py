@@ -8,7 +8,6 @@ index) every key where the index says it is (``dcpbridge.formats.safetensors_chu
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -24,10 +23,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcpbridge.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dcpbridge.formats.safetensors_chunks import (
+    DuplicateName,
     FileChunk,
     GlobalTensor,
     file_chunks,
     global_tensors,
+    load_json,
 )
 from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
 from dcpbridge.storage.backends import storage_for
@@ -63,7 +64,9 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
     if not 2 <= size <= MAX_HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: not a safetensors file (bad header length)")
     try:
-        header = json.loads(location.fs.cat_file(path, start=8, end=8 + size))
+        header = load_json(location.fs.cat_file(path, start=8, end=8 + size))
+    except DuplicateName as e:
+        raise CorruptCheckpointError(f"{path}: safetensors header {e}") from None
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: safetensors header is not JSON: {e}") from None
     if not isinstance(header, dict):
@@ -74,7 +77,9 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
 def _weight_map(raw: bytes, where: str) -> dict[str, str]:
     """The ``weight_map`` of a safetensors index (key -> file name), checked."""
     try:
-        weight_map = json.loads(raw).get("weight_map")
+        weight_map = load_json(raw).get("weight_map")
+    except DuplicateName as e:
+        raise CorruptCheckpointError(f"{where}: {SAFETENSORS_INDEX} {e}") from None
     except (ValueError, AttributeError, RecursionError):
         weight_map = None
     if not isinstance(weight_map, dict) or not all(

@@ -264,6 +264,45 @@ def test_load_refuses_a_hostile_header(tmp_path, header, error):
         db.load({"a": torch.zeros(2)}, str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("header", "index", "error"),
+    [
+        (
+            b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+            b'"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}',
+            None,
+            r"model\.safetensors: safetensors header names 'a' twice",
+        ),
+        (
+            b'{"a":{"dtype":"F32","shape":[1],"dtype":"I32","data_offsets":[0,4]}}',
+            None,
+            r"model\.safetensors: safetensors header names 'dtype' twice",
+        ),
+        (
+            b'{"__metadata__":{"DCP_SHARDING_INFO":"{\\"a\\":{\\"saved_offsets\\":[0]},'
+            b'\\"a\\":{\\"saved_offsets\\":[1]}}"},'
+            b'"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+            None,
+            r"model\.safetensors: DCP_SHARDING_INFO names 'a' twice",
+        ),
+        (
+            b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+            b'{"weight_map":{"a":"other.safetensors","a":"model.safetensors"}}',
+            rf"{INDEX} names 'a' twice",
+        ),
+    ],
+)
+def test_a_name_given_twice_is_refused_not_resolved_to_the_last(tmp_path, header, index, error):
+    """JSON with a duplicate name is ambiguous (json keeps the last, other readers the first):
+    the file or index is refused instead of loading one of the two silently."""
+    data = torch.tensor([1.0, 2.0]).view(torch.uint8).numpy().tobytes()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + data)
+    if index is not None:
+        (tmp_path / INDEX).write_bytes(index)
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.load({"a": torch.zeros(1)}, str(tmp_path))
+
+
 def test_plan_spreads_plain_tensors_and_refuses_disagreeing_ranks():
     """Pure planning: replicated plain tensors go to the least-loaded holder; shapes that
     differ between ranks, or boxes that do not tile, raise before anything is written."""
