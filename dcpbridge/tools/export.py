@@ -314,17 +314,28 @@ def export_torch(
     location = resolve(destination, storage_options)
     scratch = None
     path = location.root
+    folder = os.path.dirname(path) or "."
+    created = False
     if not location.is_local:
         scratch = tempfile.mkdtemp(prefix="dcpbridge-export-")
         path = os.path.join(scratch, os.path.basename(location.root) or "model.pt")
     else:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        created = not os.path.exists(folder)
+        os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp-export"
     try:
-        tmp = f"{path}.tmp-export"
         total = _write_torch_file(source, tmp, slab_bytes, on_bytes)
         os.replace(tmp, path)
         if scratch is not None:
             location.fs.put_file(path, location.root)
+    except BaseException:  # a failed export leaves nothing behind
+        if scratch is None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            if created:
+                with contextlib.suppress(OSError):  # only if empty: never another's files
+                    os.rmdir(folder)
+        raise
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -496,6 +496,23 @@ def test_a_failed_export_removes_what_it_wrote(tmp_path):
     assert os.listdir(dst) == []  # a folder that was there stays
 
 
+def test_a_failed_torch_export_removes_what_it_wrote(tmp_path):
+    """A read failing mid-way (a corrupted data file) leaves no partial torch file behind."""
+    src = str(tmp_path / "ck")
+    db.save({"a": torch.ones(1000), "b": torch.ones(1000)}, src)
+    (name,) = [n for n in os.listdir(src) if n.startswith("__0_1")]  # holds 'b', read last
+    raw = bytearray((tmp_path / "ck" / name).read_bytes())
+    raw[-100] ^= 0xFF
+    (tmp_path / "ck" / name).write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    err = run_cli("convert", src, str(out / "model.pt"), "--to", "torch", code=1)
+    assert "checksum mismatch in tensor 'b'" in err.stderr, err.stderr
+    assert not out.exists()  # the folder it made, with nothing in it
+    out.mkdir()
+    run_cli("convert", src, str(out / "model.pt"), "--to", "torch", code=1)
+    assert os.listdir(out) == []  # a folder that was there stays
+
+
 def test_transformers_from_pretrained_loads_the_export(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
