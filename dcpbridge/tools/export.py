@@ -34,12 +34,12 @@ import torch
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import CheckpointError
-from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX
+from dcpbridge.errors import CheckpointError, InvalidArgumentError
+from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX, Format
 from dcpbridge.formats.safetensors_chunks import SAFETENSORS_DTYPES
 from dcpbridge.formats.sources import Source, TensorInfo, _TorchFileSource
 from dcpbridge.model.mapping import COMMON_KEY
-from dcpbridge.storage import resolve
+from dcpbridge.storage import Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.write.writer import CoalescingFile
@@ -179,6 +179,11 @@ def export_safetensors(
     mine = {w.key for w in assign(work, group.size)[group.rank]}
 
     def plan() -> bool:
+        if _holds_source(location, source):
+            raise InvalidArgumentError(
+                f"the destination {location.url} holds the source {source.location.url}: "
+                "the export would overwrite the files it reads"
+            )
         created = location.is_local and not os.path.exists(location.root)  # before any write
         store.makedirs()
         if group.is_coordinator and SAFETENSORS_INDEX in store.list_names():
@@ -230,6 +235,19 @@ def export_safetensors(
     total = sum(t.nbytes for _, shard in files for t in shard)
     count = sum(len(shard) for _, shard in files)
     return ExportResult(location.url, written, count, total, skipped, aliases)
+
+
+def _holds_source(location: Location, source: Source) -> bool:
+    """Whether ``location`` is the folder of ``source``'s files (the source itself, or the
+    folder of a single-file source), whose files an export there would overwrite."""
+    src = source.location
+    if type(src.fs) is not type(location.fs):
+        return False
+    norm = os.path.realpath if location.is_local else (lambda p: p.rstrip("/"))
+    dst, root = norm(location.root), norm(src.root)
+    if dst == root:
+        return True
+    return source.format == Format.SAFETENSORS and dst == norm(root.rsplit("/", 1)[0] or "/")
 
 
 def remove_export(store: Storage, names: list[str], created: bool) -> None:

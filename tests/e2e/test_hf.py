@@ -234,6 +234,23 @@ def test_an_export_killed_over_an_older_one_does_not_mix_their_shards(tmp_path):
         db.load(template, path)
 
 
+@pytest.mark.parametrize("single_file", [False, True])
+def test_an_export_onto_its_own_source_is_refused_and_the_source_kept(tmp_path, single_file):
+    """Exporting safetensors into the folder they are read from would truncate the source
+    files while reading them, then remove them as a failed export's: refused up front."""
+    path = str(tmp_path / "hf")
+    db.save_hf(full(), path)
+    opened = os.path.join(path, "model.safetensors") if single_file else path
+    source = db.open_source(opened)
+    try:
+        with pytest.raises(db.InvalidArgumentError, match=rf"{path} holds the source"):
+            db.export_safetensors(source, path)
+    finally:
+        source.close()
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
 def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
