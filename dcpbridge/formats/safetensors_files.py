@@ -97,7 +97,7 @@ def _files(
     if store.exists(SAFETENSORS_INDEX):
         weight_map = _weight_map(store.read_file(location.path(SAFETENSORS_INDEX)), location.url)
         return location, sorted(set(weight_map.values())), weight_map
-    if location.root.endswith(".safetensors"):
+    if location.root.endswith(".safetensors") and location.fs.isfile(location.root):
         folder = resolve(_parent_url(location), storage_options)
         return folder, [location.root.rstrip("/").rsplit("/", 1)[-1]], None
     names = sorted(n for n in store.list_names() if n.endswith(".safetensors"))

@@ -251,6 +251,20 @@ def test_an_export_onto_its_own_source_is_refused_and_the_source_kept(tmp_path, 
     assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
 
 
+def test_a_folder_named_like_a_safetensors_file_loads(tmp_path):
+    """``save_hf`` into ``llama.safetensors/`` (a folder): loaded as the folder it is, not
+    refused as a missing file."""
+    path = str(tmp_path / "llama.safetensors")
+    db.save_hf(full(), path, max_shard_bytes=SHARD_BYTES)
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+    os.remove(os.path.join(path, INDEX))
+    os.rename(os.path.join(path, "model-00001-of-00002.safetensors"), f"{path}/a.safetensors")
+    os.rename(os.path.join(path, "model-00002-of-00002.safetensors"), f"{path}/b.safetensors")
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)  # no index
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
 def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
