@@ -39,6 +39,7 @@ from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX, Format
 from dcpbridge.formats.safetensors_chunks import SAFETENSORS_DTYPES
 from dcpbridge.formats.sources import Source, TensorInfo, _TorchFileSource
 from dcpbridge.model.mapping import COMMON_KEY
+from dcpbridge.planners.errors import SerializationError
 from dcpbridge.storage import Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
@@ -89,6 +90,8 @@ def safetensors_header(
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **tied}}
     pos = 0
     for t in ordered:
+        if t.key == "__metadata__":  # it would replace the header's metadata entry
+            raise SerializationError(f"tensor {t.key!r}: safetensors reserves that name")
         name = _SAFETENSORS_NAMES.get(t.dtype)
         if name is None:
             raise CheckpointError(f"tensor {t.key!r}: safetensors cannot store dtype {t.dtype}")

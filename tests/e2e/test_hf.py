@@ -265,6 +265,24 @@ def test_a_folder_named_like_a_safetensors_file_loads(tmp_path):
     assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
 
 
+def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path):
+    """A tensor named ``__metadata__`` would replace the header's metadata entry: safetensors
+    refuses such a file and dcpbridge reads it without that tensor. Refused before writing."""
+    state = {"__metadata__": torch.ones(3), "a": torch.zeros(2)}
+    torch.save(state, str(tmp_path / "m.pt"))
+    source = db.open_source(str(tmp_path / "m.pt"))
+    error = r"tensor '__metadata__': safetensors reserves that name"
+    try:
+        with pytest.raises(db.SerializationError, match=error):
+            db.export_safetensors(source, str(tmp_path / "out"))
+    finally:
+        source.close()
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(db.SerializationError, match=error):
+        db.save_hf(state, str(tmp_path / "saved"))
+    assert not os.path.exists(tmp_path / "saved")
+
+
 def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
