@@ -43,6 +43,7 @@ from dcpbridge.planners.errors import SerializationError
 from dcpbridge.storage import Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.write.writer import CoalescingFile
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, WorkItem, assign, box_bytes, counted
 
@@ -333,6 +334,17 @@ def export_torch(
 ) -> ExportResult:
     """Write ``source`` as one ``torch.save`` file at ``destination`` (any fsspec URL)."""
     location = resolve(destination, storage_options)
+    with storage_faults(f"{location.url}: write"):
+        return _export_torch(source, location, slab_bytes, on_bytes)
+
+
+def _export_torch(
+    source: Source,
+    location: Location,
+    slab_bytes: int,
+    on_bytes: Callable[[int], None] | None,
+) -> ExportResult:
+    """``export_torch`` at a resolved ``location`` (file system errors raised as they come)."""
     scratch = None
     path = location.root
     folder = os.path.dirname(path) or "."
