@@ -43,7 +43,7 @@ from dcpbridge.planners.errors import SerializationError
 from dcpbridge.storage import Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
-from dcpbridge.storage.errors import storage_faults
+from dcpbridge.storage.errors import storage_error, storage_faults
 from dcpbridge.storage.write.writer import CoalescingFile
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, WorkItem, assign, box_bytes, counted
 
@@ -206,7 +206,10 @@ def export_safetensors(
                 continue
             head, ordered = safetensors_header(shard, aliases)
             started.append(name)
-            with store.open_write(location.path(name)) as raw:
+            with (
+                storage_faults(f"{location.url}: write {name}"),
+                store.open_write(location.path(name)) as raw,
+            ):
                 out = CoalescingFile(raw)
                 out.write(memoryview(head))
                 for t in ordered:
@@ -380,7 +383,10 @@ def _write_torch_file(
 ) -> int:
     layout = _torch_layout(source)
     with torch.serialization.skip_data():
-        torch.save(layout, path)
+        try:
+            torch.save(layout, path)
+        except RuntimeError as e:  # torch's zip writer failing to write (a full disk)
+            raise storage_error(f"{path}: write", e) from e
     del layout
     placed = torch.load(path, map_location="meta", mmap=True, weights_only=False)
     records = _data_records(path)

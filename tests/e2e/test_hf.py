@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpbridge as db
+from dcpbridge.formats.sources import Source
 from dcpbridge.tools.hf import Held, plan_hf
 from tests.support import preloaded
 from tests.support.dist_pool import Rank
@@ -281,6 +282,32 @@ def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path):
     with pytest.raises(db.SerializationError, match=error):
         db.save_hf(state, str(tmp_path / "saved"))
     assert not os.path.exists(tmp_path / "saved")
+
+
+def _export(source: Source, out: str, to: str) -> None:
+    if to == "safetensors":
+        db.export_safetensors(source, out, max_shard_bytes=SHARD_BYTES)
+    else:
+        db.export_torch(source, os.path.join(out, "model.pt"))
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_an_export_on_a_full_disk_raises_a_storage_error_and_leaves_nothing(tmp_path, to):
+    """EFBIG mid-export (a full disk) is a StorageError naming the destination's file, the
+    failed write (the OS's, or torch's zip writer's) as the cause; nothing is left."""
+    torch.save(full(), str(tmp_path / "m.pt"))
+    source = db.open_source(str(tmp_path / "m.pt"))
+    out = str(tmp_path / "out")
+    try:
+        with (
+            file_size_limit(200),
+            pytest.raises(db.StorageError, match=rf"^{out}.*: write") as info,
+        ):
+            _export(source, out, to)
+    finally:
+        source.close()
+    assert isinstance(info.value.__cause__, OSError if to == "safetensors" else RuntimeError)
+    assert not os.path.exists(out)
 
 
 def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
