@@ -36,6 +36,7 @@ from dcpbridge.storage.backends.store import Storage
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+MAX_INDEX_BYTES = 100 << 20  # Hugging Face's indexes hold a few MB for the largest models
 # The shards of a Hugging Face export (transformers', dcpbridge's): valid only under an index,
 # which the writer publishes last (without it, the export did not finish).
 _HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -95,6 +96,12 @@ def _files(
 ) -> tuple[Location, list[str], dict[str, str] | None]:
     """The folder, the file names and the index's weight map (None without an index)."""
     if store.exists(SAFETENSORS_INDEX):
+        size = store.file_size(location.path(SAFETENSORS_INDEX))
+        if size > MAX_INDEX_BYTES:  # checked before it is read whole
+            raise CorruptCheckpointError(
+                f"{location.url}: {SAFETENSORS_INDEX} holds {size} bytes, more than an index "
+                f"may ({MAX_INDEX_BYTES})"
+            )
         weight_map = _weight_map(store.read_file(location.path(SAFETENSORS_INDEX)), location.url)
         return location, sorted(set(weight_map.values())), weight_map
     if location.root.endswith(".safetensors") and location.fs.isfile(location.root):

@@ -379,6 +379,21 @@ def test_a_name_given_twice_is_refused_not_resolved_to_the_last(tmp_path, header
         db.load({"a": torch.zeros(1)}, str(tmp_path))
 
 
+def test_an_index_larger_than_the_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """The index is hostile input like a header: its size is checked before it is read
+    whole (every rank reads it), so a huge file cannot exhaust the memory of the job."""
+    from dcpbridge.formats import safetensors_files
+
+    db.save_hf(full(), str(tmp_path), max_shard_bytes=SHARD_BYTES)
+    size = os.path.getsize(tmp_path / INDEX)
+    monkeypatch.setattr(safetensors_files, "MAX_INDEX_BYTES", size - 1)
+    error = rf"{INDEX} holds {size} bytes, more than an index may \({size - 1}\)"
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.load({k: torch.zeros_like(v) for k, v in full().items()}, str(tmp_path))
+    monkeypatch.setattr(safetensors_files, "MAX_INDEX_BYTES", size)
+    db.load({k: torch.zeros_like(v) for k, v in full().items()}, str(tmp_path))
+
+
 def test_plan_spreads_plain_tensors_and_refuses_disagreeing_ranks():
     """Pure planning: replicated plain tensors go to the least-loaded holder; shapes that
     differ between ranks, or boxes that do not tile, raise before anything is written."""
