@@ -107,7 +107,7 @@ def _files(
     if location.root.endswith(".safetensors") and location.fs.isfile(location.root):
         folder = resolve(_parent_url(location), storage_options)
         return folder, [location.root.rstrip("/").rsplit("/", 1)[-1]], None
-    names = sorted(n for n in store.list_names() if n.endswith(".safetensors"))
+    names = sorted(n for n in store.file_sizes() if n.endswith(".safetensors"))  # files only
     shards = [n for n in names if _HF_SHARD.match(n)]
     if shards:
         raise IncompleteCheckpointError(

@@ -264,6 +264,9 @@ def test_a_folder_named_like_a_safetensors_file_loads(tmp_path):
     os.rename(os.path.join(path, "model-00002-of-00002.safetensors"), f"{path}/b.safetensors")
     got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)  # no index
     assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+    os.mkdir(os.path.join(path, "old.safetensors"))  # a folder among the files: not one of them
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
 
 
 def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path):
