@@ -1,9 +1,11 @@
 """A folder (or one file) of safetensors opened as a sharded checkpoint: checked headers into
 DCP metadata, read by dcpbridge's reader (each rank reads just its ranges, no broadcast).
 
-Every header is validated before anything is sized by it: its length, JSON, dtypes, shapes,
-byte ranges inside the file, equal to shape x dtype and pairwise disjoint, and (with an
-index) every key where the index says it is (``dcpbridge.formats.safetensors_chunks``).
+Every header is validated before anything is sized by it: its length, JSON (no name given
+twice), dtypes, shapes, byte ranges inside the file, equal to shape x dtype and pairwise
+disjoint, and (with an index, itself of bounded size) every key where the index says it is
+(``dcpbridge.formats.safetensors_chunks``). Shards of a Hugging Face export without their
+index (which the writer publishes last) are an export that did not finish, refused.
 """
 
 from __future__ import annotations
