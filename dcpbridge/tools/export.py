@@ -182,24 +182,31 @@ def export_safetensors(
     work = [WorkItem(name, sum(t.nbytes for t in shard), 0) for name, shard in files]
     mine = {w.key for w in assign(work, group.size)[group.rank]}
 
-    def plan() -> bool:
+    def plan() -> tuple[bool, int]:
         if _holds_source(location, source):
             raise InvalidArgumentError(
                 f"the destination {location.url} holds the source {source.location.url}: "
                 "the export would overwrite the files it reads"
             )
         created = location.is_local and not os.path.exists(location.root)  # before any write
+        return created, max_shard_bytes
+
+    everyone = protocol.agree(group, "plan", plan)
+    created = everyone[0][0]
+    same_split("export_safetensors", [m for _, m in everyone])  # else other files per rank
+
+    def prepare() -> None:
         store.makedirs()
-        if group.is_coordinator and SAFETENSORS_INDEX in store.list_names():
+        if SAFETENSORS_INDEX in store.list_names():
             # an earlier export's index would name this one's shards among its own
             store.remove([SAFETENSORS_INDEX])
-        return created
 
-    created = protocol.agree(group, "plan", plan)[0]
+    protocol.on_coordinator(group, "prepare", prepare)  # before any rank writes
 
     started: list[str] = []  # the files this rank opened, removed if the export fails
 
     def write() -> dict[str, str]:
+        store.makedirs()  # the coordinator's may not be visible here yet
         weight_map: dict[str, str] = {}
         for name, shard in files:
             if name not in mine:
@@ -255,6 +262,16 @@ def _holds_source(location: Location, source: Source) -> bool:
     if dst == root:
         return True
     return source.format == Format.SAFETENSORS and dst == norm(root.rsplit("/", 1)[0] or "/")
+
+
+def same_split(what: str, limits: list[int]) -> None:
+    """Raise (on every rank: each sees all ``limits``) unless every rank passed the same
+    ``max_shard_bytes``: the files each writes are planned from it."""
+    if len(set(limits)) > 1:
+        ranks = ", ".join(f"rank {r}: {m}" for r, m in enumerate(limits))
+        raise InvalidArgumentError(
+            f"{what}: every rank must pass the same max_shard_bytes, got {ranks}"
+        )
 
 
 def remove_export(store: Storage, names: list[str], created: bool) -> None:

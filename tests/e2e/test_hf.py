@@ -170,6 +170,49 @@ def test_a_rank_failing_mid_save_leaves_no_index(pool, tmp_path):
     assert not os.path.exists(path) or os.listdir(path) == []
 
 
+def save_or_export_split_differently(r: Rank, path: str, source: str | None) -> str:
+    """``save_hf`` (``export_safetensors`` from ``source`` if given) with a ``max_shard_bytes``
+    that differs between the ranks: the files each rank plans would differ."""
+    from dcpbridge.engine.collectives import Group
+
+    limit = 10**9 if r.rank == 0 else SHARD_BYTES
+    try:
+        if source is None:
+            db.save_hf(full(), path, process_group=r.group, max_shard_bytes=limit)
+        else:
+            src = db.open_source(source)
+            try:
+                db.export_safetensors(
+                    src, path, max_shard_bytes=limit, group=Group.resolve(r.group)
+                )
+            finally:
+                src.close()
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["save_hf", "export"])
+def test_ranks_passing_different_shard_sizes_are_refused(pool, tmp_path, how):
+    """Each rank plans the files from its own ``max_shard_bytes``: with different values,
+    one rank's boxes went to files the others did not publish (the tensor read as zeros).
+    Refused on every rank before anything is written."""
+    path = str(tmp_path / "out")
+    source = None
+    if how == "export":
+        source = str(tmp_path / "full.pt")
+        torch.save(full(), source)
+    outcomes = pool.run(save_or_export_split_differently, 2, path, source, timeout=100)
+    what = "save_hf" if how == "save_hf" else "export_safetensors"
+    want = (
+        f"InvalidArgumentError: {what}: every rank must pass the same max_shard_bytes, "
+        f"got rank 0: 1000000000, rank 1: {SHARD_BYTES}"
+    )
+    assert outcomes == [want, want]
+    assert not os.path.exists(path)
+
+
 def _killed_after_headers(path: str) -> None:
     """``save_hf`` in a process killed at its first tensor byte (every header in place)."""
     from dcpbridge.tools import hf
