@@ -213,6 +213,19 @@ def test_ranks_passing_different_shard_sizes_are_refused(pool, tmp_path, how):
     assert not os.path.exists(path)
 
 
+def _exit_code(target: Any, *args: str) -> int | None:
+    """``target(*args)`` in a process of its own (forked from one that imported torch): its
+    exit code, or None (the process killed) if it ran past 100 s."""
+    p = preloaded.context().Process(target=target, args=args)
+    p.start()
+    p.join(100)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        return None
+    return p.exitcode
+
+
 def _killed_after_headers(path: str) -> None:
     """``save_hf`` in a process killed at its first tensor byte (every header in place)."""
     from dcpbridge.tools import hf
@@ -229,10 +242,7 @@ def test_a_save_killed_before_its_index_is_refused_not_read_as_zeros(tmp_path):
     """A killed ``save_hf`` leaves full-size shards (headers written, data zeros) and no
     index: loading them must raise, not return zeros (Hugging Face writes the index last)."""
     path = str(tmp_path / "killed")
-    p = preloaded.context().Process(target=_killed_after_headers, args=(path,))
-    p.start()
-    p.join(100)
-    assert p.exitcode == 9
+    assert _exit_code(_killed_after_headers, path) == 9
     names = sorted(os.listdir(path))
     assert INDEX not in names and names[0] == "model-00001-of-00002.safetensors", names
     template = {k: torch.zeros_like(v) for k, v in full().items()}
@@ -269,10 +279,7 @@ def test_an_export_killed_over_an_older_one_does_not_mix_their_shards(tmp_path):
     path, source = str(tmp_path / "hf"), str(tmp_path / "new.pt")
     db.save_hf(old, path, max_shard_bytes=SHARD_BYTES)
     torch.save(new, source)
-    p = preloaded.context().Process(target=_export_killed_after_one_shard, args=(source, path))
-    p.start()
-    p.join(100)
-    assert p.exitcode == 9
+    assert _exit_code(_export_killed_after_one_shard, source, path) == 9
     template = {k: torch.zeros_like(v) for k, v in old.items()}
     with pytest.raises(db.IncompleteCheckpointError, match=rf"but no {INDEX}"):
         db.load(template, path)
