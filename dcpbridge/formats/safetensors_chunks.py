@@ -71,6 +71,25 @@ class GlobalTensor:
     chunks: tuple[FileChunk, ...]
 
 
+class DuplicateName(ValueError):
+    """A JSON object that gives one name twice (which of the two is meant is unknowable)."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; raises ``DuplicateName`` if a name repeats."""
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise DuplicateName(f"names {name!r:.200} twice")
+        seen.add(name)
+    return dict(pairs)
+
+
+def load_json(raw: str | bytes) -> Any:
+    """``raw`` parsed as JSON, refusing an object that gives a name twice (``ValueError``)."""
+    return json.loads(raw, object_pairs_hook=_unique)
+
+
 def _ints(value: Any, what: str, *, length: int | None = None) -> Shape:
     """``value`` as a tuple of JSON integers in [0, 2^62] (of ``length`` if given)."""
     if not isinstance(value, list) or len(value) > _MAX_DIMS:
@@ -94,7 +113,9 @@ def dcp_offsets(header: dict[str, Any], name: str) -> dict[str, list[Any]] | Non
     if raw is None:
         return None
     try:
-        info = json.loads(raw) if isinstance(raw, str) else None
+        info = load_json(raw) if isinstance(raw, str) else None
+    except DuplicateName as e:
+        raise CorruptCheckpointError(f"{name}: {DCP_SHARDING_INFO} {e}") from None
     except (ValueError, RecursionError):
         info = None
     if not isinstance(info, dict):

@@ -1,15 +1,17 @@
 """A folder (or one file) of safetensors opened as a sharded checkpoint: checked headers into
 DCP metadata, read by dcpbridge's reader (each rank reads just its ranges, no broadcast).
 
-Every header is validated before anything is sized by it: its length, JSON, dtypes, shapes,
-byte ranges inside the file, equal to shape x dtype and pairwise disjoint, and (with an
-index) every key where the index says it is (``dcpbridge.formats.safetensors_chunks``).
+Every header is validated before anything is sized by it: its length, JSON (no name given
+twice), dtypes, shapes, byte ranges inside the file, equal to shape x dtype and pairwise
+disjoint, and (with an index, itself of bounded size) every key where the index says it is
+(``dcpbridge.formats.safetensors_chunks``). Shards of a Hugging Face export without their
+index (which the writer publishes last) are an export that did not finish, refused.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +23,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpbridge.errors import CorruptCheckpointError
+from dcpbridge.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dcpbridge.formats.safetensors_chunks import (
+    DuplicateName,
     FileChunk,
     GlobalTensor,
     file_chunks,
     global_tensors,
+    load_json,
 )
 from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
 from dcpbridge.storage.backends import storage_for
@@ -34,6 +38,10 @@ from dcpbridge.storage.backends.store import Storage
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+MAX_INDEX_BYTES = 100 << 20  # Hugging Face's indexes hold a few MB for the largest models
+# The shards of a Hugging Face export (transformers', dcpbridge's): valid only under an index,
+# which the writer publishes last (without it, the export did not finish).
+_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +67,9 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
     if not 2 <= size <= MAX_HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: not a safetensors file (bad header length)")
     try:
-        header = json.loads(location.fs.cat_file(path, start=8, end=8 + size))
+        header = load_json(location.fs.cat_file(path, start=8, end=8 + size))
+    except DuplicateName as e:
+        raise CorruptCheckpointError(f"{path}: safetensors header {e}") from None
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: safetensors header is not JSON: {e}") from None
     if not isinstance(header, dict):
@@ -70,7 +80,9 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
 def _weight_map(raw: bytes, where: str) -> dict[str, str]:
     """The ``weight_map`` of a safetensors index (key -> file name), checked."""
     try:
-        weight_map = json.loads(raw).get("weight_map")
+        weight_map = load_json(raw).get("weight_map")
+    except DuplicateName as e:
+        raise CorruptCheckpointError(f"{where}: {SAFETENSORS_INDEX} {e}") from None
     except (ValueError, AttributeError, RecursionError):
         weight_map = None
     if not isinstance(weight_map, dict) or not all(
@@ -86,12 +98,25 @@ def _files(
 ) -> tuple[Location, list[str], dict[str, str] | None]:
     """The folder, the file names and the index's weight map (None without an index)."""
     if store.exists(SAFETENSORS_INDEX):
+        size = store.file_size(location.path(SAFETENSORS_INDEX))
+        if size > MAX_INDEX_BYTES:  # checked before it is read whole
+            raise CorruptCheckpointError(
+                f"{location.url}: {SAFETENSORS_INDEX} holds {size} bytes, more than an index "
+                f"may ({MAX_INDEX_BYTES})"
+            )
         weight_map = _weight_map(store.read_file(location.path(SAFETENSORS_INDEX)), location.url)
         return location, sorted(set(weight_map.values())), weight_map
-    if location.root.endswith(".safetensors"):
+    if location.root.endswith(".safetensors") and location.fs.isfile(location.root):
         folder = resolve(_parent_url(location), storage_options)
         return folder, [location.root.rstrip("/").rsplit("/", 1)[-1]], None
-    return location, sorted(n for n in store.list_names() if n.endswith(".safetensors")), None
+    names = sorted(n for n in store.file_sizes() if n.endswith(".safetensors"))  # files only
+    shards = [n for n in names if _HF_SHARD.match(n)]
+    if shards:
+        raise IncompleteCheckpointError(
+            f"{location.url}: {shards[0]} is a shard of a Hugging Face export but no "
+            f"{SAFETENSORS_INDEX} (written last) exists: the export did not finish"
+        )
+    return location, names, None
 
 
 def open_safetensors(

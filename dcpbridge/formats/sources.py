@@ -304,13 +304,20 @@ def _open_torch_file(checkpoint: Checkpoint) -> Source:
         location.fs.get_file(location.root, path)
     try:
         loaded = load_torch_file(path, weights_only=not allow_pickle)
-    except pickle.UnpicklingError:
+    except Exception as e:
+        refused = isinstance(e, pickle.UnpicklingError) and not allow_pickle and _pickled(path)
         if scratch is not None:
             scratch.cleanup()
-        raise PickleRefusedError(
-            f"{location.url} holds Python objects that safe (weights_only) loading refuses; "
-            "if you trust this file, pass allow_pickle=True (CLI: --allow-pickle)"
-        ) from None
+        if refused:
+            raise PickleRefusedError(
+                f"{location.url} holds Python objects that safe (weights_only) loading "
+                "refuses; if you trust this file, pass allow_pickle=True (CLI: --allow-pickle)"
+            ) from None
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CorruptCheckpointError(
+            f"{location.url}: not a readable torch.save file (damaged, cut short or another "
+            f"format): {first:.200}"
+        ) from e
     if not isinstance(loaded, dict):
         raise NotACheckpointError(
             f"{location.url} holds a {type(loaded).__name__}, not a state dict"
@@ -336,6 +343,17 @@ def _open_torch_file(checkpoint: Checkpoint) -> Source:
     src = _TorchFileSource(checkpoint, tensors, objects, {"files": [location.root]})
     src.values, src.common, src.scratch = values, common, scratch
     return src
+
+
+def _pickled(path: str) -> bool:
+    """Whether safe loading refused ``path`` for what a torch.save file holds (a zip archive
+    or a legacy pickle), not because its bytes are no torch.save file at all."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith((b"PK\x03\x04", b"\x80"))
 
 
 def open_source(

@@ -34,14 +34,16 @@ import torch
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import CheckpointError
-from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX
+from dcpbridge.errors import CheckpointError, InvalidArgumentError
+from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX, Format
 from dcpbridge.formats.safetensors_chunks import SAFETENSORS_DTYPES
 from dcpbridge.formats.sources import Source, TensorInfo, _TorchFileSource
 from dcpbridge.model.mapping import COMMON_KEY
-from dcpbridge.storage import resolve
+from dcpbridge.planners.errors import SerializationError
+from dcpbridge.storage import Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.errors import storage_error, storage_faults
 from dcpbridge.storage.write.writer import CoalescingFile
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, WorkItem, assign, box_bytes, counted
 
@@ -89,6 +91,8 @@ def safetensors_header(
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **tied}}
     pos = 0
     for t in ordered:
+        if t.key == "__metadata__":  # it would replace the header's metadata entry
+            raise SerializationError(f"tensor {t.key!r}: safetensors reserves that name")
         name = _SAFETENSORS_NAMES.get(t.dtype)
         if name is None:
             raise CheckpointError(f"tensor {t.key!r}: safetensors cannot store dtype {t.dtype}")
@@ -164,7 +168,8 @@ def export_safetensors(
     Every rank of ``group`` (one process if None) calls it with the same arguments: each
     writes the files a deterministic split by bytes gives it, and the coordinator writes the
     index once every rank's files are durable. A failure on any rank raises on every rank
-    and removes the files (no index is written).
+    and removes the files (no index is written). An earlier export's index at
+    ``destination`` is removed before any file is written, so it never names new shards.
     """
     group = group or Group(None, 0, 1, 0)
     location = resolve(destination, storage_options)
@@ -177,23 +182,41 @@ def export_safetensors(
     work = [WorkItem(name, sum(t.nbytes for t in shard), 0) for name, shard in files]
     mine = {w.key for w in assign(work, group.size)[group.rank]}
 
-    def plan() -> bool:
+    def plan() -> tuple[bool, int]:
+        if _holds_source(location, source):
+            raise InvalidArgumentError(
+                f"the destination {location.url} holds the source {source.location.url}: "
+                "the export would overwrite the files it reads"
+            )
         created = location.is_local and not os.path.exists(location.root)  # before any write
-        store.makedirs()
-        return created
+        return created, max_shard_bytes
 
-    created = protocol.agree(group, "plan", plan)[0]
+    everyone = protocol.agree(group, "plan", plan)
+    created = everyone[0][0]
+    same_split("export_safetensors", [m for _, m in everyone])  # else other files per rank
+
+    def prepare() -> None:
+        store.makedirs()
+        if SAFETENSORS_INDEX in store.list_names():
+            # an earlier export's index would name this one's shards among its own
+            store.remove([SAFETENSORS_INDEX])
+
+    protocol.on_coordinator(group, "prepare", prepare)  # before any rank writes
 
     started: list[str] = []  # the files this rank opened, removed if the export fails
 
     def write() -> dict[str, str]:
+        store.makedirs()  # the coordinator's may not be visible here yet
         weight_map: dict[str, str] = {}
         for name, shard in files:
             if name not in mine:
                 continue
             head, ordered = safetensors_header(shard, aliases)
             started.append(name)
-            with store.open_write(location.path(name)) as raw:
+            with (
+                storage_faults(f"{location.url}: write {name}"),
+                store.open_write(location.path(name)) as raw,
+            ):
                 out = CoalescingFile(raw)
                 out.write(memoryview(head))
                 for t in ordered:
@@ -226,6 +249,29 @@ def export_safetensors(
     total = sum(t.nbytes for _, shard in files for t in shard)
     count = sum(len(shard) for _, shard in files)
     return ExportResult(location.url, written, count, total, skipped, aliases)
+
+
+def _holds_source(location: Location, source: Source) -> bool:
+    """Whether ``location`` is the folder of ``source``'s files (the source itself, or the
+    folder of a single-file source), whose files an export there would overwrite."""
+    src = source.location
+    if type(src.fs) is not type(location.fs):
+        return False
+    norm = os.path.realpath if location.is_local else (lambda p: p.rstrip("/"))
+    dst, root = norm(location.root), norm(src.root)
+    if dst == root:
+        return True
+    return source.format == Format.SAFETENSORS and dst == norm(root.rsplit("/", 1)[0] or "/")
+
+
+def same_split(what: str, limits: list[int]) -> None:
+    """Raise (on every rank: each sees all ``limits``) unless every rank passed the same
+    ``max_shard_bytes``: the files each writes are planned from it."""
+    if len(set(limits)) > 1:
+        ranks = ", ".join(f"rank {r}: {m}" for r, m in enumerate(limits))
+        raise InvalidArgumentError(
+            f"{what}: every rank must pass the same max_shard_bytes, got {ranks}"
+        )
 
 
 def remove_export(store: Storage, names: list[str], created: bool) -> None:
@@ -308,19 +354,41 @@ def export_torch(
 ) -> ExportResult:
     """Write ``source`` as one ``torch.save`` file at ``destination`` (any fsspec URL)."""
     location = resolve(destination, storage_options)
+    with storage_faults(f"{location.url}: write"):
+        return _export_torch(source, location, slab_bytes, on_bytes)
+
+
+def _export_torch(
+    source: Source,
+    location: Location,
+    slab_bytes: int,
+    on_bytes: Callable[[int], None] | None,
+) -> ExportResult:
+    """``export_torch`` at a resolved ``location`` (file system errors raised as they come)."""
     scratch = None
     path = location.root
+    folder = os.path.dirname(path) or "."
+    created = False
     if not location.is_local:
         scratch = tempfile.mkdtemp(prefix="dcpbridge-export-")
         path = os.path.join(scratch, os.path.basename(location.root) or "model.pt")
     else:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        created = not os.path.exists(folder)
+        os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp-export"
     try:
-        tmp = f"{path}.tmp-export"
         total = _write_torch_file(source, tmp, slab_bytes, on_bytes)
         os.replace(tmp, path)
         if scratch is not None:
             location.fs.put_file(path, location.root)
+    except BaseException:  # a failed export leaves nothing behind
+        if scratch is None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            if created:
+                with contextlib.suppress(OSError):  # only if empty: never another's files
+                    os.rmdir(folder)
+        raise
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -332,7 +400,10 @@ def _write_torch_file(
 ) -> int:
     layout = _torch_layout(source)
     with torch.serialization.skip_data():
-        torch.save(layout, path)
+        try:
+            torch.save(layout, path)
+        except RuntimeError as e:  # torch's zip writer failing to write (a full disk)
+            raise storage_error(f"{path}: write", e) from e
     del layout
     placed = torch.load(path, map_location="meta", mmap=True, weights_only=False)
     records = _data_records(path)

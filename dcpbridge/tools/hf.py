@@ -45,6 +45,7 @@ from dcpbridge.tools.export import (
     remove_export,
     safetensors_header,
     safetensors_index,
+    same_split,
     stale_exports,
 )
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, slabs
@@ -231,14 +232,15 @@ def save_hf(
     data: dict[tuple[str, Shape], ShardedTensor] = {}
     created = False
 
-    def exchange() -> tuple[list[Held], bool]:
+    def exchange() -> tuple[list[Held], bool, int]:
         nonlocal data
         held, data = _holdings(state_dict)
-        return held, not os.path.exists(location.root)
+        return held, not os.path.exists(location.root), max_shard_bytes
 
     everyone = protocol.agree(group, "plan", exchange)
     created = everyone[0][1]
-    plan = plan_hf([h for h, _ in everyone], max_shard_bytes)  # the same on every rank
+    same_split("save_hf", [m for _, _, m in everyone])  # else each rank plans other files
+    plan = plan_hf([h for h, _, _ in everyone], max_shard_bytes)  # the same on every rank
 
     def prepare() -> None:
         store.makedirs()

@@ -13,7 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpbridge as db
+from dcpbridge.formats.sources import Source
 from dcpbridge.tools.hf import Held, plan_hf
+from tests.support import preloaded
 from tests.support.dist_pool import Rank
 from tests.support.limits import file_size_limit
 
@@ -168,6 +170,199 @@ def test_a_rank_failing_mid_save_leaves_no_index(pool, tmp_path):
     assert not os.path.exists(path) or os.listdir(path) == []
 
 
+def save_or_export_split_differently(r: Rank, path: str, source: str | None) -> str:
+    """``save_hf`` (``export_safetensors`` from ``source`` if given) with a ``max_shard_bytes``
+    that differs between the ranks: the files each rank plans would differ."""
+    from dcpbridge.engine.collectives import Group
+
+    limit = 10**9 if r.rank == 0 else SHARD_BYTES
+    try:
+        if source is None:
+            db.save_hf(full(), path, process_group=r.group, max_shard_bytes=limit)
+        else:
+            src = db.open_source(source)
+            try:
+                db.export_safetensors(
+                    src, path, max_shard_bytes=limit, group=Group.resolve(r.group)
+                )
+            finally:
+                src.close()
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["save_hf", "export"])
+def test_ranks_passing_different_shard_sizes_are_refused(pool, tmp_path, how):
+    """Each rank plans the files from its own ``max_shard_bytes``: with different values,
+    one rank's boxes went to files the others did not publish (the tensor read as zeros).
+    Refused on every rank before anything is written."""
+    path = str(tmp_path / "out")
+    source = None
+    if how == "export":
+        source = str(tmp_path / "full.pt")
+        torch.save(full(), source)
+    outcomes = pool.run(save_or_export_split_differently, 2, path, source, timeout=100)
+    what = "save_hf" if how == "save_hf" else "export_safetensors"
+    want = (
+        f"InvalidArgumentError: {what}: every rank must pass the same max_shard_bytes, "
+        f"got rank 0: 1000000000, rank 1: {SHARD_BYTES}"
+    )
+    assert outcomes == [want, want]
+    assert not os.path.exists(path)
+
+
+def _exit_code(target: Any, *args: str) -> int | None:
+    """``target(*args)`` in a process of its own (forked from one that imported torch): its
+    exit code, or None (the process killed) if it ran past 100 s."""
+    p = preloaded.context().Process(target=target, args=args)
+    p.start()
+    p.join(100)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        return None
+    return p.exitcode
+
+
+def _killed_after_headers(path: str) -> None:
+    """``save_hf`` in a process killed at its first tensor byte (every header in place)."""
+    from dcpbridge.tools import hf
+
+    def die(*_: object) -> None:
+        os._exit(9)
+
+    hf._box_parts = die  # type: ignore[assignment]
+    db.save_hf(full(), path, max_shard_bytes=SHARD_BYTES)
+
+
+@pytest.mark.timeout(120)
+def test_a_save_killed_before_its_index_is_refused_not_read_as_zeros(tmp_path):
+    """A killed ``save_hf`` leaves full-size shards (headers written, data zeros) and no
+    index: loading them must raise, not return zeros (Hugging Face writes the index last)."""
+    path = str(tmp_path / "killed")
+    assert _exit_code(_killed_after_headers, path) == 9
+    names = sorted(os.listdir(path))
+    assert INDEX not in names and names[0] == "model-00001-of-00002.safetensors", names
+    template = {k: torch.zeros_like(v) for k, v in full().items()}
+    error = rf"{path}: model-00001-of-00002\.safetensors .* but no {INDEX}"
+    with pytest.raises(db.IncompleteCheckpointError, match=error):
+        db.load(template, path)
+    with pytest.raises(db.IncompleteCheckpointError, match=error):
+        db.open_source(path)
+
+
+def _export_killed_after_one_shard(source: str, path: str) -> None:
+    """``export_safetensors`` (``convert --force``) killed once its first shard is durable."""
+    from dcpbridge.tools import export
+
+    header = export.safetensors_header
+    calls = []
+
+    def second_shard_dies(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            os._exit(9)
+        return header(*args)
+
+    export.safetensors_header = second_shard_dies  # type: ignore[assignment]
+    src = db.open_source(source)
+    export.export_safetensors(src, path, max_shard_bytes=SHARD_BYTES)
+
+
+@pytest.mark.timeout(120)
+def test_an_export_killed_over_an_older_one_does_not_mix_their_shards(tmp_path):
+    """Exporting over an earlier export (same file names) removes its index before writing:
+    a kill mid-way never leaves the old index naming one new shard and one old shard."""
+    old, new = full(), {k: (_bytes(v) + 1).view(v.dtype).view(v.shape) for k, v in full().items()}
+    path, source = str(tmp_path / "hf"), str(tmp_path / "new.pt")
+    db.save_hf(old, path, max_shard_bytes=SHARD_BYTES)
+    torch.save(new, source)
+    assert _exit_code(_export_killed_after_one_shard, source, path) == 9
+    template = {k: torch.zeros_like(v) for k, v in old.items()}
+    with pytest.raises(db.IncompleteCheckpointError, match=rf"but no {INDEX}"):
+        db.load(template, path)
+
+
+@pytest.mark.parametrize("single_file", [False, True])
+def test_an_export_onto_its_own_source_is_refused_and_the_source_kept(tmp_path, single_file):
+    """Exporting safetensors into the folder they are read from would truncate the source
+    files while reading them, then remove them as a failed export's: refused up front."""
+    path = str(tmp_path / "hf")
+    db.save_hf(full(), path)
+    opened = os.path.join(path, "model.safetensors") if single_file else path
+    source = db.open_source(opened)
+    try:
+        with pytest.raises(db.InvalidArgumentError, match=rf"{path} holds the source"):
+            db.export_safetensors(source, path)
+    finally:
+        source.close()
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
+def test_a_folder_named_like_a_safetensors_file_loads(tmp_path):
+    """``save_hf`` into ``llama.safetensors/`` (a folder): loaded as the folder it is, not
+    refused as a missing file."""
+    path = str(tmp_path / "llama.safetensors")
+    db.save_hf(full(), path, max_shard_bytes=SHARD_BYTES)
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+    os.remove(os.path.join(path, INDEX))
+    os.rename(os.path.join(path, "model-00001-of-00002.safetensors"), f"{path}/a.safetensors")
+    os.rename(os.path.join(path, "model-00002-of-00002.safetensors"), f"{path}/b.safetensors")
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)  # no index
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+    os.mkdir(os.path.join(path, "old.safetensors"))  # a folder among the files: not one of them
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
+def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path):
+    """A tensor named ``__metadata__`` would replace the header's metadata entry: safetensors
+    refuses such a file and dcpbridge reads it without that tensor. Refused before writing."""
+    state = {"__metadata__": torch.ones(3), "a": torch.zeros(2)}
+    torch.save(state, str(tmp_path / "m.pt"))
+    source = db.open_source(str(tmp_path / "m.pt"))
+    error = r"tensor '__metadata__': safetensors reserves that name"
+    try:
+        with pytest.raises(db.SerializationError, match=error):
+            db.export_safetensors(source, str(tmp_path / "out"))
+    finally:
+        source.close()
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(db.SerializationError, match=error):
+        db.save_hf(state, str(tmp_path / "saved"))
+    assert not os.path.exists(tmp_path / "saved")
+
+
+def _export(source: Source, out: str, to: str) -> None:
+    if to == "safetensors":
+        db.export_safetensors(source, out, max_shard_bytes=SHARD_BYTES)
+    else:
+        db.export_torch(source, os.path.join(out, "model.pt"))
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_an_export_on_a_full_disk_raises_a_storage_error_and_leaves_nothing(tmp_path, to):
+    """EFBIG mid-export (a full disk) is a StorageError naming the destination's file, the
+    failed write (the OS's, or torch's zip writer's) as the cause; nothing is left."""
+    torch.save(full(), str(tmp_path / "m.pt"))
+    source = db.open_source(str(tmp_path / "m.pt"))
+    out = str(tmp_path / "out")
+    try:
+        with (
+            file_size_limit(200),
+            pytest.raises(db.StorageError, match=rf"^{out}.*: write") as info,
+        ):
+            _export(source, out, to)
+    finally:
+        source.close()
+    assert isinstance(info.value.__cause__, OSError if to == "safetensors" else RuntimeError)
+    assert not os.path.exists(out)
+
+
 def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
@@ -196,6 +391,60 @@ def test_load_refuses_a_hostile_header(tmp_path, header, error):
     _header_file(tmp_path, header, bytes(12))
     with pytest.raises(db.CorruptCheckpointError, match=error):
         db.load({"a": torch.zeros(2)}, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("header", "index", "error"),
+    [
+        (
+            b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+            b'"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}',
+            None,
+            r"model\.safetensors: safetensors header names 'a' twice",
+        ),
+        (
+            b'{"a":{"dtype":"F32","shape":[1],"dtype":"I32","data_offsets":[0,4]}}',
+            None,
+            r"model\.safetensors: safetensors header names 'dtype' twice",
+        ),
+        (
+            b'{"__metadata__":{"DCP_SHARDING_INFO":"{\\"a\\":{\\"saved_offsets\\":[0]},'
+            b'\\"a\\":{\\"saved_offsets\\":[1]}}"},'
+            b'"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+            None,
+            r"model\.safetensors: DCP_SHARDING_INFO names 'a' twice",
+        ),
+        (
+            b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+            b'{"weight_map":{"a":"other.safetensors","a":"model.safetensors"}}',
+            rf"{INDEX} names 'a' twice",
+        ),
+    ],
+)
+def test_a_name_given_twice_is_refused_not_resolved_to_the_last(tmp_path, header, index, error):
+    """JSON with a duplicate name is ambiguous (json keeps the last, other readers the first):
+    the file or index is refused instead of loading one of the two silently."""
+    data = torch.tensor([1.0, 2.0]).view(torch.uint8).numpy().tobytes()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + data)
+    if index is not None:
+        (tmp_path / INDEX).write_bytes(index)
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.load({"a": torch.zeros(1)}, str(tmp_path))
+
+
+def test_an_index_larger_than_the_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """The index is hostile input like a header: its size is checked before it is read
+    whole (every rank reads it), so a huge file cannot exhaust the memory of the job."""
+    from dcpbridge.formats import safetensors_files
+
+    db.save_hf(full(), str(tmp_path), max_shard_bytes=SHARD_BYTES)
+    size = os.path.getsize(tmp_path / INDEX)
+    monkeypatch.setattr(safetensors_files, "MAX_INDEX_BYTES", size - 1)
+    error = rf"{INDEX} holds {size} bytes, more than an index may \({size - 1}\)"
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.load({k: torch.zeros_like(v) for k, v in full().items()}, str(tmp_path))
+    monkeypatch.setattr(safetensors_files, "MAX_INDEX_BYTES", size)
+    db.load({k: torch.zeros_like(v) for k, v in full().items()}, str(tmp_path))
 
 
 def test_plan_spreads_plain_tensors_and_refuses_disagreeing_ranks():

@@ -64,3 +64,20 @@ def test_each_format_gives_its_own_reader_or_a_clear_refusal(tmp_path, dcp_on_me
     torch.save({"w": L.full("w")}, single)
     with pytest.raises(db.NotACheckpointError, match="convert"):
         open_checkpoint(single).reader()
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_torch_file_is_refused_naming_it(tmp_path, damage, allow_pickle):
+    """A torch.save file cut short, or bytes that are no torch.save file at all, raise
+    CorruptCheckpointError naming the file (torch's error as the cause), not torch's bare
+    RuntimeError, nor a pickle refusal that asks for the allow_pickle already given."""
+    path = tmp_path / "model.pt"
+    torch.save({"w": L.full("w")}, str(path))
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] if damage == "truncated" else b"not a checkpoint")
+    with pytest.raises(
+        db.CorruptCheckpointError, match=rf"{path}: not a readable torch\.save"
+    ) as e:
+        open_source(str(path), allow_pickle=allow_pickle)
+    assert e.value.__cause__ is not None

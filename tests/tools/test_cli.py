@@ -496,6 +496,23 @@ def test_a_failed_export_removes_what_it_wrote(tmp_path):
     assert os.listdir(dst) == []  # a folder that was there stays
 
 
+def test_a_failed_torch_export_removes_what_it_wrote(tmp_path):
+    """A read failing mid-way (a corrupted data file) leaves no partial torch file behind."""
+    src = str(tmp_path / "ck")
+    db.save({"a": torch.ones(1000), "b": torch.ones(1000)}, src)
+    (name,) = [n for n in os.listdir(src) if n.startswith("__0_1")]  # holds 'b', read last
+    raw = bytearray((tmp_path / "ck" / name).read_bytes())
+    raw[-100] ^= 0xFF
+    (tmp_path / "ck" / name).write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    err = run_cli("convert", src, str(out / "model.pt"), "--to", "torch", code=1)
+    assert "checksum mismatch in tensor 'b'" in err.stderr, err.stderr
+    assert not out.exists()  # the folder it made, with nothing in it
+    out.mkdir()
+    run_cli("convert", src, str(out / "model.pt"), "--to", "torch", code=1)
+    assert os.listdir(out) == []  # a folder that was there stays
+
+
 def test_transformers_from_pretrained_loads_the_export(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
@@ -518,3 +535,21 @@ def test_transformers_from_pretrained_loads_the_export(tmp_path):
     assert set(want) == set(got)
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert back.lm_head.weight.data_ptr() == back.transformer.wte.weight.data_ptr()
+
+
+def test_a_torch_export_that_cannot_write_raises_a_storage_error(tmp_path):
+    """File system failures of ``export_torch`` (the destination a directory, a parent that
+    cannot be made) raise StorageError naming the destination, the OSError as the cause."""
+    src = str(tmp_path / "m.pt")
+    torch.save({"a": torch.ones(3)}, src)
+    (tmp_path / "dir" / "x").mkdir(parents=True)
+    (tmp_path / "file").write_bytes(b"")
+    source = db.open_source(src)
+    try:
+        for dst in (str(tmp_path / "dir"), str(tmp_path / "file" / "m.pt")):
+            with pytest.raises(db.StorageError, match=rf"^{dst}: write") as info:
+                db.export_torch(source, dst)
+            assert isinstance(info.value.__cause__, OSError)
+    finally:
+        source.close()
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file", "m.pt"]  # no partial file left
