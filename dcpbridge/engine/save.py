@@ -316,6 +316,10 @@ class _Staging:
                 verify_staged(self.live, {id(a): b.data for a, b in zip(live, shards)})
             except Exception as e:
                 planned.error = self.failed(e)
+            except BaseException:  # interrupted: no save owns the buffers, give them back
+                self.area.settle()
+                self.area.release(buffers)
+                raise
         return buffers
 
     def behind(self) -> BufferSet | None:
