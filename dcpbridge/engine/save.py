@@ -316,6 +316,10 @@ class _Staging:
                 verify_staged(self.live, {id(a): b.data for a, b in zip(live, shards)})
             except Exception as e:
                 planned.error = self.failed(e)
+            except BaseException:  # interrupted: no save owns the buffers, give them back
+                self.area.settle()
+                self.area.release(buffers)
+                raise
         return buffers
 
     def behind(self) -> BufferSet | None:
@@ -372,7 +376,7 @@ def async_save(
     long-lived writer process writes the data files, so writing never holds this process's
     GIL; ``"thread"`` writes them on this process's background thread; ``"auto"`` (the
     default) is the process where it can write the save (format "dcpbridge" on Linux, not to
-    ``memory://``), from the first save that stages at least 64 MiB on this rank (smaller
+    ``memory://``, storage options that pickle), from the first save that stages at least 64 MiB on this rank (smaller
     ones gain less than its start costs), else the thread. ``handle.writer`` says which.
     GPU tensors are copied on a side stream that the caller's streams wait for (on the GPU);
     with ``defer_stream_wait`` they do not, so the next forward and backward overlap the
@@ -391,7 +395,8 @@ def async_save(
     except Exception as e:  # raised alike on every rank: reported where each waits
         return saver.submit(target, _raiser(e), None)
     started = process_of(saver.area) is not None
-    chosen = choose_writer(writer, opts.format, target, _staged_bytes(planned), started)
+    nbytes = _staged_bytes(planned)
+    chosen = choose_writer(writer, opts.format, target, nbytes, started, opts.storage_options)
     try:
         writer, wrap = attach(saver.area, chosen, f"async_save to {target}", writer == "auto")
     except WriterProcessError as e:  # this rank's alone: carried to every rank's write

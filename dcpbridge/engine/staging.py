@@ -87,9 +87,15 @@ class StagingArea:
                 self._free.pop()
             else:
                 self._count += 1
-        if self._shared is not None:
-            return self._shared(max(nbytes, 1))
-        return BufferSet(host_target((max(nbytes, 1),), torch.uint8, for_device=True))
+        try:
+            if self._shared is not None:
+                return self._shared(max(nbytes, 1))
+            return BufferSet(host_target((max(nbytes, 1),), torch.uint8, for_device=True))
+        except BaseException:  # no set came to be: its place is free again (else saves hang)
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
 
     def release(self, buffers: BufferSet) -> None:
         with self._cond:

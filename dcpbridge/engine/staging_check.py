@@ -41,7 +41,8 @@ def _changed(mark: LiveMark, copy: torch.Tensor) -> str | None:
     """How the live tensor of ``mark`` changed since the call, or None."""
     if _version(mark.shard.data) != mark.version:
         return "modified in place"
-    if tensor_digest(copy) != tensor_digest(mark.shard.data):
+    live = mark.shard.data.resolve_conj().resolve_neg()  # as staging copied it (no view bits)
+    if tensor_digest(copy) != tensor_digest(live):
         return "differs from its staged copy"
     return None
 

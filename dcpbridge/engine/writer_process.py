@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import pickle
 import subprocess
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.storage import StorageWriter
@@ -54,17 +56,37 @@ there: below it, writing holds the GIL for milliseconds, less than the process's
 (an interpreter importing torch: about 3 CPU seconds and a few hundred MiB)."""
 
 
-def choose_writer(writer: str, format: str, url: str, nbytes: int, started: bool) -> str:
+def choose_writer(
+    writer: str,
+    format: str,
+    url: str,
+    nbytes: int,
+    started: bool,
+    storage_options: dict[str, Any] | None = None,
+) -> str:
     """The writer ("thread" or "process") of an async save of ``format`` to ``url`` that stages
     ``nbytes`` on this rank: ``writer`` if named; "auto" is the writer process where it can
-    write the save (format "dcpbridge", Linux, files another process sees: not ``memory://``)
-    once it was ``started`` or ``nbytes >= AUTO_MIN_BYTES``, else the thread."""
+    write the save (format "dcpbridge", Linux, files another process sees: not ``memory://``,
+    ``storage_options`` that pickle, as each write hands them over) once it was ``started``
+    or ``nbytes >= AUTO_MIN_BYTES``, else the thread."""
     check_writer(writer, format)
     if writer != "auto":
         return writer
     if format != "dcpbridge" or not shared.available() or process_local_url(url):
         return "thread"
-    return "process" if started or nbytes >= AUTO_MIN_BYTES else "thread"
+    if not (started or nbytes >= AUTO_MIN_BYTES):
+        return "thread"
+    return "process" if _portable(storage_options) else "thread"
+
+
+def _portable(storage_options: dict[str, Any] | None) -> bool:
+    """Whether ``storage_options`` can reach the writer process (a session or credential
+    object often cannot be pickled)."""
+    try:
+        pickle.dumps(storage_options)
+    except Exception:
+        return False
+    return True
 
 
 def attach(

@@ -31,6 +31,7 @@ from torch.futures import Future
 
 from dcpbridge.storage.errors import CheckpointError, WriterProcessError
 from dcpbridge.storage.format.document import data_file_name
+from dcpbridge.storage.format.paths import Location, resolve
 from dcpbridge.storage.write import shared
 from dcpbridge.storage.write.writer import (
     MOST_FILES,
@@ -299,7 +300,7 @@ class ProcessWriter:
         refs, segments = describe(datas)
         digest_of = getattr(planner, "plan_digest", None)
         job = WriteJob(
-            location.url,
+            _for_child(location.url, location, inner.storage_options),
             inner.storage_options,
             inner.thread_count,
             inner.sync_files,
@@ -308,7 +309,9 @@ class ProcessWriter:
             dataclasses.replace(plan, planner_data=None),
             refs,
             digest_of(plan) if digest_of is not None else None,
-            inner.reuse_from,
+            None
+            if inner.reuse_from is None
+            else _for_child(inner.reuse_from, location, inner.storage_options),
         )
         # until the child says what it wrote, every name it may write is this save's to remove
         inner._save_id = target.save_id
@@ -319,3 +322,12 @@ class ProcessWriter:
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+
+def _for_child(url: str, location: Location, storage_options: dict[str, Any]) -> str:
+    """``url`` (at or beside ``location``) as the writer process must name it: a local path
+    made absolute here, since the process stays in the directory it started in while this
+    one may have moved on (its data files would land elsewhere than the commit)."""
+    if not location.is_local:
+        return url
+    return location.root if url == location.url else resolve(url, storage_options).root

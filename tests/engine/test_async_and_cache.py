@@ -61,6 +61,50 @@ def test_async_save_single_process(tmp_path):
     assert torch.equal(out["w"], L.full("w") * 3) and out["iteration"] == 3
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("background", [False, True])
+def test_a_staging_buffer_that_cannot_be_allocated_does_not_hang_later_saves(tmp_path, background):
+    """A failed allocation of staging memory fails that save only; the next save stages."""
+    huge = torch.zeros(1).expand(2**46)  # 256 TiB to stage: no allocator gives that
+    state = {"huge": db.ShardedTensor.from_box("huge", huge, (2**46,), (0,))}
+    handle = db.async_save(
+        state, str(tmp_path / "huge"), background_staging=background, writer="thread"
+    )
+    with pytest.raises(db.StagingError, match=r"huge: staging failed") as failed:
+        handle.result(timeout=60)
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert not os.path.exists(tmp_path / "huge" / "dcpbridge.json")
+    w = L.full("w").clone()
+    state = {"w": db.ShardedTensor.from_box("w", w, (12, 8), (0, 0))}
+    handle = db.async_save(state, str(tmp_path / "ok"), background_staging=background)
+    handle.result(timeout=60)  # it used to wait forever for the failed save's buffer
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(12, 8), (12, 8), (0, 0))}
+    assert torch.equal(db.load(tmpl, str(tmp_path / "ok"))["w"], L.full("w"))
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_verifying_the_staged_copy_does_not_hang_later_saves(
+    tmp_path, monkeypatch
+):
+    """A Ctrl-C during ``verify_staging``'s check gives the staging buffers back."""
+    from dcpbridge.engine import save as api
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "verify_staged", interrupted)
+    w = L.full("w").clone()
+    state = {"w": db.ShardedTensor.from_box("w", w, (12, 8), (0, 0))}
+    with pytest.raises(KeyboardInterrupt):
+        db.async_save(state, str(tmp_path / "a"), verify_staging=True, writer="thread")
+    monkeypatch.undo()
+    handle = db.async_save(state, str(tmp_path / "b"), writer="thread")
+    handle.result(timeout=30)  # it used to wait forever for the interrupted save's buffer
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(12, 8), (12, 8), (0, 0))}
+    assert torch.equal(db.load(tmpl, str(tmp_path / "b"))["w"], L.full("w"))
+    assert not os.path.exists(tmp_path / "a" / "dcpbridge.json")
+
+
 def async_failing(r: Rank, root: str) -> tuple[str, str, bool]:
     state = _state(r.rank, 1.0)
     if r.rank == 1:

@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -59,6 +60,21 @@ def test_auto_takes_the_writer_process_where_it_can_write_and_gains(
             "bogus": "writer must be 'auto', 'thread' or 'process', got 'bogus'",
         }[writer]
     )
+
+
+def test_auto_keeps_storage_options_that_do_not_pickle_in_this_process(tmp_path):
+    """A save whose storage options cannot reach the writer process gets the thread."""
+    unpicklable = {"marker": threading.Lock()}  # a session or credential object, say
+    t = torch.randn(BIG // 4, generator=torch.Generator().manual_seed(7))
+    state = {"t": db.ShardedTensor.from_box("t", t, tuple(t.shape), (0,))}
+    path = str(tmp_path / "ck")
+    handle = db.async_save(state, path, storage_options=unpicklable)
+    handle.result(120)  # was: WriterProcessError, could not hand the write to the process
+    assert handle.writer == "thread"
+    tmpl = {"t": db.ShardedTensor.from_box("t", torch.zeros_like(t), tuple(t.shape), (0,))}
+    assert torch.equal(db.load(tmpl, path)["t"], t)
+    assert choose_writer("auto", "dcpbridge", "/ck", BIG, True, unpicklable) == "thread"
+    assert choose_writer("auto", "dcpbridge", "/ck", BIG, True, {"anon": True}) == "process"
 
 
 def test_without_memfd_auto_is_the_thread_and_process_is_refused(monkeypatch):

@@ -173,3 +173,26 @@ def test_writer_choice_is_checked(tmp_path):
         db.async_save(t, str(tmp_path), writer="process", format="torch_dist")
     with pytest.raises(db.InvalidArgumentError, match="writer must be"):
         db.CheckpointManager(str(tmp_path), every=1, writer="proc")
+
+
+def test_a_relative_path_is_written_where_the_save_commits_it(tmp_path, monkeypatch):
+    """A relative checkpoint path names the same directory for the data files (the writer
+    process's) and the commit (this process's), also after a change of directory."""
+    started_in, saved_in = tmp_path / "started", tmp_path / "saved"
+    started_in.mkdir()
+    saved_in.mkdir()
+    monkeypatch.chdir(started_in)
+    area = AsyncSaver.for_group(Group.resolve(None), 1).area
+    _, wrap = attach(area, "process", "a test's saver")
+    assert wrap is not None
+    wrap.keywords["process"].close()  # the next save starts it here, in ``started_in``
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(5))
+    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
+    db.async_save(state, "first", writer="process").result(120)
+    monkeypatch.chdir(saved_in)  # the training script moves on; the writer process does not
+    handle = db.async_save(state, "ck", writer="process")
+    handle.result(120)
+    assert handle.writer == "process"
+    assert not (started_in / "ck").exists()  # its data files landed here, without a commit
+    tmpl = {"t": db.ShardedTensor.from_box("t", torch.zeros(64, 33), (64, 33), (0, 0))}
+    assert torch.equal(db.load(tmpl, str(saved_in / "ck"))["t"], t)  # was: data file missing
