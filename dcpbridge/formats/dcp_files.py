@@ -137,8 +137,8 @@ class DcpFileReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.thread_count = max(1, thread_count)
         self.metadata: Metadata | None = None
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
-        self._chunks = {}  # stored_chunks of the metadata, once asked for
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] | None
+        self._chunks = None  # stored_chunks of the metadata, once asked for
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None and str(checkpoint_id) != self.location.url:
@@ -161,14 +161,14 @@ class DcpFileReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **_: Any) -> None:
         if metadata is not self.metadata:
-            self._chunks = {}
+            self._chunks = None
         self.metadata = metadata
 
     def _chunk(self, item: ReadItem) -> tuple[torch.dtype, tuple[int, ...]] | None:
         """The dtype and sizes of the stored chunk ``item`` reads (None for an object)."""
         if item.type == LoadItemType.BYTE_IO:
             return None
-        if not self._chunks:
+        if self._chunks is None:
             self._chunks = stored_chunks(self.read_metadata())
         index = item.storage_index
         found = self._chunks.get((index.fqn, tuple(index.offset or ())))

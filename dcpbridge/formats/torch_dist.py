@@ -222,7 +222,7 @@ class TorchDistWriter(StorageWriter):
                 except CorruptCheckpointError as e:
                     raise InvalidArgumentError(
                         f"{self.location.url}: refusing to commit invalid metadata: {e}"
-                    ) from None
+                    ) from e
         store = self.store
         common = serialize_object(self.common_state, "the common state").getvalue()
         self._committed.append(MEGATRON_COMMON)
