@@ -597,6 +597,8 @@ def held_step(location: Location, run: str, step: int) -> tuple[LocalStep, Metad
         marker = json.loads(store.read_file(location.path(MARKER)))
     except FileNotFoundError:
         return None
+    except RecursionError as e:  # nested too deep: damaged like any other bad marker
+        raise CorruptCheckpointError(f"{location.path(MARKER)} is not a local step marker") from e
     if not isinstance(marker, dict) or not all(
         isinstance(marker.get(k), t) and not isinstance(marker.get(k), bool)
         for k, t in (("step", int), ("save_id", str), ("digest", str))

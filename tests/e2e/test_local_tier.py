@@ -416,3 +416,23 @@ def test_a_local_step_whose_marker_names_another_step_is_ignored(tmp_path, caplo
     assert torch.equal(out["w"], torch.full((4,), 2.0))
     assert "local.json names step 3, not its directory's 9" in caplog.text
     mgr.close()
+
+
+def test_a_deeply_nested_marker_is_ignored_not_raised(tmp_path, caplog):
+    """A damaged ``local.json`` nested too deep for the JSON decoder is hostile input like any
+    other bad marker: the step is skipped with a warning (it raised ``RecursionError`` out of
+    ``latest_step`` and ``load``)."""
+    local = str(tmp_path / "shm")
+    options = dict(every=2, local_dir=local, local_every=1, replicas=0)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    mgr.close()
+    (tmp_path / "shm" / "step_00000003" / "local.json").write_bytes(b"[" * 200_000)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        assert mgr.latest_step() == 2
+        out = mgr.load({"w": torch.zeros(4)})
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
+    assert "step_00000003/local.json is not a local step marker" in caplog.text
+    mgr.close()
