@@ -404,15 +404,19 @@ class LocalTier:
             },
             sort_keys=True,
         ).encode()
-        protocol.agree(
-            g,
-            "local commit",
-            lambda: self._on_lead(
-                lambda: storage_for(self._location(step)).commit_file(
-                    MARKER, marker, f"{MARKER}.tmp", sync=True
-                )
-            ),
-        )
+        try:
+            protocol.agree(
+                g,
+                "local commit",
+                lambda: self._on_lead(
+                    lambda: storage_for(self._location(step)).commit_file(
+                        MARKER, marker, f"{MARKER}.tmp", sync=True
+                    )
+                ),
+            )
+        except Exception:  # some node could not publish: no node's marker may stay
+            self._on_lead(lambda: self._unpublish(step))
+            raise
         done = time.perf_counter()
         log.info(
             "dcpbridge: local step %d committed in %s (write %.3fs, copies %.3fs, commit %.3fs)",
@@ -456,6 +460,21 @@ class LocalTier:
     def _on_lead(self, work: Callable[[], Any]) -> None:
         if self.is_lead:
             work()
+
+    def _unpublish(self, step: int) -> None:
+        """Lead: take back this node's marker of ``step``, whose commit failed on some node
+        (best effort: retention or the next save's clearing removes the rest)."""
+        try:
+            store = storage_for(self._location(step))
+            if store.exists(MARKER):
+                store.remove([MARKER])
+        except (CheckpointError, OSError) as e:
+            log.warning(
+                "dcpbridge: local step %d: taking back %s failed: %s",
+                step,
+                f"{self.step_url(step)}/{MARKER}",
+                e,
+            )
 
     def _clear(self, step: int) -> None:
         """Lead: remove this node's uncommitted step directories and an old one of ``step``."""

@@ -436,3 +436,45 @@ def test_a_deeply_nested_marker_is_ignored_not_raised(tmp_path, caplog):
     assert torch.equal(out["w"], torch.full((4,), 2.0))
     assert "step_00000003/local.json is not a local step marker" in caplog.text
     mgr.close()
+
+
+def marker_fails_on_node1(r: Rank, root: str, local: str) -> dict:
+    """Steps 1..STEPS; node 1's lead fails to publish the marker of the last step."""
+    log = _capture()
+    mgr = manager(r, root, local)
+    publish = Storage.commit_file
+
+    def failing(self, name, data, temp_name, **kwargs):
+        if name == local_tier.MARKER and f"step_{STEPS:08d}" in self.location.root:
+            raise OSError(28, "No space left on device")
+        return publish(self, name, data, temp_name, **kwargs)
+
+    if r.rank == 2:
+        Storage.commit_file = failing
+    w = piece(weights(0), r.rank, r.size, 0)
+    try:
+        for step in range(1, STEPS + 1):
+            w.mul_(0.5).add_(step)
+            mgr.save(step, state(w, r.rank, r.size, step))
+        mgr.close()
+    finally:
+        Storage.commit_file = publish
+    logging.getLogger("dcpbridge").removeHandler(log)
+    return {"log": log.lines}
+
+
+def test_a_commit_that_fails_on_one_node_publishes_the_step_on_none(pool, tmp_path):
+    """Where one node's lead cannot publish the marker, the step is not committed on any rank,
+    so the other nodes' markers are taken back: a restart loads the previous local step
+    (before, node 0 kept its marker and a restart loaded a step every rank had logged as
+    failed, never passed to ``on_commit`` nor uploaded)."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    out = pool.run(marker_fails_on_node1, 4, root, local, timeout=120)
+    for rank in range(4):
+        failed = [x for x in out[rank]["log"] if f"local step {STEPS} not committed" in x]
+        assert len(failed) == 1 and "No space left on device" in failed[0], rank
+    for node in (0, 1):
+        step = tmp_path / f"node{node}" / f"step_{STEPS:08d}"
+        assert not (step / local_tier.MARKER).exists(), node
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [STEPS - 1] * 4
