@@ -478,3 +478,17 @@ def test_a_commit_that_fails_on_one_node_publishes_the_step_on_none(pool, tmp_pa
         assert not (step / local_tier.MARKER).exists(), node
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [STEPS - 1] * 4
+
+
+def test_nodes_sharing_one_local_dir_commit_every_step(pool, tmp_path):
+    """A ``local_dir`` without ``{node}`` on a file system every node sees (one machine, or a
+    shared mount): the nodes' leads publish the same marker in the same folder. Before, they
+    raced on one temp file name, so every local step failed on some rank (logged as not
+    committed, yet published) and retention never ran: every step's folder stayed."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "shared")
+    out = pool.run(train, 4, root, local, {}, timeout=120)
+    assert not [x for o in out for x in o["log"] if "not committed" in x]
+    assert [s for s, t, _ in out[0]["calls"] if t == "local"] == list(range(1, STEPS + 1))
+    assert sorted(os.listdir(local)) == [f"step_{STEPS:08d}"]
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [STEPS] * 4
