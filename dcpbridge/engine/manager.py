@@ -646,6 +646,7 @@ class CheckpointManager:
             allow_dtype_cast=options.get("allow_dtype_cast", False),
             copies=copies,
             thread_count=options.get("thread_count", self._local.reader_threads),
+            reshard_data_state=options.get("reshard_data_state", "raise"),
         )
         if opened.planner is not None:  # planned and checked on every rank while opening
             assert opened.plan is not None and opened.reader is not None
@@ -750,7 +751,7 @@ class CheckpointManager:
 
 def _local_load_options(kwargs: dict[str, Any]) -> tuple[Policy, dict[str, Any]]:
     """The strict policy and the other options of ``load`` that a local-tier load takes."""
-    known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count"}
+    known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count", "reshard_data_state"}
     options = {k: v for k, v in kwargs.items() if k in known}
     return parse_strict(options.pop("strict", StrictMode.RAISE_MISSING)), options
 

@@ -492,3 +492,43 @@ def test_nodes_sharing_one_local_dir_commit_every_step(pool, tmp_path):
     assert sorted(os.listdir(local)) == [f"step_{STEPS:08d}"]
     back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [STEPS] * 4
+
+
+def train_with_cells(r: Rank, root: str, local: str) -> None:
+    """Steps 1..STEPS with a per-rank cell (a data loader's state) beside the weight."""
+    mgr = manager(r, root, local)
+    w = piece(weights(0), r.rank, r.size, 0)
+    for step in range(1, STEPS + 1):
+        w.mul_(0.5).add_(step)
+        cell = db.PerRankState("loader", {"rank": r.rank, "step": step}, r.rank, r.size)
+        mgr.save(step, {**state(w, r.rank, r.size, step), "loader": cell})
+    mgr.close()
+
+
+def restore_dropping_cells(r: Rank, root: str, local: str) -> dict:
+    """A restart in ``r.size`` ranks that asks to start the loaders' streams fresh."""
+    log = _capture()
+    mgr = manager(r, root, local, ranks_per_node=1)
+    shape = (SHAPE[0] // r.size, SHAPE[1])
+    tmpl = {
+        "w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(shape), (0, r.rank, r.size)),
+        "loader": db.PerRankState("loader", {"fresh": True}, r.rank, r.size),
+    }
+    out = mgr.load(tmpl, reshard_data_state="drop")
+    assert torch.equal(out["w"], piece(weights(out["step"]), r.rank, r.size, 0)), r.rank
+    mgr.close()
+    logging.getLogger("dcpbridge").removeHandler(log)
+    return {"step": out["step"], "loader": out["loader"].value, "log": log.lines}
+
+
+def test_a_local_restore_honours_reshard_data_state(pool, tmp_path):
+    """``load(..., reshard_data_state="drop")`` on a job of another data-parallel size drops
+    the per-rank cells of the local step as it does of a persistent one (before, the local
+    tier's load ignored the option, raised ``DataLayoutError`` and fell back to the older
+    persistent step)."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    pool.run(train_with_cells, 4, root, local, timeout=120)
+    back = pool.run(restore_dropping_cells, 2, root, local, timeout=120)
+    assert [b["step"] for b in back] == [STEPS] * 2, "\n".join(back[0]["log"])
+    assert [b["loader"] for b in back] == [{"fresh": True}] * 2
+    assert not [x for x in back[0]["log"] if "loading persistent step" in x], back[0]["log"]
