@@ -310,17 +310,21 @@ class LocalTier:
         (collective on the side group; every failure is logged alike on every rank)."""
         g, url = self.group, self.step_url(step)
         started = time.perf_counter()
+        prepared = False  # this node's directory of ``step`` holds nothing older from here on
         try:
             try:
                 if buffers[0] is not None:
                     buffers[0].wait_ready()
                 protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
+                prepared = True
                 save_mod.write_planned(g, cache, planned, url, opts, wrap=_columns)
             finally:
                 if buffers[0] is not None:
                     self.area.release(buffers[0])
             raw, index = self._replicate(step, time.perf_counter() - started)
         except Exception as e:  # every rank fails this step alike (protocol steps)
+            if prepared:  # nothing of it stays, a marker some nodes published least of all
+                self._on_lead(lambda: self._discard(step))
             self._failed(step, e)
             if persist is not None:
                 persist.handle._finish(e)
@@ -406,19 +410,15 @@ class LocalTier:
             },
             sort_keys=True,
         ).encode()
-        try:
-            protocol.agree(
-                g,
-                "local commit",
-                lambda: self._on_lead(
-                    lambda: storage_for(self._location(step)).commit_file(
-                        MARKER, marker, f"{MARKER}.{g.rank}.tmp", sync=True
-                    )
-                ),
-            )
-        except Exception:  # some node could not publish: no node's marker may stay
-            self._on_lead(lambda: self._unpublish(step))
-            raise
+        protocol.agree(
+            g,
+            "local commit",
+            lambda: self._on_lead(
+                lambda: storage_for(self._location(step)).commit_file(
+                    MARKER, marker, f"{MARKER}.{g.rank}.tmp", sync=True
+                )
+            ),
+        )
         done = time.perf_counter()
         log.info(
             "dcpbridge: local step %d committed in %s (write %.3fs, copies %.3fs, commit %.3fs)",
@@ -463,19 +463,15 @@ class LocalTier:
         if self.is_lead:
             work()
 
-    def _unpublish(self, step: int) -> None:
-        """Lead: take back this node's marker of ``step``, whose commit failed on some node
-        (best effort: retention or the next save's clearing removes the rest)."""
+    def _discard(self, step: int) -> None:
+        """Lead: remove this node's directory of ``step``, whose save failed after the
+        directory was cleared for it: its marker first, where some nodes published theirs
+        (best effort: the next save's clearing removes what is left)."""
         try:
-            store = storage_for(self._location(step))
-            if store.exists(MARKER):
-                store.remove([MARKER])
+            remove_step(self._location(step))
         except (CheckpointError, OSError) as e:
             log.warning(
-                "dcpbridge: local step %d: taking back %s failed: %s",
-                step,
-                f"{self.step_url(step)}/{MARKER}",
-                e,
+                "dcpbridge: removing failed local step %s failed: %s", self.step_url(step), e
             )
 
     def _clear(self, step: int) -> None:
