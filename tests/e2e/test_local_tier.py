@@ -532,3 +532,19 @@ def test_a_local_restore_honours_reshard_data_state(pool, tmp_path):
     assert [b["step"] for b in back] == [STEPS] * 2, "\n".join(back[0]["log"])
     assert [b["loader"] for b in back] == [{"fresh": True}] * 2
     assert not [x for x in back[0]["log"] if "loading persistent step" in x], back[0]["log"]
+
+
+def test_a_misspelt_load_option_raises_whichever_tier_answers(tmp_path):
+    """An option ``dcpbridge.load`` does not take raises ``InvalidArgumentError`` naming it,
+    from the local tier as from the persistent one (before, the local tier's load ignored it
+    and the persistent one raised ``TypeError``)."""
+    options = dict(every=2, local_dir=str(tmp_path / "shm"), local_every=1, replicas=0)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    for step in (None, 2):  # local step 3; persistent step 2
+        with pytest.raises(db.InvalidArgumentError, match="unknown options \\['allow_pikle'\\]"):
+            mgr.load({"w": torch.zeros(4)}, step=step, allow_pikle=True)
+    out = mgr.load({"w": torch.zeros(4)}, verify_checksums=True)
+    assert torch.equal(out["w"], torch.full((4,), 3.0))
+    mgr.close()
