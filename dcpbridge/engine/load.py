@@ -110,6 +110,7 @@ def load_opened(
     allow_pickle: bool = False,
     allow_dtype_cast: bool = False,
     thread_count: int = 4,
+    reshard_data_state: str = "raise",
 ) -> Any:
     """``load`` from a checkpoint the caller opened (the local tier's peer view) over ``group``."""
     return _load(
@@ -121,6 +122,7 @@ def load_opened(
         allow_pickle=allow_pickle,
         allow_dtype_cast=allow_dtype_cast,
         thread_count=thread_count,
+        reshard_data_state=reshard_data_state,
     )
 
 

@@ -35,7 +35,7 @@ from dcpbridge.engine.strict import Policy
 from dcpbridge.errors import CorruptCheckpointError
 from dcpbridge.formats.checkpoint import Checkpoint, Format
 from dcpbridge.model.intake import for_load
-from dcpbridge.model.per_rank import PerRankState
+from dcpbridge.model.per_rank import PerRankState, check_per_rank, count_requests
 from dcpbridge.model.stateful import state_dicts
 from dcpbridge.storage import METADATA_FILE, FsspecCheckpointReader, Location, StorageIndex
 from dcpbridge.storage.backends import storage_for
@@ -253,9 +253,10 @@ def plan_load(
     strict: Policy,
     allow_pickle: bool,
     allow_dtype_cast: bool,
+    reshard_data_state: str = "raise",
 ) -> PlannedLoad:
     """The load's own planning of ``template`` against a local step's document (a dry run)."""
-    parts = for_load(state_dicts(template))
+    parts = for_load(state_dicts(_dry_template(template, metadata, reshard_data_state)))
     planner = BridgeLoadPlanner(
         parts,
         parts.shards,
@@ -268,6 +269,22 @@ def plan_load(
     planner.collect_whole_reads = True
     plan = planner.create_local_plan()
     return PlannedLoad(planner, plan, planned_extents(planner, plan, metadata, location))
+
+
+def _dry_template(template: Any, metadata: Metadata, mode: str) -> Any:
+    """``template`` as the load will read it: per-rank states that start fresh on a layout
+    change (``reshard_data_state="drop"``) left out, the sample counts it then reads for its
+    warning requested instead (raises as the load does where a state cannot follow)."""
+    if not _per_rank(template):
+        return template
+    states = {k: v for k, v in template.items() if isinstance(v, PerRankState)}
+    dropped = check_per_rank(states, metadata.state_dict_metadata, mode)
+    gone = {d.path for d in dropped}
+    out = {k: v for k, v in template.items() if k not in gone}
+    for i, d in enumerate(dropped):
+        for r, request in count_requests(d).items():
+            out[f"__dcpb_samples_{i}_{r}"] = request
+    return out
 
 
 def planning_ahead(
@@ -311,6 +328,7 @@ def open_local_step(
     allow_dtype_cast: bool,
     copies: bool = False,
     thread_count: int = 4,
+    reshard_data_state: str = "raise",
 ) -> OpenedStep:
     """This rank's view of local step ``chosen``: its document (fetched if the node lacks
     it, decoded once: the survey's where it holds it) and every byte range its load will
@@ -357,6 +375,7 @@ def open_local_step(
             strict=strict,
             allow_pickle=allow_pickle,
             allow_dtype_cast=allow_dtype_cast,
+            reshard_data_state=reshard_data_state,
         )
         sources = choose_sources({e.name for e in made.extents}, rank, chosen, avoid=avoid)
         kept = made if planned else None

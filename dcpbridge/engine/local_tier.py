@@ -310,17 +310,21 @@ class LocalTier:
         (collective on the side group; every failure is logged alike on every rank)."""
         g, url = self.group, self.step_url(step)
         started = time.perf_counter()
+        prepared = False  # this node's directory of ``step`` holds nothing older from here on
         try:
             try:
                 if buffers[0] is not None:
                     buffers[0].wait_ready()
                 protocol.agree(g, "local prepare", lambda: self._on_lead(lambda: self._clear(step)))
+                prepared = True
                 save_mod.write_planned(g, cache, planned, url, opts, wrap=_columns)
             finally:
                 if buffers[0] is not None:
                     self.area.release(buffers[0])
             raw, index = self._replicate(step, time.perf_counter() - started)
         except Exception as e:  # every rank fails this step alike (protocol steps)
+            if prepared:  # nothing of it stays, a marker some nodes published least of all
+                self._on_lead(lambda: self._discard(step))
             self._failed(step, e)
             if persist is not None:
                 persist.handle._finish(e)
@@ -388,11 +392,13 @@ class LocalTier:
         sent = time.perf_counter()
 
         def write_received() -> None:
+            # temp names per rank: nodes whose directories are one folder (no ``{node}`` on a
+            # shared file system) write the same files there at once
             store = storage_for(self._location(step))
             for name, data in received.items():
-                store.commit_file(name, memoryview(data.numpy()), f"{name}.tmp", sync=True)
+                store.commit_file(name, memoryview(data.numpy()), f"{name}.{g.rank}.tmp", sync=True)
             if self.is_lead and not store.exists(METADATA_FILE):
-                store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True)
+                store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.{g.rank}.tmp", sync=True)
 
         protocol.agree(g, "local copies: write", write_received)
         marker = json.dumps(
@@ -409,7 +415,7 @@ class LocalTier:
             "local commit",
             lambda: self._on_lead(
                 lambda: storage_for(self._location(step)).commit_file(
-                    MARKER, marker, f"{MARKER}.tmp", sync=True
+                    MARKER, marker, f"{MARKER}.{g.rank}.tmp", sync=True
                 )
             ),
         )
@@ -456,6 +462,17 @@ class LocalTier:
     def _on_lead(self, work: Callable[[], Any]) -> None:
         if self.is_lead:
             work()
+
+    def _discard(self, step: int) -> None:
+        """Lead: remove this node's directory of ``step``, whose save failed after the
+        directory was cleared for it: its marker first, where some nodes published theirs
+        (best effort: the next save's clearing removes what is left)."""
+        try:
+            remove_step(self._location(step))
+        except (CheckpointError, OSError) as e:
+            log.warning(
+                "dcpbridge: removing failed local step %s failed: %s", self.step_url(step), e
+            )
 
     def _clear(self, step: int) -> None:
         """Lead: remove this node's uncommitted step directories and an old one of ``step``."""
@@ -597,6 +614,8 @@ def held_step(location: Location, run: str, step: int) -> tuple[LocalStep, Metad
         marker = json.loads(store.read_file(location.path(MARKER)))
     except FileNotFoundError:
         return None
+    except RecursionError as e:  # nested too deep: damaged like any other bad marker
+        raise CorruptCheckpointError(f"{location.path(MARKER)} is not a local step marker") from e
     if not isinstance(marker, dict) or not all(
         isinstance(marker.get(k), t) and not isinstance(marker.get(k), bool)
         for k, t in (("step", int), ("save_id", str), ("digest", str))

@@ -10,6 +10,7 @@ its commit file first, so a half-deleted directory never looks complete.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -533,6 +534,7 @@ class CheckpointManager:
     def load(self, template: Any, step: int | None = None, **kwargs: Any) -> Any:
         """Load ``step`` (default: the newest complete one, as rank 0 sees it) into
         ``template``, in any layout or world size; ``kwargs`` go to ``dcpbridge.load``."""
+        _check_load_options(kwargs)
         self._finish_pending()
         if self._local is not None:
             return self._load_either(template, step, kwargs)
@@ -646,6 +648,7 @@ class CheckpointManager:
             allow_dtype_cast=options.get("allow_dtype_cast", False),
             copies=copies,
             thread_count=options.get("thread_count", self._local.reader_threads),
+            reshard_data_state=options.get("reshard_data_state", "raise"),
         )
         if opened.planner is not None:  # planned and checked on every rank while opening
             assert opened.plan is not None and opened.reader is not None
@@ -748,9 +751,28 @@ class CheckpointManager:
                 log.warning("dcpbridge: pending checkpoint failed too: %s", e)
 
 
+_LOAD_OPTIONS = frozenset(inspect.signature(load_mod.load).parameters) - {
+    "sharded_state_dict",
+    "checkpoint_dir",
+    "process_group",
+}
+
+
+def _check_load_options(kwargs: Mapping[str, Any]) -> None:
+    """Raise for options ``dcpbridge.load`` does not take: a misspelt one must fail alike
+    whichever tier answers (the local tier's load took only those it uses, ignoring the
+    rest)."""
+    unknown = sorted(set(kwargs) - _LOAD_OPTIONS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"CheckpointManager.load() got unknown options {unknown} "
+            f"(it takes {sorted(_LOAD_OPTIONS)})"
+        )
+
+
 def _local_load_options(kwargs: dict[str, Any]) -> tuple[Policy, dict[str, Any]]:
     """The strict policy and the other options of ``load`` that a local-tier load takes."""
-    known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count"}
+    known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count", "reshard_data_state"}
     options = {k: v for k, v in kwargs.items() if k in known}
     return parse_strict(options.pop("strict", StrictMode.RAISE_MISSING)), options
 

@@ -416,3 +416,135 @@ def test_a_local_step_whose_marker_names_another_step_is_ignored(tmp_path, caplo
     assert torch.equal(out["w"], torch.full((4,), 2.0))
     assert "local.json names step 3, not its directory's 9" in caplog.text
     mgr.close()
+
+
+def test_a_deeply_nested_marker_is_ignored_not_raised(tmp_path, caplog):
+    """A damaged ``local.json`` nested too deep for the JSON decoder is hostile input like any
+    other bad marker: the step is skipped with a warning (it raised ``RecursionError`` out of
+    ``latest_step`` and ``load``)."""
+    local = str(tmp_path / "shm")
+    options = dict(every=2, local_dir=local, local_every=1, replicas=0)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    mgr.close()
+    (tmp_path / "shm" / "step_00000003" / "local.json").write_bytes(b"[" * 200_000)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        assert mgr.latest_step() == 2
+        out = mgr.load({"w": torch.zeros(4)})
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
+    assert "step_00000003/local.json is not a local step marker" in caplog.text
+    mgr.close()
+
+
+def marker_fails_on_node1(r: Rank, root: str, local: str) -> dict:
+    """Steps 1..STEPS; node 1's lead fails to publish the marker of the last step."""
+    log = _capture()
+    mgr = manager(r, root, local)
+    publish = Storage.commit_file
+
+    def failing(self, name, data, temp_name, **kwargs):
+        if name == local_tier.MARKER and f"step_{STEPS:08d}" in self.location.root:
+            raise OSError(28, "No space left on device")
+        return publish(self, name, data, temp_name, **kwargs)
+
+    if r.rank == 2:
+        Storage.commit_file = failing
+    w = piece(weights(0), r.rank, r.size, 0)
+    try:
+        for step in range(1, STEPS + 1):
+            w.mul_(0.5).add_(step)
+            mgr.save(step, state(w, r.rank, r.size, step))
+        mgr.close()
+    finally:
+        Storage.commit_file = publish
+    logging.getLogger("dcpbridge").removeHandler(log)
+    return {"log": log.lines}
+
+
+def test_a_commit_that_fails_on_one_node_publishes_the_step_on_none(pool, tmp_path):
+    """Where one node's lead cannot publish the marker, the step is not committed on any rank,
+    so nothing of it stays on any node: a restart loads the previous local step (before, node
+    0 kept its marker and a restart loaded a step every rank had logged as failed, never
+    passed to ``on_commit`` nor uploaded; and a failed step's files stayed until the next
+    local save, whose space check they could make fail)."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    out = pool.run(marker_fails_on_node1, 4, root, local, timeout=120)
+    for rank in range(4):
+        failed = [x for x in out[rank]["log"] if f"local step {STEPS} not committed" in x]
+        assert len(failed) == 1 and "No space left on device" in failed[0], rank
+    for node in (0, 1):  # nothing of the failed step is left; the previous one stays
+        assert sorted(os.listdir(node_dir(tmp_path, node))) == [f"step_{STEPS - 1:08d}"], node
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [STEPS - 1] * 4
+
+
+def test_nodes_sharing_one_local_dir_commit_every_step(pool, tmp_path):
+    """A ``local_dir`` without ``{node}`` on a file system every node sees (one machine, or a
+    shared mount): the nodes' leads publish the same marker in the same folder. Before, they
+    raced on one temp file name, so every local step failed on some rank (logged as not
+    committed, yet published) and retention never ran: every step's folder stayed."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "shared")
+    out = pool.run(train, 4, root, local, {}, timeout=120)
+    assert not [x for o in out for x in o["log"] if "not committed" in x]
+    assert [s for s, t, _ in out[0]["calls"] if t == "local"] == list(range(1, STEPS + 1))
+    assert sorted(os.listdir(local)) == [f"step_{STEPS:08d}"]
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [STEPS] * 4
+
+
+def train_with_cells(r: Rank, root: str, local: str) -> None:
+    """Steps 1..STEPS with a per-rank cell (a data loader's state) beside the weight."""
+    mgr = manager(r, root, local)
+    w = piece(weights(0), r.rank, r.size, 0)
+    for step in range(1, STEPS + 1):
+        w.mul_(0.5).add_(step)
+        cell = db.PerRankState("loader", {"rank": r.rank, "step": step}, r.rank, r.size)
+        mgr.save(step, {**state(w, r.rank, r.size, step), "loader": cell})
+    mgr.close()
+
+
+def restore_dropping_cells(r: Rank, root: str, local: str) -> dict:
+    """A restart in ``r.size`` ranks that asks to start the loaders' streams fresh."""
+    log = _capture()
+    mgr = manager(r, root, local, ranks_per_node=1)
+    shape = (SHAPE[0] // r.size, SHAPE[1])
+    tmpl = {
+        "w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(shape), (0, r.rank, r.size)),
+        "loader": db.PerRankState("loader", {"fresh": True}, r.rank, r.size),
+    }
+    out = mgr.load(tmpl, reshard_data_state="drop")
+    assert torch.equal(out["w"], piece(weights(out["step"]), r.rank, r.size, 0)), r.rank
+    mgr.close()
+    logging.getLogger("dcpbridge").removeHandler(log)
+    return {"step": out["step"], "loader": out["loader"].value, "log": log.lines}
+
+
+def test_a_local_restore_honours_reshard_data_state(pool, tmp_path):
+    """``load(..., reshard_data_state="drop")`` on a job of another data-parallel size drops
+    the per-rank cells of the local step as it does of a persistent one (before, the local
+    tier's load ignored the option, raised ``DataLayoutError`` and fell back to the older
+    persistent step)."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    pool.run(train_with_cells, 4, root, local, timeout=120)
+    back = pool.run(restore_dropping_cells, 2, root, local, timeout=120)
+    assert [b["step"] for b in back] == [STEPS] * 2, "\n".join(back[0]["log"])
+    assert [b["loader"] for b in back] == [{"fresh": True}] * 2
+    assert not [x for x in back[0]["log"] if "loading persistent step" in x], back[0]["log"]
+
+
+def test_a_misspelt_load_option_raises_whichever_tier_answers(tmp_path):
+    """An option ``dcpbridge.load`` does not take raises ``InvalidArgumentError`` naming it,
+    from the local tier as from the persistent one (before, the local tier's load ignored it
+    and the persistent one raised ``TypeError``)."""
+    options = dict(every=2, local_dir=str(tmp_path / "shm"), local_every=1, replicas=0)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    for step in (None, 2):  # local step 3; persistent step 2
+        with pytest.raises(db.InvalidArgumentError, match="unknown options \\['allow_pikle'\\]"):
+            mgr.load({"w": torch.zeros(4)}, step=step, allow_pikle=True)
+    out = mgr.load({"w": torch.zeros(4)}, verify_checksums=True)
+    assert torch.equal(out["w"], torch.full((4,), 3.0))
+    mgr.close()
