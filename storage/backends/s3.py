@@ -364,6 +364,7 @@ async def _read_into(fs: Any, path: str, start: int, parts: Sequence[memoryview 
         body = resp["Body"]
         pos = start
         try:
+            _check_range(resp, path, start, end)
             for part in parts:
                 left = part if isinstance(part, int) else len(part)
                 while left:
@@ -387,6 +388,29 @@ async def _read_into(fs: Any, path: str, start: int, parts: Sequence[memoryview 
         raise ShortReadError(
             f"short read from {path}: bytes {start}..{end} lie beyond its end (truncated?)"
         ) from e
+
+
+class RangeMismatchError(OSError):
+    """An object store answered a ranged GET with other bytes than the range asked for."""
+
+
+def _check_range(resp: dict[str, Any], path: str, start: int, end: int) -> None:
+    """Raise unless the answer to a GET of bytes ``[start, end)`` begins at ``start``: a
+    server (or proxy) that ignores Range answers 200 with the whole object, whose first bytes
+    would otherwise land where bytes ``start...`` belong."""
+    got = resp.get("ContentRange")
+    if got is None:
+        if start == 0:  # the whole object: its first bytes are the ones asked for
+            return
+    else:
+        first, _, last = got.removeprefix("bytes ").split("/", 1)[0].partition("-")
+        # a range cut short by the object's end is a short read, reported as one below
+        if first.strip() == str(start) and last.strip().isdigit() and int(last) < end:
+            return
+    raise RangeMismatchError(
+        f"ranged GET of {path} asked for bytes {start}..{end} but the store answered "
+        f"{f'Content-Range {got!r}' if got else 'the whole object (it ignored Range)'}"
+    )
 
 
 def _error_code(e: BaseException) -> str | None:

@@ -354,3 +354,50 @@ def test_scatter_parts_split_into_back_to_back_part_sized_requests():
         (62, [1, bytes(range(100, 103))]),
         (66, [bytes([103]), 2]),  # a trailing skip stays: the file must hold those bytes
     ]
+
+
+# -- answers that do not match the request --------------------------------------------------
+
+
+@pytest.mark.s3
+def test_a_ranged_get_answered_with_the_whole_object_raises(s3_server, s3_proxy, bucket):
+    """A store that ignores Range (200 and the whole object) must not have the object's first
+    bytes land where bytes 100.. belong: the read fails naming the file."""
+    whole = bytes(range(256)) * 4
+    _fs(s3_server).pipe(f"{bucket}/ck/f.bin", whole)
+    options = s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url)
+    store = storage_for(resolve(f"s3://{bucket}/ck", options))
+    s3_proxy.inject("GET", "f.bin", "whole", body=whole)
+    buf = bytearray(16)
+    with pytest.raises(db.StorageError, match=r"f\.bin asked for bytes 100\.\.116 .*ignored Range"):
+        store.fetch([RangeRead(f"{bucket}/ck/f.bin", 100, memoryview(buf))], 1)
+    store.fetch([RangeRead(f"{bucket}/ck/f.bin", 100, memoryview(buf))], 1)  # honoured now
+    assert bytes(buf) == whole[100:116]
+    s3_proxy.inject("GET", "f.bin", "whole", body=whole)
+    store.fetch([RangeRead(f"{bucket}/ck/f.bin", 0, memoryview(buf))], 1)  # from 0: correct
+    assert bytes(buf) == whole[:16]
+
+
+@pytest.mark.s3
+def test_a_load_through_a_store_that_ignores_range_fails(s3_server, s3_proxy, bucket):
+    """Checksums off, the second tensor of a file loaded alone: never the first one's bytes."""
+    url = f"s3://{bucket}/ck"
+    a, b = torch.arange(4096.0), torch.arange(4096.0) + 1e6
+    state = {
+        "a": db.ShardedTensor.from_box("a", a, (4096,), (0,)),
+        "b": db.ShardedTensor.from_box("b", b, (4096,), (0,)),
+    }
+    db.save(state, url, storage_options=s3_server.storage_options(), thread_count=1)
+    fs = _fs(s3_server)
+    for data in [k for k in fs.ls(f"{bucket}/ck") if k.endswith(".bin")]:
+        name = data.rsplit("/", 1)[1]
+        s3_proxy.inject("GET", name, "whole", body=fs.cat_file(data), times=100)
+    options = s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url)
+    dest = torch.zeros(4096)
+    with pytest.raises(db.StorageError, match=r"\.bin asked for bytes \d+\.\.\d+ .*ignored Range"):
+        db.load(
+            {"b": db.ShardedTensor.from_box("b", dest, (4096,), (0,))},
+            url,
+            storage_options=options,
+            verify_checksums=False,
+        )
