@@ -73,6 +73,15 @@ class S3Transfer:
     """Seconds all requests after a timed-out one (the failed operation's cleanup) share."""
 
     def __post_init__(self) -> None:
+        for name, option in (
+            ("part_size", "default_block_size"),
+            ("concurrency", "max_concurrency"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(
+                    f"S3 {option} must be an integer, got {value!r} ({type(value).__name__})"
+                )
         if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
             raise InvalidArgumentError(
                 f"S3 part size (default_block_size) must be between 5 MiB and 5 GiB, "

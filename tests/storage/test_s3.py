@@ -44,6 +44,37 @@ def test_transfer_settings_come_from_s3fs_options():
         S3Transfer(concurrency=0)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("default_block_size", "8388608"),
+        ("default_block_size", 8e6),
+        ("default_block_size", True),
+        ("max_concurrency", "4"),
+        ("max_concurrency", 2.5),
+    ],
+)
+def test_wrong_types_of_s3fs_transfer_options_raise_a_checkpoint_error(option, value):
+    """Options from a config file may be strings or floats: refused up front by name, not a
+    TypeError here or in the middle of a save."""
+    with pytest.raises(db.InvalidArgumentError, match=rf"s3://bucket/ck|S3 {option} must be an"):
+        storage_for(resolve("s3://bucket/ck", {option: value, "skip_instance_cache": True}))
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "cause"),
+    [
+        ("s3://bucket/ck", {"max_concurrency": "4"}, TypeError),
+        ("nope://bucket/ck", {}, ValueError),
+    ],
+)
+def test_a_location_fsspec_cannot_open_raises_a_checkpoint_error(url, options, cause):
+    """An unknown protocol or a filesystem option of the wrong type names the location."""
+    with pytest.raises(db.InvalidArgumentError, match=f"^{url}: cannot open") as info:
+        resolve(url, {**options, "skip_instance_cache": True})
+    assert type(info.value.__cause__) is cause
+
+
 def test_timeout_settings_and_the_cleanup_budget():
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     settings = {"request_timeout": 9, "cleanup_timeout": 2}
