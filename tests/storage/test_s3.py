@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -432,3 +433,43 @@ def test_a_load_through_a_store_that_ignores_range_fails(s3_server, s3_proxy, bu
             storage_options=options,
             verify_checksums=False,
         )
+
+
+@pytest.mark.s3
+def test_listing_a_referenced_checkpoint_is_bounded_by_request_timeout(s3_server, s3_proxy):
+    """Loading an incremental checkpoint lists the sibling it references; a store that stalls
+    on that listing fails the load within request_timeout + cleanup_timeout, naming the URL."""
+    bucket = s3_server.new_bucket()
+    direct = s3_server.storage_options()
+    base, ad = torch.arange(64.0).reshape(8, 8), torch.ones(2, 8)
+    db.save({"base": base, "ad": ad}, f"s3://{bucket}/s1", storage_options=direct)
+    url = f"s3://{bucket}/s2"
+    db.save(
+        {"base": base, "ad": ad + 1}, url, storage_options=direct, reuse_from=f"s3://{bucket}/s1"
+    )
+    options = {
+        **s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url),
+        "request_timeout": 2,
+        "cleanup_timeout": 1,
+    }
+    s3_proxy.inject("GET", "prefix=s1", "freeze")
+    out: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            db.load(
+                {"base": torch.zeros(8, 8), "ad": torch.zeros(2, 8)}, url, storage_options=options
+            )
+            out["result"] = "loaded"
+        except Exception as e:
+            out["result"] = e
+
+    start = time.monotonic()
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(15)
+    assert s3_proxy.frozen.is_set()
+    assert not worker.is_alive(), f"still waiting after {time.monotonic() - start:.0f} s"
+    err = out["result"]
+    assert isinstance(err, db.StorageError) and url in str(err), err
+    assert "no answer within 2 s" in str(err)
