@@ -140,7 +140,18 @@ class _BoundedFS:
     ``sync`` takes the ``timeout`` and cancels the request); everything else passes through."""
 
     _BOUNDED = frozenset(
-        {"ls", "find", "exists", "info", "rm", "size", "cat_file", "cat_ranges", "pipe_file"}
+        {
+            "ls",
+            "find",
+            "exists",
+            "info",
+            "rm",
+            "rm_file",
+            "size",
+            "cat_file",
+            "cat_ranges",
+            "pipe_file",
+        }
     )
 
     def __init__(self, fs: Any, budget: RequestBudget) -> None:

@@ -226,6 +226,21 @@ def test_stale_files_are_removed_after_commit(backend):
     assert load_one_process(backend, "ck") == len(L.TENSORS) * 4
 
 
+@pytest.mark.parametrize(("name", "other"), [("ck?", "ckA"), ("ck*", "ckAB"), ("ck[1]", "ck1")])
+def test_cleanup_in_a_root_with_glob_characters_touches_only_that_root(backend, name, other):
+    """Removing the replaced checkpoint's files must take the root literally, never as a
+    pattern: a copy of the checkpoint in a folder the pattern matches keeps its files."""
+    save_one_process(backend, name)
+    first = backend.data_names(name)
+    for f in backend.names(name):
+        backend.write(other, f, backend.read(name, f))
+    save_one_process(backend, name)  # replaces the first save and removes its files
+    assert backend.names(other) == sorted(["dcpbridge.json", *first])
+    assert load_one_process(backend, other) == len(L.TENSORS) * 4
+    assert len(backend.data_names(name)) == 1 and backend.data_names(name) != first
+    assert load_one_process(backend, name) == len(L.TENSORS) * 4
+
+
 # -- bytes on the wire --------------------------------------------------------------------------
 
 ROWS, COLS = 64, 8192  # two chunks of 32 rows x 32 KiB (1 MiB each)
