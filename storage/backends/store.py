@@ -213,7 +213,9 @@ class Storage:
         found = self.fs.find(root, detail=True)  # one listing on S3, not one per folder
         for path, e in found.items():
             parent, name = path.rstrip("/").rsplit("/", 1)
-            if parent != root and SPREAD_DIR.match(parent.rsplit("/", 1)[-1]):
+            above, _, folder = parent.rpartition("/")
+            # only the root's own spread folders: not those of a checkpoint nested in it
+            if above == root and SPREAD_DIR.match(folder):
                 self._paths[name] = path
                 entries.append(e)
         return entries
