@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import botocore.config
 import s3fs.core
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
@@ -180,6 +181,7 @@ class S3Storage(Storage):
 
     def __init__(self, location: Any) -> None:
         super().__init__(location)
+        _check_client_options(location.url, getattr(self.fs, "storage_options", {}) or {})
         self.transfer = S3Transfer.from_fs(self.fs, location.settings)
         self.budget = self.transfer.budget()
         self.fs = _BoundedFS(self.fs, self.budget)
@@ -282,6 +284,30 @@ class S3Storage(Storage):
             limit = max(self.transfer.concurrency, threads)
             part_size = self.transfer.part_size
             sync(self.fs.loop, _fetch_all, self.fs, reads, part_size, limit, self.budget)
+
+
+def _check_client_options(url: str, opts: dict[str, Any]) -> None:
+    """Refuse s3fs options of the wrong type now, naming them: s3fs builds its client at the
+    first request, where they would fail as a bare AttributeError or TypeError mid-save."""
+    for name in ("client_kwargs", "config_kwargs", "s3_additional_kwargs"):
+        value = opts.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise InvalidArgumentError(
+                f"{url}: storage option {name} must be a mapping, got {value!r}"
+            )
+    for name in ("key", "secret", "token", "profile"):
+        value = opts.get(name)
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgumentError(
+                f"{url}: storage option {name} must be a string, got {type(value).__name__}"
+            )
+    try:
+        botocore.config.Config(**(opts.get("config_kwargs") or {}))
+    except Exception as e:
+        raise InvalidArgumentError(
+            f"{url}: storage option config_kwargs is not a valid botocore Config: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def _wait(loop: Any, coro: Awaitable[Any]) -> Any:

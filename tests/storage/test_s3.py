@@ -63,6 +63,24 @@ def test_wrong_types_of_s3fs_transfer_options_raise_a_checkpoint_error(option, v
 
 
 @pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"client_kwargs": "abc"}, "client_kwargs must be a mapping"),
+        ({"config_kwargs": "x"}, "config_kwargs must be a mapping"),
+        ({"config_kwargs": {"retries": "x"}}, "config_kwargs is not a valid botocore Config"),
+        ({"key": 5}, "key must be a string, got int"),
+    ],
+)
+def test_s3fs_client_options_of_the_wrong_type_raise_a_checkpoint_error(tmp_path, extra, message):
+    """Not a bare AttributeError / TypeError from s3fs building its client mid-save."""
+    url = "s3://bucket/ck"
+    with pytest.raises(db.InvalidArgumentError, match=f"^{url}: storage option {message}"):
+        db.save(
+            {"t": torch.arange(4.0)}, url, storage_options={**extra, "skip_instance_cache": True}
+        )
+
+
+@pytest.mark.parametrize(
     ("url", "options", "cause"),
     [
         ("s3://bucket/ck", {"max_concurrency": "4"}, TypeError),
