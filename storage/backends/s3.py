@@ -182,6 +182,12 @@ class S3Storage(Storage):
     def __init__(self, location: Any) -> None:
         super().__init__(location)
         _check_client_options(location.url, getattr(self.fs, "storage_options", {}) or {})
+        if "?versionId=" in location.root:
+            # s3fs cuts every key there: all files of the checkpoint would be one object
+            raise InvalidArgumentError(
+                f"{location.url}: an S3 checkpoint location cannot contain '?versionId=' "
+                "(s3fs reads it as an object version, so every file would land on one key)"
+            )
         self.transfer = S3Transfer.from_fs(self.fs, location.settings)
         self.budget = self.transfer.budget()
         self.fs = _BoundedFS(self.fs, self.budget)

@@ -491,3 +491,16 @@ def test_listing_a_referenced_checkpoint_is_bounded_by_request_timeout(s3_server
     err = out["result"]
     assert isinstance(err, db.StorageError) and url in str(err), err
     assert "no answer within 2 s" in str(err)
+
+
+@pytest.mark.s3
+def test_a_location_with_a_version_id_is_refused_before_writing(s3_server, bucket):
+    """s3fs cuts keys at '?versionId=': saving to s3://b/ck?versionId=1 wrote every file over
+    the object ck (a user's object there was lost) and then failed."""
+    options = s3_server.storage_options()
+    _fs(s3_server).pipe(f"{bucket}/ck", b"user data")
+    url = f"s3://{bucket}/ck?versionId=1"
+    with pytest.raises(db.InvalidArgumentError, match=r"versionId=1: an S3 checkpoint location"):
+        db.save({"t": torch.arange(4.0)}, url, storage_options=options)
+    assert s3_server.keys(bucket) == ["ck"]
+    assert _fs(s3_server).cat_file(f"{bucket}/ck") == b"user data"
