@@ -14,11 +14,12 @@ class _Lister:
 
     def __init__(self, store: Storage) -> None:
         self.location = store.location
+        self.fs = store.fs  # the storage's own: on S3, every request bounded by its timeout
 
     @storage_op("list")
     def sizes(self, folder: str) -> dict[str, int]:
         """Size of every file directly in ``folder`` ({} if it does not exist)."""
-        fs = self.location.fs
+        fs = self.fs
         fs.invalidate_cache(folder)
         try:
             entries = fs.ls(folder, detail=True)

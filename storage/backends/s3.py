@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import botocore.config
 import s3fs.core
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
@@ -73,6 +74,15 @@ class S3Transfer:
     """Seconds all requests after a timed-out one (the failed operation's cleanup) share."""
 
     def __post_init__(self) -> None:
+        for name, option in (
+            ("part_size", "default_block_size"),
+            ("concurrency", "max_concurrency"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(
+                    f"S3 {option} must be an integer, got {value!r} ({type(value).__name__})"
+                )
         if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
             raise InvalidArgumentError(
                 f"S3 part size (default_block_size) must be between 5 MiB and 5 GiB, "
@@ -131,7 +141,18 @@ class _BoundedFS:
     ``sync`` takes the ``timeout`` and cancels the request); everything else passes through."""
 
     _BOUNDED = frozenset(
-        {"ls", "find", "exists", "info", "rm", "size", "cat_file", "cat_ranges", "pipe_file"}
+        {
+            "ls",
+            "find",
+            "exists",
+            "info",
+            "rm",
+            "rm_file",
+            "size",
+            "cat_file",
+            "cat_ranges",
+            "pipe_file",
+        }
     )
 
     def __init__(self, fs: Any, budget: RequestBudget) -> None:
@@ -160,6 +181,13 @@ class S3Storage(Storage):
 
     def __init__(self, location: Any) -> None:
         super().__init__(location)
+        _check_client_options(location.url, getattr(self.fs, "storage_options", {}) or {})
+        if "?versionId=" in location.root:
+            # s3fs cuts every key there: all files of the checkpoint would be one object
+            raise InvalidArgumentError(
+                f"{location.url}: an S3 checkpoint location cannot contain '?versionId=' "
+                "(s3fs reads it as an object version, so every file would land on one key)"
+            )
         self.transfer = S3Transfer.from_fs(self.fs, location.settings)
         self.budget = self.transfer.budget()
         self.fs = _BoundedFS(self.fs, self.budget)
@@ -264,6 +292,30 @@ class S3Storage(Storage):
             sync(self.fs.loop, _fetch_all, self.fs, reads, part_size, limit, self.budget)
 
 
+def _check_client_options(url: str, opts: dict[str, Any]) -> None:
+    """Refuse s3fs options of the wrong type now, naming them: s3fs builds its client at the
+    first request, where they would fail as a bare AttributeError or TypeError mid-save."""
+    for name in ("client_kwargs", "config_kwargs", "s3_additional_kwargs"):
+        value = opts.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise InvalidArgumentError(
+                f"{url}: storage option {name} must be a mapping, got {value!r}"
+            )
+    for name in ("key", "secret", "token", "profile"):
+        value = opts.get(name)
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgumentError(
+                f"{url}: storage option {name} must be a string, got {type(value).__name__}"
+            )
+    try:
+        botocore.config.Config(**(opts.get("config_kwargs") or {}))
+    except Exception as e:
+        raise InvalidArgumentError(
+            f"{url}: storage option config_kwargs is not a valid botocore Config: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
 def _wait(loop: Any, coro: Awaitable[Any]) -> Any:
     async def run() -> Any:
         return await coro
@@ -364,6 +416,7 @@ async def _read_into(fs: Any, path: str, start: int, parts: Sequence[memoryview 
         body = resp["Body"]
         pos = start
         try:
+            _check_range(resp, path, start, end)
             for part in parts:
                 left = part if isinstance(part, int) else len(part)
                 while left:
@@ -387,6 +440,29 @@ async def _read_into(fs: Any, path: str, start: int, parts: Sequence[memoryview 
         raise ShortReadError(
             f"short read from {path}: bytes {start}..{end} lie beyond its end (truncated?)"
         ) from e
+
+
+class RangeMismatchError(OSError):
+    """An object store answered a ranged GET with other bytes than the range asked for."""
+
+
+def _check_range(resp: dict[str, Any], path: str, start: int, end: int) -> None:
+    """Raise unless the answer to a GET of bytes ``[start, end)`` begins at ``start``: a
+    server (or proxy) that ignores Range answers 200 with the whole object, whose first bytes
+    would otherwise land where bytes ``start...`` belong."""
+    got = resp.get("ContentRange")
+    if got is None:
+        if start == 0:  # the whole object: its first bytes are the ones asked for
+            return
+    else:
+        first, _, last = got.removeprefix("bytes ").split("/", 1)[0].partition("-")
+        # a range cut short by the object's end is a short read, reported as one below
+        if first.strip() == str(start) and last.strip().isdigit() and int(last) < end:
+            return
+    raise RangeMismatchError(
+        f"ranged GET of {path} asked for bytes {start}..{end} but the store answered "
+        f"{f'Content-Range {got!r}' if got else 'the whole object (it ignored Range)'}"
+    )
 
 
 def _error_code(e: BaseException) -> str | None:

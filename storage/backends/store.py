@@ -11,6 +11,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from dcpbridge.storage.format.paths import SPREAD_DIR, Location
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+_GLOB_CHARS = re.compile(r"[*?\[]")  # what fsspec's glob expansion treats as a pattern
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
@@ -211,7 +213,9 @@ class Storage:
         found = self.fs.find(root, detail=True)  # one listing on S3, not one per folder
         for path, e in found.items():
             parent, name = path.rstrip("/").rsplit("/", 1)
-            if parent != root and SPREAD_DIR.match(parent.rsplit("/", 1)[-1]):
+            above, _, folder = parent.rpartition("/")
+            # only the root's own spread folders: not those of a checkpoint nested in it
+            if above == root and SPREAD_DIR.match(folder):
                 self._paths[name] = path
                 entries.append(e)
         return entries
@@ -247,8 +251,15 @@ class Storage:
 
     @storage_op("remove")
     def remove(self, names: Sequence[str]) -> None:
-        if names:
-            self.fs.rm([self._paths.get(n) or self.location.path(n) for n in names])
+        """Delete files ``names`` of this checkpoint (paths taken literally, never as patterns)."""
+        paths = [self._paths.get(n) or self.location.path(n) for n in names]
+        if any(_GLOB_CHARS.search(p) for p in paths):
+            # fsspec's rm expands glob patterns: a root like "ck?" or "ck[1]" would delete the
+            # files of "ckA" or "ck1" instead; rm_file takes its path literally
+            for p in paths:
+                self.fs.rm_file(p)
+        elif paths:
+            self.fs.rm(paths)
 
     def mapped_files(self) -> contextlib.AbstractContextManager[MappedFiles | None]:
         """Read-only mappings of this storage's files for the span of a ``with`` (None: the

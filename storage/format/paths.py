@@ -88,7 +88,12 @@ def resolve(
         raise InvalidArgumentError(
             f"storage option prefixes must be an integer in [1, {MAX_PREFIXES}], got {spread!r}"
         )
-    fs, root = fsspec.core.url_to_fs(text, **options)
+    try:
+        fs, root = fsspec.core.url_to_fs(text, **options)
+    except (TypeError, ValueError, ImportError) as e:  # unknown protocol, options of wrong type
+        raise InvalidArgumentError(
+            f"{text}: cannot open this location with its storage options: {type(e).__name__}: {e}"
+        ) from e
     if isinstance(fs, LocalFileSystem):
         root = os.path.abspath(root)
     return Location(url=text, fs=fs, root=root.rstrip("/") or "/", settings=settings)

@@ -19,6 +19,7 @@ from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import RangeRead, ScatterRead
 from dcpbridge.storage.format.paths import resolve
+from dcpbridge.storage.write.writer import remove_stale_files
 from tests.support import layouts as L
 from tests.support.backends import Backend
 from tests.support.dist_pool import Rank
@@ -224,6 +225,39 @@ def test_stale_files_are_removed_after_commit(backend):
         *backend.data_names("ck"),
     }
     assert load_one_process(backend, "ck") == len(L.TENSORS) * 4
+
+
+@pytest.mark.parametrize(("name", "other"), [("ck?", "ckA"), ("ck*", "ckAB"), ("ck[1]", "ck1")])
+def test_cleanup_in_a_root_with_glob_characters_touches_only_that_root(backend, name, other):
+    """Removing the replaced checkpoint's files must take the root literally, never as a
+    pattern: a copy of the checkpoint in a folder the pattern matches keeps its files."""
+    save_one_process(backend, name)
+    first = backend.data_names(name)
+    for f in backend.names(name):
+        backend.write(other, f, backend.read(name, f))
+    save_one_process(backend, name)  # replaces the first save and removes its files
+    assert backend.names(other) == sorted(["dcpbridge.json", *first])
+    assert load_one_process(backend, other) == len(L.TENSORS) * 4
+    assert len(backend.data_names(name)) == 1 and backend.data_names(name) != first
+    assert load_one_process(backend, name) == len(L.TENSORS) * 4
+
+
+def test_listing_a_spread_checkpoint_leaves_out_a_nested_checkpoints_folders(backend):
+    """Only the root's own spread folders (root/pXX) hold its files: a checkpoint nested in
+    it (root/ema/pXX) is not listed, so stale-file cleanup never deletes its data."""
+    fs, root = backend.fs(), backend.path("ck")
+    own, nested = "__0_0.aaaaaaaaaaaaaaaa.bin", "__0_0.bbbbbbbbbbbbbbbb.bin"
+    for path in (f"{root}/p0/{own}", f"{root}/ema/p1/{nested}", f"{root}/ema/dcpbridge.json"):
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, b"x")
+    fs.invalidate_cache()
+    store = storage_for(resolve(backend.url("ck"), backend.storage_options))
+    assert sorted(store.list_names()) == [own, "ema"]
+    assert store.file_sizes() == {own: 1}
+    remove_stale_files(store, save_id="")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{root}/ema/p1/{nested}") == b"x"
+    assert not fs.exists(f"{root}/p0/{own}")
 
 
 # -- bytes on the wire --------------------------------------------------------------------------

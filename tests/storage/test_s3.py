@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,55 @@ def test_transfer_settings_come_from_s3fs_options():
         S3Transfer(part_size=MiB)
     with pytest.raises(ValueError, match="max_concurrency"):
         S3Transfer(concurrency=0)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("default_block_size", "8388608"),
+        ("default_block_size", 8e6),
+        ("default_block_size", True),
+        ("max_concurrency", "4"),
+        ("max_concurrency", 2.5),
+    ],
+)
+def test_wrong_types_of_s3fs_transfer_options_raise_a_checkpoint_error(option, value):
+    """Options from a config file may be strings or floats: refused up front by name, not a
+    TypeError here or in the middle of a save."""
+    with pytest.raises(db.InvalidArgumentError, match=rf"s3://bucket/ck|S3 {option} must be an"):
+        storage_for(resolve("s3://bucket/ck", {option: value, "skip_instance_cache": True}))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"client_kwargs": "abc"}, "client_kwargs must be a mapping"),
+        ({"config_kwargs": "x"}, "config_kwargs must be a mapping"),
+        ({"config_kwargs": {"retries": "x"}}, "config_kwargs is not a valid botocore Config"),
+        ({"key": 5}, "key must be a string, got int"),
+    ],
+)
+def test_s3fs_client_options_of_the_wrong_type_raise_a_checkpoint_error(tmp_path, extra, message):
+    """Not a bare AttributeError / TypeError from s3fs building its client mid-save."""
+    url = "s3://bucket/ck"
+    with pytest.raises(db.InvalidArgumentError, match=f"^{url}: storage option {message}"):
+        db.save(
+            {"t": torch.arange(4.0)}, url, storage_options={**extra, "skip_instance_cache": True}
+        )
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "cause"),
+    [
+        ("s3://bucket/ck", {"max_concurrency": "4"}, TypeError),
+        ("nope://bucket/ck", {}, ValueError),
+    ],
+)
+def test_a_location_fsspec_cannot_open_raises_a_checkpoint_error(url, options, cause):
+    """An unknown protocol or a filesystem option of the wrong type names the location."""
+    with pytest.raises(db.InvalidArgumentError, match=f"^{url}: cannot open") as info:
+        resolve(url, {**options, "skip_instance_cache": True})
+    assert type(info.value.__cause__) is cause
 
 
 def test_timeout_settings_and_the_cleanup_budget():
@@ -354,3 +404,103 @@ def test_scatter_parts_split_into_back_to_back_part_sized_requests():
         (62, [1, bytes(range(100, 103))]),
         (66, [bytes([103]), 2]),  # a trailing skip stays: the file must hold those bytes
     ]
+
+
+# -- answers that do not match the request --------------------------------------------------
+
+
+@pytest.mark.s3
+def test_a_ranged_get_answered_with_the_whole_object_raises(s3_server, s3_proxy, bucket):
+    """A store that ignores Range (200 and the whole object) must not have the object's first
+    bytes land where bytes 100.. belong: the read fails naming the file."""
+    whole = bytes(range(256)) * 4
+    _fs(s3_server).pipe(f"{bucket}/ck/f.bin", whole)
+    options = s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url)
+    store = storage_for(resolve(f"s3://{bucket}/ck", options))
+    s3_proxy.inject("GET", "f.bin", "whole", body=whole)
+    buf = bytearray(16)
+    with pytest.raises(db.StorageError, match=r"f\.bin asked for bytes 100\.\.116 .*ignored Range"):
+        store.fetch([RangeRead(f"{bucket}/ck/f.bin", 100, memoryview(buf))], 1)
+    store.fetch([RangeRead(f"{bucket}/ck/f.bin", 100, memoryview(buf))], 1)  # honoured now
+    assert bytes(buf) == whole[100:116]
+    s3_proxy.inject("GET", "f.bin", "whole", body=whole)
+    store.fetch([RangeRead(f"{bucket}/ck/f.bin", 0, memoryview(buf))], 1)  # from 0: correct
+    assert bytes(buf) == whole[:16]
+
+
+@pytest.mark.s3
+def test_a_load_through_a_store_that_ignores_range_fails(s3_server, s3_proxy, bucket):
+    """Checksums off, the second tensor of a file loaded alone: never the first one's bytes."""
+    url = f"s3://{bucket}/ck"
+    a, b = torch.arange(4096.0), torch.arange(4096.0) + 1e6
+    state = {
+        "a": db.ShardedTensor.from_box("a", a, (4096,), (0,)),
+        "b": db.ShardedTensor.from_box("b", b, (4096,), (0,)),
+    }
+    db.save(state, url, storage_options=s3_server.storage_options(), thread_count=1)
+    fs = _fs(s3_server)
+    for data in [k for k in fs.ls(f"{bucket}/ck") if k.endswith(".bin")]:
+        name = data.rsplit("/", 1)[1]
+        s3_proxy.inject("GET", name, "whole", body=fs.cat_file(data), times=100)
+    options = s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url)
+    dest = torch.zeros(4096)
+    with pytest.raises(db.StorageError, match=r"\.bin asked for bytes \d+\.\.\d+ .*ignored Range"):
+        db.load(
+            {"b": db.ShardedTensor.from_box("b", dest, (4096,), (0,))},
+            url,
+            storage_options=options,
+            verify_checksums=False,
+        )
+
+
+@pytest.mark.s3
+def test_listing_a_referenced_checkpoint_is_bounded_by_request_timeout(s3_server, s3_proxy):
+    """Loading an incremental checkpoint lists the sibling it references; a store that stalls
+    on that listing fails the load within request_timeout + cleanup_timeout, naming the URL."""
+    bucket = s3_server.new_bucket()
+    direct = s3_server.storage_options()
+    base, ad = torch.arange(64.0).reshape(8, 8), torch.ones(2, 8)
+    db.save({"base": base, "ad": ad}, f"s3://{bucket}/s1", storage_options=direct)
+    url = f"s3://{bucket}/s2"
+    db.save(
+        {"base": base, "ad": ad + 1}, url, storage_options=direct, reuse_from=f"s3://{bucket}/s1"
+    )
+    options = {
+        **s3_server.storage_options(endpoint_url=s3_proxy.endpoint_url),
+        "request_timeout": 2,
+        "cleanup_timeout": 1,
+    }
+    s3_proxy.inject("GET", "prefix=s1", "freeze")
+    out: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            db.load(
+                {"base": torch.zeros(8, 8), "ad": torch.zeros(2, 8)}, url, storage_options=options
+            )
+            out["result"] = "loaded"
+        except Exception as e:
+            out["result"] = e
+
+    start = time.monotonic()
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(15)
+    assert s3_proxy.frozen.is_set()
+    assert not worker.is_alive(), f"still waiting after {time.monotonic() - start:.0f} s"
+    err = out["result"]
+    assert isinstance(err, db.StorageError) and url in str(err), err
+    assert "no answer within 2 s" in str(err)
+
+
+@pytest.mark.s3
+def test_a_location_with_a_version_id_is_refused_before_writing(s3_server, bucket):
+    """s3fs cuts keys at '?versionId=': saving to s3://b/ck?versionId=1 wrote every file over
+    the object ck (a user's object there was lost) and then failed."""
+    options = s3_server.storage_options()
+    _fs(s3_server).pipe(f"{bucket}/ck", b"user data")
+    url = f"s3://{bucket}/ck?versionId=1"
+    with pytest.raises(db.InvalidArgumentError, match=r"versionId=1: an S3 checkpoint location"):
+        db.save({"t": torch.arange(4.0)}, url, storage_options=options)
+    assert s3_server.keys(bucket) == ["ck"]
+    assert _fs(s3_server).cat_file(f"{bucket}/ck") == b"user data"

@@ -1,6 +1,7 @@
 """A TCP proxy on 127.0.0.1 in front of the test S3 server: counts what clients download and
-turns chosen requests into transient failures (a 503 SlowDown answer, or a reset connection)
-or freezes the server from a chosen request on (nothing is answered any more)."""
+turns chosen requests into transient failures (a 503 SlowDown answer, or a reset connection),
+answers them as a server that ignores the Range header would (200 and the whole object), or
+freezes the server from a chosen request on (nothing is answered any more)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ _ANSWERS = {
 class Fault:
     """Fail the next ``times`` requests whose method is ``method`` and whose target contains
     ``contains``: ``"slowdown"`` answers 503 SlowDown, ``"internal"`` 500 InternalError,
-    ``"reset"`` resets the connection, ``"freeze"`` stalls it and every later request and
+    ``"reset"`` resets the connection, ``"whole"`` answers 200 OK with ``body`` (the whole
+    object, as a server that ignores Range sends it), ``"freeze"`` stalls it and every later request and
     answer (a frozen server: connections stay open, nothing comes back)."""
 
     method: str
@@ -31,6 +33,7 @@ class Fault:
     kind: str
     times: int = 1
     hits: int = 0
+    body: bytes = b""
 
     def matches(self, method: str, target: str) -> bool:
         return self.hits < self.times and method == self.method and self.contains in target
@@ -54,10 +57,12 @@ class FaultProxy:
         self.frozen = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
 
-    def inject(self, method: str, contains: str, kind: str, times: int = 1) -> Fault:
-        if kind not in (*_ANSWERS, "reset", "freeze"):
+    def inject(
+        self, method: str, contains: str, kind: str, times: int = 1, body: bytes = b""
+    ) -> Fault:
+        if kind not in (*_ANSWERS, "reset", "whole", "freeze"):
             raise ValueError(kind)
-        fault = Fault(method, contains, kind, times)
+        fault = Fault(method, contains, kind, times, body=body)
         with self._lock:
             self._faults.append(fault)
         return fault
@@ -132,6 +137,13 @@ class FaultProxy:
             return
         if headers.get("expect", "").lower() != "100-continue":
             _forward_body(reader, None, headers)
+        if fault.kind == "whole":
+            head = (
+                f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                f"Content-Length: {len(fault.body)}\r\nConnection: close\r\n\r\n"
+            )
+            client.sendall(head.encode() + fault.body)
+            return
         status, code, message = _ANSWERS[fault.kind]
         body = (
             f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
