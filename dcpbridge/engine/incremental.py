@@ -9,7 +9,6 @@ files no kept checkpoint names, then the folders left empty. ``fsck`` finds what
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -107,18 +106,14 @@ def files_in(location: Location) -> list[str]:
 def _remove(location: Location, paths: list[str]) -> None:
     if not paths:
         return
-    base = location.root.rstrip("/")
     with storage_faults(f"{location.url}: remove"):
-        location.fs.rm([f"{base}/{p}" for p in paths])
-        location.fs.invalidate_cache(base)
+        storage_for(location).remove(paths)  # paths taken literally, never as patterns
+        location.fs.invalidate_cache(location.root.rstrip("/"))
 
 
 def _remove_folder(location: Location) -> None:
     with storage_faults(f"{location.url}: remove"):
-        location.fs.invalidate_cache(location.root)
-        with contextlib.suppress(FileNotFoundError):  # an object store's empty "directory"
-            location.fs.rm(location.root, recursive=True)
-        location.fs.invalidate_cache(location.root)
+        storage_for(location).remove_folder()
 
 
 def remove_checkpoints(root: Location, doomed: Iterable[str], kept: Iterable[str]) -> None:

@@ -89,11 +89,11 @@ def _remove(location: Location, index: StorageIndex) -> None:
             left = files_in(location)
             base = location.root.rstrip("/")
             if any(_needs_folder(p) and p not in mine for p in left):
-                doomed = [f"{base}/{p}" for p in left if p in mine]
+                doomed = [p for p in left if p in mine]
                 if doomed:
-                    location.fs.rm(doomed)
-            elif location.fs.exists(base):
-                location.fs.rm(base, recursive=True)
+                    store.remove(doomed)  # paths taken literally, never as patterns
+            else:
+                store.remove_folder()
             location.fs.invalidate_cache(base)
     except CheckpointError as e:
         log.warning("dcpbridge: removing the failed upload at %s failed: %s", location.url, e)

@@ -655,9 +655,7 @@ def remove_step(location: Location) -> None:
         if store.exists(MARKER):
             store.remove([MARKER])
     with storage_faults(f"{location.url}: remove"):
-        location.fs.invalidate_cache(location.root)
-        with contextlib.suppress(FileNotFoundError):
-            location.fs.rm(location.root, recursive=True)
+        store.remove_folder()
 
 
 def check_local_args(local_every: Any, replicas: Any, ranks_per_node: Any) -> tuple[int, int, int]:

@@ -261,6 +261,28 @@ class Storage:
         elif paths:
             self.fs.rm(paths)
 
+    def remove_folder(self) -> None:
+        """Delete this checkpoint's folder and everything under it, its path taken literally
+        (fsspec's recursive ``rm`` expands glob patterns: ``run[1]`` would delete ``run1``);
+        an absent folder is nothing to do."""
+        root = self.location.root.rstrip("/")
+        self.fs.invalidate_cache(root)
+        if not _GLOB_CHARS.search(root):
+            with contextlib.suppress(FileNotFoundError):  # an object store's empty "folder"
+                self.fs.rm(root, recursive=True)
+        else:
+            try:
+                found = self.fs.find(root)  # a walk of the path itself, no pattern
+            except FileNotFoundError:
+                found = []
+            for path in found:
+                self.fs.rm_file(path)
+            if self.location.is_local:  # the now empty folders
+                for folder, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
+        self.fs.invalidate_cache(root)
+
     def mapped_files(self) -> contextlib.AbstractContextManager[MappedFiles | None]:
         """Read-only mappings of this storage's files for the span of a ``with`` (None: the
         storage has no files to map; reads go through ``fetch``)."""

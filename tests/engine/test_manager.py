@@ -374,3 +374,25 @@ def test_saves_and_loads_report_what_they_did(tmp_path, caplog):
     assert any(
         "dcpbridge saved" in r.getMessage() and "GB/s" in r.getMessage() for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_retention_in_a_root_with_glob_characters_removes_only_its_own_steps(tmp_path, scheme):
+    """fsspec's recursive rm expands patterns on object stores: retention under ``run[1]``
+    deleted the steps of a sibling ``run1`` and kept its own. Paths are now taken literally."""
+    import fsspec
+
+    base = str(tmp_path) if scheme == "local" else f"memory://{tmp_path.name}"
+    fs = fsspec.filesystem("file" if scheme == "local" else "memory")
+    fs.makedirs(f"{base}/run1/step_00000001", exist_ok=True)
+    fs.pipe(f"{base}/run1/step_00000001/keep.bin", b"another run's")
+    root = f"{base}/run[1]"
+    mgr = db.CheckpointManager(root, every=1, keep_last=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((3,), float(step))})
+    mgr.close()
+    assert mgr.all_steps() == [2]
+    assert not fs.exists(f"{base}/run[1]/step_00000001/dcpbridge.json")
+    assert fs.cat(f"{base}/run1/step_00000001/keep.bin") == b"another run's"
+    out = db.CheckpointManager(root, every=1).load({"w": torch.zeros(3)})
+    assert torch.equal(out["w"], torch.full((3,), 2.0))
