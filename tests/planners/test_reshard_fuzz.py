@@ -206,7 +206,7 @@ def request(
 ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A template for ``boxes`` of ``key`` and its ``(destination, expected)`` pairs."""
     shape = tuple(full.shape)
-    shards, pairs, offsets = [], [], set()
+    shards, pairs, offsets = [], [], {}
     for o, s in boxes:
         dst = destination(rng, s[p:], full.dtype)
         if mismatch:  # another template shape: the overlap read, the rest zero
@@ -221,11 +221,24 @@ def request(
         else:
             want = full[tuple(slice(a, a + b) for a, b in zip(o, s))].reshape(s[p:])
             shard = db.ShardedTensor.from_box(key, dst, shape, o, prepend_axis_num=p)
-        if o in offsets:  # boxes at one offset must agree in size (DCP's item index)
+        if offsets.get(o, s) != s:  # boxes at one offset must agree in size (DCP's item index)
             continue
-        offsets.add(o)
+        offsets[o] = s
         shards.append(shard)
         pairs.append((dst, want))
+        if rng.random() < 0.1:  # the same box twice, in another tensor
+            again = destination(rng, tuple(dst.shape), dst.dtype)
+            shards.append(
+                db.ShardedTensor.from_box(
+                    key,
+                    again,
+                    shard.global_shape,
+                    shard.global_offset,
+                    prepend_axis_num=shard.prepend_axis_num,
+                    allow_shape_mismatch=shard.allow_shape_mismatch,
+                )
+            )
+            pairs.append((again, want))
     if not shards:
         return None, []
     return (shards if len(shards) > 1 else shards[0]), pairs
