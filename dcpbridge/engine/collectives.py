@@ -164,10 +164,11 @@ def _as_bytes(
     t: torch.Tensor, error: str = "point-to-point transfers need contiguous tensors"
 ) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 view; raises ``InvalidArgumentError(error)`` if ``t`` is
-    not contiguous."""
+    not contiguous. Flattened by its elements' run, not ``reshape``: a contiguous tensor's
+    size-1 dims may have any stride, which ``reshape(-1)`` of one element keeps."""
     if not t.is_contiguous():
         raise InvalidArgumentError(error)
-    return t.reshape(-1).view(torch.uint8)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 class StoreGroup(Group):

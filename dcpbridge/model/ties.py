@@ -96,4 +96,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """``t``'s bytes, flat: by its run of elements, as a contiguous tensor's size-1 dims may
+    have any stride (``reshape(-1)`` of one element keeps it, and ``view`` then refuses)."""
+    c = t.detach().contiguous()
+    return c.as_strided((c.numel(),), (1,)).view(torch.uint8)

@@ -327,7 +327,8 @@ def _pack_items(table: ItemTable) -> dict[str, Any]:
         "rank": pack_column(table.rank),
     }
     if table.checksums is not None:
-        columns["checksums"] = pack_column(table.checksums, compress=False)
+        # always 8 bytes, as the load requires (the narrowest width of none would be 1)
+        columns["checksums"] = pack_column(table.checksums, compress=False, width="<u8")
     return columns
 
 

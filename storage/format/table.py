@@ -69,10 +69,14 @@ def _show(value: Any) -> str:
 # -- columns ------------------------------------------------------------------------------------
 
 
-def pack_column(values: np.ndarray, *, compress: bool = True) -> dict[str, Any]:
-    """A JSON-embeddable column: the narrowest little-endian width, zlib'd, base64 text."""
-    top = int(values.max()) if values.size else 0
-    width = next(w for w in _WIDTHS if top <= np.iinfo(np.dtype(w)).max)
+def pack_column(
+    values: np.ndarray, *, compress: bool = True, width: str | None = None
+) -> dict[str, Any]:
+    """A JSON-embeddable column: little-endian ``width`` (default the narrowest that holds
+    the values), zlib'd, base64 text."""
+    if width is None:
+        top = int(values.max()) if values.size else 0
+        width = next(w for w in _WIDTHS if top <= np.iinfo(np.dtype(w)).max)
     data = np.ascontiguousarray(values, dtype=np.dtype(width)).tobytes()
     if compress:
         data = zlib.compress(data, 1)

@@ -79,8 +79,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    t = t.contiguous()  # flat by its run of elements: a size-1 dim may have any stride
+    return memoryview(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy()).cast("B")
 
 
 def tensor_digest(tensor: torch.Tensor) -> int:

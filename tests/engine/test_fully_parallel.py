@@ -237,3 +237,32 @@ def test_fully_parallel_with_data_parallel_subgroups(pool, tmp_path):
     # one writer per TP shard, each from that shard's DP group ({0, 2} for tp 0, {1, 3} for tp 1)
     assert len(w_writers) == 2 and w_writers[0] in (0, 2) and w_writers[1] in (1, 3)
     assert [c["rank"] for c in doc["tensors"]["vec"]["chunks"]] in ([0], [2])  # tp-0 group only
+
+
+def fp_one_element_strided(r: Rank, path: str) -> list[list[float]]:
+    """Both ranks ask boxes of one element; rank 1's tensors are strided views (contiguous to
+    torch, as a size-1 dim's stride does not count, yet not a flat run of stride 1)."""
+    if r.rank == 0:
+        one, row = torch.zeros(1), torch.zeros(1, 1)
+    else:
+        one = torch.zeros(4)[1:3:2]  # shape (1,), stride (2,)
+        row = torch.zeros(3, 4)[1:2, 2:4:2]  # shape (1, 1), strides (4, 2)
+        assert one.is_contiguous() and row.is_contiguous() and one.stride() == (2,)
+    sd = {
+        "vec": db.ShardedTensor.from_box("vec", one, (10,), (7,)),
+        "proj": db.ShardedTensor.from_box("layers.0.proj.weight", row, (64, 64), (3, 5)),
+    }
+    out = db.load(sd, path, process_group=r.group, fully_parallel=True)
+    assert out["vec"] is one and out["proj"] is row
+    return [one.tolist(), row.flatten().tolist()]
+
+
+def test_fully_parallel_hands_over_one_element_strided_boxes(pool, tmp_path):
+    """A box of one element in a strided view (``t[1:3:2]``) that another rank read and sent:
+    its flat byte view raised RuntimeError on this rank only, which left the other rank
+    waiting in the exchange (a hang until the process group's timeout). Now both get it."""
+    path = str(tmp_path / "ck")
+    pool.run(_save_model_and_vec, 2, path)
+    vec = L.full("vec")
+    want = [[vec[7].item()], [_model()["layers.0.proj.weight"][3, 5].item()]]
+    assert pool.run(fp_one_element_strided, 2, path, timeout=30, grace=5) == [want, want]

@@ -506,3 +506,18 @@ def test_retention_keeps_the_files_another_checkpoint_beside_the_steps_reference
     assert torch.equal(out["ad"], _crash_state(1)["ad"]) and out["step"] == 1
     assert fsck(str(tmp_path)).missing == []
     mgr.close()
+
+
+def test_an_incremental_save_of_a_one_element_strided_view(tmp_path):
+    """A one-element tensor in a strided view (``t[1:3:2]``, stride 2, contiguous to torch):
+    the incremental save's byte view of it raised a bare RuntimeError and the save failed."""
+    t = torch.arange(4.0)[1:3:2]
+    assert t.is_contiguous() and t.stride() == (2,)
+    state = {"x": t, "s": db.ShardedTensor.from_box("s", t, (1,), (0,))}
+    db.save(state, tmp_path / "s1")
+    db.save(state, tmp_path / "s2", reuse_from=tmp_path / "s1")
+    out = db.load(
+        {"x": torch.zeros(1), "s": db.ShardedTensor.from_box("s", torch.zeros(1), (1,), (0,))},
+        tmp_path / "s2",
+    )
+    assert out["x"].tolist() == [1.0] and out["s"].tolist() == [1.0]

@@ -45,6 +45,27 @@ def test_tied_keys_stored_with_different_values_raise_naming_both(tmp_path, n, k
     assert "'a' and 'b' share one tensor's memory" in str(e.value)
 
 
+@pytest.mark.parametrize("stored", [(3.0, 3.0), (1.0, 2.0)], ids=["alike", "different"])
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_a_tied_one_element_strided_view_is_compared(tmp_path, stored, kind):
+    """Tied keys held in a one-element strided view (``t[1:3:2]``: contiguous to torch, stride
+    2): comparing their bytes raised a bare RuntimeError (``view`` of a stride-2 flat tensor)
+    instead of loading them alike or raising ``TiedTensorsError``."""
+    _save(str(tmp_path), torch.tensor([stored[0]]), torch.tensor([stored[1]]))
+    t = torch.zeros(4)[1:3:2]
+    assert t.is_contiguous() and t.stride() == (2,)
+    if kind == "plain":
+        template = {"a": t, "b": t}
+    else:
+        template = {k: db.ShardedTensor.from_box(k, t, (1,), (0,)) for k in ("a", "b")}
+    if stored[0] != stored[1]:
+        with pytest.raises(db.TiedTensorsError, match="'a' and 'b' share one tensor's memory"):
+            db.load(template, str(tmp_path))
+        return
+    out = db.load(template, str(tmp_path))
+    assert out["a"] is t and out["b"] is t and t.tolist() == [3.0]
+
+
 @pytest.mark.parametrize("stored", [(1.0, 2.0), (3.0, 3.0)], ids=["different", "alike"])
 def test_tied_plain_tensors_of_a_torch_dist_common_state(tmp_path, stored):
     """torch_dist keeps plain tensors in common.pt, filled after the reads: one key silently

@@ -5,6 +5,7 @@ that do not belong to the validated plan are read item by item (with the same er
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 
 import numpy as np
@@ -189,3 +190,23 @@ def test_dcp_save_with_our_planner_and_writer_round_trips(tmp_path):
         if isinstance(value, torch.Tensor):
             assert torch.equal(out[key], value), key
     assert out["opt"] == sd["opt"]
+
+
+def test_a_packed_document_without_item_bytes_loads(tmp_path):
+    """A save whose tensors are all empty, its items listed as packed columns (as a local
+    step's always are): the empty checksums column was packed in the narrowest width, 1 byte,
+    which the load refused (``CorruptCheckpointError: items checksums: unknown column type
+    '<u1'``), so dcpbridge wrote a checkpoint it could not read. Checksums pack as 8 bytes."""
+    path = str(tmp_path / "ck")
+    writer = FsspecCheckpointWriter(path)
+    writer.columns = True
+    state = {"e": torch.zeros(0, 3), "f": torch.zeros(5, 0, dtype=torch.bfloat16)}
+    dcp.save(state, storage_writer=writer, planner=ShardedSavePlanner(), no_dist=True)
+    out = db.load({"e": torch.ones(0, 3), "f": torch.ones(5, 0, dtype=torch.bfloat16)}, path)
+    assert out["e"].shape == (0, 3) and out["f"].shape == (5, 0)
+    assert fmt.unpack_column(_document(path)["items"]["checksums"], "c", checksums=True).size == 0
+
+
+def _document(path: str) -> dict:
+    with open(f"{path}/dcpbridge.json") as f:
+        return json.load(f)
