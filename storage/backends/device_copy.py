@@ -101,7 +101,8 @@ def carry(
             continue
         src = data.detach()
         stream = _side_stream(streams, src) if src.is_cuda else None
-        flat = src.contiguous().reshape(-1).view(torch.uint8)
+        dense = src.contiguous()  # a one-element strided view is contiguous with stride != 1:
+        flat = dense.as_strided((dense.numel(),), (1,)).view(torch.uint8)  # reshape keeps it
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(src.device))
             flat.record_stream(stream)  # a temporary contiguous copy outlives its use
