@@ -6,6 +6,7 @@ refuse (or, opted in, drop with a count) in another; broken checkpoints raise on
 
 from __future__ import annotations
 
+import gc
 import random
 import warnings
 
@@ -33,6 +34,10 @@ def _train(r: Rank, sampler: db.GlobalBatchSampler, start: int, stop: int, save=
     """This rank's batches of steps ``start+1..stop`` as its DataLoader yielded them, each
     marked consumed after its step; one DataLoader iteration per epoch."""
     log, step = [], start
+    # earlier tests of this pool rank leave managers and the gloo side groups they made in
+    # reference cycles: collected here, not by the first collection inside a forked worker
+    # (it segfaulted there, destroying a backend whose threads the child does not have)
+    gc.collect()
     while step < stop:
         with children_allowed():
             batches = iter(
@@ -169,6 +174,7 @@ def _stream(r: Rank) -> StatefulDataLoader:
     """This rank's own stream: its own samples, shuffled by its own generator."""
     ids = list(range(1000 * r.rank, 1000 * r.rank + 40))
     g = torch.Generator().manual_seed(r.rank)
+    gc.collect()  # before its workers fork (see ``_train``)
     return StatefulDataLoader(ids, batch_size=BATCH, shuffle=True, num_workers=2, generator=g)
 
 
