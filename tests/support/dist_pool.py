@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
-import gc
 import importlib
 import io
 import multiprocessing as mp
@@ -107,12 +106,6 @@ def _worker(rank: int, size: int, port: int, conn: Connection, log_path: str) ->
             conn.send(("ok", _dumps(value)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
-        finally:
-            # a test's garbage (managers and the gloo side groups they made) is collected
-            # here, not by the first collection inside a DataLoader worker a later test forks
-            # from this rank (it segfaulted there, destroying a backend whose threads the
-            # child does not have)
-            gc.collect()
     conn.close()
     dist.destroy_process_group()
     atexit._run_exitfuncs()
