@@ -398,44 +398,49 @@ def test_a_run_never_resumes_from_another_runs_local_steps(pool, tmp_path):
         assert (out["a_latest"], out["a_step"]) == (4, 4)  # A: its persistent step, not B's 1
 
 
-def test_a_local_step_whose_marker_names_another_step_is_ignored(tmp_path, caplog):
-    """A step directory renamed or copied by hand (its marker names another step) does not
-    count: ``latest_step`` once offered it and the load then fell back; now it is skipped
-    with a warning naming the marker."""
+_ONE_PROCESS = dict(every=2, local_every=1, replicas=0)
+
+
+def _single_process_steps(tmp_path) -> str:
+    """Steps 1-3 of one process (persistent 2, local 3) under ``tmp_path``; its local_dir."""
     local = str(tmp_path / "shm")
-    options = dict(every=2, local_dir=local, local_every=1, replicas=0)
-    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
     for step in (1, 2, 3):
         mgr.save(step, {"w": torch.full((4,), float(step))})
     mgr.close()
-    os.rename(os.path.join(local, "step_00000003"), os.path.join(local, "step_00000009"))
-    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
+    return local
+
+
+def _restart_loads_persistent_step_2(tmp_path, caplog) -> None:
+    """A restart of ``_single_process_steps`` offers and loads persistent step 2."""
+    local = str(tmp_path / "shm")
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
     with caplog.at_level(logging.WARNING, logger="dcpbridge"):
         assert mgr.latest_step() == 2
         out = mgr.load({"w": torch.zeros(4)})
     assert torch.equal(out["w"], torch.full((4,), 2.0))
-    assert "local.json names step 3, not its directory's 9" in caplog.text
     mgr.close()
+
+
+def test_a_local_step_whose_marker_names_another_step_is_ignored(tmp_path, caplog):
+    """A step directory renamed or copied by hand (its marker names another step) does not
+    count: ``latest_step`` once offered it and the load then fell back; now it is skipped
+    with a warning naming the marker."""
+    local = _single_process_steps(tmp_path)
+    os.rename(os.path.join(local, "step_00000003"), os.path.join(local, "step_00000009"))
+    _restart_loads_persistent_step_2(tmp_path, caplog)
+    assert "local.json names step 3, not its directory's 9" in caplog.text
 
 
 def test_a_deeply_nested_marker_is_ignored_not_raised(tmp_path, caplog):
     """A damaged ``local.json`` nested too deep for the JSON decoder is hostile input like any
     other bad marker: the step is skipped with a warning (it raised ``RecursionError`` out of
     ``latest_step`` and ``load``)."""
-    local = str(tmp_path / "shm")
-    options = dict(every=2, local_dir=local, local_every=1, replicas=0)
-    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
-    for step in (1, 2, 3):
-        mgr.save(step, {"w": torch.full((4,), float(step))})
-    mgr.close()
-    (tmp_path / "shm" / "step_00000003" / "local.json").write_bytes(b"[" * 200_000)
-    mgr = db.CheckpointManager(str(tmp_path / "run"), **options)
-    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
-        assert mgr.latest_step() == 2
-        out = mgr.load({"w": torch.zeros(4)})
-    assert torch.equal(out["w"], torch.full((4,), 2.0))
+    local = _single_process_steps(tmp_path)
+    with open(os.path.join(local, "step_00000003", "local.json"), "wb") as f:
+        f.write(b"[" * 200_000)
+    _restart_loads_persistent_step_2(tmp_path, caplog)
     assert "step_00000003/local.json is not a local step marker" in caplog.text
-    mgr.close()
 
 
 def marker_fails_on_node1(r: Rank, root: str, local: str) -> dict:
