@@ -514,13 +514,12 @@ class LocalTier:
             m = _STEP_DIR.match(name)
             if m is None:
                 continue
+            step = int(m.group(1))
             try:
-                location = resolve(self.step_url(int(m.group(1))), self.storage_options)
-                found = held_step(location, self.run, int(m.group(1)))
+                location = resolve(self.step_url(step), self.storage_options)
+                found = held_step(location, self.run, step)
             except (CheckpointError, OSError, ValueError) as e:
-                log.warning(
-                    "dcpbridge: local tier: ignoring %s: %s", self.step_url(int(m.group(1))), e
-                )
+                log.warning("dcpbridge: local tier: ignoring %s: %s", self.step_url(step), e)
                 continue
             if found is not None:
                 held, metadata = found
