@@ -9,7 +9,7 @@ restoring rank needs.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dcpbridge.errors import CorruptCheckpointError, InvalidArgumentError
@@ -27,6 +27,7 @@ __all__ = [
     "merge_extents",
     "newest_recoverable",
     "node_needs",
+    "second_try_avoid",
     "transfers",
     "writer_rank",
 ]
@@ -192,24 +193,36 @@ def newest_recoverable(
 
 
 def choose_sources(
-    needed: Iterable[str], rank: int, chosen: Recoverable, *, avoid: Iterable[int] = ()
+    needed: Iterable[str],
+    rank: int,
+    chosen: Recoverable,
+    *,
+    avoid: Mapping[str, Collection[int]] | None = None,
 ) -> dict[str, int]:
     """Who serves each file ``rank`` needs: ``rank`` itself where its node holds the file,
     else one of the holders, spread over them by the file's place and ``rank``. Holders in
-    ``avoid`` (a second try passes this node's ranks, after its files failed verification)
-    serve only files nobody else holds."""
-    shunned = set(avoid)
+    ``avoid[name]`` (on a second try, the node that served the file to a rank whose first
+    try failed: ``second_try_avoid``) serve it only where nobody else holds it."""
+    avoid = avoid or {}
     out = {}
     for i, name in enumerate(sorted(set(needed))):
         holders = chosen.holders.get(name)
         if not holders:
             raise InvalidArgumentError(f"no rank holds {name} of local step {chosen.step}")
+        shunned = avoid.get(name, ())
         others = [h for h in holders if h not in shunned]
         if not others or (rank in others):
             out[name] = rank if rank in holders else holders[(i + rank) % len(holders)]
         else:
             out[name] = others[(i + rank) % len(others)]
     return out
+
+
+def second_try_avoid(first: Mapping[str, int], nodes: Nodes) -> dict[str, range]:
+    """For a rank whose first read of a local step failed (a part failed verification, or
+    lay outside its file): the node whose directory served each file then, to be avoided
+    (each of its ranks reads the same copy); its other files come from another copy too."""
+    return {name: nodes.ranks_of(nodes.node_of(src)) for name, src in first.items()}
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -28,6 +28,7 @@ from dcpbridge.engine.local_plan import (
     Recoverable,
     choose_sources,
     merge_extents,
+    second_try_avoid,
     transfers,
 )
 from dcpbridge.engine.local_tier import LocalTier, document_digest
@@ -326,7 +327,8 @@ def open_local_step(
     strict: Policy,
     allow_pickle: bool,
     allow_dtype_cast: bool,
-    copies: bool = False,
+    retry: bool = False,
+    failed: bool = True,
     thread_count: int = 4,
     reshard_data_state: str = "raise",
 ) -> OpenedStep:
@@ -336,19 +338,19 @@ def open_local_step(
     document and every byte it reads; transfers only where some rank needs them). Where the
     survey found that every rank reads the step from its own node's directory (the plan made
     during the survey), no exchange at all: a failure is then raised on every rank by the
-    read's. With ``copies``, files are read from other nodes' copies wherever there are
-    some."""
+    read's. ``retry``: a second try after the first failed on some rank; where it failed on
+    this one (``failed``), each file comes from another node's copy than the first time, where
+    there is one (the ranks whose first try succeeded read what they read then)."""
     group = tier.group
     location = tier._location(chosen.step)
     rank = group.rank
     key = (chosen.step, chosen.save_id, chosen.digest)
-    ahead = tier.take_ahead(key) if not copies else None
+    ahead = tier.take_ahead(key) if not retry else None
     if ahead is not None and tier.read_locally == key:  # alike on every rank
         metadata = tier.documents[(chosen.step, chosen.digest)]
         needed = choose_sources({e.name for e in ahead.extents}, rank, chosen)
         log.debug("dcpbridge: local step %d: every rank reads its own node's files", chosen.step)
         return _opened(chosen, location, metadata, ahead, needed, {}, group, thread_count, False)
-    avoid = tier.nodes.ranks_of(tier.node) if copies else ()
     got: Received = {}
     if len(chosen.holders.get(METADATA_FILE, ())) < group.size:  # some node lacks it
 
@@ -377,7 +379,11 @@ def open_local_step(
             allow_dtype_cast=allow_dtype_cast,
             reshard_data_state=reshard_data_state,
         )
-        sources = choose_sources({e.name for e in made.extents}, rank, chosen, avoid=avoid)
+        names = {e.name for e in made.extents}
+        sources = choose_sources(names, rank, chosen)  # the first try's (deterministic)
+        if retry and failed:
+            avoid = second_try_avoid(sources, tier.nodes)
+            sources = choose_sources(names, rank, chosen, avoid=avoid)
         kept = made if planned else None
         opened.append(
             _opened(chosen, location, metadata, kept, sources, received, group, thread_count, True)
@@ -411,8 +417,12 @@ def _opened(
     index = metadata.storage_data
     assert isinstance(index, StorageIndex)
     own = {n for n in index.files if sources.get(n) == group.rank}
-    sizes = {  # every file's, as its source (or else its first holder) reported it
-        name: chosen.sizes[(name, sources.get(name, chosen.holders[name][0]))]
+    sizes = {  # every file's as its source reported it; a file this rank does not read: its
+        # largest copy's (the document's ranges are checked for every file, and one damaged
+        # copy this rank never reads must not fail its load)
+        name: chosen.sizes[(name, src)]
+        if (src := sources.get(name)) is not None
+        else max(chosen.sizes[(name, h)] for h in chosen.holders[name])
         for name in index.files
     }
     store = PeerStorage(storage_for(location), own, received, sizes)

@@ -616,8 +616,9 @@ class CheckpointManager:
     def _load_local_or_copies(
         self, template: Any, chosen: Recoverable, kwargs: dict[str, Any]
     ) -> Any:
-        """Load local step ``chosen``; where a part fails verification, once more reading
-        every part from another node's copy where one exists."""
+        """Load local step ``chosen``; where a part fails verification, once more, the ranks
+        that failed reading every file from another node's copy where one exists."""
+        assert self._local is not None
         try:
             out = self._load_local(template, chosen, kwargs)
         except CorruptCheckpointError as e:
@@ -627,7 +628,9 @@ class CheckpointManager:
                 chosen.step,
                 e,
             )
-            out = self._load_local(template, chosen, kwargs, copies=True)
+            failed = protocol.failed_ranks(e)
+            mine = failed is None or self._local.group.rank in failed
+            out = self._load_local(template, chosen, kwargs, retry=True, failed=mine)
             log.info("dcpbridge: loaded step %d from the local tier's copies", chosen.step)
             return out
         log.info("dcpbridge: loaded step %d from the local tier", chosen.step)
@@ -635,7 +638,13 @@ class CheckpointManager:
 
     @gc_paused
     def _load_local(
-        self, template: Any, chosen: Recoverable, kwargs: dict[str, Any], copies: bool = False
+        self,
+        template: Any,
+        chosen: Recoverable,
+        kwargs: dict[str, Any],
+        *,
+        retry: bool = False,
+        failed: bool = True,
     ) -> Any:
         assert self._local is not None
         strict, options = _local_load_options(kwargs)
@@ -646,7 +655,8 @@ class CheckpointManager:
             strict=strict,
             allow_pickle=options.get("allow_pickle", False),
             allow_dtype_cast=options.get("allow_dtype_cast", False),
-            copies=copies,
+            retry=retry,
+            failed=failed,
             thread_count=options.get("thread_count", self._local.reader_threads),
             reshard_data_state=options.get("reshard_data_state", "raise"),
         )

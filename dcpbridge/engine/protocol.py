@@ -82,7 +82,7 @@ def raise_failures(failures: list[Failure], mine: Any, *, world_size: int) -> No
     if own is not None and not isinstance(own, Exception):
         raise own  # this rank was interrupted (KeyboardInterrupt...): its own, unchanged
     if world_size == 1 and len(failures) == 1 and failures[0].exc is not None:
-        raise failures[0].exc
+        raise failures[0].exc  # a group of one: its rank failed (``failed_ranks``: None)
     by_message: dict[tuple[str, str], list[Failure]] = {}
     for f in failures:
         by_message.setdefault((f.type_name, f.message), []).append(f)
@@ -98,7 +98,14 @@ def raise_failures(failures: list[Failure], mine: Any, *, world_size: int) -> No
     if len({type(f.exc) for f in failures}) == 1 and isinstance(failures[0].exc, Exception):
         with contextlib.suppress(Exception):
             error = type(failures[0].exc)(text)
+    error.failed_ranks = frozenset(f.rank for f in failures)  # type: ignore[attr-defined]
     raise error from own or next((f.exc for f in failures if f.exc is not None), None)
+
+
+def failed_ranks(error: BaseException) -> frozenset[int] | None:
+    """The ranks whose work failed in the step that raised ``error`` (None: not known, as in a
+    group of one, where its only rank failed)."""
+    return getattr(error, "failed_ranks", None)
 
 
 def decide(

@@ -264,6 +264,32 @@ def test_a_flipped_byte_never_loads_wrong_data(pool, tmp_path, both):
     assert "could not be restored" in line and victim in line
 
 
+def test_only_the_ranks_that_read_a_bad_part_read_it_again_from_another_copy(pool, tmp_path):
+    """Restored in columns, every rank reads every file: node 0's ranks read rank 2's file
+    from their own good copy, node 1's from the damaged original. The second try changes only
+    what node 1's ranks read (to node 0's copy), never node 0's to the damaged file."""
+    root, local, _ = _train(pool, tmp_path)
+    step_dir = os.path.join(node_dir(tmp_path, 1), "step_00000006")
+    victim = next(n for n in sorted(os.listdir(step_dir)) if n.startswith("__2_"))
+    _flip(os.path.join(step_dir, victim))
+    back = pool.run(restore, 4, root, local, 1, 2, timeout=120)
+    assert [b["step"] for b in back] == [6] * 4
+    assert any(victim in x for x in back[0]["log"] if "reading it from the copies" in x)
+    assert any("from the local tier's copies" in x for x in back[0]["log"])
+
+
+def test_a_truncated_copy_no_rank_reads_never_fails_the_restore(pool, tmp_path):
+    """Node 0's copy of rank 2's file is cut short; in the saved layout only node 1's ranks
+    read that file (their own): the step loads at the first try on every rank."""
+    root, local, _ = _train(pool, tmp_path)
+    step_dir = os.path.join(node_dir(tmp_path, 0), "step_00000006")
+    victim = next(n for n in sorted(os.listdir(step_dir)) if n.startswith("__2_0"))
+    os.truncate(os.path.join(step_dir, victim), 10)
+    back = pool.run(restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [6] * 4
+    assert not any("failed verification" in x for x in back[0]["log"])
+
+
 def no_space(r: Rank, root: str, local: str) -> dict:
     local_tier.free_bytes = lambda path: 1000
     return train(r, root, local, {})

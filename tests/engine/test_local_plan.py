@@ -17,6 +17,7 @@ from dcpbridge.engine.local_plan import (
     merge_extents,
     newest_recoverable,
     node_needs,
+    second_try_avoid,
     transfers,
 )
 from dcpbridge.engine.local_tier import LocalTier
@@ -130,9 +131,16 @@ def test_a_second_try_reads_other_nodes_copies_where_there_are_some():
     files = ["f0", "f1"]
     report = [[_step(1, files, [DOC, *files])]] * 2 + [[_step(1, files, [DOC, "f0"])]] * 2
     chosen = newest_recoverable(report, DOC)
-    got = choose_sources(files, 0, chosen, avoid=[0, 1])
+    nodes = Nodes(4, 2)
+    first = choose_sources(files, 0, chosen)
+    assert first == {"f0": 0, "f1": 0}
+    got = choose_sources(files, 0, chosen, avoid=second_try_avoid(first, nodes))
     assert got["f0"] in (2, 3) and got["f1"] == 0  # f1 has no copy elsewhere
-    assert choose_sources(files, 2, chosen, avoid=[2, 3]) == {"f0": 0, "f1": 1}
+    first = choose_sources(files, 2, chosen)
+    assert first["f0"] == 2 and first["f1"] in (0, 1)  # f1 came from node 0 the first time
+    again = choose_sources(files, 2, chosen, avoid=second_try_avoid(first, nodes))
+    assert again == {"f0": 0, "f1": first["f1"]}  # f0 from node 0; f1: node 0 is its only one
+    assert second_try_avoid({"f0": 3, "f1": 0}, nodes) == {"f0": range(2, 4), "f1": range(0, 2)}
 
 
 @pytest.mark.parametrize(
