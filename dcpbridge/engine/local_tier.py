@@ -589,11 +589,16 @@ class LocalTier:
 
     def close(self) -> None:
         """Wait for the background copies and commit of the last local step; end the
-        tier's thread."""
-        self.wait()
-        if self._worker is not None:
-            self._jobs.put(None)
-            self._worker = None
+        tier's thread and release the side group's gloo backend (idempotent)."""
+        try:
+            self.wait()
+        finally:
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._jobs.put(None)
+                worker.join()
+            if isinstance(self.group, SideGroup):
+                self.group.close()
 
 
 def _columns(writer: StorageWriter) -> StorageWriter:

@@ -7,6 +7,7 @@ persistent step (with a log line) when the local tier cannot serve a step or a b
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -553,3 +554,53 @@ def test_a_misspelt_load_option_raises_whichever_tier_answers(tmp_path):
     out = mgr.load({"w": torch.zeros(4)}, verify_checksums=True)
     assert torch.equal(out["w"], torch.full((4,), 3.0))
     mgr.close()
+
+
+def _reaped(pid: int, seconds: float) -> int | None:
+    """The exit status of child ``pid``, or None (it is killed) if it runs past ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def closed_then_forked(r: Rank, root: str, local: str) -> dict:
+    """Save a local step, close the manager twice and drop it with the collector off; then
+    a forked child collects the garbage: its exit status (None: it hung), and whether the
+    side group dropped its backend."""
+    gc.collect()  # earlier tests' garbage: not this test's to collect in the child
+    gc.disable()  # the manager's cycles stay uncollected until the child runs
+    try:
+        mgr = manager(r, root, local, ranks_per_node=1)
+        mgr.save(1, state(piece(weights(1), r.rank, r.size, 0), r.rank, r.size, 1))
+        side = mgr._local.group
+        assert side._gloo is not None
+        mgr.close()
+        mgr.close()  # idempotent
+        released = side._gloo is None
+        del mgr, side
+        pid = os.fork()
+        if pid == 0:  # the child: what a DataLoader worker does when it first collects
+            gc.collect()
+            os._exit(0)
+        status = _reaped(pid, 30.0)
+    finally:
+        gc.enable()
+    gc.collect()
+    return {"status": status, "released": released}
+
+
+def test_close_releases_the_side_group_before_a_forked_child_collects_it(pool, tmp_path):
+    """``close`` shuts the local tier's gloo side group down and drops it: a closed manager
+    kept the backend alive in its reference cycles, and a forked DataLoader worker whose
+    first collection destroyed it (without the parent's threads) crashed."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    for out in pool.run(closed_then_forked, 2, root, local, timeout=120):
+        status = out["status"]
+        assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, out
+        assert out["released"], out
