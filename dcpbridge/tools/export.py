@@ -237,9 +237,8 @@ def export_safetensors(
     try:
         protocol.commit(group, "write", write, publish)
     except BaseException:  # every rank has stopped writing by now
-        index_files = (
-            [SAFETENSORS_INDEX, f"{SAFETENSORS_INDEX}.tmp"] if group.is_coordinator else []
-        )
+        index_files = [SAFETENSORS_INDEX] if group.is_coordinator else []  # (its temp file:
+        # commit_file's own, which it removes when the commit fails)
         remove_export(store, [*started, *index_files], created and group.is_coordinator)
         raise
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
