@@ -604,3 +604,26 @@ def test_close_releases_the_side_group_before_a_forked_child_collects_it(pool, t
         status = out["status"]
         assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, out
         assert out["released"], out
+
+
+def test_a_failed_resave_of_the_local_step_keeps_the_committed_one(tmp_path, caplog):
+    """Saving local step 3 again, where the new save fails after its directory was prepared
+    (a common value that cannot be staged), keeps the committed step 3 loadable: the
+    prepare removed it first, so the failure left no local step at all."""
+    local = _single_process_steps(tmp_path)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    unstageable = (torch.ones(2, requires_grad=True) * 2,)  # deepcopy refuses a non-leaf
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        assert mgr.save(3, {"w": torch.full((4,), 9.0), "extra": unstageable})
+        mgr.wait()
+    assert "local step 3 not committed" in caplog.text and "staging failed" in caplog.text
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    assert mgr.latest_step() == 3
+    out = mgr.load({"w": torch.zeros(4)})
+    assert torch.equal(out["w"], torch.full((4,), 3.0))
+    mgr.save(3, {"w": torch.full((4,), 9.0)})  # a re-save that commits replaces it
+    mgr.close()
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    restarted = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    assert torch.equal(restarted.load({"w": torch.zeros(4)})["w"], torch.full((4,), 9.0))
+    restarted.close()
