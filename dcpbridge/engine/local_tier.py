@@ -73,9 +73,9 @@ T = TypeVar("T")
 
 MARKER = "local.json"
 """A local step's commit marker, published atomically in a node's step directory last."""
-_STEP_DIR = re.compile(r"^step_(\d{1,18})$")
+_STEP_DIR = re.compile(r"^step_(\d{1,18})\Z")
 _ASIDE = ".previous"  # a committed step set aside while the same step is saved again
-_ASIDE_DIR = re.compile(r"^step_(\d{1,18})\.previous$")
+_ASIDE_DIR = re.compile(r"^step_(\d{1,18})\.previous\Z")
 StepKey = tuple[int, str, str]  # (step, save id, document digest)
 _SLACK = 1 << 20  # bytes per rank beyond its tensors: objects, common state, alignment
 

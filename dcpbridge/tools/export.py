@@ -283,7 +283,7 @@ def remove_export(store: Storage, names: list[str], created: bool) -> None:
 
 def stale_exports(store: Storage, keep: list[str]) -> list[str]:
     """Safetensors files of an earlier export at the destination that this one did not write."""
-    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors\Z")
     names = store.list_names()
     return [n for n in names if n not in keep and (pattern.match(n) or n == SAFETENSORS_INDEX)]
 

@@ -275,3 +275,13 @@ def test_concurrent_commits_of_one_name_never_mix_and_leave_no_temp_file(tmp_pat
     assert [w.exitcode for w in writers] == [0, 0]
     assert seen <= {1, 2}
     assert os.listdir(root) == ["f"]
+
+
+def test_a_folder_name_with_a_trailing_newline_is_not_a_spread_folder(tmp_path):
+    """A folder ``p1a\\n`` is listed as itself, not opened as a spread folder whose files
+    join the checkpoint's listing (the pattern ended in ``$``, which matches before a
+    trailing newline)."""
+    root = tmp_path / "c"
+    (root / "p1a\n").mkdir(parents=True)
+    (root / "p1a\n" / "__0_0.ab.bin").write_bytes(b"x")
+    assert storage_for(resolve(str(root))).list_names() == ["p1a\n"]

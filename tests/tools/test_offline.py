@@ -220,3 +220,16 @@ def test_torch_dist_save_and_load_through_an_fsspec_url():
             db.save(state, url, format="zarr")
     finally:
         fs.rm("/torch-dist-url", recursive=True)
+
+
+def test_an_export_never_counts_a_name_with_a_trailing_newline_as_its_own(tmp_path):
+    """``model.safetensors\\n`` at an export's destination is not an earlier export's file,
+    so ``--force`` leaves it (the pattern ended in ``$``, which matches before a trailing
+    newline: it was removed as stale)."""
+    from dcpbridge.storage.backends import storage_for
+    from dcpbridge.storage.format.paths import resolve
+    from dcpbridge.tools.export import stale_exports
+
+    for name in ("model.safetensors", "model.safetensors\n"):
+        (tmp_path / name).write_bytes(b"x")
+    assert stale_exports(storage_for(resolve(str(tmp_path))), []) == ["model.safetensors"]
