@@ -141,9 +141,11 @@ class LocalTier:
         self.read_locally: StepKey | None = None
         """The step every rank reads from its own node's directory (last ``survey``)."""
         self.training = group
+        self.node = self.nodes.node_of(group.rank)
+        self.is_lead = group.rank == self.nodes.lead(self.node)
+        if self.is_lead:  # before the side group's rendezvous: no rank of the node surveys yet
+            self._recover_set_aside()
         self.group = SideGroup.for_group(group, "local-tier")
-        self.node = self.nodes.node_of(self.group.rank)
-        self.is_lead = self.group.rank == self.nodes.lead(self.node)
         if replicas > self.nodes.count - 1 and self.group.is_coordinator:
             log.warning(
                 "dcpbridge: local tier: replicas=%d but only %d other node(s): %d copies of each "
@@ -495,6 +497,29 @@ class LocalTier:
                 remove_step(location)
             elif s == step:
                 self._rename(name, name + _ASIDE)
+
+    def _recover_set_aside(self) -> None:
+        """Lead, at start: return each committed step that a killed save of the same step had
+        set aside (its new one never committed) to its place (best effort: logged)."""
+        try:
+            names = storage_for(self._location()).list_names()
+            for name in names:
+                m = _ASIDE_DIR.match(name)
+                if m is None:
+                    continue
+                location = resolve(self.step_url(int(m.group(1))), self.storage_options)
+                step_dir = os.path.basename(self.step_url(int(m.group(1))))
+                if step_dir in names:
+                    if storage_for(location).exists(MARKER):
+                        continue  # the new one committed: the next retention removes the old
+                    remove_step(location)  # what the killed save wrote
+                self._rename(name, step_dir)
+        except (CheckpointError, OSError) as e:
+            log.warning(
+                "dcpbridge: local tier: restoring set-aside steps in %s failed: %s",
+                self.node_dir(self.node),
+                e,
+            )
 
     def _put_back(self, step: int) -> None:
         """Lead: after a failed save of ``step``, return the committed step ``step`` that

@@ -627,3 +627,20 @@ def test_a_failed_resave_of_the_local_step_keeps_the_committed_one(tmp_path, cap
     restarted = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
     assert torch.equal(restarted.load({"w": torch.zeros(4)})["w"], torch.full((4,), 9.0))
     restarted.close()
+
+
+def test_a_restart_after_a_resave_killed_mid_way_offers_the_committed_step(tmp_path):
+    """A save of committed local step 3 killed after its prepare set step 3 aside (what
+    ``_clear`` leaves: ``step_00000003.previous`` and the new, uncommitted ``step_00000003``)
+    loses nothing: the next manager puts the committed one back, and it loads."""
+    local = _single_process_steps(tmp_path)
+    step3 = os.path.join(local, "step_00000003")
+    os.rename(step3, step3 + ".previous")
+    os.mkdir(step3)
+    with open(os.path.join(step3, "__0_0.00ff.bin"), "wb") as f:
+        f.write(b"half")
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    assert mgr.latest_step() == 3
+    assert torch.equal(mgr.load({"w": torch.zeros(4)})["w"], torch.full((4,), 3.0))
+    mgr.close()
