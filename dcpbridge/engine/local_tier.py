@@ -483,11 +483,11 @@ class LocalTier:
         """Lead: remove this node's uncommitted step directories (and steps set aside by
         saves that were killed); set a committed step ``step`` aside, so that it stays until
         the new one commits (``_put_back`` if it fails)."""
-        store = storage_for(self._location())
-        for name in store.list_names():
+        names = storage_for(self._location()).list_names()
+        for name in names:  # first: a step is never set aside onto an older copy's folder
             if _ASIDE_DIR.match(name):
                 remove_step(resolve(self._entry_url(name), self.storage_options))
-                continue
+        for name in names:
             m = _STEP_DIR.match(name)
             if m is None:
                 continue

@@ -644,3 +644,20 @@ def test_a_restart_after_a_resave_killed_mid_way_offers_the_committed_step(tmp_p
     assert mgr.latest_step() == 3
     assert torch.equal(mgr.load({"w": torch.zeros(4)})["w"], torch.full((4,), 3.0))
     mgr.close()
+
+
+def test_a_resave_over_a_committed_step_and_its_older_set_aside_copy_commits(tmp_path):
+    """Where a committed step 3 and an older set-aside copy of it are both there (a save
+    killed after its commit, before retention), saving step 3 again removes the old copy
+    first and commits: the committed step is never moved into the old copy's folder."""
+    local = _single_process_steps(tmp_path)
+    step3 = os.path.join(local, "step_00000003")
+    shutil.copytree(step3, step3 + ".previous")
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    mgr.save(3, {"w": torch.full((4,), 7.0)})
+    mgr.close()
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    assert "step_00000003" not in os.listdir(step3)
+    restarted = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    assert torch.equal(restarted.load({"w": torch.zeros(4)})["w"], torch.full((4,), 7.0))
+    restarted.close()
