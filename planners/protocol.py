@@ -46,7 +46,7 @@ class ObjectShard(Protocol):
 
 # offsets and shape are "."-joined integers, both empty for a grid of shape ()
 _OBJECT_NAME = re.compile(
-    r"^(?P<key>.+)/shard_(?P<offset>(?:\d+(?:\.\d+)*)?)_(?P<shape>(?:\d+(?:\.\d+)*)?)$"
+    r"^(?P<key>.+)/shard_(?P<offset>(?:\d+(?:\.\d+)*)?)_(?P<shape>(?:\d+(?:\.\d+)*)?)\Z"
 )
 
 

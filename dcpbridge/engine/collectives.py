@@ -302,7 +302,22 @@ class SideGroup(StoreGroup):
         recvs: list[tuple[torch.Tensor, int, int]],
     ) -> None:
         """Point-to-point over the side backend (group ranks), as ``Group.exchange``."""
+        if self._gloo is None:
+            raise InvalidArgumentError("the side group was closed: it moves no more bytes")
         works = [self._gloo.send([_as_bytes(t)], dst, tag) for t, dst, tag in sends]
         works += [self._gloo.recv([_as_bytes(t)], src, tag) for t, src, tag in recvs]
         for work in works:
             work.wait()
+
+    def close(self) -> None:
+        """Shut the side backend down and drop it, here and now (idempotent).
+
+        Left to the collector, a closed owner's reference cycles kept it alive until some
+        later collection, which may run in a forked child (a DataLoader worker) that lacks
+        the backend's threads: destroying it there hung or crashed the child.
+        """
+        backend = self._gloo
+        if backend is None:
+            return
+        object.__setattr__(self, "_gloo", None)
+        backend.shutdown()

@@ -73,7 +73,9 @@ T = TypeVar("T")
 
 MARKER = "local.json"
 """A local step's commit marker, published atomically in a node's step directory last."""
-_STEP_DIR = re.compile(r"^step_(\d{1,18})$")
+_STEP_DIR = re.compile(r"^step_(\d{1,18})\Z")
+_ASIDE = ".previous"  # a committed step set aside while the same step is saved again
+_ASIDE_DIR = re.compile(r"^step_(\d{1,18})\.previous\Z")
 StepKey = tuple[int, str, str]  # (step, save id, document digest)
 _SLACK = 1 << 20  # bytes per rank beyond its tensors: objects, common state, alignment
 
@@ -139,9 +141,11 @@ class LocalTier:
         self.read_locally: StepKey | None = None
         """The step every rank reads from its own node's directory (last ``survey``)."""
         self.training = group
+        self.node = self.nodes.node_of(group.rank)
+        self.is_lead = group.rank == self.nodes.lead(self.node)
+        if self.is_lead:  # before the side group's rendezvous: no rank of the node surveys yet
+            self._recover_set_aside()
         self.group = SideGroup.for_group(group, "local-tier")
-        self.node = self.nodes.node_of(self.group.rank)
-        self.is_lead = self.group.rank == self.nodes.lead(self.node)
         if replicas > self.nodes.count - 1 and self.group.is_coordinator:
             log.warning(
                 "dcpbridge: local tier: replicas=%d but only %d other node(s): %d copies of each "
@@ -325,6 +329,7 @@ class LocalTier:
         except Exception as e:  # every rank fails this step alike (protocol steps)
             if prepared:  # nothing of it stays, a marker some nodes published least of all
                 self._on_lead(lambda: self._discard(step))
+            self._on_lead(lambda: self._put_back(step))  # a committed step ``step`` set aside
             self._failed(step, e)
             if persist is not None:
                 persist.handle._finish(e)
@@ -475,24 +480,77 @@ class LocalTier:
             )
 
     def _clear(self, step: int) -> None:
-        """Lead: remove this node's uncommitted step directories and an old one of ``step``."""
-        store = storage_for(self._location())
-        for name in store.list_names():
+        """Lead: remove this node's uncommitted step directories (and steps set aside by
+        saves that were killed); set a committed step ``step`` aside, so that it stays until
+        the new one commits (``_put_back`` if it fails)."""
+        names = storage_for(self._location()).list_names()
+        for name in names:  # first: a step is never set aside onto an older copy's folder
+            if _ASIDE_DIR.match(name):
+                remove_step(resolve(self._entry_url(name), self.storage_options))
+        for name in names:
             m = _STEP_DIR.match(name)
             if m is None:
                 continue
             s = int(m.group(1))
             location = resolve(self.step_url(s), self.storage_options)
-            if s == step or not storage_for(location).exists(MARKER):
+            if not storage_for(location).exists(MARKER):
                 remove_step(location)
+            elif s == step:
+                self._rename(name, name + _ASIDE)
+
+    def _recover_set_aside(self) -> None:
+        """Lead, at start: return each committed step that a killed save of the same step had
+        set aside (its new one never committed) to its place (best effort: logged)."""
+        try:
+            names = storage_for(self._location()).list_names()
+            for name in names:
+                m = _ASIDE_DIR.match(name)
+                if m is None:
+                    continue
+                location = resolve(self.step_url(int(m.group(1))), self.storage_options)
+                step_dir = os.path.basename(self.step_url(int(m.group(1))))
+                if step_dir in names:
+                    if storage_for(location).exists(MARKER):
+                        continue  # the new one committed: the next retention removes the old
+                    remove_step(location)  # what the killed save wrote
+                self._rename(name, step_dir)
+        except (CheckpointError, OSError) as e:
+            log.warning(
+                "dcpbridge: local tier: restoring set-aside steps in %s failed: %s",
+                self.node_dir(self.node),
+                e,
+            )
+
+    def _put_back(self, step: int) -> None:
+        """Lead: after a failed save of ``step``, return the committed step ``step`` that
+        ``_clear`` set aside to its place (best effort: logged)."""
+        name = os.path.basename(self.step_url(step))
+        try:
+            names = storage_for(self._location()).list_names()
+            if name + _ASIDE in names and name not in names:
+                self._rename(name + _ASIDE, name)
+        except (CheckpointError, OSError) as e:
+            log.warning(
+                "dcpbridge: restoring committed local step %s failed: %s", self.step_url(step), e
+            )
+
+    def _entry_url(self, name: str) -> str:
+        return f"{self.node_dir(self.node).rstrip('/')}/{name}"
+
+    def _rename(self, src: str, dst: str) -> None:
+        """Lead: rename entry ``src`` of this node's directory to ``dst``."""
+        location = self._location()
+        store = storage_for(location)
+        with storage_faults(f"{location.url}: rename {src} to {dst}"):
+            store.fs.mv(location.path(src), location.path(dst), recursive=True)
 
     def _retain(self, step: int) -> None:
         """Lead: keep only committed step ``step`` in this node's directory (best effort)."""
         try:
             for name in storage_for(self._location()).list_names():
                 m = _STEP_DIR.match(name)
-                if m is not None and int(m.group(1)) != step:
-                    remove_step(resolve(self.step_url(int(m.group(1))), self.storage_options))
+                if (m is not None and int(m.group(1)) != step) or _ASIDE_DIR.match(name):
+                    remove_step(resolve(self._entry_url(name), self.storage_options))
         except (CheckpointError, OSError) as e:
             log.warning(
                 "dcpbridge: removing older local steps in %s failed: %s",
@@ -589,11 +647,16 @@ class LocalTier:
 
     def close(self) -> None:
         """Wait for the background copies and commit of the last local step; end the
-        tier's thread."""
-        self.wait()
-        if self._worker is not None:
-            self._jobs.put(None)
-            self._worker = None
+        tier's thread and release the side group's gloo backend (idempotent)."""
+        try:
+            self.wait()
+        finally:
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._jobs.put(None)
+                worker.join()
+            if isinstance(self.group, SideGroup):
+                self.group.close()
 
 
 def _columns(writer: StorageWriter) -> StorageWriter:

@@ -53,7 +53,7 @@ from dcpbridge.storage.write.reuse import Previous
 
 log = logging.getLogger("dcpbridge")
 
-_STEP_DIR = re.compile(r"^step_(\d{1,18})$")
+_STEP_DIR = re.compile(r"^step_(\d{1,18})\Z")
 _NEEDS_OPTIMIZERS = (
     "background_staging needs the optimizers that change the saved state: "
     "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"

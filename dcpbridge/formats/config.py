@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "DCPBRIDGE_CONFIG"
 DEFAULT_PATH = os.path.join("~", ".config", "dcpbridge", "config.yaml")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}

@@ -44,7 +44,13 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "C64": torch.complex64,
 }
+"""The safetensors dtypes whose elements are whole bytes, as the ``safetensors`` package names
+them (not F4/F6: their shapes count sub-byte elements that no torch dtype holds one by one)."""
 
 
 @dataclass(frozen=True, slots=True)

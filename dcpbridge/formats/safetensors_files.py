@@ -41,7 +41,7 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 MAX_INDEX_BYTES = 100 << 20  # Hugging Face's indexes hold a few MB for the largest models
 # The shards of a Hugging Face export (transformers', dcpbridge's): valid only under an index,
 # which the writer publishes last (without it, the export did not finish).
-_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors\Z")
 
 
 @dataclass(frozen=True, slots=True)

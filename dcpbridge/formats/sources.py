@@ -48,7 +48,7 @@ from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import Location, StorageIndex
 
 Shape = tuple[int, ...]
-_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp\Z")
 
 
 @dataclass(frozen=True, slots=True)

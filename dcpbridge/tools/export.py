@@ -237,9 +237,8 @@ def export_safetensors(
     try:
         protocol.commit(group, "write", write, publish)
     except BaseException:  # every rank has stopped writing by now
-        index_files = (
-            [SAFETENSORS_INDEX, f"{SAFETENSORS_INDEX}.tmp"] if group.is_coordinator else []
-        )
+        index_files = [SAFETENSORS_INDEX] if group.is_coordinator else []  # (its temp file:
+        # commit_file's own, which it removes when the commit fails)
         remove_export(store, [*started, *index_files], created and group.is_coordinator)
         raise
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
@@ -284,7 +283,7 @@ def remove_export(store: Storage, names: list[str], created: bool) -> None:
 
 def stale_exports(store: Storage, keep: list[str]) -> list[str]:
     """Safetensors files of an earlier export at the destination that this one did not write."""
-    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors\Z")
     names = store.list_names()
     return [n for n in names if n not in keep and (pattern.match(n) or n == SAFETENSORS_INDEX)]
 

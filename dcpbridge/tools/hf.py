@@ -298,7 +298,7 @@ def save_hf(
         protocol.commit(group, "write", write, publish)
     except BaseException:  # every rank has stopped writing: the coordinator removes the files
         if group.is_coordinator:
-            leftovers = [*stored, SAFETENSORS_INDEX, f"{SAFETENSORS_INDEX}.tmp"]
+            leftovers = [*stored, SAFETENSORS_INDEX]  # commit_file removes its own temp file
             remove_export(store, leftovers, created)
         raise
     names = [name for name, _ in plan.files]

@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -179,8 +180,9 @@ class Storage:
         sync: bool,
         replaces: Committed | None = None,
     ) -> None:
-        """Publish ``data`` under ``name`` atomically (through ``temp_name`` where the backend
-        needs one).
+        """Publish ``data`` under ``name`` atomically (through a temp file named ``temp_name``
+        plus a suffix of this writer's own where the backend needs one; removed if the commit
+        fails).
 
         With ``replaces`` (what ``read_committed`` returned) the commit is conditional: if
         another commit replaced that one meanwhile, raise ``ConcurrentSaveError`` and publish
@@ -371,14 +373,15 @@ class LocalStorage(Storage):
     def _publish(
         self, name: str, data: bytes, temp_name: str, sync: bool, replaces: Committed | None
     ) -> None:
-        """Write a temp file, then rename it over ``name``.
+        """Write a temp file of this writer's own (``unique_temp_name``), then rename it over
+        ``name``.
 
         With ``replaces``, the check and the rename happen under an exclusive lock of the
         directory (released by the kernel if the process dies), and a first commit links
         the temp file without replacing anything, so of two commits made from the same
         state only one lands; the other raises ``ConcurrentSaveError``.
         """
-        final, tmp = self.location.path(name), self.location.path(temp_name)
+        final, tmp = self.location.path(name), self.location.path(unique_temp_name(temp_name))
         conditional = replaces is not None
         lock = _directory_lock(self.location.root) if conditional else contextlib.nullcontext()
         with lock as locked:
@@ -509,6 +512,14 @@ def _sync_directory(root: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def unique_temp_name(temp_name: str) -> str:
+    """``temp_name`` made this writer's own (``<temp_name>.<pid>-<random>``, so it still
+    starts with ``temp_name``): two processes or threads committing one name each write
+    their own temp file (with one shared name, one truncated or renamed the other's
+    half-written bytes)."""
+    return f"{temp_name}.{os.getpid()}-{uuid.uuid4().hex[:16]}"
 
 
 def _remove_temp_files(root: str, prefix: str) -> None:

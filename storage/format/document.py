@@ -93,14 +93,14 @@ FORMAT_VERSION = 5
 # eye); larger ones pack the items as columns.
 ROWS_AS_OBJECTS = 1024
 METADATA_FILE = "dcpbridge.json"
-DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]+)\.bin$")
+DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]+)\.bin\Z")
 TEMP_METADATA_PREFIX = f"{METADATA_FILE}.tmp-"
 MAX_WORLD_SIZE = 1 << 31
 DIGEST_ALGORITHM = "xxh3_128"
 CHECKSUM_ALGORITHMS = ("xxh3_64",)
 _DIGEST_KEY = "digest"
 _TRAILER = re.compile(rb',"digest":"([0-9a-z_]{1,16}):([0-9a-f]{1,128})"\}\Z')
-_SAVE_ID = re.compile(r"^[0-9a-f]{1,64}$")
+_SAVE_ID = re.compile(r"^[0-9a-f]{1,64}\Z")
 # The item columns of a packed document; each holds one value per row unless noted.
 _COLUMNS = ("offsets", "sizes", "file", "offset", "nbytes", "rank")  # offsets/sizes: per dim
 

@@ -15,12 +15,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 from dcpbridge.storage.errors import InvalidArgumentError, UnsafePathError
 from dcpbridge.storage.format.references import is_reference, reference_path
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
 # Storage options that are dcpbridge's own (the filesystem never sees them).
 OWN_OPTIONS = ("request_timeout", "cleanup_timeout", "prefixes")
 MAX_PREFIXES = 4096
 # The folders data files are spread over (``prefixes`` > 1): "p" and a hash of the file name.
-SPREAD_DIR = re.compile(r"^p[0-9a-f]{1,3}$")
+SPREAD_DIR = re.compile(r"^p[0-9a-f]{1,3}\Z")
 
 
 @dataclass(frozen=True)

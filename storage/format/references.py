@@ -17,7 +17,7 @@ PARENT = "../"
 # ../<dir>/[<spread folder>/]<data file>; <dir> is a plain name (see paths._SAFE_NAME)
 _REFERENCE = re.compile(
     r"^\.\./(?P<dir>[A-Za-z0-9_][A-Za-z0-9_.\-]*)/(?:(?P<spread>p[0-9a-f]{1,3})/)?"
-    r"(?P<file>__\d+_\d+\.[0-9a-f]+\.bin)$"
+    r"(?P<file>__\d+_\d+\.[0-9a-f]+\.bin)\Z"
 )
 
 

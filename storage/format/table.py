@@ -94,7 +94,9 @@ def unpack_column(entry: Any, what: str, *, checksums: bool = False) -> np.ndarr
     if type(entry) is not dict or set(entry) != {"type", "count", "zlib", "data"}:
         raise CorruptCheckpointError(f"{what}: not a packed column ({_show(entry)})")
     width, count, packed, text = entry["type"], entry["count"], entry["zlib"], entry["data"]
-    if width not in _WIDTHS or (checksums and width != "<u8"):
+    # checksums are 8 bytes wide; an empty column of any width holds none (item-less saves
+    # written before the checksums column was always '<u8' carry an empty '<u1' one)
+    if width not in _WIDTHS or (checksums and width != "<u8" and count != 0):
         raise CorruptCheckpointError(f"{what}: unknown column type {_show(width)}")
     if type(count) is not int or not 0 <= count <= MAX_ROWS * (MAX_NDIM if not checksums else 1):
         raise CorruptCheckpointError(f"{what}: column count {_show(count)} is not valid")

@@ -7,6 +7,7 @@ persistent step (with a log line) when the local tier cannot serve a step or a b
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -579,3 +580,110 @@ def test_a_misspelt_load_option_raises_whichever_tier_answers(tmp_path):
     out = mgr.load({"w": torch.zeros(4)}, verify_checksums=True)
     assert torch.equal(out["w"], torch.full((4,), 3.0))
     mgr.close()
+
+
+def _reaped(pid: int, seconds: float) -> int | None:
+    """The exit status of child ``pid``, or None (it is killed) if it runs past ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def closed_then_forked(r: Rank, root: str, local: str) -> dict:
+    """Save a local step, close the manager twice and drop it with the collector off; then
+    a forked child collects the garbage: its exit status (None: it hung), and whether the
+    side group dropped its backend."""
+    gc.collect()  # earlier tests' garbage: not this test's to collect in the child
+    gc.disable()  # the manager's cycles stay uncollected until the child runs
+    try:
+        mgr = manager(r, root, local, ranks_per_node=1)
+        mgr.save(1, state(piece(weights(1), r.rank, r.size, 0), r.rank, r.size, 1))
+        side = mgr._local.group
+        assert side._gloo is not None
+        mgr.close()
+        mgr.close()  # idempotent
+        released = side._gloo is None
+        del mgr, side
+        pid = os.fork()
+        if pid == 0:  # the child: what a DataLoader worker does when it first collects
+            gc.collect()
+            os._exit(0)
+        status = _reaped(pid, 30.0)
+    finally:
+        gc.enable()
+    gc.collect()
+    return {"status": status, "released": released}
+
+
+def test_close_releases_the_side_group_before_a_forked_child_collects_it(pool, tmp_path):
+    """``close`` shuts the local tier's gloo side group down and drops it: a closed manager
+    kept the backend alive in its reference cycles, and a forked DataLoader worker whose
+    first collection destroyed it (without the parent's threads) crashed."""
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    for out in pool.run(closed_then_forked, 2, root, local, timeout=120):
+        status = out["status"]
+        assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, out
+        assert out["released"], out
+
+
+def test_a_failed_resave_of_the_local_step_keeps_the_committed_one(tmp_path, caplog):
+    """Saving local step 3 again, where the new save fails after its directory was prepared
+    (a common value that cannot be staged), keeps the committed step 3 loadable: the
+    prepare removed it first, so the failure left no local step at all."""
+    local = _single_process_steps(tmp_path)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    unstageable = (torch.ones(2, requires_grad=True) * 2,)  # deepcopy refuses a non-leaf
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        assert mgr.save(3, {"w": torch.full((4,), 9.0), "extra": unstageable})
+        mgr.wait()
+    assert "local step 3 not committed" in caplog.text and "staging failed" in caplog.text
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    assert mgr.latest_step() == 3
+    out = mgr.load({"w": torch.zeros(4)})
+    assert torch.equal(out["w"], torch.full((4,), 3.0))
+    mgr.save(3, {"w": torch.full((4,), 9.0)})  # a re-save that commits replaces it
+    mgr.close()
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    restarted = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    assert torch.equal(restarted.load({"w": torch.zeros(4)})["w"], torch.full((4,), 9.0))
+    restarted.close()
+
+
+def test_a_restart_after_a_resave_killed_mid_way_offers_the_committed_step(tmp_path):
+    """A save of committed local step 3 killed after its prepare set step 3 aside (what
+    ``_clear`` leaves: ``step_00000003.previous`` and the new, uncommitted ``step_00000003``)
+    loses nothing: the next manager puts the committed one back, and it loads."""
+    local = _single_process_steps(tmp_path)
+    step3 = os.path.join(local, "step_00000003")
+    os.rename(step3, step3 + ".previous")
+    os.mkdir(step3)
+    with open(os.path.join(step3, "__0_0.00ff.bin"), "wb") as f:
+        f.write(b"half")
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    assert mgr.latest_step() == 3
+    assert torch.equal(mgr.load({"w": torch.zeros(4)})["w"], torch.full((4,), 3.0))
+    mgr.close()
+
+
+def test_a_resave_over_a_committed_step_and_its_older_set_aside_copy_commits(tmp_path):
+    """Where a committed step 3 and an older set-aside copy of it are both there (a save
+    killed after its commit, before retention), saving step 3 again removes the old copy
+    first and commits: the committed step is never moved into the old copy's folder."""
+    local = _single_process_steps(tmp_path)
+    step3 = os.path.join(local, "step_00000003")
+    shutil.copytree(step3, step3 + ".previous")
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    mgr.save(3, {"w": torch.full((4,), 7.0)})
+    mgr.close()
+    assert sorted(os.listdir(local)) == ["step_00000003"]
+    assert "step_00000003" not in os.listdir(step3)
+    restarted = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    assert torch.equal(restarted.load({"w": torch.zeros(4)})["w"], torch.full((4,), 7.0))
+    restarted.close()

@@ -396,3 +396,20 @@ def test_retention_in_a_root_with_glob_characters_removes_only_its_own_steps(tmp
     assert fs.cat(f"{base}/run1/step_00000001/keep.bin") == b"another run's"
     out = db.CheckpointManager(root, every=1).load({"w": torch.zeros(3)})
     assert torch.equal(out["w"], torch.full((3,), 2.0))
+
+
+def test_a_step_folder_name_with_a_trailing_newline_is_not_a_step(tmp_path):
+    """A folder ``step_00000002\\n`` beside step 2 is no step: the step-folder pattern ended
+    in ``$`` (which matches before a trailing newline), so it counted as a second step 2 and
+    ``all_steps`` listed 2 twice. The local tier's step folders are parsed alike."""
+    from dcpbridge.engine import local_tier
+
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), async_save=False)
+    mgr.save(2, {"w": torch.ones(4)})
+    os.mkdir(root / "step_00000002\n")
+    assert mgr.all_steps() == [2] and mgr.latest_step() == 2
+    mgr.close()
+    for pattern in (local_tier._STEP_DIR, local_tier._ASIDE_DIR):
+        name = "step_00000002" + (".previous" if pattern is local_tier._ASIDE_DIR else "")
+        assert pattern.match(name) and pattern.match(name + "\n") is None

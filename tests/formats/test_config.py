@@ -221,3 +221,11 @@ def test_sizes():
     with pytest.raises(ConfigError, match="expected a size"):
         parse_size("5 parsecs", "x")
     assert isinstance(StorageOptions(a=1), dict)
+
+
+def test_an_environment_variable_name_with_a_trailing_newline_is_refused(tmp_path):
+    """``access_key_env: "KEY\\n"`` is not the name of an environment variable (the pattern
+    ended in ``$``, which matches before a trailing newline, so it passed)."""
+    path = _write(tmp_path, 'profiles: {p: {access_key_env: "TEST_DCPB_KEY\\n"}}')
+    with pytest.raises(ConfigError, match="must be the NAME of an environment variable"):
+        load_config(path)

@@ -81,3 +81,15 @@ def test_a_damaged_torch_file_is_refused_naming_it(tmp_path, damage, allow_pickl
     ) as e:
         open_source(str(path), allow_pickle=allow_pickle)
     assert e.value.__cause__ is not None
+
+
+def test_file_name_patterns_refuse_a_trailing_newline():
+    """DCP data file and Hugging Face shard names ending in a newline are not theirs (the
+    patterns ended in ``$``, which matches before a trailing newline)."""
+    from dcpbridge.formats import safetensors_files, sources
+
+    for pattern, name in (
+        (sources._DISTCP, "__1_0.distcp"),
+        (safetensors_files._HF_SHARD, "model-00001-of-00002.safetensors"),
+    ):
+        assert pattern.match(name) and pattern.match(name + "\n") is None

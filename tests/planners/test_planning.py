@@ -190,3 +190,12 @@ def test_extents_zero_dim_and_empty():
 def test_expand_to_blocks():
     assert expand_to_blocks(10, 20, 100, 16) == (0, 32)
     assert expand_to_blocks(32, 100, 100, 16) == (32, 100)
+
+
+def test_an_object_name_with_a_trailing_newline_is_not_a_sharded_object():
+    """``key/shard_0_2\\n`` is no ShardedObject storage name (the pattern ended in ``$``,
+    which matches before a trailing newline, so it parsed as ``key``'s cell 0 of 2)."""
+    from dcpbridge.planners.protocol import parse_object_name
+
+    assert parse_object_name("key/shard_0_2") == ("key", (0,), (2,))
+    assert parse_object_name("key/shard_0_2\n") is None

@@ -29,6 +29,7 @@ BAD = [
     "../a/dcpbridge.json",
     "..\\a\\__0_0.ab12.bin",
     "../a/__0_0.AB.bin",
+    "../step_1/__0_0.ab12.bin\n",  # ``$`` matched before a trailing newline
 ]
 
 
@@ -67,4 +68,21 @@ def test_a_reference_in_a_version_4_document_is_refused(tmp_path):
     where, doc = _incremental_pair(tmp_path)
     doc["version"] = 4
     with pytest.raises(UnsafePathError, match="plain names"):
+        decode_metadata(sign_document(doc), where=where)
+
+
+@pytest.mark.parametrize("field", ["reference", "file", "save_id"])
+def test_a_document_name_with_a_trailing_newline_is_refused(tmp_path, field):
+    """A reference, an own data file or a save id ending in a newline is refused: the
+    patterns ended in ``$``, which also matches before a trailing newline, so such names
+    passed validation."""
+    where, doc = _incremental_pair(tmp_path)
+    if field == "save_id":
+        doc["save_id"] += "\n"
+        match = "save_id must be lowercase hex"
+    else:
+        name = next(f for f in doc["files"] if f.startswith("../") == (field == "reference"))
+        doc = json.loads(json.dumps(doc).replace(json.dumps(name), json.dumps(name + "\n")))
+        match = "refusing"
+    with pytest.raises(db.CheckpointError, match=match):
         decode_metadata(sign_document(doc), where=where)

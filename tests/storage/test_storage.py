@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import traceback
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ import torch.distributed.checkpoint as dcp
 import dcpbridge as db
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
+from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.format.document import sign_document
+from dcpbridge.storage.format.paths import resolve
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
 
@@ -230,3 +234,54 @@ def test_an_automatic_save_on_many_cores_writes_more_files_and_loads_bit_exact(
         {k: db.ShardedTensor.from_box(k, v, (64, 64), (0, 0)) for k, v in out.items()}, tmp_path
     )
     assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def _commit_repeatedly(root: str, fill: int, times: int) -> None:
+    """A writer process: commit ``f`` ``times`` times, every byte ``fill``; exit 1 on error."""
+    store = storage_for(resolve(root))
+    try:
+        for _ in range(times):
+            store.commit_file("f", bytes([fill]) * _COMMIT_SIZE, "f.tmp", sync=False)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+_COMMIT_SIZE = 1 << 21
+
+
+def test_concurrent_commits_of_one_name_never_mix_and_leave_no_temp_file(tmp_path):
+    """Two writers committing the same name (with the same ``temp_name``) each publish a
+    whole file of their own: they shared one temp file, so one truncated or renamed the
+    other's half-written bytes (a mixed or short ``f``, or a failed rename)."""
+    root = str(tmp_path / "c")
+    storage_for(resolve(root)).makedirs()
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_commit_repeatedly, args=(root, b, 40)) for b in (1, 2)]
+    for w in writers:
+        w.start()
+    seen = set()
+    while any(w.is_alive() for w in writers):
+        try:
+            with open(os.path.join(root, "f"), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        assert len(data) == _COMMIT_SIZE and data.count(data[:1]) == _COMMIT_SIZE
+        seen.add(data[0])
+    for w in writers:
+        w.join()
+    assert [w.exitcode for w in writers] == [0, 0]
+    assert seen <= {1, 2}
+    assert os.listdir(root) == ["f"]
+
+
+def test_a_folder_name_with_a_trailing_newline_is_not_a_spread_folder(tmp_path):
+    """A folder ``p1a\\n`` is listed as itself, not opened as a spread folder whose files
+    join the checkpoint's listing (the pattern ended in ``$``, which matches before a
+    trailing newline)."""
+    root = tmp_path / "c"
+    (root / "p1a\n").mkdir(parents=True)
+    (root / "p1a\n" / "__0_0.ab.bin").write_bytes(b"x")
+    assert storage_for(resolve(str(root))).list_names() == ["p1a\n"]

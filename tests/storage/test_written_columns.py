@@ -19,6 +19,7 @@ import dcpbridge.storage.write.written as written
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.errors import InvalidArgumentError
+from dcpbridge.storage.format.document import sign_document
 from dcpbridge.storage.write.writer import results_table
 from dcpbridge.storage.write.written import WrittenResults
 from tests.support import layouts as L
@@ -210,3 +211,46 @@ def test_a_packed_document_without_item_bytes_loads(tmp_path):
 def _document(path: str) -> dict:
     with open(f"{path}/dcpbridge.json") as f:
         return json.load(f)
+
+
+def _rewrite_checksums(path: str, column: dict) -> None:
+    """Replace the document's checksums column by ``column`` (signed again)."""
+    doc = _document(path)
+    doc.pop("digest")
+    doc["items"]["checksums"] = column
+    with open(f"{path}/dcpbridge.json", "wb") as f:
+        f.write(sign_document(doc))
+
+
+_EMPTY_U1 = {"type": "<u1", "count": 0, "zlib": False, "data": ""}
+
+
+def _packed_save(path: str, state: dict) -> None:
+    writer = FsspecCheckpointWriter(path)
+    writer.columns = True
+    dcp.save(state, storage_writer=writer, planner=ShardedSavePlanner(), no_dist=True)
+
+
+def test_an_older_empty_one_byte_checksums_column_loads(tmp_path):
+    """Checkpoints of item-less saves written before the checksums column was always 8
+    bytes wide carry an empty '<u1' one: it holds no checksum, and none is needed, so the
+    load reads them (it raised ``CorruptCheckpointError: unknown column type '<u1'``)."""
+    path = str(tmp_path / "ck")
+    _packed_save(path, {"e": torch.zeros(0, 3), "f": torch.zeros(5, 0, dtype=torch.bfloat16)})
+    _rewrite_checksums(path, _EMPTY_U1)
+    out = db.load({"e": torch.ones(0, 3), "f": torch.ones(5, 0, dtype=torch.bfloat16)}, path)
+    assert out["e"].shape == (0, 3) and out["f"].shape == (5, 0)
+
+
+@pytest.mark.parametrize("width", ["<u1", "<u8"])
+def test_an_empty_checksums_column_where_items_hold_bytes_is_refused(tmp_path, width):
+    """An empty checksums column in a document whose items hold bytes never loads them
+    unverified: ``CorruptCheckpointError``, whatever the empty column's width."""
+    path = str(tmp_path / "ck")
+    w = torch.arange(12.0).reshape(3, 4)
+    _packed_save(path, {"w": w})
+    _rewrite_checksums(path, {**_EMPTY_U1, "type": width})
+    with pytest.raises(db.CorruptCheckpointError, match="checksum"):
+        db.load({"w": torch.zeros(3, 4)}, path)
+    with pytest.raises(db.CorruptCheckpointError, match="checksum"):
+        db.load({"w": torch.zeros(3, 4)}, path, verify_checksums=False)

@@ -220,3 +220,72 @@ def test_torch_dist_save_and_load_through_an_fsspec_url():
             db.save(state, url, format="zarr")
     finally:
         fs.rm("/torch-dist-url", recursive=True)
+
+
+def test_an_export_never_counts_a_name_with_a_trailing_newline_as_its_own(tmp_path):
+    """``model.safetensors\\n`` at an export's destination is not an earlier export's file,
+    so ``--force`` leaves it (the pattern ended in ``$``, which matches before a trailing
+    newline: it was removed as stale)."""
+    from dcpbridge.storage.backends import storage_for
+    from dcpbridge.storage.format.paths import resolve
+    from dcpbridge.tools.export import stale_exports
+
+    for name in ("model.safetensors", "model.safetensors\n"):
+        (tmp_path / name).write_bytes(b"x")
+    assert stale_exports(storage_for(resolve(str(tmp_path))), []) == ["model.safetensors"]
+
+
+_WHOLE_BYTE_DTYPES = [
+    torch.complex64,
+    torch.float8_e8m0fnu,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+]
+
+
+def _every_byte(dtype: torch.dtype) -> torch.Tensor:
+    """A (6, 4) tensor of ``dtype`` whose bytes run through many values (NaNs included)."""
+    n = 6 * 4 * dtype.itemsize
+    raw = torch.arange(n, dtype=torch.int64).mul(37).remainder(256).to(torch.uint8)
+    return raw.view(dtype).reshape(6, 4)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", _WHOLE_BYTE_DTYPES, ids=str)
+def test_safetensors_c64_and_other_float8_dtypes_load_and_export_bit_exact(tmp_path, dtype):
+    """Files the ``safetensors`` package writes with C64, F8_E8M0 and the FNUZ float8 dtypes
+    load bit-exact, and an export of such tensors is a file that package loads bit-exact
+    (loads raised ``unsupported dtype``, exports ``safetensors cannot store dtype``)."""
+    from safetensors.torch import load_file
+
+    t = _every_byte(dtype)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"x": t}, str(hf / "model.safetensors"))
+    source = open_source(str(hf))
+    assert source.tensors["x"].dtype == dtype
+    assert torch.equal(_bytes(source.read("x", (1, 0), (3, 4))), _bytes(t[1:4]))
+    source.close()
+    out = db.load({"x": torch.zeros(6, 4, dtype=dtype)}, str(hf))
+    assert torch.equal(_bytes(out["x"]), _bytes(t))
+    db.save({"x": t}, str(tmp_path / "ck"))
+    db.export_safetensors(open_source(str(tmp_path / "ck")), str(tmp_path / "out"))
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))["x"]
+    assert back.dtype == dtype and torch.equal(_bytes(back), _bytes(t))
+
+
+def test_a_safetensors_dtype_without_a_whole_byte_torch_dtype_is_refused_by_name(tmp_path):
+    """F4 (two elements a byte) has no torch dtype element by element: loading it raises a
+    ``CheckpointError`` naming the tensor and the dtype, and so does exporting one."""
+    packed = torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"x": packed}, str(hf / "model.safetensors"))
+    with pytest.raises(db.CorruptCheckpointError, match="tensor 'x' has unsupported dtype 'F4'"):
+        open_source(str(hf))
+    db.save({"x": packed}, str(tmp_path / "ck"))
+    with pytest.raises(db.CheckpointError, match="tensor 'x': safetensors cannot store dtype"):
+        db.export_safetensors(open_source(str(tmp_path / "ck")), str(tmp_path / "out"))
