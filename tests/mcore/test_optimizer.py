@@ -201,3 +201,35 @@ def test_sgd_has_no_shared_state_and_excluded_keys_keep_current_values(tmp_path)
     }
     restored = db.restore_optim_state(db.load(template, tmp_path)["o"])
     assert all(torch.equal(restored["state"][k]["momentum_buffer"], before[k]) for k in before)
+
+
+class ScaledLinear(nn.Module):
+    """A Linear times a learnable 0-dim scale (as CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+
+def test_model_space_keeps_moments_of_a_zero_dim_parameter_apart(tmp_path):
+    """A 0-dim parameter's ``exp_avg`` is per-parameter state: it must not be stored once and
+    then overwrite every other parameter's ``exp_avg`` on restore."""
+    torch.manual_seed(0)
+    src = ScaledLinear()
+    opt = torch.optim.AdamW(src.named_parameters(), lr=0.1)
+    (src.fc(torch.randn(2, 4)) * src.logit_scale).sum().backward()
+    opt.step()
+    db.save({**src.state_dict(), "optimizer": db.to_model_space(opt.state_dict())}, tmp_path)
+
+    dst = ScaledLinear()
+    new = torch.optim.AdamW(dst.named_parameters(), lr=0.5)
+    db.init_optimizer_state(new)
+    template = {**dst.state_dict(), "optimizer": db.to_model_space(new.state_dict())}
+    new.load_state_dict(db.from_model_space(db.load(template, tmp_path)["optimizer"]))
+    want, got = opt.state_dict()["state"], new.state_dict()["state"]
+    assert want.keys() == got.keys()
+    for pid, entry in want.items():
+        for name, value in entry.items():
+            assert got[pid][name].shape == value.shape, (pid, name)
+            assert torch.equal(got[pid][name], value), (pid, name)
