@@ -210,6 +210,42 @@ def test_remove_sharded_tensors(ckpt):
     assert db.load_common_state_dict(ckpt)["iteration"] == 7
 
 
+def _incremental_pair(tmp_path) -> tuple[str, str, torch.Tensor]:
+    """Step 1 and step 2 saved beside it with ``reuse_from``: step 2 references step 1's
+    file holding the unchanged ``base``."""
+    first, second = str(tmp_path / "step_1"), str(tmp_path / "step_2")
+    base = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    db.save({"base": base, "adapter": torch.zeros(4)}, first)
+    db.save({"base": base, "adapter": torch.ones(4)}, second, reuse_from=first)
+    assert any(
+        f.startswith("../step_1/")
+        for f in read_checkpoint_metadata(resolve(second)).storage_data.files
+    )
+    return first, second, base
+
+
+def test_removing_keys_keeps_files_another_checkpoint_references(tmp_path):
+    """A data file of step 1 that step 2 (an incremental save) references stays when step 1
+    drops the keys it holds: deleting it broke step 2."""
+    first, second, base = _incremental_pair(tmp_path)
+    assert db.remove_sharded_tensors(first, "base") == ["base"]
+    assert set(db.load_tensors_metadata(first)) == {"adapter"}
+    out = db.load({"base": torch.zeros(64, 64), "adapter": torch.zeros(4)}, second)
+    assert torch.equal(out["base"], base) and torch.equal(out["adapter"], torch.ones(4))
+
+
+def test_removing_keys_of_an_incremental_checkpoint_leaves_the_referenced_one_alone(tmp_path):
+    """Dropping a key whose bytes live in a referenced sibling neither raises after the commit
+    (the reference is not a file of this checkpoint) nor deletes the sibling's file."""
+    first, second, base = _incremental_pair(tmp_path)
+    before = sorted(os.listdir(first))
+    assert db.remove_sharded_tensors(second, "base") == ["base"]
+    assert set(db.load_tensors_metadata(second)) == {"adapter"}
+    assert sorted(os.listdir(first)) == before
+    out = db.load({"base": torch.zeros(64, 64), "adapter": torch.zeros(4)}, first)
+    assert torch.equal(out["base"], base) and torch.equal(out["adapter"], torch.zeros(4))
+
+
 def test_removing_common_state_keys_keeps_the_checkpoint_loadable(tmp_path):
     """Common values and tensors a prefix matches leave the common-state table too (every
     load of the rewritten checkpoint raised MissingKeysError for them)."""
