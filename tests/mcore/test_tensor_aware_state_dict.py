@@ -340,6 +340,26 @@ def test_tensor_and_data_parallel_groups_restore_alone(pool, tmp_path):
         assert results[2 + tp]["kept"] == [vec]
 
 
+def tp_dp_save_and_load(r: Rank, path: str) -> None:
+    """Each data-parallel group keeps every shard once; across the groups, only the kept
+    copies of main replicas are written (two groups each kept ``vec``)."""
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp, tp = divmod(r.rank, 2)
+    state, _ = TASD.from_state_dict(_tp_dp_state(tp, dp, True), parallelization_group=dp_groups[tp])
+    db.save(state, path)
+    out = db.load(_tp_dp_state(tp, dp, False), path)
+    assert torch.equal(out["w"], L.full("w").chunk(2)[tp])
+    assert torch.equal(out["norm"], L.full("vec")) and out["step"] == 3
+
+
+def test_state_kept_by_data_parallel_groups_saves_and_loads(pool, tmp_path):
+    """Saving such a state raised ShardingValidationError: every kept shard was marked a main
+    replica, so the copies the two groups kept of a tensor-parallel replica both wrote."""
+    pool.run(tp_dp_save_and_load, 4, str(tmp_path / "ck"), default_group=True, timeout=120)
+    whole = db.load({"vec": torch.zeros(10)}, str(tmp_path / "ck"))
+    assert torch.equal(whole["vec"], L.full("vec"))
+
+
 # -- failures raise on every rank ----------------------------------------------------------------
 
 
