@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -127,7 +129,8 @@ def apply_factory_merges(loaded: Any, template: Any) -> Any:
     if isinstance(template, ShardedTensorFactory):
         if loaded is HOLE or _has_hole(loaded):
             return HOLE  # parts were missing from the checkpoint (strict="return_all")
-        return template.merge_fn(loaded)
+        with torch.no_grad():  # loaded views filled in place: no autograd history to keep
+            return template.merge_fn(loaded)
     if isinstance(template, dict) and isinstance(loaded, dict):
         return {
             k: apply_factory_merges(v, template[k]) if k in template else v

@@ -233,3 +233,47 @@ def test_model_space_keeps_moments_of_a_zero_dim_parameter_apart(tmp_path):
         for name, value in entry.items():
             assert got[pid][name].shape == value.shape, (pid, name)
             assert torch.equal(got[pid][name], value), (pid, name)
+
+
+def _columns(key, data, replica_id):
+    """Two column halves: views of the parameter that are not contiguous."""
+    return {
+        i: db.ShardedTensor.from_rank_offsets(f"{key}.{i}", h, replica_id=replica_id)
+        for i, h in enumerate(data.chunk(2, dim=1))
+    }
+
+
+@pytest.mark.parametrize("fmt", ["dcpbridge", "torch_dist"])
+@pytest.mark.parametrize("build", [_halves, _columns], ids=["rows", "columns"])
+def test_factories_of_parameters_load_with_the_optimizer(tmp_path, fmt, build):
+    """A factory over an nn.Parameter (what optimizer_sharded_state_dict needs) loads: its
+    views were filled in place with autograd on, so a merge_fn without no_grad raised
+    torch's RuntimeError ('Output 0 of Split is a view ... modified inplace')."""
+    src = Net()
+    opt = stepped_adam(src, steps=2)
+
+    def model_sd(net: Net) -> dict:
+        sd = net_sharded(net, whole=True)
+        join = (
+            (lambda parts: torch.cat([parts[0], parts[1]], dim=1)) if build is _columns else _join
+        )
+        sd["fc"]["weight"] = db.ShardedTensorFactory("dec.fc.weight", net.fc.weight, build, join)
+        return sd
+
+    sd = model_sd(src)
+    db.save(
+        {"model": sd, "optimizer": db.optimizer_sharded_state_dict(opt, sd)}, tmp_path, format=fmt
+    )
+    dst = Net()
+    new = torch.optim.Adam([dst.scale, dst.fc.weight, dst.fc.bias], lr=0.5)
+    db.init_optimizer_state(new)
+    sd = model_sd(dst)
+    out = db.load({"model": sd, "optimizer": db.optimizer_sharded_state_dict(new, sd)}, tmp_path)
+    db.load_optimizer_state(new, out["optimizer"])
+    for p_src, p_dst in zip(
+        (src.scale, src.fc.weight, src.fc.bias), (dst.scale, dst.fc.weight, dst.fc.bias)
+    ):
+        assert torch.equal(p_dst, p_src)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(new.state[p_dst][key], opt.state[p_src][key]), key
+    assert torch.equal(out["model"]["fc"]["weight"], src.fc.weight)
