@@ -13,6 +13,7 @@ from dcpbridge.model.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.walk import like
 
 
@@ -118,7 +119,9 @@ def apply_factories(tree: Any) -> Any:
             return x
         built = x.build()
         if any(isinstance(v, ShardedTensorFactory) for v in leaves(built)):
-            raise TypeError(f"factory {x.key!r} built another factory; nesting is not supported")
+            raise SerializationError(
+                f"factory {x.key!r} built another factory; nesting is not supported"
+            )
         return built
 
     return map_leaves(tree, build)

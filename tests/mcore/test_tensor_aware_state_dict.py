@@ -475,3 +475,18 @@ def test_a_dtensor_is_refused_with_what_to_do_instead(pool):
     (message,) = pool.run(_dtensor_refused, 1)
     assert message.startswith("'w' is torch.distributed.tensor.DTensor, a DTensor, which")
     assert "save DTensors with dcpbridge.save or CheckpointManager" in message
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_a_factory_building_a_factory_is_a_checkpoint_error(algo):
+    """As ``save`` refuses it (SerializationError, a CheckpointError), not a bare TypeError."""
+
+    def inner(key, data, replica_id):
+        return {"x": db.ShardedTensor.from_box(f"{key}.x", data, tuple(data.shape), (0,))}
+
+    def outer(key, data, replica_id):
+        return {"f": db.ShardedTensorFactory(f"{key}.in", data, inner, lambda p: p["x"])}
+
+    sd = {"f": db.ShardedTensorFactory("w", torch.ones(3), outer, lambda p: p["f"])}
+    with pytest.raises(db.SerializationError, match="'w' built another factory"):
+        TASD.from_state_dict(sd, algo=algo)
