@@ -363,7 +363,8 @@ class TensorAwareStateDict:
             if x.data is None:
                 x.data = src
             elif x.data is not src:
-                x.data.copy_(src)
+                with torch.no_grad():  # a template Parameter is filled like a load fills it
+                    x.data.copy_(src)
             return x.data
 
         loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
@@ -400,7 +401,7 @@ class TensorAwareStateDict:
                 if buf is None:
                     buf = torch.empty(t.meta.local_shape, dtype=t.meta.dtype, device=device)
                 sources[shard] = buf
-                recvs.append((buf, t.src, tag))
+                recvs.append((buf.detach(), t.src, tag))  # a Parameter receives in place
         if exchange_algo == "p2p":
             group.exchange(sends, recvs)
         else:

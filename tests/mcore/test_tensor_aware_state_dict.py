@@ -490,3 +490,29 @@ def test_a_factory_building_a_factory_is_a_checkpoint_error(algo):
     sd = {"f": db.ShardedTensorFactory("w", torch.ones(3), outer, lambda p: p["f"])}
     with pytest.raises(db.SerializationError, match="'w' built another factory"):
         TASD.from_state_dict(sd, algo=algo)
+
+
+def _param_state(rank: int, fill: bool) -> dict:
+    """The weight as an nn.Parameter (a model's sharded state dict holds them), replicated."""
+    w = torch.nn.Parameter(L.full("w").clone() if fill else torch.zeros(12, 8))
+    return {"w": db.ShardedTensor.from_box("w", w, (12, 8), (0, 0), replica_id=rank)}
+
+
+def params_restore(r: Rank, exchange_algo: str) -> None:
+    state, _ = TASD.from_state_dict(_param_state(r.rank, True), parallelization_group=r.group)
+    template = _param_state(r.rank, False)
+    out = state.to_state_dict(template, exchange_algo=exchange_algo, parallelization_group=r.group)
+    assert out["w"] is template["w"].data and isinstance(out["w"], torch.nn.Parameter)
+    assert torch.equal(out["w"], L.full("w")) and out["w"].requires_grad
+
+
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
+def test_restore_fills_parameters_in_place(pool, exchange_algo):
+    """Template Parameters are filled in place, on the rank that kept the shard and on the one
+    it is sent to; copying into them raised torch's RuntimeError ('a leaf Variable that
+    requires grad is being used in an in-place operation')."""
+    pool.run(params_restore, 2, exchange_algo, timeout=120)
+    state, _ = TASD.from_state_dict(_param_state(0, True), algo="atomic")
+    template = _param_state(0, False)
+    assert torch.equal(state.to_state_dict(template)["w"], L.full("w"))
+    assert torch.equal(template["w"].data, L.full("w"))
