@@ -323,7 +323,7 @@ def _read_state_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {}
         folder = os.path.dirname(path)
         for name in dict.fromkeys(weight_map.values()):
-            part = _read_state_file(os.path.join(folder, name))
+            part = _read_state_file(os.path.join(folder, name), allow_pickle)
             lacking = [k for k, n in weight_map.items() if n == name and k not in part]
             if lacking:
                 raise CorruptCheckpointError(
@@ -336,7 +336,7 @@ def _read_state_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
 
         with safe_open(path, framework="pt", device="cpu") as f:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    obj = load_torch_file(path, weights_only=True)
+    obj = load_torch_file(path, weights_only=not allow_pickle)
     if not isinstance(obj, Mapping):
         raise InvalidArgumentError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return dict(obj)

@@ -402,3 +402,19 @@ def test_index_of_shards_is_checked_before_its_files_are_read(tmp_path):
     got = db.load_state_dict(tmp_path / "ck" / "m.index.json")
     assert sorted(got) == ["w", "x", "z"]
     assert torch.equal(got["w"], torch.ones(3)), "w is a.bin's, as the index says"
+
+
+class _Note:
+    """A class safe (weights_only) loading refuses."""
+
+
+def test_index_shards_read_with_allow_pickle(tmp_path):
+    """``allow_pickle=True`` reaches torch.save files, alone or named by an index (they were
+    read weights_only regardless, so a trusted file holding an object was refused)."""
+    torch.save({"w": torch.ones(2), "note": _Note()}, tmp_path / "a.bin")
+    (tmp_path / "m.index.json").write_text(json.dumps({"weight_map": {"w": "a.bin"}}))
+    with pytest.raises(db.PickleRefusedError, match=r"m\.index\.json: holds objects"):
+        db.load_state_dict(tmp_path / "m.index.json")
+    for trusted in (tmp_path / "m.index.json", tmp_path / "a.bin"):
+        got = db.load_state_dict(trusted, allow_pickle=True)
+        assert torch.equal(got["w"], torch.ones(2)) and isinstance(got["note"], _Note)
