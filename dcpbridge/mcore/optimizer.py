@@ -37,6 +37,7 @@ from dcpbridge.model.mapping import (
     StateDict,
 )
 from dcpbridge.model.state import leaves
+from dcpbridge.planners.protocol import leaf_kind
 
 KEEP_VARS_HINT = (
     " Make sure the model sharded state dict holds the original torch.nn.Parameters (not "
@@ -69,7 +70,7 @@ def get_param_id_to_sharded_param_map(
     by_param: dict[int, ShardedParam] = {}
     holds_parameters = False
     for leaf in leaves(model_sharded_state_dict):
-        if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and leaf.data is not None:
+        if _is_sharded_param(leaf) and leaf.data is not None:
             holds_parameters |= isinstance(leaf.data, nn.Parameter)
             by_param.setdefault(id(leaf.data), leaf)
     out: dict[int, ShardedParam] = {}
@@ -91,10 +92,19 @@ def get_param_id_to_sharded_param_map(
     return out
 
 
+def _is_sharded_param(leaf: Any) -> bool:
+    """A ShardedTensor or factory, dcpbridge's or Megatron-Core's (recognised by its fields)."""
+    return leaf_kind(leaf) in ("tensor_shard", "factory")
+
+
+def _is_factory(model_param: Any) -> bool:
+    return isinstance(model_param, ShardedTensorFactory) or leaf_kind(model_param) == "factory"
+
+
 def _local_shape(model_param: ShardedParam) -> tuple[int, ...]:
-    if isinstance(model_param, ShardedTensorFactory):
+    if _is_factory(model_param):
         return tuple(model_param.data.shape)
-    return model_param.local_shape
+    return tuple(model_param.local_shape)
 
 
 def make_sharded_optimizer_tensor(
@@ -109,7 +119,7 @@ def make_sharded_optimizer_tensor(
             f"does not match its parameter's local shape {shape}"
         )
     key = f"{prefix}.{model_param.key}"
-    if isinstance(model_param, ShardedTensorFactory):
+    if _is_factory(model_param):
         return replace(model_param, key=key, data=optim_param)
     return replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
 

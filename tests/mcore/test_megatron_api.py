@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from torch import nn
 
 import dcpbridge as db
 from dcpbridge import dist_checkpointing as dc
@@ -578,3 +579,56 @@ def test_drop_in_saves_megatron_objects(pool, tmp_path):
     plain = dc.load_plain_tensors(path, allow_pickle=True)
     for key in M.SHAPES:
         assert torch.equal(plain[key], M.full(key)), key
+
+
+def test_optimizer_helpers_take_megatron_core_sharded_tensors(tmp_path):
+    """The drop-in's optimizer helpers map a model sharded state dict built with Megatron-Core's
+    own ShardedTensor and ShardedTensorFactory (what Megatron's modules return) as Megatron's
+    helpers do; they matched no parameter (OptimizerStateError), and a Megatron factory was
+    rebuilt with a ``dtype`` field it lacks (TypeError)."""
+    from megatron.core.dist_checkpointing import optimizer as megatron_optimizer
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def halves(key, data, replica_id, flattened_range):
+        return [
+            ShardedTensor.from_rank_offsets(f"{key}.{i}", h) for i, h in enumerate(data.chunk(2))
+        ]
+
+    def join(parts):
+        with torch.no_grad():
+            return torch.cat(parts)
+
+    def model_sd(net: nn.Linear) -> dict:
+        return {
+            "w": ShardedTensorFactory("w", net.weight, halves, join),
+            "b": ShardedTensor.from_rank_offsets("b", net.bias),
+        }
+
+    def optim_sd(net: nn.Linear, opt: torch.optim.Optimizer) -> dict:
+        params = [net.weight, net.bias]
+        id_map = dc.get_param_id_to_sharded_param_map(model_sd(net), params)
+        assert (
+            id_map.keys()
+            == megatron_optimizer.get_param_id_to_sharded_param_map(model_sd(net), params).keys()
+        )
+        state = opt.state_dict()
+        dc.optim_state_to_sharding_state(state, id_map)
+        return state
+
+    torch.manual_seed(0)
+    src = nn.Linear(3, 4)
+    opt = torch.optim.Adam(src.parameters(), lr=0.1)
+    src(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    dc.save({"optimizer": optim_sd(src, opt)}, str(tmp_path / "ck"))
+    assert {"optimizer.state.exp_avg.w.0", "optimizer.state.exp_avg.b"} <= set(
+        dc.load_tensors_metadata(str(tmp_path / "ck"))
+    )
+    dst = nn.Linear(3, 4)
+    new = torch.optim.Adam(dst.parameters(), lr=0.5)
+    db.init_optimizer_state(new)
+    out = dc.load({"optimizer": optim_sd(dst, new)}, str(tmp_path / "ck"))
+    db.load_optimizer_state(new, out["optimizer"])
+    for p_src, p_dst in zip(src.parameters(), dst.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(new.state[p_dst][key], opt.state[p_src][key]), key
