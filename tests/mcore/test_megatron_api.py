@@ -632,3 +632,23 @@ def test_optimizer_helpers_take_megatron_core_sharded_tensors(tmp_path):
     for p_src, p_dst in zip(src.parameters(), dst.parameters()):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(new.state[p_dst][key], opt.state[p_src][key]), key
+
+
+def test_load_takes_megatron_core_load_strategies(ckpt):
+    """Megatron-Core's own load strategy (what its get_default_load_sharded_strategy returns),
+    alone or in its fully-parallel wrapper, loads: it was refused as 'not supported'."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    for strategy in (
+        TorchDistLoadShardedStrategy(),
+        FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()),
+    ):
+        out = dc.load({"a": _template("a")}, ckpt, strategy)
+        assert torch.equal(out["a"], torch.arange(4.0))
+        assert set(dc.load_tensors_metadata(ckpt, strategy)) == {"a", "b.x"}
+        assert "rng/shard_1_2" in dc.load_sharded_metadata(ckpt, strategy)
+    with pytest.raises(dc.CheckpointingException, match="not supported"):
+        dc.save({"a": _st("a")}, ckpt + "_again", TorchDistLoadShardedStrategy())
