@@ -9,6 +9,7 @@ from torch import nn
 import dcpbridge as db
 from dcpbridge.model.mapping import LocalNonpersistentObject
 from dcpbridge.model.state import apply_factories, extract, is_nonpersistent, is_sharded
+from tests.support.dist_pool import Rank
 
 
 class Net(nn.Module):
@@ -277,3 +278,25 @@ def test_factories_of_parameters_load_with_the_optimizer(tmp_path, fmt, build):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(new.state[p_dst][key], opt.state[p_src][key]), key
     assert torch.equal(out["model"]["fc"]["weight"], src.fc.weight)
+
+
+def adafactor_tp(r: Rank, path: str) -> str:
+    """Each of 2 ranks holds half of one weight's rows under Adafactor, whose row_var and
+    col_var are per-parameter but not shaped like the parameter."""
+    p = nn.Parameter(torch.arange(12.0).reshape(4, 3) + 12 * r.rank)
+    opt = torch.optim.Adafactor([p], lr=0.1)
+    p.grad = torch.full((4, 3), 1.0 + r.rank)
+    opt.step()
+    model = {"w": db.ShardedTensor.from_rank_offsets("w", p, (0, r.rank, 2))}
+    with pytest.raises(db.OptimizerStateError) as e:
+        db.optimizer_sharded_state_dict(opt, model)
+    return str(e.value)
+
+
+def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path):
+    """Such state was stored once (rank 0's, as common state), so every other rank silently
+    loaded rank 0's row_var and col_var; Megatron refuses it too (exclude_keys still works)."""
+    messages = pool.run(adafactor_tp, 2, str(tmp_path), timeout=60)
+    for message in messages:
+        assert "'row_var'" in message
+        assert "not shaped like its parameter" in message and "exclude_keys" in message
