@@ -37,14 +37,19 @@ CONTENT_METADATA_KEY = "content_metadata"
 _BACKENDS = ("dcpbridge", "torch_dist")
 
 
-def _strategy(strategy: Any, what: str) -> tuple[str | None, dict[str, Any]]:
-    """(backend or None, fully-parallel options) a Megatron-style strategy argument stands for."""
+def _strategy(
+    strategy: Any, what: str, *, loading: bool = False
+) -> tuple[str | None, dict[str, Any]]:
+    """(backend or None, fully-parallel options) a Megatron-style strategy argument stands for
+    (``loading``: Megatron-Core's own load strategies too, as loads detect the format)."""
     options: dict[str, Any] = {}
     if hasattr(strategy, "parallelization_group") and hasattr(strategy, "base_strategy"):
         options = {"fully_parallel": True, "parallelization_group": strategy.parallelization_group}
         strategy = strategy.base_strategy
     if strategy is None:
         return None, options
+    if loading and callable(getattr(strategy, "load_tensors_metadata", None)):
+        return None, options  # a Megatron-Core LoadShardedStrategy (TorchDistLoadShardedStrategy)
     if isinstance(strategy, tuple) and strategy and isinstance(strategy[0], str):
         backend = strategy[0]
     elif isinstance(getattr(strategy, "backend", None), str):
@@ -120,7 +125,7 @@ def load(
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Megatron's ``load``: every rank calls it; ``strict`` has Megatron's meaning and
     return shape (``dcpbridge.planners.strict``). Any sharded format dcpbridge reads loads."""
-    _, parallel = _strategy(sharded_strategy, "sharded_strategy")
+    _, parallel = _strategy(sharded_strategy, "sharded_strategy", loading=True)
     _common_strategy(common_strategy)
     return engine_load.load(
         sharded_state_dict, checkpoint_dir, strict=strict, **{**parallel, **options}
@@ -137,7 +142,7 @@ def load_tensors_metadata(
 ) -> dict[str, ShardedTensor]:
     """Stored tensors by key, as whole-tensor ShardedTensors without real data; ``load``-ing
     them gives plain tensors."""
-    _strategy(sharded_strategy, "sharded_strategy")
+    _strategy(sharded_strategy, "sharded_strategy", loading=True)
     return metadata.load_tensors_metadata(checkpoint_dir, **options)
 
 
@@ -145,7 +150,7 @@ def load_sharded_metadata(
     checkpoint_dir: PathLike, sharded_strategy: Any = None, common_strategy: Any = None, **options
 ) -> dict[str, ShardedTensor | ShardedObject]:
     """``load_tensors_metadata`` plus one data-less ShardedObject per stored object cell."""
-    _strategy(sharded_strategy, "sharded_strategy")
+    _strategy(sharded_strategy, "sharded_strategy", loading=True)
     _common_strategy(common_strategy)
     return metadata.load_sharded_metadata(checkpoint_dir, **options)
 

@@ -10,6 +10,7 @@ All run in one process, with no process group (the readers that load data, ``loa
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from typing import Any
@@ -30,9 +31,17 @@ from dcpbridge.model.mapping import (
     ShardedTensor,
     parse_object_name,
 )
-from dcpbridge.storage import METADATA_FILE, StorageIndex, read_checkpoint_metadata, resolve
+from dcpbridge.storage import (
+    METADATA_FILE,
+    Location,
+    StorageIndex,
+    read_checkpoint_metadata,
+    resolve,
+)
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import encode_metadata, temp_metadata_name
+from dcpbridge.storage.format.references import check_reference, is_reference
 
 PathLike = str | os.PathLike[str]
 
@@ -133,7 +142,8 @@ def remove_sharded_tensors(
     dcpbridge checkpoint; returns the dropped storage names.
 
     The new ``dcpbridge.json`` is published atomically, then data files that hold nothing else
-    are deleted (others keep the dropped bytes). Run it in one process, with no save or load of
+    and that no checkpoint beside it references (incremental saves) are deleted (others keep
+    the dropped bytes). Run it in one process, with no save or load of
     the same checkpoint in flight. Warns and changes nothing when no key matches (as Megatron).
     """
     if not key_prefix:
@@ -181,9 +191,48 @@ def remove_sharded_tensors(
         planner_data=planner_data,
         storage_data=dataclasses.replace(index, items=items, files=files),
     )
+    unused = [f for f in index.files if f not in files and not is_reference(f)]
+    if unused:  # asked before the commit: a failure leaves the checkpoint as it was
+        referenced = _referenced_by_siblings(location)
+        unused = [] if referenced is None else [f for f in unused if f not in referenced]
     store = storage_for(location)
     store.commit_file(
         METADATA_FILE, encode_metadata(kept), temp_metadata_name(index.save_id), sync=True
     )
-    store.remove([f for f in index.files if f not in files])
+    store.remove(unused)
     return drop
+
+
+def _referenced_by_siblings(location: Location) -> set[str] | None:
+    """This checkpoint's data files that the checkpoints beside it reference (incremental
+    saves name them ``../<this folder>/<file>``), or None when a sibling's commit document
+    cannot be read: files are then kept, never deleted on a guess."""
+    root = location.root.rstrip("/")
+    if "/" not in root or not root.rsplit("/", 1)[0]:
+        return set()  # no parent folder: no siblings
+    parent, name = root.rsplit("/", 1)
+    out: set[str] = set()
+    with storage_faults(f"{location.url}: list the checkpoints beside it"):
+        location.fs.invalidate_cache(parent)
+        siblings = [e.rstrip("/") for e in location.fs.ls(parent, detail=False)]
+    for sibling in siblings:
+        document = f"{sibling}/{METADATA_FILE}"
+        if sibling.rsplit("/", 1)[-1] == name:
+            continue
+        try:
+            if not location.fs.exists(document):
+                continue
+            files = json.loads(location.fs.cat_file(document)).get("files", [])
+            for f in files:
+                if isinstance(f, str) and is_reference(f):
+                    match = check_reference(f)
+                    if match.group("dir") == name:
+                        out.add(match.group("file"))
+        except Exception as e:  # unreadable or malformed: keep every file
+            warnings.warn(
+                f"{location.url}: cannot tell whether {sibling} references this checkpoint's "
+                f"files ({type(e).__name__}: {e}); no data file is deleted",
+                stacklevel=3,
+            )
+            return None
+    return out

@@ -54,6 +54,25 @@ def _names_by_id(optim_state_dict: StateDict) -> dict[Any, str]:
     return names
 
 
+def _per_parameter_names(
+    state: Mapping[Any, Mapping[str, Any]], exclude_keys: tuple[str, ...]
+) -> set[str]:
+    """State names stored per parameter: those with a tensor of one or more dims anywhere.
+
+    A 0-dim parameter's entry of such a name (its ``exp_avg``) is per-parameter too: stored
+    once as shared state, it would replace every other parameter's on restore.
+    """
+    return {
+        name
+        for entry in state.values()
+        for name, value in entry.items()
+        if name not in SHARED_KEYS
+        and name not in exclude_keys
+        and isinstance(value, torch.Tensor)
+        and value.ndim > 0
+    }
+
+
 def to_model_space(
     optim_state_dict: StateDict, *, model_prefix: str = "", exclude_keys: tuple[str, ...] = ()
 ) -> StateDict:
@@ -63,9 +82,9 @@ def to_model_space(
     so they are stored as ``optimizer.state.<name>.<model key>``, sharded like the parameter;
     ``model_prefix`` is the path of the model state dict in the saved state (``""`` when its
     keys are the parameters' FQNs, ``"model."`` for ``{"model": model_sd, ...}``). ``step``
-    and any other scalar entry must agree across parameters and are stored once; param groups
-    are keyed by ``group_key`` else position (``"#0"``...). Works as a save state and as a load
-    template (tensors are the optimizer's own, filled in place); ``exclude_keys`` are neither
+    and any other scalar entry (of a name no parameter holds a 1+ dim tensor of) must agree
+    across parameters and are stored once; param groups are keyed by ``group_key`` else
+    position (``"#0"``...). Works as a save state and as a load template (tensors are the optimizer's own, filled in place); ``exclude_keys`` are neither
     saved nor loaded.
     """
     names = _names_by_id(optim_state_dict)
@@ -74,12 +93,13 @@ def to_model_space(
     types: dict[Any, dict[str, _ValueType]] = {}
     excluded: dict[Any, dict[str, Any]] = {}
     keys: dict[Any, str] = {}
+    per_param = _per_parameter_names(optim_state_dict["state"], exclude_keys)
     for pid, entry in optim_state_dict["state"].items():
         key = keys[pid] = model_prefix + names[pid]
         for name, value in entry.items():
             if name in exclude_keys:
                 excluded.setdefault(pid, {})[name] = value
-            elif name not in SHARED_KEYS and isinstance(value, torch.Tensor) and value.ndim > 0:
+            elif name in per_param and isinstance(value, torch.Tensor):
                 state.setdefault(name, {})[key] = value
             else:
                 shared.setdefault(name, {})[pid] = value

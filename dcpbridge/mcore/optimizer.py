@@ -7,8 +7,9 @@ that reshards exactly like the model:
   ``optimizer.state.<k>.<model key>`` with the parameter's global shape, offset, axis
   fragmentations, prepended axes and replica id (or a factory with the same build/merge
   functions when the parameter is a ``ShardedTensorFactory``);
-- any other per-parameter entry (``step``) must be equal for every parameter; it is stored
-  once, as common state, under ``"shared_state"``;
+- any other per-parameter entry (``step``) must be a number or a one-element tensor, equal
+  for every parameter; it is stored once, as common state, under ``"shared_state"`` (a larger
+  tensor not shaped like its parameter, e.g. Adafactor's ``row_var``, is refused);
 - each param group's hyper-parameters are common state under ``"param_groups"``, keyed by the
   group's identity (its ``"group_key"`` entry, else its position ``"#i"``); its ``params`` and
   ``param_names`` lists stay local (``LocalNonpersistentObject`` under ``"local"``), as they
@@ -37,6 +38,7 @@ from dcpbridge.model.mapping import (
     StateDict,
 )
 from dcpbridge.model.state import leaves
+from dcpbridge.planners.protocol import leaf_kind
 
 KEEP_VARS_HINT = (
     " Make sure the model sharded state dict holds the original torch.nn.Parameters (not "
@@ -69,7 +71,7 @@ def get_param_id_to_sharded_param_map(
     by_param: dict[int, ShardedParam] = {}
     holds_parameters = False
     for leaf in leaves(model_sharded_state_dict):
-        if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and leaf.data is not None:
+        if _is_sharded_param(leaf) and leaf.data is not None:
             holds_parameters |= isinstance(leaf.data, nn.Parameter)
             by_param.setdefault(id(leaf.data), leaf)
     out: dict[int, ShardedParam] = {}
@@ -91,10 +93,19 @@ def get_param_id_to_sharded_param_map(
     return out
 
 
+def _is_sharded_param(leaf: Any) -> bool:
+    """A ShardedTensor or factory, dcpbridge's or Megatron-Core's (recognised by its fields)."""
+    return leaf_kind(leaf) in ("tensor_shard", "factory")
+
+
+def _is_factory(model_param: Any) -> bool:
+    return isinstance(model_param, ShardedTensorFactory) or leaf_kind(model_param) == "factory"
+
+
 def _local_shape(model_param: ShardedParam) -> tuple[int, ...]:
-    if isinstance(model_param, ShardedTensorFactory):
+    if _is_factory(model_param):
         return tuple(model_param.data.shape)
-    return model_param.local_shape
+    return tuple(model_param.local_shape)
 
 
 def make_sharded_optimizer_tensor(
@@ -109,7 +120,7 @@ def make_sharded_optimizer_tensor(
             f"does not match its parameter's local shape {shape}"
         )
     key = f"{prefix}.{model_param.key}"
-    if isinstance(model_param, ShardedTensorFactory):
+    if _is_factory(model_param):
         return replace(model_param, key=key, data=optim_param)
     return replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
 
@@ -227,6 +238,13 @@ def optim_state_to_sharding_state(
             ):
                 sharded[param_id][key] = make_sharded_optimizer_tensor(
                     model_param, value, prefix=f"optimizer.state.{key}"
+                )
+            elif key not in SHARED_KEYS and isinstance(value, torch.Tensor) and value.numel() > 1:
+                raise OptimizerStateError(
+                    f"optimizer state {key!r} of {model_param.key!r} has shape "
+                    f"{tuple(value.shape)}, not shaped like its parameter ({shape}): it can "
+                    "neither be sharded like it nor stored once for all ranks (pass "
+                    f"exclude_keys=({key!r},) to leave it out)"
                 )
             else:
                 shared.setdefault(key, {})[param_id] = value

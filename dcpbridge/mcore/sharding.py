@@ -319,21 +319,46 @@ def _read_state_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
             source.close()
     if path.endswith(".index.json"):
         with open(path) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+            weight_map = _weight_map(json.load(f), path)
         out: dict[str, Any] = {}
         folder = os.path.dirname(path)
         for name in dict.fromkeys(weight_map.values()):
-            out.update(_read_state_file(os.path.join(folder, name)))
+            part = _read_state_file(os.path.join(folder, name), allow_pickle)
+            lacking = [k for k, n in weight_map.items() if n == name and k not in part]
+            if lacking:
+                raise CorruptCheckpointError(
+                    f"{path} places {lacking[0]!r} in {name}, which lacks it"
+                )
+            out.update((k, v) for k, v in part.items() if weight_map.get(k, name) == name)
         return out
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
         with safe_open(path, framework="pt", device="cpu") as f:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    obj = load_torch_file(path, weights_only=True)
+    obj = load_torch_file(path, weights_only=not allow_pickle)
     if not isinstance(obj, Mapping):
         raise InvalidArgumentError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return dict(obj)
+
+
+def _weight_map(index: Any, path: str) -> dict[str, str]:
+    """The index's ``weight_map`` (key -> file), checked: hostile input may only name plain
+    files of its own folder (no paths, no other index)."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str)
+        and isinstance(v, str)
+        and v not in ("", ".", "..")
+        and "/" not in v
+        and os.sep not in v
+        and not v.endswith(".index.json")
+        for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpointError(
+            f"{path}: its weight_map must map keys to plain file names of its folder"
+        )
+    return weight_map
 
 
 def load_state_dict(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcpbridge.engine import ownership, protocol
+from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import structure_of
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import shard_id
@@ -47,7 +47,7 @@ from dcpbridge.model.state import (
     map_leaves,
 )
 from dcpbridge.planners import StrictMode
-from dcpbridge.planners.distribution import Holding
+from dcpbridge.planners.distribution import Holding, distribute
 from dcpbridge.planners.strict import Policy, decide, parse_strict
 from dcpbridge.storage.read.delivery import as_shown, holds_its_values
 
@@ -71,6 +71,9 @@ class ShardDistribution:
 
     keepers: dict[ShardId, int]
     structure: int
+    mains: frozenset[ShardId] | None = None
+    """The shards some member holds as a main replica: the kept copies a save writes (None:
+    every kept shard, as before this field existed)."""
 
 
 _KEPT = "__tensor_aware_kept__"  # where sharded_state_dict_for_save puts the kept shards
@@ -79,11 +82,19 @@ _KEPT = "__tensor_aware_kept__"  # where sharded_state_dict_for_save puts the ke
 class TensorAwareStateDict:
     """One rank's common state, kept shards and (unless hollow) their tensors; picklable."""
 
-    def __init__(self, common: Any, shards: list[Any], algo: str, empty: list[Any] = ()) -> None:
+    def __init__(
+        self,
+        common: Any,
+        shards: list[Any],
+        algo: str,
+        empty: list[Any] = (),
+        mains: frozenset[ShardId] | None = None,
+    ) -> None:
         self.common = common
         self.shards = shards  # kept ShardedTensors and ShardedObjects, in state-dict order
         self.empty = list(empty)  # fully_parallel: main replicas of empty tensors (saved, no bytes)
         self.algo = algo
+        self.mains = mains  # fully_parallel: the kept shards a save writes (None: all)
         self._popped_devices: list[torch.device] | None = None  # set while hollow
         self._orig_devices: list[torch.device] | None = None  # set by copy_tensors_to_cpu
 
@@ -131,15 +142,17 @@ class TensorAwareStateDict:
                 )
             distribution = cached_metadata
         else:
-            keepers = ownership.assign(group, lambda: _held(error, shards), only_main=False)
-            distribution = ShardDistribution(keepers, structure_of(shards, group))
+            held = protocol.agree(group, "fully-parallel exchange", lambda: _held(error, shards))
+            mains = frozenset(h.shard for mine in held for h in mine if h.main)
+            keepers = distribute(held, only_main=False)
+            distribution = ShardDistribution(keepers, structure_of(shards, group), mains)
         kept = [copy.copy(s) for s in shards if _keeps(s, distribution.keepers, group.rank)]
         empty = [
             copy.copy(s)
             for s in shards
             if isinstance(s, ShardedTensor) and s.numel == 0 and is_main_replica(s.replica_id)
         ]
-        return cls(common, kept, algo, empty), distribution
+        return cls(common, kept, algo, empty, distribution.mains), distribution
 
     def __repr__(self) -> str:
         return (
@@ -242,13 +255,21 @@ class TensorAwareStateDict:
     def sharded_state_dict_for_save(self) -> dict[str, Any]:
         """This rank's part as a sharded state dict that ``save``, ``async_save`` and the
         manager (local tier included) write: the common state and the kept shards, each kept
-        tensor shard marked this rank's to write (``fully_parallel`` keeps each on one member)."""
+        tensor shard marked this rank's to write (``fully_parallel`` keeps each on one member)
+        where its group holds it as a main replica (where the group is a data-parallel group,
+        another group writes the others)."""
         self._need_tensors("sharded_state_dict_for_save")  # not while hollow
-        main = self.algo != "atomic"  # atomic keeps every replica: the save picks the main one
-        shards = [
-            dataclasses.replace(s, replica_id=0) if main and isinstance(s, ShardedTensor) else s
-            for s in self.shards
-        ] + getattr(self, "empty", [])
+        fully_parallel = self.algo != "atomic"  # atomic keeps every replica: the save picks
+        mains = getattr(self, "mains", None)  # states pickled before ``mains`` write all
+
+        def marked(s: Any) -> Any:
+            if not fully_parallel or not isinstance(s, ShardedTensor):
+                return s
+            return dataclasses.replace(
+                s, replica_id=0 if mains is None or shard_id(s) in mains else 1
+            )
+
+        shards = [marked(s) for s in self.shards] + getattr(self, "empty", [])
         common = self.common if isinstance(self.common, Mapping) else {"common": self.common}
         if _KEPT in common:
             raise InvalidArgumentError(f"the common state may not hold the key {_KEPT!r}")
@@ -342,7 +363,8 @@ class TensorAwareStateDict:
             if x.data is None:
                 x.data = src
             elif x.data is not src:
-                x.data.copy_(src)
+                with torch.no_grad():  # a template Parameter is filled like a load fills it
+                    x.data.copy_(src)
             return x.data
 
         loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
@@ -379,7 +401,7 @@ class TensorAwareStateDict:
                 if buf is None:
                     buf = torch.empty(t.meta.local_shape, dtype=t.meta.dtype, device=device)
                 sources[shard] = buf
-                recvs.append((buf, t.src, tag))
+                recvs.append((buf.detach(), t.src, tag))  # a Parameter receives in place
         if exchange_algo == "p2p":
             group.exchange(sends, recvs)
         else:
@@ -433,7 +455,7 @@ def _held(error: BaseException | None, shards: list[Any]) -> list[Holding]:
     if error is not None:
         raise error
     return [
-        Holding(shard_id(s), s.numel * s.dtype.itemsize)
+        Holding(shard_id(s), s.numel * s.dtype.itemsize, is_main_replica(s.replica_id))
         for s in shards
         if isinstance(s, ShardedTensor) and s.numel > 0
     ]

@@ -336,6 +336,7 @@ def _merge_slot(
         values = STATE_WALKER.rebuild(built, lambda leaf: loaded(by_leaf[id(leaf.value)]))
         if any(v is MISSING for v in (loaded(s) for s in shards)):
             return MISSING
-        return factory.merge_fn(values)
+        with torch.no_grad():  # its inputs are views filled in place: no autograd history
+            return factory.merge_fn(values)
 
     return slot

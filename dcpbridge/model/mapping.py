@@ -465,7 +465,8 @@ def apply_factory_merges(loaded: Any, factories: Any, key: tuple[Any, ...] = ())
     matching part of ``loaded`` by its ``merge_fn`` result, in place (Megatron's
     ``apply_factory_merges``); returns ``loaded``."""
     if isinstance(factories, ShardedTensorFactory):
-        return factories.merge_fn(loaded)
+        with torch.no_grad():  # loaded views filled in place: no autograd history to keep
+            return factories.merge_fn(loaded)
     where = ".".join(map(str, key)) or "<root>"
     if isinstance(loaded, dict) and isinstance(factories, dict):
         for k, sub in factories.items():

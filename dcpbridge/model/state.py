@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
 )
+from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.walk import like
 
 
@@ -116,7 +119,9 @@ def apply_factories(tree: Any) -> Any:
             return x
         built = x.build()
         if any(isinstance(v, ShardedTensorFactory) for v in leaves(built)):
-            raise TypeError(f"factory {x.key!r} built another factory; nesting is not supported")
+            raise SerializationError(
+                f"factory {x.key!r} built another factory; nesting is not supported"
+            )
         return built
 
     return map_leaves(tree, build)
@@ -127,7 +132,8 @@ def apply_factory_merges(loaded: Any, template: Any) -> Any:
     if isinstance(template, ShardedTensorFactory):
         if loaded is HOLE or _has_hole(loaded):
             return HOLE  # parts were missing from the checkpoint (strict="return_all")
-        return template.merge_fn(loaded)
+        with torch.no_grad():  # loaded views filled in place: no autograd history to keep
+            return template.merge_fn(loaded)
     if isinstance(template, dict) and isinstance(loaded, dict):
         return {
             k: apply_factory_merges(v, template[k]) if k in template else v

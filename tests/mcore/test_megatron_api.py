@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from torch import nn
 
 import dcpbridge as db
 from dcpbridge import dist_checkpointing as dc
@@ -208,6 +209,42 @@ def test_remove_sharded_tensors(ckpt):
         assert db.remove_sharded_tensors(ckpt, "nope") == []
     assert db.remove_sharded_tensors(ckpt, "rng/") == ["rng/shard_0_2", "rng/shard_1_2"]
     assert db.load_common_state_dict(ckpt)["iteration"] == 7
+
+
+def _incremental_pair(tmp_path) -> tuple[str, str, torch.Tensor]:
+    """Step 1 and step 2 saved beside it with ``reuse_from``: step 2 references step 1's
+    file holding the unchanged ``base``."""
+    first, second = str(tmp_path / "step_1"), str(tmp_path / "step_2")
+    base = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    db.save({"base": base, "adapter": torch.zeros(4)}, first)
+    db.save({"base": base, "adapter": torch.ones(4)}, second, reuse_from=first)
+    assert any(
+        f.startswith("../step_1/")
+        for f in read_checkpoint_metadata(resolve(second)).storage_data.files
+    )
+    return first, second, base
+
+
+def test_removing_keys_keeps_files_another_checkpoint_references(tmp_path):
+    """A data file of step 1 that step 2 (an incremental save) references stays when step 1
+    drops the keys it holds: deleting it broke step 2."""
+    first, second, base = _incremental_pair(tmp_path)
+    assert db.remove_sharded_tensors(first, "base") == ["base"]
+    assert set(db.load_tensors_metadata(first)) == {"adapter"}
+    out = db.load({"base": torch.zeros(64, 64), "adapter": torch.zeros(4)}, second)
+    assert torch.equal(out["base"], base) and torch.equal(out["adapter"], torch.ones(4))
+
+
+def test_removing_keys_of_an_incremental_checkpoint_leaves_the_referenced_one_alone(tmp_path):
+    """Dropping a key whose bytes live in a referenced sibling neither raises after the commit
+    (the reference is not a file of this checkpoint) nor deletes the sibling's file."""
+    first, second, base = _incremental_pair(tmp_path)
+    before = sorted(os.listdir(first))
+    assert db.remove_sharded_tensors(second, "base") == ["base"]
+    assert set(db.load_tensors_metadata(second)) == {"adapter"}
+    assert sorted(os.listdir(first)) == before
+    out = db.load({"base": torch.zeros(64, 64), "adapter": torch.zeros(4)}, first)
+    assert torch.equal(out["base"], base) and torch.equal(out["adapter"], torch.zeros(4))
 
 
 def test_removing_common_state_keys_keeps_the_checkpoint_loadable(tmp_path):
@@ -542,3 +579,76 @@ def test_drop_in_saves_megatron_objects(pool, tmp_path):
     plain = dc.load_plain_tensors(path, allow_pickle=True)
     for key in M.SHAPES:
         assert torch.equal(plain[key], M.full(key)), key
+
+
+def test_optimizer_helpers_take_megatron_core_sharded_tensors(tmp_path):
+    """The drop-in's optimizer helpers map a model sharded state dict built with Megatron-Core's
+    own ShardedTensor and ShardedTensorFactory (what Megatron's modules return) as Megatron's
+    helpers do; they matched no parameter (OptimizerStateError), and a Megatron factory was
+    rebuilt with a ``dtype`` field it lacks (TypeError)."""
+    from megatron.core.dist_checkpointing import optimizer as megatron_optimizer
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def halves(key, data, replica_id, flattened_range):
+        return [
+            ShardedTensor.from_rank_offsets(f"{key}.{i}", h) for i, h in enumerate(data.chunk(2))
+        ]
+
+    def join(parts):
+        with torch.no_grad():
+            return torch.cat(parts)
+
+    def model_sd(net: nn.Linear) -> dict:
+        return {
+            "w": ShardedTensorFactory("w", net.weight, halves, join),
+            "b": ShardedTensor.from_rank_offsets("b", net.bias),
+        }
+
+    def optim_sd(net: nn.Linear, opt: torch.optim.Optimizer) -> dict:
+        params = [net.weight, net.bias]
+        id_map = dc.get_param_id_to_sharded_param_map(model_sd(net), params)
+        assert (
+            id_map.keys()
+            == megatron_optimizer.get_param_id_to_sharded_param_map(model_sd(net), params).keys()
+        )
+        state = opt.state_dict()
+        dc.optim_state_to_sharding_state(state, id_map)
+        return state
+
+    torch.manual_seed(0)
+    src = nn.Linear(3, 4)
+    opt = torch.optim.Adam(src.parameters(), lr=0.1)
+    src(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    dc.save({"optimizer": optim_sd(src, opt)}, str(tmp_path / "ck"))
+    assert {"optimizer.state.exp_avg.w.0", "optimizer.state.exp_avg.b"} <= set(
+        dc.load_tensors_metadata(str(tmp_path / "ck"))
+    )
+    dst = nn.Linear(3, 4)
+    new = torch.optim.Adam(dst.parameters(), lr=0.5)
+    db.init_optimizer_state(new)
+    out = dc.load({"optimizer": optim_sd(dst, new)}, str(tmp_path / "ck"))
+    db.load_optimizer_state(new, out["optimizer"])
+    for p_src, p_dst in zip(src.parameters(), dst.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(new.state[p_dst][key], opt.state[p_src][key]), key
+
+
+def test_load_takes_megatron_core_load_strategies(ckpt):
+    """Megatron-Core's own load strategy (what its get_default_load_sharded_strategy returns),
+    alone or in its fully-parallel wrapper, loads: it was refused as 'not supported'."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    for strategy in (
+        TorchDistLoadShardedStrategy(),
+        FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()),
+    ):
+        out = dc.load({"a": _template("a")}, ckpt, strategy)
+        assert torch.equal(out["a"], torch.arange(4.0))
+        assert set(dc.load_tensors_metadata(ckpt, strategy)) == {"a", "b.x"}
+        assert "rng/shard_1_2" in dc.load_sharded_metadata(ckpt, strategy)
+    with pytest.raises(dc.CheckpointingException, match="not supported"):
+        dc.save({"a": _st("a")}, ckpt + "_again", TorchDistLoadShardedStrategy())

@@ -9,6 +9,7 @@ from torch import nn
 import dcpbridge as db
 from dcpbridge.model.mapping import LocalNonpersistentObject
 from dcpbridge.model.state import apply_factories, extract, is_nonpersistent, is_sharded
+from tests.support.dist_pool import Rank
 
 
 class Net(nn.Module):
@@ -201,3 +202,101 @@ def test_sgd_has_no_shared_state_and_excluded_keys_keep_current_values(tmp_path)
     }
     restored = db.restore_optim_state(db.load(template, tmp_path)["o"])
     assert all(torch.equal(restored["state"][k]["momentum_buffer"], before[k]) for k in before)
+
+
+class ScaledLinear(nn.Module):
+    """A Linear times a learnable 0-dim scale (as CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+
+def test_model_space_keeps_moments_of_a_zero_dim_parameter_apart(tmp_path):
+    """A 0-dim parameter's ``exp_avg`` is per-parameter state: it must not be stored once and
+    then overwrite every other parameter's ``exp_avg`` on restore."""
+    torch.manual_seed(0)
+    src = ScaledLinear()
+    opt = torch.optim.AdamW(src.named_parameters(), lr=0.1)
+    (src.fc(torch.randn(2, 4)) * src.logit_scale).sum().backward()
+    opt.step()
+    db.save({**src.state_dict(), "optimizer": db.to_model_space(opt.state_dict())}, tmp_path)
+
+    dst = ScaledLinear()
+    new = torch.optim.AdamW(dst.named_parameters(), lr=0.5)
+    db.init_optimizer_state(new)
+    template = {**dst.state_dict(), "optimizer": db.to_model_space(new.state_dict())}
+    new.load_state_dict(db.from_model_space(db.load(template, tmp_path)["optimizer"]))
+    want, got = opt.state_dict()["state"], new.state_dict()["state"]
+    assert want.keys() == got.keys()
+    for pid, entry in want.items():
+        for name, value in entry.items():
+            assert got[pid][name].shape == value.shape, (pid, name)
+            assert torch.equal(got[pid][name], value), (pid, name)
+
+
+def _columns(key, data, replica_id):
+    """Two column halves: views of the parameter that are not contiguous."""
+    return {
+        i: db.ShardedTensor.from_rank_offsets(f"{key}.{i}", h, replica_id=replica_id)
+        for i, h in enumerate(data.chunk(2, dim=1))
+    }
+
+
+@pytest.mark.parametrize("fmt", ["dcpbridge", "torch_dist"])
+@pytest.mark.parametrize("build", [_halves, _columns], ids=["rows", "columns"])
+def test_factories_of_parameters_load_with_the_optimizer(tmp_path, fmt, build):
+    """A factory over an nn.Parameter (what optimizer_sharded_state_dict needs) loads: its
+    views were filled in place with autograd on, so a merge_fn without no_grad raised
+    torch's RuntimeError ('Output 0 of Split is a view ... modified inplace')."""
+    src = Net()
+    opt = stepped_adam(src, steps=2)
+
+    def model_sd(net: Net) -> dict:
+        sd = net_sharded(net, whole=True)
+        join = (
+            (lambda parts: torch.cat([parts[0], parts[1]], dim=1)) if build is _columns else _join
+        )
+        sd["fc"]["weight"] = db.ShardedTensorFactory("dec.fc.weight", net.fc.weight, build, join)
+        return sd
+
+    sd = model_sd(src)
+    db.save(
+        {"model": sd, "optimizer": db.optimizer_sharded_state_dict(opt, sd)}, tmp_path, format=fmt
+    )
+    dst = Net()
+    new = torch.optim.Adam([dst.scale, dst.fc.weight, dst.fc.bias], lr=0.5)
+    db.init_optimizer_state(new)
+    sd = model_sd(dst)
+    out = db.load({"model": sd, "optimizer": db.optimizer_sharded_state_dict(new, sd)}, tmp_path)
+    db.load_optimizer_state(new, out["optimizer"])
+    for p_src, p_dst in zip(
+        (src.scale, src.fc.weight, src.fc.bias), (dst.scale, dst.fc.weight, dst.fc.bias)
+    ):
+        assert torch.equal(p_dst, p_src)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(new.state[p_dst][key], opt.state[p_src][key]), key
+    assert torch.equal(out["model"]["fc"]["weight"], src.fc.weight)
+
+
+def adafactor_tp(r: Rank, path: str) -> str:
+    """Each of 2 ranks holds half of one weight's rows under Adafactor, whose row_var and
+    col_var are per-parameter but not shaped like the parameter."""
+    p = nn.Parameter(torch.arange(12.0).reshape(4, 3) + 12 * r.rank)
+    opt = torch.optim.Adafactor([p], lr=0.1)
+    p.grad = torch.full((4, 3), 1.0 + r.rank)
+    opt.step()
+    model = {"w": db.ShardedTensor.from_rank_offsets("w", p, (0, r.rank, 2))}
+    with pytest.raises(db.OptimizerStateError) as e:
+        db.optimizer_sharded_state_dict(opt, model)
+    return str(e.value)
+
+
+def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path):
+    """Such state was stored once (rank 0's, as common state), so every other rank silently
+    loaded rank 0's row_var and col_var; Megatron refuses it too (exclude_keys still works)."""
+    messages = pool.run(adafactor_tp, 2, str(tmp_path), timeout=60)
+    for message in messages:
+        assert "'row_var'" in message
+        assert "not shaped like its parameter" in message and "exclude_keys" in message

@@ -374,3 +374,47 @@ def test_load_state_dict_accepts_a_checkpoint_directory(tmp_path):
     write_safetensors(str(tmp_path / "hf" / "model.safetensors"), sd)
     got = db.load_state_dict(str(tmp_path / "hf"))
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_index_of_shards_is_checked_before_its_files_are_read(tmp_path):
+    """An index (hostile input) names plain files of its folder, and each key comes from the
+    file it names: names outside the folder, a key its file lacks and a key the index places
+    in another file than the one read last were all taken as they came."""
+    (tmp_path / "ck").mkdir()
+    outside = torch.full((3,), 9.0)
+    torch.save({"w": outside}, tmp_path / "outside.bin")
+    for name in ("../outside.bin", str(tmp_path / "outside.bin"), "", "m.index.json"):
+        (tmp_path / "ck" / "m.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+        with pytest.raises(db.CorruptCheckpointError, match=r"m\.index\.json") as e:
+            db.load_state_dict(tmp_path / "ck" / "m.index.json")
+        assert "plain file names" in str(e.value), name
+
+    torch.save({"w": torch.ones(3), "x": torch.zeros(2)}, tmp_path / "ck" / "a.bin")
+    torch.save({"w": torch.full((3,), 2.0)}, tmp_path / "ck" / "b.bin")
+    index = {"weight_map": {"w": "a.bin", "x": "a.bin", "y": "b.bin"}}
+    (tmp_path / "ck" / "m.index.json").write_text(json.dumps(index))
+    with pytest.raises(db.CorruptCheckpointError, match=r"places 'y' in b\.bin, which lacks it"):
+        db.load_state_dict(tmp_path / "ck" / "m.index.json")
+    del index["weight_map"]["y"]
+    index["weight_map"]["z"] = "b.bin"
+    torch.save({"w": torch.full((3,), 2.0), "z": torch.ones(1)}, tmp_path / "ck" / "b.bin")
+    (tmp_path / "ck" / "m.index.json").write_text(json.dumps(index))
+    got = db.load_state_dict(tmp_path / "ck" / "m.index.json")
+    assert sorted(got) == ["w", "x", "z"]
+    assert torch.equal(got["w"], torch.ones(3)), "w is a.bin's, as the index says"
+
+
+class _Note:
+    """A class safe (weights_only) loading refuses."""
+
+
+def test_index_shards_read_with_allow_pickle(tmp_path):
+    """``allow_pickle=True`` reaches torch.save files, alone or named by an index (they were
+    read weights_only regardless, so a trusted file holding an object was refused)."""
+    torch.save({"w": torch.ones(2), "note": _Note()}, tmp_path / "a.bin")
+    (tmp_path / "m.index.json").write_text(json.dumps({"weight_map": {"w": "a.bin"}}))
+    with pytest.raises(db.PickleRefusedError, match=r"m\.index\.json: holds objects"):
+        db.load_state_dict(tmp_path / "m.index.json")
+    for trusted in (tmp_path / "m.index.json", tmp_path / "a.bin"):
+        got = db.load_state_dict(trusted, allow_pickle=True)
+        assert torch.equal(got["w"], torch.ones(2)) and isinstance(got["note"], _Note)

@@ -340,6 +340,26 @@ def test_tensor_and_data_parallel_groups_restore_alone(pool, tmp_path):
         assert results[2 + tp]["kept"] == [vec]
 
 
+def tp_dp_save_and_load(r: Rank, path: str) -> None:
+    """Each data-parallel group keeps every shard once; across the groups, only the kept
+    copies of main replicas are written (two groups each kept ``vec``)."""
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp, tp = divmod(r.rank, 2)
+    state, _ = TASD.from_state_dict(_tp_dp_state(tp, dp, True), parallelization_group=dp_groups[tp])
+    db.save(state, path)
+    out = db.load(_tp_dp_state(tp, dp, False), path)
+    assert torch.equal(out["w"], L.full("w").chunk(2)[tp])
+    assert torch.equal(out["norm"], L.full("vec")) and out["step"] == 3
+
+
+def test_state_kept_by_data_parallel_groups_saves_and_loads(pool, tmp_path):
+    """Saving such a state raised ShardingValidationError: every kept shard was marked a main
+    replica, so the copies the two groups kept of a tensor-parallel replica both wrote."""
+    pool.run(tp_dp_save_and_load, 4, str(tmp_path / "ck"), default_group=True, timeout=120)
+    whole = db.load({"vec": torch.zeros(10)}, str(tmp_path / "ck"))
+    assert torch.equal(whole["vec"], L.full("vec"))
+
+
 # -- failures raise on every rank ----------------------------------------------------------------
 
 
@@ -455,3 +475,44 @@ def test_a_dtensor_is_refused_with_what_to_do_instead(pool):
     (message,) = pool.run(_dtensor_refused, 1)
     assert message.startswith("'w' is torch.distributed.tensor.DTensor, a DTensor, which")
     assert "save DTensors with dcpbridge.save or CheckpointManager" in message
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_a_factory_building_a_factory_is_a_checkpoint_error(algo):
+    """As ``save`` refuses it (SerializationError, a CheckpointError), not a bare TypeError."""
+
+    def inner(key, data, replica_id):
+        return {"x": db.ShardedTensor.from_box(f"{key}.x", data, tuple(data.shape), (0,))}
+
+    def outer(key, data, replica_id):
+        return {"f": db.ShardedTensorFactory(f"{key}.in", data, inner, lambda p: p["x"])}
+
+    sd = {"f": db.ShardedTensorFactory("w", torch.ones(3), outer, lambda p: p["f"])}
+    with pytest.raises(db.SerializationError, match="'w' built another factory"):
+        TASD.from_state_dict(sd, algo=algo)
+
+
+def _param_state(rank: int, fill: bool) -> dict:
+    """The weight as an nn.Parameter (a model's sharded state dict holds them), replicated."""
+    w = torch.nn.Parameter(L.full("w").clone() if fill else torch.zeros(12, 8))
+    return {"w": db.ShardedTensor.from_box("w", w, (12, 8), (0, 0), replica_id=rank)}
+
+
+def params_restore(r: Rank, exchange_algo: str) -> None:
+    state, _ = TASD.from_state_dict(_param_state(r.rank, True), parallelization_group=r.group)
+    template = _param_state(r.rank, False)
+    out = state.to_state_dict(template, exchange_algo=exchange_algo, parallelization_group=r.group)
+    assert out["w"] is template["w"].data and isinstance(out["w"], torch.nn.Parameter)
+    assert torch.equal(out["w"], L.full("w")) and out["w"].requires_grad
+
+
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
+def test_restore_fills_parameters_in_place(pool, exchange_algo):
+    """Template Parameters are filled in place, on the rank that kept the shard and on the one
+    it is sent to; copying into them raised torch's RuntimeError ('a leaf Variable that
+    requires grad is being used in an in-place operation')."""
+    pool.run(params_restore, 2, exchange_algo, timeout=120)
+    state, _ = TASD.from_state_dict(_param_state(0, True), algo="atomic")
+    template = _param_state(0, False)
+    assert torch.equal(state.to_state_dict(template)["w"], L.full("w"))
+    assert torch.equal(template["w"].data, L.full("w"))
