@@ -521,3 +521,43 @@ def test_an_incremental_save_of_a_one_element_strided_view(tmp_path):
         tmp_path / "s2",
     )
     assert out["x"].tolist() == [1.0] and out["s"].tolist() == [1.0]
+
+
+# -- spread folders and folders of roots ------------------------------------------------------
+
+
+def _files(folder: str) -> set[str]:
+    """Every file under ``folder``, relative to it."""
+    return {os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs}
+
+
+def test_retention_and_fsck_fix_remove_files_in_spread_folders(tmp_path, capsys):
+    """Data files in spread folders (``prefixes``) of a doomed step, and orphans there, are
+    removed: they were refused as names with a separator, so retention leaked them forever and
+    ``fsck --fix`` failed."""
+    root = str(tmp_path / "run")
+    opts = {"prefixes": 4}
+    base = torch.arange(256, dtype=torch.float32)
+    mgr = db.CheckpointManager(
+        root, every=1, keep_last=1, async_save=False, incremental=True, storage_options=opts
+    )
+    for step in (1, 2, 3):
+        mgr.save(step, {"base": base, "ad": torch.full((8,), float(step)), "step": step})
+    mgr.close()
+    assert mgr.all_steps() == [3]
+    needed = incremental.needed_files(resolve(root), ["step_00000003"])
+    kept_of_1 = {p for d, p in needed if d == "step_00000001"}
+    assert kept_of_1 and _files(f"{root}/step_00000001") == kept_of_1
+    assert not os.path.exists(f"{root}/step_00000002")
+    own = sorted(p for d, p in needed if d == "step_00000003")
+    folder, name = own[0].split("/")
+    orphan = f"{folder}/{name.split('.')[0]}.0123456789abcdef.bin"
+    shutil.copy(f"{root}/step_00000003/{own[0]}", f"{root}/step_00000003/{orphan}")
+    assert fsck(root).orphans == [f"step_00000003/{orphan}"]
+    assert cli.main(["fsck", root, "--fix"]) == 0
+    assert f"removed: step_00000003/{orphan}" in capsys.readouterr().out
+    assert not os.path.exists(f"{root}/step_00000003/{orphan}")
+    out = db.CheckpointManager(root, storage_options=opts).load(
+        {"base": torch.zeros(256), "ad": torch.zeros(8)}
+    )
+    assert torch.equal(out["base"], base) and torch.equal(out["ad"], torch.full((8,), 3.0))
