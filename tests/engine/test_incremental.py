@@ -561,3 +561,25 @@ def test_retention_and_fsck_fix_remove_files_in_spread_folders(tmp_path, capsys)
         {"base": torch.zeros(256), "ad": torch.zeros(8)}
     )
     assert torch.equal(out["base"], base) and torch.equal(out["ad"], torch.full((8,), 3.0))
+
+
+def test_fsck_of_a_folder_of_roots_keeps_their_checkpoints(tmp_path, capsys):
+    """``fsck`` of a folder holding manager roots lists none of their committed checkpoints'
+    data files as orphans (it listed them all, for ``--fix`` to delete)."""
+    runs = tmp_path / "runs"
+    states = {}
+    for run in ("a", "b"):
+        mgr = db.CheckpointManager(runs / run, every=1, async_save=False, incremental=True)
+        for step in (1, 2):
+            states[run, step] = _crash_state(step)
+            mgr.save(step, states[run, step])
+        mgr.close()
+    before = _files(str(runs))
+    found = fsck(str(runs))
+    assert found.orphans == [] and found.missing == [] and found.unreadable == []
+    assert cli.main(["fsck", str(runs), "--fix"]) == 0
+    assert "0 orphaned file(s), 0 missing file(s)" in capsys.readouterr().out
+    assert _files(str(runs)) == before
+    for run in ("a", "b"):
+        out = db.CheckpointManager(runs / run).load(_template(), step=1)
+        assert torch.equal(out["base"], states[run, 1]["base"])
