@@ -31,8 +31,9 @@ from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.formats.layout import Layout
 from dcpbridge.formats.sources import Source
 from dcpbridge.planners.boxes import Shape
-from dcpbridge.storage import Location, StoredItem, resolve
+from dcpbridge.storage import Location, StorageIndex, StoredItem, resolve
 from dcpbridge.storage.format.document import ItemKey
+from dcpbridge.storage.format.references import is_reference, parent_of, reference_dir
 from dcpbridge.storage.write.stream import StreamWriter, commit, discard_save, new_save_id
 from dcpbridge.storage.write.writer import tensor_bytes
 
@@ -192,6 +193,15 @@ def _same_place(a: Location, b: Location) -> bool:
     return type(a.fs) is type(b.fs) and a.root.rstrip("/") == b.root.rstrip("/")
 
 
+def _referenced_folders(source: Source) -> set[str]:
+    """Sibling checkpoint folders whose data files ``source`` (an incremental save) reads."""
+    index = getattr(getattr(source, "metadata", None), "storage_data", None)
+    if not isinstance(index, StorageIndex):
+        return set()
+    refs = [f for f in index.files if is_reference(f)]
+    return {f"{parent_of(source.location.root)}/{reference_dir(f)}" for f in refs}
+
+
 def reshard(
     source: Source,
     destination: str | os.PathLike[str],
@@ -225,6 +235,13 @@ def reshard(
         if _same_place(location, source.location):
             raise InvalidArgumentError(
                 f"the destination {location.url} is the source checkpoint itself"
+            )
+        same_fs = type(location.fs) is type(source.location.fs)
+        if same_fs and location.root.rstrip("/") in _referenced_folders(source):
+            raise InvalidArgumentError(
+                f"the destination {location.url} holds data files that the source "
+                f"{source.location.url} references (an incremental save): writing there "
+                "would delete them; choose another destination"
             )
         created = location.is_local and not os.path.exists(location.root)  # before any write
         work = work if work is not None else plan_work(source, layout)

@@ -583,3 +583,27 @@ def test_fsck_of_a_folder_of_roots_keeps_their_checkpoints(tmp_path, capsys):
     for run in ("a", "b"):
         out = db.CheckpointManager(runs / run).load(_template(), step=1)
         assert torch.equal(out["base"], states[run, 1]["base"])
+
+
+@pytest.mark.parametrize("command", ["reshard", "convert"])
+def test_reshard_refuses_a_destination_its_source_references(tmp_path, capsys, command):
+    """``reshard``/``convert --to dcpbridge --force`` into the step an incremental source
+    references would delete the bytes the source reads (the source then fails to load):
+    refused before anything is written."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(root, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    src, dst = str(root / "step_00000002"), str(root / "step_00000001")
+    before = _files(dst)
+    layout = tmp_path / "layout.yaml"
+    layout.write_text('world_size: 1\nrules:\n  - {match: "*", replicate: true}\n')
+    extra = ["--layout", str(layout)] if command == "reshard" else ["--to", "dcpbridge"]
+    assert cli.main([command, src, dst, *extra, "--force"]) == 1
+    err = capsys.readouterr().err
+    assert f"the destination {dst} holds data files that the source {src} references" in err
+    assert _files(dst) == before
+    assert fsck(str(root)).missing == []
+    out = mgr.load(_template(), step=2)
+    assert torch.equal(out["base"], _crash_state(2)["base"])
+    assert torch.equal(out["ad"], _crash_state(2)["ad"])
