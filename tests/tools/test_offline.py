@@ -220,3 +220,22 @@ def test_torch_dist_save_and_load_through_an_fsspec_url():
             db.save(state, url, format="zarr")
     finally:
         fs.rm("/torch-dist-url", recursive=True)
+
+
+def test_a_torch_dist_save_of_common_state_only_validates_and_converts(tmp_path, capsys):
+    """A torch_dist save without sharded tensors stored its empty shard list as an object
+    "shards" (DCP's rule for a list without tensors): ``validate --checksums``, ``convert`` and
+    ``reshard`` then refused the checkpoint that loads fine. It stores no such object."""
+    from dcpbridge.tools import cli
+
+    state = {"w": L.full("w"), "b": torch.ones(7), "step": 3, "cfg": {"lr": 0.1}}
+    src, dst = str(tmp_path / "td"), str(tmp_path / "out")
+    db.save(state, src, format="torch_dist")
+    assert set(open_source(src).objects) == {"__common__"}
+    assert cli.main(["validate", "--checksums", src]) == 0
+    assert f"OK: {src} (torch_dist" in capsys.readouterr().out
+    assert cli.main(["convert", src, dst, "--to", "dcpbridge"]) == 0
+    for path in (src, dst):
+        out = db.load({"w": torch.zeros(12, 8), "b": torch.zeros(7)}, path)
+        assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+        assert out["step"] == 3 and out["cfg"] == {"lr": 0.1}
