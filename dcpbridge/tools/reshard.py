@@ -189,6 +189,30 @@ def write_items(
     return writer.items
 
 
+def new_folders(location: Location) -> list[str]:
+    """The local folders writing at ``location`` creates, deepest first: its root and each
+    missing folder above it (none on other storage)."""
+    out: list[str] = []
+    path = location.root.rstrip("/")
+    while location.is_local and path and not os.path.exists(path):
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return out
+
+
+def remove_new_folders(folders: list[str]) -> None:
+    """Remove the folders ``new_folders`` listed, deepest first, while they are empty (a
+    folder holding anything, another's files, stays with everything above it)."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
 def _same_place(a: Location, b: Location) -> bool:
     return type(a.fs) is type(b.fs) and a.root.rstrip("/") == b.root.rstrip("/")
 
@@ -227,9 +251,8 @@ def reshard(
     started = time.perf_counter()
 
     location: Location
-    fresh = False
 
-    def plan() -> tuple[str | None, bool]:
+    def plan() -> tuple[str | None, list[str]]:
         nonlocal location, work
         location = resolve(destination, storage_options)
         if _same_place(location, source.location):
@@ -243,7 +266,7 @@ def reshard(
                 f"{source.location.url} references (an incremental save): writing there "
                 "would delete them; choose another destination"
             )
-        created = location.is_local and not os.path.exists(location.root)  # before any write
+        created = new_folders(location)  # before any write
         work = work if work is not None else plan_work(source, layout)
         return (new_save_id() if group.is_coordinator else None), created
 
@@ -287,7 +310,8 @@ def reshard(
         # The coordinator has gathered every worker (or lost one): remove all of this
         # reshard's files unless it committed them.
         if group.is_coordinator and not committed:
-            discard_save(location, save_id, remove_root=fresh)
+            discard_save(location, save_id)
+            remove_new_folders(fresh)
         raise
     return ReshardResult(
         destination=location.url,

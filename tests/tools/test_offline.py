@@ -239,3 +239,28 @@ def test_a_torch_dist_save_of_common_state_only_validates_and_converts(tmp_path,
         out = db.load({"w": torch.zeros(12, 8), "b": torch.zeros(7)}, path)
         assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
         assert out["step"] == 3 and out["cfg"] == {"lr": 0.1}
+
+
+@pytest.mark.parametrize("to", ["reshard", "dcpbridge", "safetensors", "torch"])
+def test_a_failed_reshard_or_export_removes_the_folders_it_created(tmp_path, capsys, to):
+    """A failed reshard/convert into ``a/b/c`` removed ``c`` at most and left ``a/b``
+    behind: every folder it created goes, an existing one stays."""
+    from dcpbridge.tools import cli
+
+    src = str(tmp_path / "src")
+    db.save({"w": L.full("w"), "step": 1}, src)
+    data = next(n for n in os.listdir(src) if n.endswith(".bin") and n.startswith("__0_0"))
+    with open(os.path.join(src, data), "r+b") as f:  # a flipped byte: the read fails
+        f.seek(3)
+        byte = f.read(1)
+        f.seek(3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    layout = tmp_path / "layout.yaml"
+    layout.write_text('world_size: 1\nrules:\n  - {match: "*", replicate: true}\n')
+    (tmp_path / "kept").mkdir()
+    dst = str(tmp_path / "kept" / "a" / "b" / ("m.pt" if to == "torch" else "c"))
+    args = ["reshard", src, dst, "--layout", str(layout)] if to == "reshard" else []
+    args = args or ["convert", src, dst, "--to", to]
+    assert cli.main(args) == 1
+    assert "checksum mismatch" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "kept") == []
