@@ -20,7 +20,7 @@ from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import DATA_FILE_RE, TEMP_METADATA_PREFIX
-from dcpbridge.storage.format.paths import check_file_name, spread_dir
+from dcpbridge.storage.format.paths import SPREAD_DIR, check_file_name, spread_dir
 from dcpbridge.storage.format.references import check_reference, is_reference
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,11 @@ def _folders(root: Location) -> list[str]:
 
 
 def _is_orphan(path: str) -> bool:
-    """Files a checkpoint folder holds only while a save runs or after a crash."""
-    last = path.rsplit("/", 1)[-1]
+    """Files a checkpoint folder holds only while a save runs or after a crash: in the folder
+    itself or one of its spread folders, never deeper (a checkpoint nested in it)."""
+    folder, _, last = path.rpartition("/")
+    if folder and not SPREAD_DIR.match(folder):
+        return False
     return bool(DATA_FILE_RE.match(last)) or last.startswith(TEMP_METADATA_PREFIX)
 
 

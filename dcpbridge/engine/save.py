@@ -184,7 +184,9 @@ def _planner_and_writer(
             sync_files=options.sync_files,
         )
         planner: SavePlanner = TorchDistSavePlanner(validate=validate, owners=planned.owners)
-        return {"shards": parts.shards}, planner, writer
+        # no shards: an empty list would be stored as a bogus object "shards" (DCP's rule
+        # for a list without tensors), which Megatron's format cannot hold
+        return ({"shards": parts.shards} if parts.shards else {}), planner, writer
     writer = FsspecCheckpointWriter(
         checkpoint_dir,
         storage_options=storage_options,

@@ -45,7 +45,15 @@ from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_error, storage_faults
 from dcpbridge.storage.write.writer import CoalescingFile
-from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, WorkItem, assign, box_bytes, counted
+from dcpbridge.tools.reshard import (
+    DEFAULT_SLAB_BYTES,
+    WorkItem,
+    assign,
+    box_bytes,
+    counted,
+    new_folders,
+    remove_new_folders,
+)
 
 log = logging.getLogger(__name__)
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -182,14 +190,13 @@ def export_safetensors(
     work = [WorkItem(name, sum(t.nbytes for t in shard), 0) for name, shard in files]
     mine = {w.key for w in assign(work, group.size)[group.rank]}
 
-    def plan() -> tuple[bool, int]:
+    def plan() -> tuple[list[str], int]:
         if _holds_source(location, source):
             raise InvalidArgumentError(
                 f"the destination {location.url} holds the source {source.location.url}: "
                 "the export would overwrite the files it reads"
             )
-        created = location.is_local and not os.path.exists(location.root)  # before any write
-        return created, max_shard_bytes
+        return new_folders(location), max_shard_bytes  # before any write
 
     everyone = protocol.agree(group, "plan", plan)
     created = everyone[0][0]
@@ -239,7 +246,7 @@ def export_safetensors(
     except BaseException:  # every rank has stopped writing by now
         index_files = [SAFETENSORS_INDEX] if group.is_coordinator else []  # (its temp file:
         # commit_file's own, which it removes when the commit fails)
-        remove_export(store, [*started, *index_files], created and group.is_coordinator)
+        remove_export(store, [*started, *index_files], created if group.is_coordinator else [])
         raise
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
     if group.is_coordinator:
@@ -273,12 +280,10 @@ def same_split(what: str, limits: list[int]) -> None:
         )
 
 
-def remove_export(store: Storage, names: list[str], created: bool) -> None:
-    """Remove a failed export's files (and its directory if the export created it)."""
+def remove_export(store: Storage, names: list[str], created: list[str]) -> None:
+    """Remove a failed export's files (and the folders the export created, ``new_folders``)."""
     _remove_quietly(store, names)
-    if created:
-        with contextlib.suppress(OSError):  # only if empty: never another's files
-            os.rmdir(store.location.root)
+    remove_new_folders(created)  # only while empty: never another's files
 
 
 def stale_exports(store: Storage, keep: list[str]) -> list[str]:
@@ -367,12 +372,12 @@ def _export_torch(
     scratch = None
     path = location.root
     folder = os.path.dirname(path) or "."
-    created = False
+    created: list[str] = []
     if not location.is_local:
         scratch = tempfile.mkdtemp(prefix="dcpbridge-export-")
         path = os.path.join(scratch, os.path.basename(location.root) or "model.pt")
     else:
-        created = not os.path.exists(folder)
+        created = new_folders(location)[1:]  # the file's missing folders
         os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp-export"
     try:
@@ -384,9 +389,7 @@ def _export_torch(
         if scratch is None:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-            if created:
-                with contextlib.suppress(OSError):  # only if empty: never another's files
-                    os.rmdir(folder)
+            remove_new_folders(created)  # only while empty: never another's files
         raise
     finally:
         if scratch is not None:

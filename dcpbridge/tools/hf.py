@@ -48,7 +48,7 @@ from dcpbridge.tools.export import (
     same_split,
     stale_exports,
 )
-from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, slabs
+from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, new_folders, slabs
 
 PARTIAL = ".partial"  # the one-file export's name until the coordinator publishes it
 
@@ -230,12 +230,11 @@ def save_hf(
         )
     store = storage_for(location)
     data: dict[tuple[str, Shape], ShardedTensor] = {}
-    created = False
 
-    def exchange() -> tuple[list[Held], bool, int]:
+    def exchange() -> tuple[list[Held], list[str], int]:
         nonlocal data
         held, data = _holdings(state_dict)
-        return held, not os.path.exists(location.root), max_shard_bytes
+        return held, new_folders(location), max_shard_bytes
 
     everyone = protocol.agree(group, "plan", exchange)
     created = everyone[0][1]

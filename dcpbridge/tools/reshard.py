@@ -31,8 +31,9 @@ from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.formats.layout import Layout
 from dcpbridge.formats.sources import Source
 from dcpbridge.planners.boxes import Shape
-from dcpbridge.storage import Location, StoredItem, resolve
+from dcpbridge.storage import Location, StorageIndex, StoredItem, resolve
 from dcpbridge.storage.format.document import ItemKey
+from dcpbridge.storage.format.references import is_reference, parent_of, reference_dir
 from dcpbridge.storage.write.stream import StreamWriter, commit, discard_save, new_save_id
 from dcpbridge.storage.write.writer import tensor_bytes
 
@@ -188,8 +189,41 @@ def write_items(
     return writer.items
 
 
+def new_folders(location: Location) -> list[str]:
+    """The local folders writing at ``location`` creates, deepest first: its root and each
+    missing folder above it (none on other storage)."""
+    out: list[str] = []
+    path = location.root.rstrip("/")
+    while location.is_local and path and not os.path.exists(path):
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return out
+
+
+def remove_new_folders(folders: list[str]) -> None:
+    """Remove the folders ``new_folders`` listed, deepest first, while they are empty (a
+    folder holding anything, another's files, stays with everything above it)."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
 def _same_place(a: Location, b: Location) -> bool:
     return type(a.fs) is type(b.fs) and a.root.rstrip("/") == b.root.rstrip("/")
+
+
+def _referenced_folders(source: Source) -> set[str]:
+    """Sibling checkpoint folders whose data files ``source`` (an incremental save) reads."""
+    index = getattr(getattr(source, "metadata", None), "storage_data", None)
+    if not isinstance(index, StorageIndex):
+        return set()
+    refs = [f for f in index.files if is_reference(f)]
+    return {f"{parent_of(source.location.root)}/{reference_dir(f)}" for f in refs}
 
 
 def reshard(
@@ -217,16 +251,22 @@ def reshard(
     started = time.perf_counter()
 
     location: Location
-    fresh = False
 
-    def plan() -> tuple[str | None, bool]:
+    def plan() -> tuple[str | None, list[str]]:
         nonlocal location, work
         location = resolve(destination, storage_options)
         if _same_place(location, source.location):
             raise InvalidArgumentError(
                 f"the destination {location.url} is the source checkpoint itself"
             )
-        created = location.is_local and not os.path.exists(location.root)  # before any write
+        same_fs = type(location.fs) is type(source.location.fs)
+        if same_fs and location.root.rstrip("/") in _referenced_folders(source):
+            raise InvalidArgumentError(
+                f"the destination {location.url} holds data files that the source "
+                f"{source.location.url} references (an incremental save): writing there "
+                "would delete them; choose another destination"
+            )
+        created = new_folders(location)  # before any write
         work = work if work is not None else plan_work(source, layout)
         return (new_save_id() if group.is_coordinator else None), created
 
@@ -270,7 +310,8 @@ def reshard(
         # The coordinator has gathered every worker (or lost one): remove all of this
         # reshard's files unless it committed them.
         if group.is_coordinator and not committed:
-            discard_save(location, save_id, remove_root=fresh)
+            discard_save(location, save_id)
+            remove_new_folders(fresh)
         raise
     return ReshardResult(
         destination=location.url,

@@ -25,7 +25,7 @@ import numpy as np
 
 from dcpbridge.storage.backends.costs import LOCAL_READ_COSTS, OBJECT_STORE_READ_COSTS, ReadCosts
 from dcpbridge.storage.errors import ConcurrentSaveError, is_storage_fault, storage_error
-from dcpbridge.storage.format.paths import SPREAD_DIR, Location
+from dcpbridge.storage.format.paths import SPREAD_DIR, Location, check_file_name
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +253,9 @@ class Storage:
 
     @storage_op("remove")
     def remove(self, names: Sequence[str]) -> None:
-        """Delete files ``names`` of this checkpoint (paths taken literally, never as patterns)."""
-        paths = [self._paths.get(n) or self.location.path(n) for n in names]
+        """Delete files ``names`` of this checkpoint (paths taken literally, never as patterns);
+        a name may be ``<spread folder>/<file>``, as ``files_in`` lists spread data files."""
+        paths = [self._paths.get(n) or self._path_of(n) for n in names]
         if any(_GLOB_CHARS.search(p) for p in paths):
             # fsspec's rm expands glob patterns: a root like "ck?" or "ck[1]" would delete the
             # files of "ckA" or "ck1" instead; rm_file takes its path literally
@@ -262,6 +263,14 @@ class Storage:
                 self.fs.rm_file(p)
         elif paths:
             self.fs.rm(paths)
+
+    def _path_of(self, name: str) -> str:
+        """Full path of a plain file name or of ``p<hex>/<file>`` in one of the root's spread
+        folders (anything else is refused by ``Location.path``)."""
+        folder, sep, base = name.partition("/")
+        if sep and SPREAD_DIR.match(folder):
+            return f"{self.location.path(folder)}/{check_file_name(base)}"
+        return self.location.path(name)
 
     def remove_folder(self) -> None:
         """Delete this checkpoint's folder and everything under it, its path taken literally

@@ -521,3 +521,89 @@ def test_an_incremental_save_of_a_one_element_strided_view(tmp_path):
         tmp_path / "s2",
     )
     assert out["x"].tolist() == [1.0] and out["s"].tolist() == [1.0]
+
+
+# -- spread folders and folders of roots ------------------------------------------------------
+
+
+def _files(folder: str) -> set[str]:
+    """Every file under ``folder``, relative to it."""
+    return {os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs}
+
+
+def test_retention_and_fsck_fix_remove_files_in_spread_folders(tmp_path, capsys):
+    """Data files in spread folders (``prefixes``) of a doomed step, and orphans there, are
+    removed: they were refused as names with a separator, so retention leaked them forever and
+    ``fsck --fix`` failed."""
+    root = str(tmp_path / "run")
+    opts = {"prefixes": 4}
+    base = torch.arange(256, dtype=torch.float32)
+    mgr = db.CheckpointManager(
+        root, every=1, keep_last=1, async_save=False, incremental=True, storage_options=opts
+    )
+    for step in (1, 2, 3):
+        mgr.save(step, {"base": base, "ad": torch.full((8,), float(step)), "step": step})
+    mgr.close()
+    assert mgr.all_steps() == [3]
+    needed = incremental.needed_files(resolve(root), ["step_00000003"])
+    kept_of_1 = {p for d, p in needed if d == "step_00000001"}
+    assert kept_of_1 and _files(f"{root}/step_00000001") == kept_of_1
+    assert not os.path.exists(f"{root}/step_00000002")
+    own = sorted(p for d, p in needed if d == "step_00000003")
+    folder, name = own[0].split("/")
+    orphan = f"{folder}/{name.split('.')[0]}.0123456789abcdef.bin"
+    shutil.copy(f"{root}/step_00000003/{own[0]}", f"{root}/step_00000003/{orphan}")
+    assert fsck(root).orphans == [f"step_00000003/{orphan}"]
+    assert cli.main(["fsck", root, "--fix"]) == 0
+    assert f"removed: step_00000003/{orphan}" in capsys.readouterr().out
+    assert not os.path.exists(f"{root}/step_00000003/{orphan}")
+    out = db.CheckpointManager(root, storage_options=opts).load(
+        {"base": torch.zeros(256), "ad": torch.zeros(8)}
+    )
+    assert torch.equal(out["base"], base) and torch.equal(out["ad"], torch.full((8,), 3.0))
+
+
+def test_fsck_of_a_folder_of_roots_keeps_their_checkpoints(tmp_path, capsys):
+    """``fsck`` of a folder holding manager roots lists none of their committed checkpoints'
+    data files as orphans (it listed them all, for ``--fix`` to delete)."""
+    runs = tmp_path / "runs"
+    states = {}
+    for run in ("a", "b"):
+        mgr = db.CheckpointManager(runs / run, every=1, async_save=False, incremental=True)
+        for step in (1, 2):
+            states[run, step] = _crash_state(step)
+            mgr.save(step, states[run, step])
+        mgr.close()
+    before = _files(str(runs))
+    found = fsck(str(runs))
+    assert found.orphans == [] and found.missing == [] and found.unreadable == []
+    assert cli.main(["fsck", str(runs), "--fix"]) == 0
+    assert "0 orphaned file(s), 0 missing file(s)" in capsys.readouterr().out
+    assert _files(str(runs)) == before
+    for run in ("a", "b"):
+        out = db.CheckpointManager(runs / run).load(_template(), step=1)
+        assert torch.equal(out["base"], states[run, 1]["base"])
+
+
+@pytest.mark.parametrize("command", ["reshard", "convert"])
+def test_reshard_refuses_a_destination_its_source_references(tmp_path, capsys, command):
+    """``reshard``/``convert --to dcpbridge --force`` into the step an incremental source
+    references would delete the bytes the source reads (the source then fails to load):
+    refused before anything is written."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(root, every=1, async_save=False, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    src, dst = str(root / "step_00000002"), str(root / "step_00000001")
+    before = _files(dst)
+    layout = tmp_path / "layout.yaml"
+    layout.write_text('world_size: 1\nrules:\n  - {match: "*", replicate: true}\n')
+    extra = ["--layout", str(layout)] if command == "reshard" else ["--to", "dcpbridge"]
+    assert cli.main([command, src, dst, *extra, "--force"]) == 1
+    err = capsys.readouterr().err
+    assert f"the destination {dst} holds data files that the source {src} references" in err
+    assert _files(dst) == before
+    assert fsck(str(root)).missing == []
+    out = mgr.load(_template(), step=2)
+    assert torch.equal(out["base"], _crash_state(2)["base"])
+    assert torch.equal(out["ad"], _crash_state(2)["ad"])

@@ -289,3 +289,47 @@ def test_a_safetensors_dtype_without_a_whole_byte_torch_dtype_is_refused_by_name
     db.save({"x": packed}, str(tmp_path / "ck"))
     with pytest.raises(db.CheckpointError, match="tensor 'x': safetensors cannot store dtype"):
         db.export_safetensors(open_source(str(tmp_path / "ck")), str(tmp_path / "out"))
+
+
+def test_a_torch_dist_save_of_common_state_only_validates_and_converts(tmp_path, capsys):
+    """A torch_dist save without sharded tensors stored its empty shard list as an object
+    "shards" (DCP's rule for a list without tensors): ``validate --checksums``, ``convert`` and
+    ``reshard`` then refused the checkpoint that loads fine. It stores no such object."""
+    from dcpbridge.tools import cli
+
+    state = {"w": L.full("w"), "b": torch.ones(7), "step": 3, "cfg": {"lr": 0.1}}
+    src, dst = str(tmp_path / "td"), str(tmp_path / "out")
+    db.save(state, src, format="torch_dist")
+    assert set(open_source(src).objects) == {"__common__"}
+    assert cli.main(["validate", "--checksums", src]) == 0
+    assert f"OK: {src} (torch_dist" in capsys.readouterr().out
+    assert cli.main(["convert", src, dst, "--to", "dcpbridge"]) == 0
+    for path in (src, dst):
+        out = db.load({"w": torch.zeros(12, 8), "b": torch.zeros(7)}, path)
+        assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+        assert out["step"] == 3 and out["cfg"] == {"lr": 0.1}
+
+
+@pytest.mark.parametrize("to", ["reshard", "dcpbridge", "safetensors", "torch"])
+def test_a_failed_reshard_or_export_removes_the_folders_it_created(tmp_path, capsys, to):
+    """A failed reshard/convert into ``a/b/c`` removed ``c`` at most and left ``a/b``
+    behind: every folder it created goes, an existing one stays."""
+    from dcpbridge.tools import cli
+
+    src = str(tmp_path / "src")
+    db.save({"w": L.full("w"), "step": 1}, src)
+    data = next(n for n in os.listdir(src) if n.endswith(".bin") and n.startswith("__0_0"))
+    with open(os.path.join(src, data), "r+b") as f:  # a flipped byte: the read fails
+        f.seek(3)
+        byte = f.read(1)
+        f.seek(3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    layout = tmp_path / "layout.yaml"
+    layout.write_text('world_size: 1\nrules:\n  - {match: "*", replicate: true}\n')
+    (tmp_path / "kept").mkdir()
+    dst = str(tmp_path / "kept" / "a" / "b" / ("m.pt" if to == "torch" else "c"))
+    args = ["reshard", src, dst, "--layout", str(layout)] if to == "reshard" else []
+    args = args or ["convert", src, dst, "--to", to]
+    assert cli.main(args) == 1
+    assert "checksum mismatch" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "kept") == []
