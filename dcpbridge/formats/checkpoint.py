@@ -209,18 +209,35 @@ class Checkpoint:
             return read_object_bytes(self.location, metadata, key)
         if self.format == Format.TORCH_DIST and key == COMMON_KEY:
             return self.common_bytes()
+        blob = self._stored_blob(metadata, key)
+        if self.format != Format.TORCH_DIST:
+            return blob
+        buf = io.BytesIO()
+        torch.save(unwrap_megatron_object(key, self._stored_value(blob, key)), buf)
+        return buf.getvalue()
+
+    def is_legacy_shard_list(self, metadata: Metadata, key: str) -> bool:
+        """Whether torch_dist object ``key`` is the empty ``shards`` list that older dcpbridge
+        saves without sharded state stored (DCP keeps a list without tensors as an object):
+        no object of the checkpoint, which offline tools skip."""
+        if self.format != Format.TORCH_DIST or key != LEGACY_SHARD_LIST:
+            return False
+        return self._stored_value(self._stored_blob(metadata, key), key) == []
+
+    def _stored_blob(self, metadata: Metadata, key: str) -> bytes:
+        """Object ``key``'s stored bytes (DCP's transforms undone)."""
         info = stored_place(self.location, metadata, MetadataIndex(key))
         path = self.location.path(str(info.relative_path))
         buf = memoryview(bytearray(int(info.length)))
         self.files.fetch([RangeRead(path, int(info.offset), buf)], threads=1)
         what = f"{self.location.url}: {key!r} in {info.relative_path}"
-        blob = bytes(undo_transforms(info, buf, what, limit=lambda: None))
-        if self.format != Format.TORCH_DIST:
-            return blob
-        value = load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")
-        buf = io.BytesIO()
-        torch.save(unwrap_megatron_object(key, value), buf)
-        return buf.getvalue()
+        return bytes(undo_transforms(info, buf, what, limit=lambda: None))
+
+    def _stored_value(self, blob: bytes, key: str) -> Any:
+        return load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")
+
+
+LEGACY_SHARD_LIST = "shards"  # see ``Checkpoint.is_legacy_shard_list``
 
 
 def unwrap_megatron_object(key: str, value: Any) -> Any:

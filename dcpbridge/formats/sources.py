@@ -263,6 +263,8 @@ def _open_dcp(checkpoint: Checkpoint) -> Source:
     objects = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
+            if checkpoint.is_legacy_shard_list(metadata, fqn):
+                continue
             file, offset, length, rank = place(MetadataIndex(fqn))
             objects[fqn] = ObjectInfo(fqn, length, rank, file, offset)
     files = sorted({str(i.relative_path) for i in storage.values()})

@@ -310,6 +310,34 @@ def test_a_torch_dist_save_of_common_state_only_validates_and_converts(tmp_path,
         assert out["step"] == 3 and out["cfg"] == {"lr": 0.1}
 
 
+def test_an_older_torch_dist_save_of_common_state_only_validates_and_converts(
+    tmp_path, capsys, monkeypatch
+):
+    """Such saves by dcpbridge before 1925df2 hold an empty list as object "shards" (written
+    here as they did): the offline tools skip it, as a load does (they refused it)."""
+    import dcpbridge.engine.save as save_engine
+    from dcpbridge.tools import cli
+
+    made = save_engine._planner_and_writer
+
+    def as_before(*args, **kwargs):
+        state, planner, writer = made(*args, **kwargs)
+        return state or {"shards": []}, planner, writer
+
+    monkeypatch.setattr(save_engine, "_planner_and_writer", as_before)
+    state = {"w": L.full("w"), "step": 3}
+    src, dst = str(tmp_path / "td"), str(tmp_path / "out")
+    db.save(state, src, format="torch_dist")
+    monkeypatch.undo()
+    assert "shards" in dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    assert set(open_source(src).objects) == {"__common__"}
+    assert cli.main(["validate", "--checksums", src]) == 0
+    assert cli.main(["convert", src, dst, "--to", "dcpbridge"]) == 0
+    for path in (src, dst):
+        out = db.load({"w": torch.zeros(12, 8)}, path)
+        assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+
+
 @pytest.mark.parametrize("to", ["reshard", "dcpbridge", "safetensors", "torch"])
 def test_a_failed_reshard_or_export_removes_the_folders_it_created(tmp_path, capsys, to):
     """A failed reshard/convert into ``a/b/c`` removed ``c`` at most and left ``a/b``
