@@ -59,15 +59,30 @@ class RNGState:
                 if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
                     raise TypeError(f"{what} state must be a uint8 tensor")
             python = state_dict["python"]
-            saved = random.getstate()
-            random.setstate(python)
+            saved = _current()  # all or nothing: a state that fails puts every one back
             try:
+                random.setstate(python)
                 np.random.set_state(np_state)
                 torch.set_rng_state(state_dict["torch"])
                 if cuda:
                     torch.cuda.set_rng_state_all(cuda)
             except BaseException:
-                random.setstate(saved)
+                _restore(saved)
                 raise
         except (TypeError, ValueError, RuntimeError) as e:
             raise DataStateError(f"RNG state cannot be restored: {e}") from e
+
+
+def _current() -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:
+    """This process's generators' states (Python, NumPy, torch, every CUDA device's)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _restore(saved: tuple[Any, Any, torch.Tensor, list[torch.Tensor]]) -> None:
+    python, numpy, cpu, cuda = saved
+    random.setstate(python)
+    np.random.set_state(numpy)
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)

@@ -193,6 +193,31 @@ def test_rng_state_refuses_garbage():
         db.RNGState().load_state_dict({"python": 1})
 
 
+def test_an_rng_state_that_fails_midway_changes_no_generator():
+    """A stored torch state torch refuses (after Python's and NumPy's were set) puts every
+    generator back: NumPy's stayed changed."""
+    stored = db.RNGState().state_dict()
+    stored["torch"] = torch.zeros(7, dtype=torch.uint8)  # the right type, not a state
+    random.seed(5)
+    np.random.seed(6)
+    torch.manual_seed(7)
+    before = db.RNGState().state_dict()
+    random.seed(8)  # what the stored state holds differs from ``before``
+    np.random.seed(8)
+    stored["python"], stored["numpy"] = random.getstate(), db.RNGState().state_dict()["numpy"]
+    random.setstate(before["python"])
+    np.random.set_state((before["numpy"][0], before["numpy"][1].numpy(), *before["numpy"][2:]))
+    with pytest.raises(db.DataStateError, match="RNG state cannot be restored"):
+        db.RNGState().load_state_dict(stored)
+    after = db.RNGState().state_dict()
+    assert after["python"] == before["python"]
+    assert (
+        torch.equal(after["numpy"][1], before["numpy"][1])
+        and after["numpy"][2:] == before["numpy"][2:]
+    )
+    assert torch.equal(after["torch"], before["torch"])
+
+
 def test_per_rank_decisions_from_stored_keys():
     state = db.PerRankState("loader", None, 0, 2)
     cells = ["loader/shard_0_2", "loader/shard_1_2", "loader.samples/shard_0_2"]
