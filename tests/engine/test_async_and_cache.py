@@ -62,6 +62,25 @@ def test_async_save_single_process(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_free_staging_buffer_is_taken_by_identity_not_by_its_bytes(tmp_path):
+    """Two saves in flight leave two free buffer sets of different sizes; a third, smaller
+    save takes the smaller one, which is not first in the free list: taking it out must not
+    compare the sets' tensors (that raised RuntimeError, failing the save as StagingError)."""
+    sizes = {"a": 2 << 20, "b": 1 << 19, "c": 1 << 18}  # float32 elements
+    states = {
+        n: {"w": torch.arange(k, dtype=torch.float32) + i} for i, (n, k) in enumerate(sizes.items())
+    }
+    first = db.async_save(states["a"], str(tmp_path / "a"), max_in_flight=2)
+    second = db.async_save(states["b"], str(tmp_path / "b"), max_in_flight=2)
+    first.result(timeout=60)  # released in order: the big set first, then the smaller one
+    second.result(timeout=60)
+    db.async_save(states["c"], str(tmp_path / "c"), max_in_flight=2).result(timeout=60)
+    for name, state in states.items():
+        out = db.load({"w": torch.zeros_like(state["w"])}, str(tmp_path / name))
+        assert torch.equal(out["w"], state["w"]), name
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("background", [False, True])
 def test_a_staging_buffer_that_cannot_be_allocated_does_not_hang_later_saves(tmp_path, background):
     """A failed allocation of staging memory fails that save only; the next save stages."""
