@@ -47,7 +47,7 @@ from dcpbridge.planners.columns import (
     gather_columns,
     plan_columns,
 )
-from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites
+from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites, is_main_replica
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
 from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
 from dcpbridge.planners.protocol import (
@@ -169,10 +169,16 @@ def plan_local_writes(
                 if writes and math.prod(sizes) > 0:
                     check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
-                    if item.index in out.sources:
-                        raise ShardingValidationError(
-                            f"{key!r}: this rank saves the chunk at {list(item.index.offset)} twice"
-                        )
+                    kept = out.sources.get(item.index)
+                    if kept is not None:
+                        if not _one_copy_of(kept, sh, sizes):
+                            raise ShardingValidationError(
+                                f"{key!r}: this rank saves the chunk at "
+                                f"{list(item.index.offset)} twice"
+                            )
+                        if is_main_replica(sh.replica_id):  # the main replica's data
+                            out.sources[item.index] = sh
+                        continue
                     out.items.append(item)
                     out.sources[item.index] = sh
         elif kind == "object_shard":
@@ -194,6 +200,15 @@ def plan_local_writes(
             out.items.append(item)
             out.sources[item.index] = serialize_object(leaf.value, f"object {key!r}")
     return out
+
+
+def _one_copy_of(kept: TensorShard, again: TensorShard, sizes: Shape) -> bool:
+    """Whether ``again``, a chunk this rank already writes as ``kept``, is another copy of it
+    that only one of them writes: at most one is the main replica (the other a replica a
+    fully-parallel group assigned this rank), of the same box. Two main replicas of one chunk
+    are two values under one key."""
+    mains = is_main_replica(kept.replica_id) + is_main_replica(again.replica_id)
+    return mains < 2 and chunk_sizes(kept) == sizes
 
 
 def check_data(sh: TensorShard) -> None:

@@ -140,11 +140,14 @@ def agree_to_reuse(
     even when background saves fill the caches of different ranks at different times. A rank
     whose ``structure()`` or ``report()`` raises makes every rank raise here. The vote
     replaces the plan exchange, its validation and the ownership exchange, whose results the
-    entry holds.
+    entry holds. The entry reused is the one this rank voted on: a background save that lands
+    after the vote replaces ``cache.entry`` with its own structure's.
     """
+    voted: list[CacheEntry | None] = [None]
 
     def vote() -> tuple[bool, str, Any]:
         mine, entry = structure(), cache.entry
+        voted[0] = entry
         extra = report() if report is not None else None
         return entry is not None and mine == entry.structure, new_save_id(), extra
 
@@ -152,5 +155,6 @@ def agree_to_reuse(
     reports = [extra for _, _, extra in votes]
     if not all(same for same, _, _ in votes):
         return None, reports
-    assert cache.entry is not None
-    return Reuse(votes[0][1], cache.entry), reports
+    entry = voted[0]
+    assert entry is not None
+    return Reuse(votes[0][1], entry), reports

@@ -25,9 +25,11 @@ from dcpbridge.storage.backends.device_copy import host_target
 _ALIGN = 64
 
 
-@dataclass
+@dataclass(eq=False)
 class BufferSet:
-    """One save's staging memory; ``ready`` is set once its CUDA copies have landed."""
+    """One save's staging memory; ``ready`` is set once its CUDA copies have landed. Sets
+    are equal only to themselves (the free list finds one by identity, never by comparing
+    the tensors)."""
 
     flat: torch.Tensor
     events: list[Any] = field(default_factory=list)

@@ -125,8 +125,9 @@ class SaveParts:
 
     def common_layout(self) -> tuple[Any, ...]:
         """The common state's keys, paths and empty dicts, and the DTensors' paths (part of
-        a save's structure)."""
-        return (*self.paths.items(), *self.empty, *self.tensor_paths.items())
+        a save's structure), each its own part: a path moved from one to another (a plain
+        tensor turned DTensor) changes the layout."""
+        return (tuple(self.paths.items()), tuple(self.empty), tuple(self.tensor_paths.items()))
 
     def common_table(self) -> dict[str, Any]:
         """What the metadata records so a load returns the common state whole."""

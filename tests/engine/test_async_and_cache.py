@@ -62,6 +62,25 @@ def test_async_save_single_process(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_free_staging_buffer_is_taken_by_identity_not_by_its_bytes(tmp_path):
+    """Two saves in flight leave two free buffer sets of different sizes; a third, smaller
+    save takes the smaller one, which is not first in the free list: taking it out must not
+    compare the sets' tensors (that raised RuntimeError, failing the save as StagingError)."""
+    sizes = {"a": 2 << 20, "b": 1 << 19, "c": 1 << 18}  # float32 elements
+    states = {
+        n: {"w": torch.arange(k, dtype=torch.float32) + i} for i, (n, k) in enumerate(sizes.items())
+    }
+    first = db.async_save(states["a"], str(tmp_path / "a"), max_in_flight=2)
+    second = db.async_save(states["b"], str(tmp_path / "b"), max_in_flight=2)
+    first.result(timeout=60)  # released in order: the big set first, then the smaller one
+    second.result(timeout=60)
+    db.async_save(states["c"], str(tmp_path / "c"), max_in_flight=2).result(timeout=60)
+    for name, state in states.items():
+        out = db.load({"w": torch.zeros_like(state["w"])}, str(tmp_path / name))
+        assert torch.equal(out["w"], state["w"]), name
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("background", [False, True])
 def test_a_staging_buffer_that_cannot_be_allocated_does_not_hang_later_saves(tmp_path, background):
     """A failed allocation of staging memory fails that save only; the next save stages."""
@@ -210,3 +229,67 @@ def asymmetric_factory(r: Rank, path: str) -> str:
 def test_a_rank_failing_before_any_collective_fails_all(pool, tmp_path):
     a, b = pool.run(asymmetric_factory, 2, str(tmp_path / "x"), timeout=60)
     assert a == b and "rank 1" in a and "factory exploded on rank 1" in a
+
+
+def _typed(rank: int, dtype: torch.dtype, step: int) -> dict:
+    rows = (torch.arange(2) + 2 * rank + 10 * step).to(dtype)
+    if dtype.is_floating_point:
+        rows += 0.5
+    return {"w": db.ShardedTensor.from_box("w", rows, (4,), (2 * rank,)), "step": step}
+
+
+def reuse_vote_then_previous_save_lands(r: Rank, root: str) -> list[str]:
+    """A save votes to reuse the cached plan of structure A while an async save of structure
+    B (same keys and boxes, int32 instead of float32) is in flight; that save lands between
+    the vote and the reuse. The voted entry (A's) must be the one reused."""
+    import threading
+
+    from dcpbridge.engine import protocol
+
+    SAVE_CACHES.clear()
+    db.save(_typed(r.rank, torch.float32, 0), f"{root}/a0", process_group=r.group)
+    gate = threading.Event()
+    other = db.async_save(
+        _typed(r.rank, torch.int32, 1),
+        f"{root}/b1",
+        process_group=r.group,
+        max_in_flight=2,
+        before_write=lambda: gate.wait(30),  # held until the next save has voted
+    )
+    real = protocol.agree
+
+    def agree(group, step, local):  # type: ignore[no-untyped-def]
+        out = real(group, step, local)
+        if step == "plan":  # the vote is taken: the save in flight lands now
+            gate.set()
+            other.result(timeout=60)
+        return out
+
+    protocol.agree = agree
+    try:
+        db.async_save(
+            _typed(r.rank, torch.float32, 2), f"{root}/a2", process_group=r.group, max_in_flight=2
+        ).result(timeout=60)
+    finally:
+        protocol.agree = real
+    seen = []
+    for name, dtype, step in (
+        ("a0", torch.float32, 0),
+        ("b1", torch.int32, 1),
+        ("a2", torch.float32, 2),
+    ):
+        tmpl = {
+            "w": db.ShardedTensor.from_box("w", torch.zeros(2, dtype=dtype), (4,), (2 * r.rank,))
+        }
+        out = db.load(tmpl, f"{root}/{name}", process_group=r.group)
+        assert torch.equal(out["w"], _typed(r.rank, dtype, step)["w"].data), name
+        assert out["step"] == step
+        seen.append(str(out["w"].dtype))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_save_reuses_the_plan_it_voted_for_not_one_that_landed_since(pool, tmp_path):
+    """The plan-cache race: the entry reused is read with the vote, not after it."""
+    seen = pool.run(reuse_vote_then_previous_save_lands, 2, str(tmp_path), timeout=90)
+    assert seen == [["torch.float32", "torch.int32", "torch.float32"]] * 2

@@ -266,3 +266,33 @@ def test_fully_parallel_hands_over_one_element_strided_boxes(pool, tmp_path):
     vec = L.full("vec")
     want = [[vec[7].item()], [_model()["layers.0.proj.weight"][3, 5].item()]]
     assert pool.run(fp_one_element_strided, 2, path, timeout=30, grace=5) == [want, want]
+
+
+def fp_shard_held_twice_on_a_rank(r: Rank, root: str, fully_parallel: bool) -> None:
+    """Each rank holds ``tied`` twice (rank 0: its main replica and a replica, rank 1: two
+    replicas), as a shared embedding and output layer are: one copy of it is written."""
+    tied = torch.arange(6.0) * 3
+    own = torch.arange(4.0) + 10 * r.rank
+    sd = {
+        "emb": db.ShardedTensor.from_box("tied", tied.clone(), (6,), (0,), replica_id=2 * r.rank),
+        "out": db.ShardedTensor.from_box(
+            "tied", tied.clone(), (6,), (0,), replica_id=2 * r.rank + 1
+        ),
+        "own": db.ShardedTensor.from_box("own", own, (2, 4), (r.rank, 0), prepend_axis_num=1),
+    }
+    path = f"{root}/{fully_parallel}"
+    db.save(sd, path, process_group=r.group, fully_parallel=fully_parallel)
+    tmpl = {
+        "tied": db.ShardedTensor.from_box("tied", torch.zeros(6), (6,), (0,)),
+        "own": db.ShardedTensor.from_box("own", torch.zeros(2, 4), (2, 4), (0, 0)),
+    }
+    out = db.load(tmpl, path, process_group=r.group)
+    assert torch.equal(out["tied"], tied)
+    assert torch.equal(out["own"], torch.stack([torch.arange(4.0), torch.arange(4.0) + 10]))
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_a_shard_a_rank_holds_twice_is_written_once(pool, tmp_path, fully_parallel):
+    """Spreading the writes assigns a shard, not one of a rank's copies of it: a rank holding
+    a shard twice writes it once (it raised "saves the chunk twice" with fully_parallel)."""
+    pool.run(fp_shard_held_twice_on_a_rank, 2, str(tmp_path), fully_parallel, timeout=60)

@@ -3,6 +3,8 @@ checked again); new data is what gets written, and bad data is still refused by 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import dcpbridge as db
 from dcpbridge.engine.bridge import BridgeSavePlanner
 from dcpbridge.engine.cache import SAVE_CACHES, save_cache
 from dcpbridge.engine.collectives import Group
+from tests.support.dist_pool import Rank
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -106,3 +109,31 @@ def test_a_planner_given_shards_in_another_order_plans_afresh():
     same.set_up_planner(None, None, True)
     reused = same.create_local_plan().items
     assert all(any(r is i for i in items) for r in reused if r.tensor_data is not None)
+
+
+def plain_then_dtensor_copies(r: Rank, root: str, clear: bool) -> str:
+    """Save a plain tensor ``a``, then, under the same path, a DTensor whose copies (one per
+    rank, each on a mesh of its own) differ; returns the second save's error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (r.size, 1), mesh_dim_names=("dp", "tp"))["tp"]
+    SAVE_CACHES.clear()
+    db.save({"a": torch.arange(4.0)}, f"{root}/one")
+    if clear:
+        SAVE_CACHES.clear()
+    copy = DTensor.from_local(torch.arange(4.0) + 100 * r.rank, mesh, [Shard(0)])
+    with pytest.raises(db.ShardingValidationError) as raised:
+        db.save({"a": copy}, f"{root}/two")
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("clear", [True, False], ids=["fresh", "cached"])
+def test_a_plain_tensor_turned_dtensor_under_its_path_is_planned_afresh(pool, tmp_path, clear):
+    """The structure tells the common state's paths from the DTensors' paths: a plain tensor
+    replaced by differing off-mesh DTensor copies under the same path is refused, as a first
+    save of them is, instead of reusing the plain tensor's plan (rank 0's copy written,
+    the others' silently dropped)."""
+    errors = pool.run(plain_then_dtensor_copies, 4, str(tmp_path), clear, default_group=True)
+    assert all("'a'" in e and "overlap" in e for e in errors), errors
+    assert not os.path.exists(tmp_path / "two" / "dcpbridge.json")
