@@ -346,6 +346,8 @@ def _weight_map(index: Any, path: str) -> dict[str, str]:
     """The index's ``weight_map`` (key -> file), checked: hostile input may only name plain
     files of its own folder (no paths, no other index)."""
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if weight_map is None:
+        raise CorruptCheckpointError(f"{path}: not a shard index (it has no weight_map)")
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str)
         and isinstance(v, str)

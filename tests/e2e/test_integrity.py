@@ -733,7 +733,7 @@ def test_full_state_dict_files_that_cannot_be_read_raise_checkpoint_errors(tmp_p
     assert isinstance(e.value.__cause__, FileNotFoundError)
     index = tmp_path / "model.safetensors.index.json"
     index.write_text('{"metadata": {}}')  # no weight_map
-    with pytest.raises(db.CorruptCheckpointError, match=r"index\.json: not a readable.*KeyError"):
+    with pytest.raises(db.CorruptCheckpointError, match=r"index\.json: not a shard index \(it has"):
         db.load_state_dict(index)
     listed = tmp_path / "list.pt"
     torch.save([torch.zeros(2)], listed)
