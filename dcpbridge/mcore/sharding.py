@@ -323,7 +323,7 @@ def _read_state_file(path: str, allow_pickle: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {}
         folder = os.path.dirname(path)
         for name in dict.fromkeys(weight_map.values()):
-            part = _read_state_file(os.path.join(folder, name), allow_pickle)
+            part = _read_file(os.path.join(folder, name), allow_pickle)  # errors name it
             lacking = [k for k, n in weight_map.items() if n == name and k not in part]
             if lacking:
                 raise CorruptCheckpointError(

@@ -744,6 +744,10 @@ def test_full_state_dict_files_that_cannot_be_read_raise_checkpoint_errors(tmp_p
     torch.save({"x": fractions.Fraction(1, 3)}, pickled)
     with pytest.raises(db.PickleRefusedError, match=r"pickled\.pt: holds objects"):
         db.load_state_dict(pickled)
+    shards = tmp_path / "shards.index.json"  # a failing shard file is the one named
+    shards.write_text('{"weight_map": {"x": "pickled.pt"}}')
+    with pytest.raises(db.PickleRefusedError, match=r"pickled\.pt: holds objects"):
+        db.load_state_dict(shards)
     truncated = tmp_path / "truncated.pt"
     torch.save({"x": torch.zeros(100)}, truncated)
     truncated.write_bytes(truncated.read_bytes()[:200])
