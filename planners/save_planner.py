@@ -166,7 +166,10 @@ def plan_local_writes(
                 declare(key, shape, sh.dtype)
                 sizes = chunk_sizes(sh)
                 writes = owners.writes_common() if kind == "tensor" else owners.writes(sh)
-                if writes and math.prod(sizes) > 0:
+                # an empty plain tensor is still one (empty) chunk, as in DCP's own plans:
+                # a storage writer that writes only its items (HF's) must not drop the key
+                empty = kind == "tensor" and not math.prod(shape)
+                if writes and (math.prod(sizes) > 0 or empty):
                     check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
                     if item.index in out.sources:

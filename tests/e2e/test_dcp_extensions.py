@@ -20,7 +20,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import zstandard
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import (
+    FileSystemReader,
+    HuggingFaceStorageReader,
+    HuggingFaceStorageWriter,
+)
 from torch.distributed.checkpoint._extension import (
     ExtensionRegistry,
     StreamTransformExtension,
@@ -584,6 +588,29 @@ def test_hf_writer_single_rank_with_index(tmp_path):
     db.reshard(db.open_source(path), dst, db.parse_layout({"world_size": 1}))
     out = db.load({"model": {k: torch.zeros_like(full(k)) for k in SHAPES}}, dst)
     assert all(torch.equal(out["model"][k], full(k)) for k in SHAPES)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_hf_writer_with_dcpbridge_planner_keeps_empty_tensors(tmp_path, distributed):
+    """DCP's HF writer writes only the planned items: a 0-element tensor planned by
+    dcpbridge's planner must reach the safetensors file, key for key as DCP's planner does."""
+    state = {"w": full("w"), "e": torch.zeros(0, 3), "z": torch.tensor(2.5)}
+    path = str(tmp_path / "hf")
+    writer = HuggingFaceStorageWriter(path, save_distributed=distributed)
+    dcp.save({"model": state}, storage_writer=writer, planner=db.ShardedSavePlanner(), no_dist=True)
+    stored = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    assert sorted(stored) == ["model.e", "model.w", "model.z"]
+    template = {"model": {k: torch.ones_like(v) for k, v in state.items()}}
+    dcp.load(
+        template,
+        storage_reader=HuggingFaceStorageReader(path),
+        planner=db.ShardedLoadPlanner(),
+        no_dist=True,
+    )
+    out = db.load({"model": {k: torch.ones_like(v) for k, v in state.items()}}, path)
+    for got in (template, out):
+        for k, v in state.items():
+            assert got["model"][k].shape == v.shape and torch.equal(got["model"][k], v), k
 
 
 def _hf_file(folder, name: str, tensors: dict, offsets: object) -> None:
