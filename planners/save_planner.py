@@ -51,6 +51,7 @@ from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
 from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
 from dcpbridge.planners.protocol import (
+    LocalBox,
     ObjectShard,
     TensorShard,
     chunk_sizes,
@@ -168,7 +169,13 @@ def plan_local_writes(
                 writes = owners.writes_common() if kind == "tensor" else owners.writes(sh)
                 # an empty plain tensor is still one (empty) chunk, as in DCP's own plans:
                 # a storage writer that writes only its items (HF's) must not drop the key
-                empty = kind == "tensor" and not math.prod(shape)
+                empty = not math.prod(shape) and kind in ("tensor", "dtensor")
+                if writes and empty and kind == "dtensor":
+                    # one whole empty chunk, from the mesh's first coordinate only
+                    writes = not any(value.device_mesh.get_coordinate())
+                    whole = value.to_local().new_empty(shape)
+                    sh = LocalBox(key, whole, sh.dtype, shape, shape, (0,) * len(shape))
+                    sizes = shape
                 if writes and (math.prod(sizes) > 0 or empty):
                     check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
