@@ -167,7 +167,7 @@ def plan_local_writes(
                 declare(key, shape, sh.dtype)
                 sizes = chunk_sizes(sh)
                 writes = owners.writes_common() if kind == "tensor" else owners.writes(sh)
-                # an empty plain tensor is still one (empty) chunk, as in DCP's own plans:
+                # an empty plain tensor or DTensor is one empty chunk, as in DCP's own plans:
                 # a storage writer that writes only its items (HF's) must not drop the key
                 empty = not math.prod(shape) and kind in ("tensor", "dtensor")
                 if writes and empty and kind == "dtensor":
