@@ -51,6 +51,7 @@ from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites, is_mai
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
 from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
 from dcpbridge.planners.protocol import (
+    LocalBox,
     ObjectShard,
     TensorShard,
     chunk_sizes,
@@ -166,7 +167,16 @@ def plan_local_writes(
                 declare(key, shape, sh.dtype)
                 sizes = chunk_sizes(sh)
                 writes = owners.writes_common() if kind == "tensor" else owners.writes(sh)
-                if writes and math.prod(sizes) > 0:
+                # an empty plain tensor or DTensor is one empty chunk, as in DCP's own plans:
+                # a storage writer that writes only its items (HF's) must not drop the key
+                empty = not math.prod(shape) and kind in ("tensor", "dtensor")
+                if writes and empty and kind == "dtensor":
+                    # one whole empty chunk, from the mesh's first coordinate only
+                    writes = not any(value.device_mesh.get_coordinate())
+                    whole = value.to_local().new_empty(shape)
+                    sh = LocalBox(key, whole, sh.dtype, shape, shape, (0,) * len(shape))
+                    sizes = shape
+                if writes and (math.prod(sizes) > 0 or empty):
                     check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
                     kept = out.sources.get(item.index)

@@ -418,6 +418,8 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         except BaseException:
             if late is not None:
                 late.close()
+            # plain ``dcp.save`` has no abort step: a failed write removes its own files here
+            self.abort()
             raise
         if late is not None:
             self._late = late.start()

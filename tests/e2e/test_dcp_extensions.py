@@ -20,7 +20,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import zstandard
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import (
+    FileSystemReader,
+    HuggingFaceStorageReader,
+    HuggingFaceStorageWriter,
+)
 from torch.distributed.checkpoint._extension import (
     ExtensionRegistry,
     StreamTransformExtension,
@@ -584,6 +588,72 @@ def test_hf_writer_single_rank_with_index(tmp_path):
     db.reshard(db.open_source(path), dst, db.parse_layout({"world_size": 1}))
     out = db.load({"model": {k: torch.zeros_like(full(k)) for k in SHAPES}}, dst)
     assert all(torch.equal(out["model"][k], full(k)) for k in SHAPES)
+
+
+EMPTY_DTENSORS = {
+    "rows": ((0, 3), Shard(0)),
+    "cols": ((4, 0), Shard(0)),
+    "rep": ((0,), Replicate()),
+}
+
+
+def empty_dtensors(r: Rank, fill: float) -> dict:
+    """0-element DTensors next to a sharded one: every rank's local shard of them is empty."""
+    mesh = mesh_of(r)
+    state = {
+        k: distribute_tensor(torch.zeros(s), mesh, [p]) for k, (s, p) in EMPTY_DTENSORS.items()
+    }
+    state["w"] = distribute_tensor(full("w") + fill, mesh, [Shard(0)])
+    return {"model": state}
+
+
+def hf_empty_dtensors(r: Rank, path: str) -> list[str]:
+    """Saved through DCP's HF writer with dcpbridge's planner, loaded back with it."""
+    writer = HuggingFaceStorageWriter(path, save_distributed=True)
+    planner = db.ShardedSavePlanner()
+    dcp.save(empty_dtensors(r, 0), storage_writer=writer, planner=planner, process_group=r.group)
+    template = empty_dtensors(r, 1)
+    reader = HuggingFaceStorageReader(path)
+    dcp.load(
+        template, storage_reader=reader, planner=db.ShardedLoadPlanner(), process_group=r.group
+    )
+    out = db.load(empty_dtensors(r, 2), path, process_group=r.group)
+    for got in (template, out):
+        assert torch.equal(got["model"]["w"].full_tensor(), full("w"))
+        for k, (shape, _) in EMPTY_DTENSORS.items():
+            assert got["model"][k].shape == shape, k
+    return sorted(HuggingFaceStorageReader(path).read_metadata().state_dict_metadata)
+
+
+def test_hf_writer_with_dcpbridge_planner_keeps_empty_dtensors(pool, tmp_path):
+    """A 0-element DTensor planned by dcpbridge's planner is one whole empty chunk written by
+    the mesh's first rank: in the HF output once, with its global shape, as DCP's planner does."""
+    path = str(tmp_path / "hf")
+    keys = ["model.cols", "model.rep", "model.rows", "model.w"]
+    assert pool.run(hf_empty_dtensors, 2, path, timeout=120) == [keys] * 2
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_hf_writer_with_dcpbridge_planner_keeps_empty_tensors(tmp_path, distributed):
+    """DCP's HF writer writes only the planned items: a 0-element tensor planned by
+    dcpbridge's planner must reach the safetensors file, key for key as DCP's planner does."""
+    state = {"w": full("w"), "e": torch.zeros(0, 3), "z": torch.tensor(2.5)}
+    path = str(tmp_path / "hf")
+    writer = HuggingFaceStorageWriter(path, save_distributed=distributed)
+    dcp.save({"model": state}, storage_writer=writer, planner=db.ShardedSavePlanner(), no_dist=True)
+    stored = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    assert sorted(stored) == ["model.e", "model.w", "model.z"]
+    template = {"model": {k: torch.ones_like(v) for k, v in state.items()}}
+    dcp.load(
+        template,
+        storage_reader=HuggingFaceStorageReader(path),
+        planner=db.ShardedLoadPlanner(),
+        no_dist=True,
+    )
+    out = db.load({"model": {k: torch.ones_like(v) for k, v in state.items()}}, path)
+    for got in (template, out):
+        for k, v in state.items():
+            assert got["model"][k].shape == v.shape and torch.equal(got["model"][k], v), k
 
 
 def _hf_file(folder, name: str, tensors: dict, offsets: object) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -258,3 +259,23 @@ def test_a_fully_parallel_load_fills_every_rank_s_plain_tensors_from_an_older_bl
     )
     want = [[0.0, 1.0, 2.0, 3.0], [0, 1], list(range(64)), 3]
     assert pool.run(_fully_parallel_from_older_blob, 2, str(tmp_path)) == [want] * 2
+
+
+class _Unpicklable:
+    """A value whose serialization fails while DCP's own planner writes it."""
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError("refuses to pickle")
+
+
+def test_plain_dcp_save_failing_in_write_data_leaves_no_data_files(tmp_path):
+    """DCP's planner serializes objects inside write_data; plain dcp.save calls no abort, so the
+    writer must remove the data files it opened, leaving the previous checkpoint as it was."""
+    path = str(tmp_path)
+    dcp.save({"w": torch.ones(3)}, storage_writer=db.FsspecCheckpointWriter(path), no_dist=True)
+    before = sorted(os.listdir(path))
+    state = {"w": torch.zeros(3), "big": torch.zeros(1 << 18), "bad": _Unpicklable()}
+    with pytest.raises(CheckpointException, match="refuses to pickle"):
+        dcp.save(state, storage_writer=db.FsspecCheckpointWriter(path), no_dist=True)
+    assert sorted(os.listdir(path)) == before
+    assert torch.equal(db.load({"w": torch.zeros(3)}, path)["w"], torch.ones(3))

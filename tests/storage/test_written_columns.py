@@ -193,17 +193,25 @@ def test_dcp_save_with_our_planner_and_writer_round_trips(tmp_path):
     assert out["opt"] == sd["opt"]
 
 
+def _empty_shards(fill: float) -> dict:
+    """Megatron-style ShardedTensors with no elements: a save of them plans no item."""
+    e, f = torch.full((0, 3), fill), torch.full((5, 0), fill, dtype=torch.bfloat16)
+    return {k: db.ShardedTensor.from_rank_offsets(k, v) for k, v in {"e": e, "f": f}.items()}
+
+
 def test_a_packed_document_without_item_bytes_loads(tmp_path):
     """A save whose tensors are all empty, its items listed as packed columns (as a local
     step's always are): the empty checksums column was packed in the narrowest width, 1 byte,
     which the load refused (``CorruptCheckpointError: items checksums: unknown column type
-    '<u1'``), so dcpbridge wrote a checkpoint it could not read. Checksums pack as 8 bytes."""
+    '<u1'``), so dcpbridge wrote a checkpoint it could not read. Checksums pack as 8 bytes.
+    (Empty plain tensors and DTensors are planned as one empty chunk, as DCP's planner does;
+    Megatron-style ShardedTensors with no elements still plan no item.)"""
     path = str(tmp_path / "ck")
     writer = FsspecCheckpointWriter(path)
     writer.columns = True
-    state = {"e": torch.zeros(0, 3), "f": torch.zeros(5, 0, dtype=torch.bfloat16)}
+    state = _empty_shards(0)
     dcp.save(state, storage_writer=writer, planner=ShardedSavePlanner(), no_dist=True)
-    out = db.load({"e": torch.ones(0, 3), "f": torch.ones(5, 0, dtype=torch.bfloat16)}, path)
+    out = db.load(_empty_shards(1), path)
     assert out["e"].shape == (0, 3) and out["f"].shape == (5, 0)
     assert fmt.unpack_column(_document(path)["items"]["checksums"], "c", checksums=True).size == 0
 
@@ -236,9 +244,9 @@ def test_an_older_empty_one_byte_checksums_column_loads(tmp_path):
     bytes wide carry an empty '<u1' one: it holds no checksum, and none is needed, so the
     load reads them (it raised ``CorruptCheckpointError: unknown column type '<u1'``)."""
     path = str(tmp_path / "ck")
-    _packed_save(path, {"e": torch.zeros(0, 3), "f": torch.zeros(5, 0, dtype=torch.bfloat16)})
+    _packed_save(path, _empty_shards(0))
     _rewrite_checksums(path, _EMPTY_U1)
-    out = db.load({"e": torch.ones(0, 3), "f": torch.ones(5, 0, dtype=torch.bfloat16)}, path)
+    out = db.load(_empty_shards(1), path)
     assert out["e"].shape == (0, 3) and out["f"].shape == (5, 0)
 
 
