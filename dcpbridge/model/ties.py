@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dcpbridge.errors import TiedTensorsError
+from dcpbridge.errors import InvalidRequestError, TiedTensorsError
 from dcpbridge.model.mapping import ShardedTensor
 
 
@@ -74,6 +74,81 @@ def untie(shards: list[Any]) -> tuple[list[Any], Ties]:
         out[i] = scratch
         ties.pairs.append((first, scratch))
     return (shards if out is None else out), ties
+
+
+def check_overlaps(shards: list[Any]) -> None:
+    """Raise ``InvalidRequestError`` naming both keys where two tensor shards (other than
+    one box asked twice) share memory in any other way than a whole tie (a slice of another
+    key's tensor, the same memory in another dtype or shape): each would be read into the
+    shared bytes, one silently taking the other's values. Views that interleave without
+    sharing an element (a fused tensor's parts) are told apart element by element."""
+    by_storage: dict[tuple[torch.device, int], list[tuple[int, int, ShardedTensor]]] = {}
+    for shard in shards:
+        if not isinstance(shard, ShardedTensor) or shard.data is None:
+            continue
+        data = shard.data
+        if data.numel() == 0 or data.is_meta:
+            continue
+        try:
+            storage = data.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a subclass without storage of its own
+            continue
+        lo, hi = _byte_span(data)
+        key = (data.device, storage)
+        by_storage.setdefault(key, []).append((lo, hi, shard))
+    for spans in by_storage.values():
+        if len(spans) < 2:
+            continue
+        spans.sort(key=lambda x: x[0])
+        cluster: list[tuple[int, int, ShardedTensor]] = []
+        end = -1
+        for span in spans:
+            if cluster and span[0] >= end:
+                _check_cluster(cluster)
+                cluster = []
+            cluster.append(span)
+            end = max(end, span[1])
+        _check_cluster(cluster)
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of ``t``'s storage its elements lie in, as [start, end)."""
+    k = t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * k
+    return start, start + (last + 1) * k
+
+
+def _check_cluster(cluster: list[tuple[int, int, ShardedTensor]]) -> None:
+    """``check_overlaps`` for shards whose byte spans chain into one run: each shard's bytes
+    are marked with its position in a map of the run, to see whether it meets another's."""
+    if len(cluster) < 2:
+        return
+    base = cluster[0][0]
+    marks = torch.zeros(max(hi for _, hi, _ in cluster) - base, dtype=torch.int32)
+    for i, (lo, _, shard) in enumerate(cluster, start=1):
+        data = shard.data
+        assert data is not None
+        k = data.element_size()
+        view = marks.as_strided(
+            (*data.shape, k),
+            (*(s * k for s in data.stride()), 1),
+            lo - base + marks.storage_offset(),
+        )
+        met = view[view != 0]
+        if met.numel():
+            other = cluster[int(met[0]) - 1][2]
+            same_box = other.key == shard.key and tuple(other.global_offset) == tuple(
+                shard.global_offset
+            )
+            if not (same_box and other.data.dtype == data.dtype):  # type: ignore[union-attr]
+                raise InvalidRequestError(
+                    f"{other.key!r} and {shard.key!r} share part of one tensor's memory in the "
+                    "load template (a slice, or the same memory in another dtype or shape): "
+                    "each would be read into the shared bytes, one silently taking the other's "
+                    "values; give each its own tensor (clone()), or tie whole tensors only"
+                )
+        view.fill_(i)
 
 
 def _tied(a: ShardedTensor, b: ShardedTensor) -> bool:
