@@ -194,7 +194,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         super().__init__(**kwargs)
         self.parts = parts
         self.shards, self.ties = untie(shards)  # tied keys' shards read into scratch
-        check_overlaps(self.shards)  # other memory shared by two requests: refused
+        check_overlaps(parts.shards)  # other memory shared by two requests: refused
         self.legacy_common = legacy_common  # the common state is one blob (torch_dist)
         # that blob, where it was read before planning (torch_dist's common.pt): a value it
         # holds is the one loaded, as Megatron-Core loads it, even where a shard has its key

@@ -111,6 +111,20 @@ def check_overlaps(shards: list[Any]) -> None:
         _check_cluster(cluster)
 
 
+def _alike(a: ShardedTensor, b: ShardedTensor) -> bool:
+    """Whether shards meeting in memory are one box asked twice or a whole tie (``untie``)."""
+    x, y = a.data, b.data
+    assert x is not None and y is not None
+    same_view = (x.data_ptr(), x.dtype, x.shape, x.stride()) == (
+        y.data_ptr(),
+        y.dtype,
+        y.shape,
+        y.stride(),
+    )
+    same_box = a.key == b.key and tuple(a.global_offset) == tuple(b.global_offset)
+    return same_view and (same_box or a.key != b.key)
+
+
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes of ``t``'s storage its elements lie in, as [start, end)."""
     k = t.element_size()
@@ -135,13 +149,9 @@ def _check_cluster(cluster: list[tuple[int, int, ShardedTensor]]) -> None:
             (*(s * k for s in data.stride()), 1),
             lo - base + marks.storage_offset(),
         )
-        met = view[view != 0]
-        if met.numel():
-            other = cluster[int(met[0]) - 1][2]
-            same_box = other.key == shard.key and tuple(other.global_offset) == tuple(
-                shard.global_offset
-            )
-            if not (same_box and other.data.dtype == data.dtype):  # type: ignore[union-attr]
+        for j in view[view != 0].unique().tolist():
+            other = cluster[j - 1][2]
+            if not _alike(other, shard):
                 raise InvalidRequestError(
                     f"{other.key!r} and {shard.key!r} share part of one tensor's memory in the "
                     "load template (a slice, or the same memory in another dtype or shape): "

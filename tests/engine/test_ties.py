@@ -196,3 +196,28 @@ def test_shared_memory_on_one_rank_raises_on_every_rank(pool, tmp_path):
     got = pool.run(run_overlap_on_one_rank, 2, str(tmp_path), timeout=60)
     assert got[0] == got[1]
     assert got[0].startswith("InvalidRequestError: rank 0: 'a' and 'b' share part of one tensor")
+
+
+def run_overlap_received(r: Rank, path: str) -> list[float] | str:
+    """Both ranks ask "a" (4 elements) and "b" as a slice of it, fully parallel: one rank
+    receives "a" and reads "b", so the planner alone never sees the two meet."""
+    t = torch.zeros(4)
+    template = {"a": t, "b": db.ShardedTensor.from_box("b", t[:2], (2,), (0,), replica_id=r.rank)}
+    template["a"] = db.ShardedTensor.from_box("a", t, (4,), (0,), replica_id=r.rank)
+    try:
+        db.load(template, path, process_group=r.group, fully_parallel=True)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return t.tolist()
+
+
+def test_shared_memory_across_a_fully_parallel_hand_off_is_refused(pool, tmp_path):
+    db.save(
+        {
+            "a": db.ShardedTensor.from_box("a", torch.full((4,), 1.0), (4,), (0,)),
+            "b": db.ShardedTensor.from_box("b", torch.full((2,), 2.0), (2,), (0,)),
+        },
+        str(tmp_path),
+    )
+    got = pool.run(run_overlap_received, 2, str(tmp_path), timeout=60)
+    assert all("'a' and 'b' share part of one tensor's memory" in g for g in got), got
