@@ -82,25 +82,23 @@ def check_overlaps(shards: list[Any]) -> None:
     key's tensor, the same memory in another dtype or shape): each would be read into the
     shared bytes, one silently taking the other's values. Views that interleave without
     sharing an element (a fused tensor's parts) are told apart element by element."""
-    by_storage: dict[tuple[torch.device, int], list[tuple[int, int, ShardedTensor]]] = {}
+    by_storage: dict[tuple[torch.device, int], list[ShardedTensor]] = {}
     for shard in shards:
-        if not isinstance(shard, ShardedTensor) or shard.data is None:
+        if type(shard) is not ShardedTensor and not isinstance(shard, ShardedTensor):
             continue
         data = shard.data
-        if data.numel() == 0 or data.is_meta:
+        if data is None or data.is_meta or data.numel() == 0:
             continue
-        try:
-            storage = data.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # a subclass without storage of its own
+        try:  # the storage's address (a subclass without storage of its own: skipped)
+            base = data.data_ptr() - data.storage_offset() * data.element_size()
+        except (RuntimeError, NotImplementedError):
             continue
-        lo, hi = _byte_span(data)
-        key = (data.device, storage)
-        by_storage.setdefault(key, []).append((lo, hi, shard))
-    for spans in by_storage.values():
-        if len(spans) < 2:
+        by_storage.setdefault((data.device, base), []).append(shard)
+    for group in by_storage.values():
+        if len(group) < 2:
             continue
-        spans.sort(key=lambda x: x[0])
-        cluster: list[tuple[int, int, ShardedTensor]] = []
+        spans = sorted((*_byte_span(sh.data), i, sh) for i, sh in enumerate(group))  # type: ignore[arg-type]
+        cluster: list[tuple[int, int, int, ShardedTensor]] = []
         end = -1
         for span in spans:
             if cluster and span[0] >= end:
@@ -128,19 +126,21 @@ def _alike(a: ShardedTensor, b: ShardedTensor) -> bool:
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes of ``t``'s storage its elements lie in, as [start, end)."""
     k = t.element_size()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     start = t.storage_offset() * k
+    if t.is_contiguous():
+        return start, start + t.numel() * k
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * k
 
 
-def _check_cluster(cluster: list[tuple[int, int, ShardedTensor]]) -> None:
+def _check_cluster(cluster: list[tuple[int, int, int, ShardedTensor]]) -> None:
     """``check_overlaps`` for shards whose byte spans chain into one run: each shard's bytes
     are marked with its position in a map of the run, to see whether it meets another's."""
     if len(cluster) < 2:
         return
     base = cluster[0][0]
-    marks = torch.zeros(max(hi for _, hi, _ in cluster) - base, dtype=torch.int32)
-    for i, (lo, _, shard) in enumerate(cluster, start=1):
+    marks = torch.zeros(max(span[1] for span in cluster) - base, dtype=torch.int32)
+    for i, (lo, _, at, shard) in enumerate(cluster, start=1):
         data = shard.data
         assert data is not None
         k = data.element_size()
@@ -150,10 +150,11 @@ def _check_cluster(cluster: list[tuple[int, int, ShardedTensor]]) -> None:
             lo - base + marks.storage_offset(),
         )
         for j in view[view != 0].unique().tolist():
-            other = cluster[j - 1][2]
+            _, _, other_at, other = cluster[j - 1]
             if not _alike(other, shard):
+                first, second = (other, shard) if other_at < at else (shard, other)
                 raise InvalidRequestError(
-                    f"{other.key!r} and {shard.key!r} share part of one tensor's memory in the "
+                    f"{first.key!r} and {second.key!r} share part of one tensor's memory in the "
                     "load template (a slice, or the same memory in another dtype or shape): "
                     "each would be read into the shared bytes, one silently taking the other's "
                     "values; give each its own tensor (clone()), or tie whole tensors only"
