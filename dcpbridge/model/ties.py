@@ -139,15 +139,16 @@ def _check_cluster(cluster: list[tuple[int, int, int, ShardedTensor]]) -> None:
     if len(cluster) < 2:
         return
     base = cluster[0][0]
-    marks = torch.zeros(max(span[1] for span in cluster) - base, dtype=torch.int32)
+    sizes = {span[3].data.element_size() for span in cluster}  # type: ignore[union-attr]
+    unit = sizes.pop() if len(sizes) == 1 else 1  # one mark an element where all are alike
+    kind = torch.int16 if len(cluster) < 2**15 else torch.int32
+    marks = torch.zeros((max(span[1] for span in cluster) - base) // unit, dtype=kind)
     for i, (lo, _, at, shard) in enumerate(cluster, start=1):
         data = shard.data
         assert data is not None
-        k = data.element_size()
+        k = data.element_size() // unit
         view = marks.as_strided(
-            (*data.shape, k),
-            (*(s * k for s in data.stride()), 1),
-            lo - base + marks.storage_offset(),
+            (*data.shape, k), (*(s * k for s in data.stride()), 1), (lo - base) // unit
         )
         for j in view[view != 0].unique().tolist():
             _, _, other_at, other = cluster[j - 1]
