@@ -674,8 +674,8 @@ class ShardedLoadPlanner(LoadPlanner):
         first = _narrow(dest.views[0], read_item.dest_offsets, read_item.lengths)
         if tensor.data_ptr() != first.data_ptr() or tensor.dtype != first.dtype:
             first.copy_(tensor)
-        for view in dest.views[1:]:
-            _narrow(view, read_item.dest_offsets, read_item.lengths).copy_(first)
+        for view in dest.views[1:]:  # from the stored bytes: ``first`` may be a cast of them
+            _narrow(view, read_item.dest_offsets, read_item.lengths).copy_(tensor)
 
 
 def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:

@@ -7,10 +7,12 @@ ownership map tells the planner which rank writes each shard.)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import BoxId, ReadOwners, box_id
@@ -52,6 +54,30 @@ def share_load(rank: int, owners: ReadOwners, shards: list[Any]) -> LoadShare:
             first[box] = s
             share.recvs.append((s, reader, tags[box]))
     return share
+
+
+def exchanged(share: LoadShare, stored: Mapping[str, Any]) -> None:
+    """Keep in ``share``'s exchange only boxes the checkpoint fills as asked: a tensor of the
+    box's dtype and global shape. Any other box (absent, stored as a value or in another
+    dtype or shape) is planned by each rank asking for it, which then reports, raises or
+    returns what is stored as without ``fully_parallel``: its reader would otherwise send
+    its template's untouched values, returned by the others as loaded. Every rank decides
+    from the same metadata and ``box_id`` (key, dtype, global shape), so both ends agree."""
+
+    def filled(s: ShardedTensor) -> bool:
+        md = stored.get(s.key)
+        return (
+            isinstance(md, TensorStorageMetadata)
+            and md.properties.dtype == s.dtype
+            and tuple(md.size) == tuple(s.global_shape)
+        )
+
+    share.sends = [x for x in share.sends if filled(x[0])]
+    own = [s for s, _, _ in share.recvs if not filled(s)]
+    share.recvs = [x for x in share.recvs if filled(x[0])]
+    own += [dup for dup, first in share.copies if not filled(first)]
+    share.copies = [x for x in share.copies if filled(x[1])]
+    share.read.extend(own)
 
 
 def hand_off(group: Group, share: LoadShare) -> None:

@@ -34,7 +34,7 @@ from dcpbridge.planners.protocol import chunk_sizes
 from dcpbridge.storage.write.writer import tensor_digest
 
 ShardId = tuple[str, tuple[int, ...]]
-BoxId = tuple[str, tuple[int, ...], tuple[int, ...], str]
+BoxId = tuple[str, tuple[int, ...], tuple[int, ...], str, tuple[int, ...]]
 
 
 def shard_id(sh: ShardedTensor) -> ShardId:
@@ -43,10 +43,17 @@ def shard_id(sh: ShardedTensor) -> ShardId:
 
 
 def box_id(sh: ShardedTensor) -> BoxId:
-    """A requested box's identity across ranks: key, global offset, size and the template's
+    """A requested box's identity across ranks: key, global offset, size, the template's
     dtype (ranks asking one box in two dtypes each read their own: one rank's bytes are not
-    the other's values)."""
-    return sh.key, tuple(sh.global_offset), chunk_sizes(sh), str(sh.dtype)
+    the other's values) and global shape (which, with the stored one, says whether the box
+    is filled from storage: ``dcpbridge.engine.fully_parallel.exchanged``)."""
+    return (
+        sh.key,
+        tuple(sh.global_offset),
+        chunk_sizes(sh),
+        str(sh.dtype),
+        tuple(sh.global_shape),
+    )
 
 
 def _tensors(shards: list[Any]) -> list[ShardedTensor]:

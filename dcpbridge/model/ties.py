@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dcpbridge.errors import TiedTensorsError
+from dcpbridge.errors import InvalidRequestError, TiedTensorsError
 from dcpbridge.model.mapping import ShardedTensor
 
 
@@ -74,6 +74,93 @@ def untie(shards: list[Any]) -> tuple[list[Any], Ties]:
         out[i] = scratch
         ties.pairs.append((first, scratch))
     return (shards if out is None else out), ties
+
+
+def check_overlaps(shards: list[Any]) -> None:
+    """Raise ``InvalidRequestError`` naming both keys where two tensor shards (other than
+    one box asked twice) share memory in any other way than a whole tie (a slice of another
+    key's tensor, the same memory in another dtype or shape): each would be read into the
+    shared bytes, one silently taking the other's values. Views that interleave without
+    sharing an element (a fused tensor's parts) are told apart element by element."""
+    by_storage: dict[tuple[torch.device, int], list[ShardedTensor]] = {}
+    for shard in shards:
+        if type(shard) is not ShardedTensor and not isinstance(shard, ShardedTensor):
+            continue
+        data = shard.data
+        if data is None or data.is_meta or data.numel() == 0:
+            continue
+        try:  # the storage's address (a subclass without storage of its own: skipped)
+            base = data.data_ptr() - data.storage_offset() * data.element_size()
+        except (RuntimeError, NotImplementedError):
+            continue
+        by_storage.setdefault((data.device, base), []).append(shard)
+    for group in by_storage.values():
+        if len(group) < 2:
+            continue
+        spans = sorted((*_byte_span(sh.data), i, sh) for i, sh in enumerate(group))  # type: ignore[arg-type]
+        cluster: list[tuple[int, int, int, ShardedTensor]] = []
+        end = -1
+        for span in spans:
+            if cluster and span[0] >= end:
+                _check_cluster(cluster)
+                cluster = []
+            cluster.append(span)
+            end = max(end, span[1])
+        _check_cluster(cluster)
+
+
+def _alike(a: ShardedTensor, b: ShardedTensor) -> bool:
+    """Whether shards meeting in memory are one box asked twice or a whole tie (``untie``)."""
+    x, y = a.data, b.data
+    assert x is not None and y is not None
+    same_view = (x.data_ptr(), x.dtype, x.shape, x.stride()) == (
+        y.data_ptr(),
+        y.dtype,
+        y.shape,
+        y.stride(),
+    )
+    same_box = a.key == b.key and tuple(a.global_offset) == tuple(b.global_offset)
+    return same_view and (same_box or a.key != b.key)
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of ``t``'s storage its elements lie in, as [start, end)."""
+    k = t.element_size()
+    start = t.storage_offset() * k
+    if t.is_contiguous():
+        return start, start + t.numel() * k
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * k
+
+
+def _check_cluster(cluster: list[tuple[int, int, int, ShardedTensor]]) -> None:
+    """``check_overlaps`` for shards whose byte spans chain into one run: each shard's bytes
+    are marked with its position in a map of the run, to see whether it meets another's."""
+    if len(cluster) < 2:
+        return
+    base = cluster[0][0]
+    sizes = {span[3].data.element_size() for span in cluster}  # type: ignore[union-attr]
+    unit = sizes.pop() if len(sizes) == 1 else 1  # one mark an element where all are alike
+    kind = torch.int16 if len(cluster) < 2**15 else torch.int32
+    marks = torch.zeros((max(span[1] for span in cluster) - base) // unit, dtype=kind)
+    for i, (lo, _, at, shard) in enumerate(cluster, start=1):
+        data = shard.data
+        assert data is not None
+        k = data.element_size() // unit
+        view = marks.as_strided(
+            (*data.shape, k), (*(s * k for s in data.stride()), 1), (lo - base) // unit
+        )
+        for j in view[view != 0].unique().tolist():
+            _, _, other_at, other = cluster[j - 1]
+            if not _alike(other, shard):
+                first, second = (other, shard) if other_at < at else (shard, other)
+                raise InvalidRequestError(
+                    f"{first.key!r} and {second.key!r} share part of one tensor's memory in the "
+                    "load template (a slice, or the same memory in another dtype or shape): "
+                    "each would be read into the shared bytes, one silently taking the other's "
+                    "values; give each its own tensor (clone()), or tie whole tensors only"
+                )
+        view.fill_(i)
 
 
 def _tied(a: ShardedTensor, b: ShardedTensor) -> bool:

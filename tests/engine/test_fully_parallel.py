@@ -296,3 +296,38 @@ def test_a_shard_a_rank_holds_twice_is_written_once(pool, tmp_path, fully_parall
     """Spreading the writes assigns a shard, not one of a rank's copies of it: a rank holding
     a shard twice writes it once (it raised "saves the chunk twice" with fully_parallel)."""
     pool.run(fp_shard_held_twice_on_a_rank, 2, str(tmp_path), fully_parallel, timeout=60)
+
+
+def _save_vec_and_plain(r: Rank, path: str) -> None:
+    vec = L.full("vec").clone()
+    sd = {"vec": db.ShardedTensor.from_box("vec", vec, (10,), (0,), replica_id=r.rank)}
+    db.save({**sd, "p": torch.arange(4.0)}, path, process_group=r.group)
+
+
+def fp_missing_box(r: Rank, path: str, strict: str) -> Any:
+    """Both ranks ask for 'vec' (stored), 'gone' (not stored) non-strictly, and plain 'p'
+    in another shape than stored (the checkpoint's value is returned)."""
+    sd = {
+        "vec": db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,)),
+        "gone": db.ShardedTensor.from_box("gone", torch.full((4,), 7.0), (4,), (0,)),
+        "p": torch.zeros(2),
+    }
+    out = db.load(sd, path, process_group=r.group, fully_parallel=True, strict=strict)
+    state, _, unexpected = out if isinstance(out, tuple) else (out, None, None)
+    return sorted(state), unexpected, state["vec"].tolist(), state["p"].tolist()
+
+
+@pytest.mark.parametrize("strict", ["return_all", "ignore_all"])
+def test_a_box_storage_does_not_fill_is_not_handed_over(pool, tmp_path, strict):
+    """A box the checkpoint lacks, read by one rank for both: the reader skipped it, then
+    sent its template's untouched values, which the other rank returned as loaded (not
+    reported missing). Now each rank plans such boxes itself, as without fully_parallel."""
+    path = str(tmp_path / "ck")
+    pool.run(_save_vec_and_plain, 2, path)
+    got = pool.run(fp_missing_box, 2, path, strict)
+    for state_keys, unexpected, vec, plain in got:
+        assert state_keys == ["p", "vec"]
+        assert vec == L.full("vec").tolist()
+        assert plain == [0.0, 1.0, 2.0, 3.0]
+        if strict == "return_all":
+            assert unexpected == {"gone"}

@@ -125,3 +125,99 @@ def test_a_conflicting_tie_on_one_rank_raises_on_every_rank(pool, tmp_path):
     got = pool.run(run_tied_on_one_rank, 2, str(tmp_path))
     assert got[0] == got[1]  # the same error, naming the rank, on both
     assert got[0].startswith("TiedTensorsError: rank 0: 'a' and 'b' share one tensor's memory")
+
+
+def _views(kind: str) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """A template buffer and, per key, (the view of it the key loads into, its stored value)."""
+    t = torch.zeros(4, 8)
+    a = torch.arange(32.0).reshape(4, 8)
+    if kind == "slice":
+        return t, {"a": (t, a), "b": (t[1:3], -torch.arange(16.0).reshape(2, 8) - 1)}
+    ints = torch.arange(32, dtype=torch.int32).reshape(4, 8)
+    return t, {"a": (t, a), "b": (t.view(torch.int32), ints)}
+
+
+@pytest.mark.parametrize("kind", ["slice", "dtype view"])
+def test_keys_sharing_part_of_one_memory_are_refused(tmp_path, kind):
+    """Two keys whose template tensors share memory other than as a whole tie (one a slice
+    of the other, or the same bytes in another dtype) were both read into the shared bytes:
+    one key silently came back with the other's values. Now refused, naming both."""
+    _, views = _views(kind)
+    shape = {k: tuple(v.shape) for k, (v, _) in views.items()}
+    db.save(
+        {
+            k: db.ShardedTensor.from_box(k, s, shape[k], (0,) * s.ndim)
+            for k, (_, s) in views.items()
+        },
+        str(tmp_path),
+    )
+    template = {
+        k: db.ShardedTensor.from_box(k, v, shape[k], (0,) * v.ndim) for k, (v, _) in views.items()
+    }
+    with pytest.raises(db.InvalidRequestError) as e:
+        db.load(template, str(tmp_path))
+    assert "'a' and 'b' share part of one tensor's memory" in str(e.value)
+
+
+def test_interleaved_views_of_one_tensor_load_exactly(tmp_path):
+    """Parts of a fused tensor that interleave in memory without sharing an element (q, k, v
+    heads of one qkv weight) are not a tie: each loads its own stored values."""
+    heads, d, h = 2, 3, 4
+    fused = torch.zeros(heads, 3, d, h)
+    parts = {n: fused[:, i] for i, n in enumerate("qkv")}
+    stored = {
+        n: torch.randn(heads, d, h, generator=torch.Generator().manual_seed(i))
+        for i, n in enumerate("qkv")
+    }
+    db.save(
+        {n: db.ShardedTensor.from_box(n, s, s.shape, (0, 0, 0)) for n, s in stored.items()},
+        str(tmp_path),
+    )
+    template = {n: db.ShardedTensor.from_box(n, v, v.shape, (0, 0, 0)) for n, v in parts.items()}
+    out = db.load(template, str(tmp_path))
+    for n in "qkv":
+        assert torch.equal(out[n].view(torch.int32), stored[n].view(torch.int32)), n
+        assert torch.equal(fused[:, "qkv".index(n)], stored[n])
+
+
+def run_overlap_on_one_rank(r: Rank, path: str) -> str:
+    """Rank 0 asks "b" as a slice of "a"'s tensor; rank 1 gives each its own: both raise."""
+    t = torch.zeros(4)
+    template = {"a": t, "b": t[:2]} if r.rank == 0 else {"a": torch.zeros(4), "b": torch.zeros(2)}
+    try:
+        db.load(template, path, process_group=r.group)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_shared_memory_on_one_rank_raises_on_every_rank(pool, tmp_path):
+    _save(str(tmp_path), torch.full((4,), 1.0), torch.full((2,), 2.0))
+    got = pool.run(run_overlap_on_one_rank, 2, str(tmp_path), timeout=60)
+    assert got[0] == got[1]
+    assert got[0].startswith("InvalidRequestError: rank 0: 'a' and 'b' share part of one tensor")
+
+
+def run_overlap_received(r: Rank, path: str) -> list[float] | str:
+    """Both ranks ask "a" (4 elements) and "b" as a slice of it, fully parallel: one rank
+    receives "a" and reads "b", so the planner alone never sees the two meet."""
+    t = torch.zeros(4)
+    template = {"a": t, "b": db.ShardedTensor.from_box("b", t[:2], (2,), (0,), replica_id=r.rank)}
+    template["a"] = db.ShardedTensor.from_box("a", t, (4,), (0,), replica_id=r.rank)
+    try:
+        db.load(template, path, process_group=r.group, fully_parallel=True)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return t.tolist()
+
+
+def test_shared_memory_across_a_fully_parallel_hand_off_is_refused(pool, tmp_path):
+    db.save(
+        {
+            "a": db.ShardedTensor.from_box("a", torch.full((4,), 1.0), (4,), (0,)),
+            "b": db.ShardedTensor.from_box("b", torch.full((2,), 2.0), (2,), (0,)),
+        },
+        str(tmp_path),
+    )
+    got = pool.run(run_overlap_received, 2, str(tmp_path), timeout=60)
+    assert all("'a' and 'b' share part of one tensor's memory" in g for g in got), got

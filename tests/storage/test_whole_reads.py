@@ -268,3 +268,18 @@ def test_plain_tensor_requests_the_column_path_refuses_are_planned_or_raise_as_b
         with pytest.raises(error, match=f"'t3': {message}"):
             db.load({"t3": _box("t3", data, shape, (0, 0))}, str(tmp_path))
         assert not data.any()
+
+
+@pytest.mark.parametrize("order", ["cast_first", "stored_first"])
+def test_one_box_asked_in_two_dtypes_gets_the_stored_bytes_in_each(tmp_path, order):
+    """A box asked for twice on one rank, once cast: the other copy gets the exact stored
+    values, not the cast ones cast back (it was filled from the bf16 copy)."""
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    db.save({"w": _box("w", w, (4, 8), (0, 0))}, str(tmp_path))
+    low = _box("w", torch.zeros(2, 8, dtype=torch.bfloat16), (4, 8), (1, 0))
+    exact = _box("w", torch.zeros(2, 8), (4, 8), (1, 0))
+    pairs = [("low", low), ("exact", exact)]
+    template = dict(pairs if order == "cast_first" else pairs[::-1])
+    out = db.load(template, str(tmp_path), allow_dtype_cast=True)
+    assert torch.equal(out["exact"].view(torch.int32), w[1:3].view(torch.int32))
+    assert torch.equal(out["low"].view(torch.int16), w[1:3].bfloat16().view(torch.int16))
