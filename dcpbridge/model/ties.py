@@ -82,31 +82,50 @@ def check_overlaps(shards: list[Any]) -> None:
     key's tensor, the same memory in another dtype or shape): each would be read into the
     shared bytes, one silently taking the other's values. Views that interleave without
     sharing an element (a fused tensor's parts) are told apart element by element."""
-    by_storage: dict[tuple[torch.device, int], list[ShardedTensor]] = {}
-    for shard in shards:
+    by_address: dict[int, list[ShardedTensor]] = {}
+    for shard in shards:  # the fewest calls per tensor: most are alone in their storage
         if type(shard) is not ShardedTensor and not isinstance(shard, ShardedTensor):
             continue
         data = shard.data
-        if data is None or data.is_meta or data.numel() == 0:
+        if data is None:
             continue
         try:  # the storage's address (a subclass without storage of its own: skipped)
-            base = data.data_ptr() - data.storage_offset() * data.element_size()
+            offset = data.storage_offset()
+            base = data.data_ptr() - offset * data.element_size() if offset else data.data_ptr()
         except (RuntimeError, NotImplementedError):
             continue
-        by_storage.setdefault((data.device, base), []).append(shard)
-    for group in by_storage.values():
-        if len(group) < 2:
+        alone = by_address.get(base)
+        if alone is None:
+            by_address[base] = [shard]
+        else:
+            alone.append(shard)
+    for shared in by_address.values():
+        if len(shared) < 2:
             continue
-        spans = sorted((*_byte_span(sh.data), i, sh) for i, sh in enumerate(group))  # type: ignore[arg-type]
-        cluster: list[tuple[int, int, int, ShardedTensor]] = []
-        end = -1
-        for span in spans:
-            if cluster and span[0] >= end:
-                _check_cluster(cluster)
-                cluster = []
-            cluster.append(span)
-            end = max(end, span[1])
-        _check_cluster(cluster)
+        by_device: dict[torch.device, list[ShardedTensor]] = {}
+        for shard in shared:  # meta and empty tensors share no bytes
+            data = shard.data
+            assert data is not None
+            if not data.is_meta and data.numel():
+                by_device.setdefault(data.device, []).append(shard)
+        for group in by_device.values():
+            _check_group(group)
+
+
+def _check_group(group: list[ShardedTensor]) -> None:
+    """``check_overlaps`` for the shards of one storage on one device."""
+    if len(group) < 2:
+        return
+    spans = sorted((*_byte_span(sh.data), i, sh) for i, sh in enumerate(group))  # type: ignore[arg-type]
+    cluster: list[tuple[int, int, int, ShardedTensor]] = []
+    end = -1
+    for span in spans:
+        if cluster and span[0] >= end:
+            _check_cluster(cluster)
+            cluster = []
+        cluster.append(span)
+        end = max(end, span[1])
+    _check_cluster(cluster)
 
 
 def _alike(a: ShardedTensor, b: ShardedTensor) -> bool:
