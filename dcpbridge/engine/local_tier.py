@@ -397,13 +397,13 @@ class LocalTier:
         sent = time.perf_counter()
 
         def write_received() -> None:
-            # temp names per rank: nodes whose directories are one folder (no ``{node}`` on a
-            # shared file system) write the same files there at once
+            # nodes whose directories are one folder (no ``{node}`` on a shared file system)
+            # write the same files there at once: each commit's temp file is its own
             store = storage_for(self._location(step))
             for name, data in received.items():
-                store.commit_file(name, memoryview(data.numpy()), f"{name}.{g.rank}.tmp", sync=True)
+                store.commit_file(name, memoryview(data.numpy()), f"{name}.tmp", sync=True)
             if self.is_lead and not store.exists(METADATA_FILE):
-                store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.{g.rank}.tmp", sync=True)
+                store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True)
 
         protocol.agree(g, "local copies: write", write_received)
         marker = json.dumps(
@@ -420,7 +420,7 @@ class LocalTier:
             "local commit",
             lambda: self._on_lead(
                 lambda: storage_for(self._location(step)).commit_file(
-                    MARKER, marker, f"{MARKER}.{g.rank}.tmp", sync=True
+                    MARKER, marker, f"{MARKER}.tmp", sync=True
                 )
             ),
         )

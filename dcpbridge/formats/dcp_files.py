@@ -107,6 +107,12 @@ def chunk_limit(dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
     return math.prod(sizes) * dtype.itemsize + TORCH_SAVE_SLACK
 
 
+def _decoded_limit(stored: tuple[torch.dtype, tuple[int, ...]] | None) -> int | None:
+    """What a read item's stored bytes may decode to: its chunk's ``chunk_limit`` (None for
+    an object)."""
+    return None if stored is None else chunk_limit(*stored)
+
+
 def undo_transforms(
     info: Any, raw: memoryview, what: str, limit: Callable[[], int | None]
 ) -> bytes | memoryview:
@@ -178,11 +184,6 @@ class DcpFileReader(StorageReader):
             )
         return found
 
-    def _limit(self, item: ReadItem) -> int | None:
-        """What ``item``'s stored bytes may decode to (None for an object)."""
-        chunk = self._chunk(item)
-        return None if chunk is None else chunk_limit(*chunk)
-
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
@@ -198,9 +199,10 @@ class DcpFileReader(StorageReader):
             buf = memoryview(bytearray(int(info.length)))
             path = self.location.path(str(info.relative_path))
             what = f"{self.location.url}: {item.storage_index.fqn!r} in {info.relative_path}"
-            limit = functools.partial(self._limit, item)
+            stored = self._chunk(item)
+            limit = functools.partial(_decoded_limit, stored)
             decoded = functools.partial(undo_transforms, info, what=what, limit=limit)
-            deliver = _delivery(item, buf, planner, decoded, what, self._chunk(item))
+            deliver = _delivery(item, buf, planner, decoded, what, stored)
             batch.append(RangeRead(path, int(info.offset), buf, deliver))
             size += len(buf)
             if size >= _BATCH_BYTES:
