@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from dcpbridge.engine.liveness import Heartbeat, wait_for_keys
 from dcpbridge.errors import CheckpointError, CollectiveError, InvalidArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -179,10 +180,16 @@ class StoreGroup(Group):
     torch cannot do reliably from inside a sub-group of an already running job).
     """
 
-    def __init__(self, group: Group, store: Any, name: str) -> None:
+    def __init__(
+        self, group: Group, store: Any, name: str, members: tuple[int, ...] | None = None
+    ) -> None:
+        """``members``: the global ranks of the group's ranks, whose heartbeats ``store``
+        holds (see ``liveness``); None: waits cannot tell a dead member from a slow one."""
         super().__init__(None, group.rank, group.size, 0)
         object.__setattr__(self, "_store", dist.PrefixStore(f"dcpbridge/{name}/", store))
         object.__setattr__(self, "_seq", iter(range(1 << 62)))
+        object.__setattr__(self, "_beats", store if members is not None else None)
+        object.__setattr__(self, "_members", members or tuple(range(group.size)))
 
     _created: Counter[tuple[str, tuple[int, ...]]] = Counter()
 
@@ -200,7 +207,9 @@ class StoreGroup(Group):
         ranks = tuple(dist.get_process_group_ranks(group.pg))
         serial = StoreGroup._created[(purpose, ranks)]
         StoreGroup._created[(purpose, ranks)] += 1
-        return cls(group, store, f"{purpose}/{'-'.join(map(str, ranks))}/{serial}")
+        beating = Heartbeat.ensure(store, dist.get_rank())
+        name = f"{purpose}/{'-'.join(map(str, ranks))}/{serial}"
+        return cls(group, store, name, ranks if beating else None)
 
     @property
     def distributed(self) -> bool:
@@ -208,6 +217,16 @@ class StoreGroup(Group):
 
     def _next(self, op: str) -> str:
         return f"{next(self._seq)}/{op}"
+
+    def _await(self, keys: list[str], owners: list[int], op: str) -> None:
+        """Wait until ``keys`` are set by group ranks ``owners``; raise if one of them died."""
+        wait_for_keys(
+            self._store,
+            keys,
+            [self._members[r] for r in owners],
+            heartbeats=self._beats,
+            what=f"rank {self.rank} of {self.size}: {op}",
+        )
 
     def _done(self, key: str, names: list[str]) -> None:
         """Count this rank out of ``key``; the last one deletes the op's keys."""
@@ -222,6 +241,7 @@ class StoreGroup(Group):
             self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
             return None
         keys = [f"{key}/{r}" for r in range(1, self.size)]
+        self._await(keys, list(range(1, self.size)), "gather")
         out = [obj] + [pickle.loads(v) for v in _get_all(self._store, keys)]
         for k in keys:
             self._store.delete_key(k)
@@ -235,6 +255,7 @@ class StoreGroup(Group):
             for r in range(1, self.size):
                 self._store.set(f"{key}/{r}", pickle.dumps(objs[r]))
             return objs[0]
+        self._await([f"{key}/{self.rank}"], [0], "scatter")
         value = pickle.loads(self._store.get(f"{key}/{self.rank}"))
         self._store.delete_key(f"{key}/{self.rank}")
         return value
@@ -245,6 +266,7 @@ class StoreGroup(Group):
         if self.is_coordinator:
             self._store.set(f"{key}/value", pickle.dumps(obj))
         else:
+            self._await([f"{key}/value"], [0], "broadcast")
             obj = pickle.loads(self._store.get(f"{key}/value"))
         self._done(key, [f"{key}/value"])
         return obj
@@ -260,6 +282,7 @@ class StoreGroup(Group):
         key = self._next("all_gather")
         self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
         keys = [f"{key}/{r}" for r in range(self.size)]
+        self._await(keys, list(range(self.size)), "all_gather")
         out = [pickle.loads(v) for v in _get_all(self._store, keys)]
         self._done(key, keys)
         return out
@@ -287,9 +310,11 @@ class SideGroup(StoreGroup):
     before), rendezvousing under the group's own store prefix.
     """
 
-    def __init__(self, group: Group, store: Any, name: str) -> None:
+    def __init__(
+        self, group: Group, store: Any, name: str, members: tuple[int, ...] | None = None
+    ) -> None:
         store = store.clone()  # its own client: a store call blocks the client it runs on
-        super().__init__(group, store, name)
+        super().__init__(group, store, name, members)
         prefix = dist.PrefixStore(f"dcpbridge/{name}/gloo/", store)
         with _exchanging(self, "connecting the side group"):
             backend = dist.ProcessGroupGloo(prefix, group.rank, group.size, SIDE_TIMEOUT)

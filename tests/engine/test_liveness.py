@@ -1,0 +1,207 @@
+"""Store-backed exchanges see a dead peer: its heartbeat stops and the waiters raise in seconds.
+
+Before, a survivor waited in the async commit or the local tier's agreement until the job
+store's timeout (30 minutes by default), since a key-value store cannot tell a dead rank
+from a slow one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dcpbridge as db
+from dcpbridge.engine import liveness
+from dcpbridge.engine.liveness import Heartbeat, PeerWatch, peer_timeout, wait_for_keys
+from dcpbridge.storage import FsspecCheckpointWriter
+from tests.e2e import test_local_tier as T
+from tests.support.dist_pool import Rank, RankFailure
+from tests.support.s3_server import free_port
+
+# -- one process, a real TCPStore ---------------------------------------------------------------
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    return dist.PrefixStore("job", server)
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """Beats every 0.05 s; a peer is dead after 0.3 s of silence."""
+    monkeypatch.setattr(liveness, "PERIOD", 0.05)
+    monkeypatch.setenv(liveness.PEER_TIMEOUT_ENV, "0.3")
+
+
+def test_a_key_already_set_returns_at_once(store):
+    store.set("k", b"v")
+    wait_for_keys(store, ["k"], [1], heartbeats=store, what="op")
+
+
+def test_a_silent_owner_is_named_dead(store, fast):
+    """Rank 5 never beat: the wait ends after the peer timeout, naming rank 5 only."""
+    beat = Heartbeat(store, 4)
+    try:
+        started = time.monotonic()
+        with pytest.raises(db.CollectiveError, match=r"op: rank\(s\) \[5\] stopped answering"):
+            wait_for_keys(store, ["a", "b"], [4, 5], heartbeats=store, what="op")
+        assert 0.3 < time.monotonic() - started < 5
+    finally:
+        beat.stop()
+
+
+def test_a_beating_owner_is_waited_for_until_it_answers(store, fast):
+    """A live owner may take many peer timeouts: the wait returns when its key comes."""
+    beat = Heartbeat(store, 2)
+    timer = threading.Timer(1.5, lambda: store.set("late", b"1"))
+    timer.start()
+    try:
+        started = time.monotonic()
+        wait_for_keys(store, ["late"], [2], heartbeats=store, what="op")
+        assert time.monotonic() - started >= 1.4
+    finally:
+        timer.cancel()
+        beat.stop()
+
+
+def test_a_heartbeat_that_stops_is_noticed(store, fast):
+    beat = Heartbeat(store, 3)
+    watch = PeerWatch(store, [3], peer_timeout())
+    assert watch.silent([3]) == []
+    time.sleep(0.4)
+    assert watch.silent([3]) == []  # it beats: never silent
+    beat.stop()
+    time.sleep(0.1)
+    watch.silent([3])  # the last count after it stopped
+    time.sleep(0.4)
+    assert watch.silent([3]) == [3]
+
+
+def test_without_heartbeats_the_store_timeout_still_ends_the_wait(store):
+    store.set_timeout(timedelta(seconds=1.5))
+    with pytest.raises(db.CollectiveError, match=r"op: rank\(s\) \[1\] did not answer within"):
+        wait_for_keys(store, ["never"], [1], heartbeats=None, what="op")
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "nan", "soon", "inf"])
+def test_a_bad_peer_timeout_is_refused_by_name(monkeypatch, raw):
+    monkeypatch.setenv(liveness.PEER_TIMEOUT_ENV, raw)
+    with pytest.raises(db.InvalidArgumentError, match=liveness.PEER_TIMEOUT_ENV):
+        peer_timeout()
+
+
+def test_the_peer_timeout_is_at_least_three_beats(monkeypatch):
+    monkeypatch.setenv(liveness.PEER_TIMEOUT_ENV, "0.5")
+    assert peer_timeout() == 3 * liveness.PERIOD
+    monkeypatch.delenv(liveness.PEER_TIMEOUT_ENV)
+    assert peer_timeout() == liveness.DEFAULT_PEER_TIMEOUT
+
+
+# -- real ranks, one of them killed ---------------------------------------------------------------
+
+PEER_TIMEOUT = "3"
+
+
+def _outcome(out: str, rank: int, started: float, error: BaseException | None, **more) -> None:
+    record = {
+        "seconds": time.monotonic() - started,
+        "type": type(error).__name__ if error is not None else None,
+        "message": str(error) if error is not None else "",
+        **more,
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def killed_behind_async_save(r: Rank, root: str, out: str) -> None:
+    """Rank 1 dies in its background write; rank 0 waits for it in the async commit."""
+    os.environ[liveness.PEER_TIMEOUT_ENV] = PEER_TIMEOUT
+    mgr = db.CheckpointManager(root, every=1, process_group=r.group, async_save=True)
+    w = torch.arange(64.0).reshape(8, 8).chunk(r.size)[r.rank].clone()
+    sharded = {"w": db.ShardedTensor.from_rank_offsets("w", w, (0, r.rank, r.size))}
+    mgr.save(1, sharded)
+    mgr.wait()
+    if r.rank == 1:
+        original = FsspecCheckpointWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            original(self, plan, planner).wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FsspecCheckpointWriter.write_data = write_then_die
+    mgr.save(2, sharded)
+    started, error = time.monotonic(), None
+    try:
+        mgr.wait()
+    except BaseException as e:  # the outcome is the test's
+        error = e
+    _outcome(out, r.rank, started, error)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_behind_an_async_save_fails_the_wait_in_seconds(pool, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        with pytest.raises(RankFailure, match="worker died"):
+            pool.run(killed_behind_async_save, 2, str(tmp_path / "run"), str(out), grace=30)
+    finally:
+        pool.kill()
+    survivor = json.loads((out / "rank0.json").read_text())
+    assert survivor["type"] == "CollectiveError", survivor
+    assert "rank 0 of 2" in survivor["message"]
+    assert "rank(s) [1] stopped answering" in survivor["message"], survivor
+    assert survivor["seconds"] < 25, survivor  # 3 s of silence, not the store's 120 s
+    mgr = db.CheckpointManager(str(tmp_path / "run"), async_save=False)
+    assert mgr.all_steps() == [1]  # step 2 never looks complete
+
+
+def killed_mid_local_copies(r: Rank, root: str, local: str, out: str) -> None:
+    """Rank 3 dies before its copies of the last local step; the others wait for it."""
+    os.environ[liveness.PEER_TIMEOUT_ENV] = PEER_TIMEOUT
+    original = T.local_tier.LocalTier._send_copies
+
+    def die(self, sizes, mine):
+        if self.group.rank == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, sizes, mine)
+
+    log = T._capture()
+    mgr = T.manager(r, root, local)
+    w = T.piece(T.weights(0), r.rank, r.size, 0)
+    started = time.monotonic()
+    for step in range(1, T.STEPS + 1):
+        w.mul_(0.5).add_(step)
+        if step == T.STEPS:
+            T.local_tier.LocalTier._send_copies = die
+            started = time.monotonic()
+        mgr.save(step, T.state(w, r.rank, r.size, step))
+    _outcome(out, r.rank, started, None, log=log.lines)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_mid_local_copies_never_holds_the_others(pool, tmp_path):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "node{node}")
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        with pytest.raises(RankFailure, match="worker died"):
+            pool.run(killed_mid_local_copies, 4, root, local, str(out), timeout=90, grace=30)
+    finally:
+        pool.kill()
+    survivors = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    for s in survivors:  # the failed local step is logged, training goes on
+        assert s["type"] is None and s["seconds"] < 25, s
+        assert any("not committed" in line or "failed" in line for line in s["log"]), s
+    assert any("rank(s) [3] stopped answering" in line for s in survivors for line in s["log"])
+    back = pool.run(T.restore, 4, root, local, 0, 2, timeout=120)
+    assert [b["step"] for b in back] == [T.STEPS - 1] * 4
