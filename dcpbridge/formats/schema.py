@@ -79,11 +79,35 @@ def check_int(value: Any, doc: Doc, path: str, minimum: int | None = None) -> in
     return value
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key twice in one mapping (it kept the last, silently:
+    a layout's second ``tp:`` or a config's second ``every:`` replaced the first unseen)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<:`` keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found the key {key!r} twice (first on line {first.start_mark.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str, what: str, error: type[Exception]) -> Any:
     """The document in YAML file ``path``; ``error`` names the file when it cannot be read."""
     try:
         with open(path) as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_StrictLoader)  # a SafeLoader: no object tags
     except OSError as e:
         raise error(f"cannot read {what} {path}: {e.strerror}") from None
     except yaml.YAMLError as e:

@@ -19,6 +19,7 @@ from dcpbridge.formats.config import (
     resolve_storage_options,
     storage_options,
 )
+from dcpbridge.formats.schema import read_yaml
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
 
@@ -229,3 +230,26 @@ def test_an_environment_variable_name_with_a_trailing_newline_is_refused(tmp_pat
     path = _write(tmp_path, 'profiles: {p: {access_key_env: "TEST_DCPB_KEY\\n"}}')
     with pytest.raises(ConfigError, match="must be the NAME of an environment variable"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "checkpoint: {every: 100}\ncheckpoint: {every: 1}\n",
+        "checkpoint:\n  keep_last: 3\n  every: 100\n  keep_last: 30\n",
+    ],
+)
+def test_a_key_given_twice_is_refused_not_the_last_taken(tmp_path, text):
+    """YAML's safe loader kept the last of two equal keys, silently."""
+    path = _write(tmp_path, text)
+    with pytest.raises(
+        ConfigError, match=r"(?s)not valid YAML: .*found the key '\w+' twice"
+    ) as info:
+        load_config(path)
+    assert str(info.value).startswith(path + ": ")
+
+
+def test_a_merged_key_may_still_be_overridden(tmp_path):
+    text = "base: &b {every: 100, keep_last: 3}\ncheckpoint:\n  <<: *b\n  every: 5\n"
+    doc = read_yaml(_write(tmp_path, text), "configuration file", ConfigError)
+    assert doc["checkpoint"] == {"every": 5, "keep_last": 3}
