@@ -2,8 +2,9 @@
 
 A key-value store cannot tell a slow peer from a dead one: a ``get`` of a key a killed rank
 would have set waits for the store's whole timeout (30 minutes by default). Each process that
-takes part in such exchanges therefore raises a counter in the store every second from a
-thread of its own; a waiter polls for its keys and gives up on a peer whose counter has not
+takes part in such exchanges therefore raises a counter in the store every ``period()``
+seconds (5 s by default: 16,384 ranks then cost the store about 3,300 requests a second) from
+a thread of its own; a waiter polls for its keys and gives up on a peer whose counter has not
 moved for ``peer_timeout()`` seconds. Only local clocks are compared, so nodes' clocks may
 disagree.
 """
@@ -23,13 +24,10 @@ import torch.distributed as dist
 
 from dcpbridge.errors import CollectiveError, InvalidArgumentError
 
-PERIOD = 1.0
-"""Seconds between two beats of a process's heartbeat."""
-
 PEER_TIMEOUT_ENV = "DCPB_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT = 60.0
 """Seconds without a beat after which a waited-for peer counts as dead (the environment
-variable overrides it; at least three beats)."""
+variable overrides it; at least 1 s)."""
 
 _PREFIX = "dcpbridge/alive/"
 # The sleep between two polls of the keys waited for doubles from 0.1 ms up to 2 ms during
@@ -39,7 +37,7 @@ _FIRST_POLL, _SHORT_POLL, _LONG_POLL = 0.0001, 0.002, 0.05
 
 
 def peer_timeout() -> float:
-    """How long a peer may stay silent: ``$DCPB_PEER_TIMEOUT`` or 60 s, at least 3 beats."""
+    """How long a peer may stay silent: ``$DCPB_PEER_TIMEOUT`` or 60 s, at least 1 s."""
     raw = os.environ.get(PEER_TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_PEER_TIMEOUT
@@ -49,11 +47,16 @@ def peer_timeout() -> float:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise InvalidArgumentError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds, a number > 0")
-    return max(value, 3 * PERIOD)
+    return max(value, 1.0)
+
+
+def period() -> float:
+    """Seconds between two beats: a twelfth of the peer timeout, within 0.25 s and 5 s."""
+    return min(5.0, max(0.25, peer_timeout() / 12))
 
 
 class Heartbeat:
-    """This process's beat in one store: ``dcpbridge/alive/<global rank>``, raised every second.
+    """This process's beat in one store: ``dcpbridge/alive/<global rank>``, raised each period.
 
     One per process and store, started by the first store-backed group; it beats on a clone of
     the store (a store call blocks the client it runs on) from a daemon thread, and stops at
@@ -69,6 +72,7 @@ class Heartbeat:
         self._pid = os.getpid()
         self._source = store
         self._stop = threading.Event()
+        self._period = period()
         self._store.add(self._key, 1)  # a first beat at once: the peers see it started
         self._thread = threading.Thread(target=self._run, name="dcpbridge-heartbeat", daemon=True)
         self._thread.start()
@@ -96,7 +100,7 @@ class Heartbeat:
             return True
 
     def _run(self) -> None:
-        while not self._stop.wait(PERIOD):
+        while not self._stop.wait(self._period):
             try:
                 self._store.add(self._key, 1)
             except Exception:  # the store (and with it the job) is gone: nothing to tell
@@ -106,7 +110,7 @@ class Heartbeat:
         """Stop beating (peers waiting for this process then give up on it)."""
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * PERIOD)
+            self._thread.join(timeout=2 * self._period)
 
 
 @atexit.register
@@ -159,18 +163,19 @@ def wait_for_keys(
     timeout = getattr(store, "timeout", None)
     budget = timeout.total_seconds() if isinstance(timeout, timedelta) else math.inf
     start = time.monotonic()
-    watch = PeerWatch(heartbeats, owners, peer_timeout()) if heartbeats is not None else None
-    next_look, pause = start + PERIOD, _FIRST_POLL
+    patience, look_every = peer_timeout(), period()
+    watch = PeerWatch(heartbeats, owners, patience) if heartbeats is not None else None
+    next_look, pause = start + look_every, _FIRST_POLL
     while not store.check(keys):
         now = time.monotonic()
         if now >= next_look or now - start > budget:
-            next_look = now + PERIOD
+            next_look = now + look_every
             waiting = sorted({o for k, o in zip(keys, owners) if not store.check([k])})
             dead = watch.silent(waiting) if watch is not None else []
             if dead:
                 raise CollectiveError(
                     f"{what}: rank(s) {dead} stopped answering (no heartbeat for "
-                    f"{peer_timeout():.0f} s, ${PEER_TIMEOUT_ENV}): the process died or hangs"
+                    f"{patience:g} s, ${PEER_TIMEOUT_ENV}): the process died or hangs"
                 )
             if waiting and now - start > budget:
                 raise CollectiveError(
