@@ -192,10 +192,13 @@ class WriterProcess:
                         f"{type(e).__name__}: {e}"
                     ) from e
                 try:
-                    return self._receive_reply(job.url)
+                    kind, payload = self._recv()
                 except (OSError, EOFError) as e:
                     self._discard()
                     raise self._died(job.url, "while writing", e) from e
+                if kind == "error":  # outside the try: its StorageError is no death (an OSError)
+                    raise_failure(payload, job.url)
+                return payload
 
     def close(self) -> None:
         """End the child (it finishes nothing half-way: only idle children are asked)."""
@@ -245,12 +248,6 @@ class WriterProcess:
     def _receive_start(self) -> None:
         if self._recv() != "started":
             raise EOFError("the writer process answered out of turn")
-
-    def _receive_reply(self, url: str) -> Any:
-        kind, payload = self._recv()
-        if kind == "error":
-            raise_failure(payload, url)
-        return payload
 
     def _died(self, url: str, when: str, error: BaseException) -> WriterProcessError:
         code = self._last_code

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import dcpbridge as db
 from dcpbridge.engine.async_save import AsyncSaver
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.writer_process import attach
+from dcpbridge.engine.writer_process import attach, process_of
 from dcpbridge.storage.write.process import Failure, WriterProcess, raise_failure
 from tests.support.dist_pool import Rank
 
@@ -163,6 +163,33 @@ def test_a_child_failure_is_raised_with_its_cause():
     with pytest.raises(db.WriterProcessError, match="MemoryError: out") as wrapped:
         raise_failure(Failure(MemoryError("out"), None, "trace"), "file:///x")
     assert isinstance(wrapped.value.__cause__, MemoryError)
+
+
+def test_a_storage_fault_in_the_writer_process_is_its_storage_error(tmp_path, monkeypatch):
+    """A write that fails in the writer process with a storage fault (a full disk) fails the
+    save with that ``StorageError`` (cause kept), not as a death of the process, which stays
+    up for the next save (was: a "writer process ended" error, and the process restarted)."""
+    area = AsyncSaver.for_group(Group.resolve(None), 1).area
+    monkeypatch.setattr(WriterProcess, "child_module", "tests.support.full_disk_writer")
+    running = process_of(area)
+    if running is not None:
+        running.close()  # the next save starts the full-disk child
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(7))
+    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
+    handle = db.async_save(state, str(tmp_path / "ck"), writer="process")
+    process = process_of(area)
+    assert process is not None
+    try:
+        with pytest.raises(db.StorageError) as failed:
+            handle.result(60)
+        alive = process._proc is not None and process._proc.poll() is None
+    finally:
+        process.close()  # the next save starts a plain child
+    assert alive  # it did not die: storage failed
+    assert not isinstance(failed.value, db.WriterProcessError), failed.value
+    assert "No space left on device" in str(failed.value) and "write __0_" in str(failed.value)
+    assert isinstance(failed.value.__cause__, OSError) and failed.value.__cause__.errno == 28
+    assert os.listdir(tmp_path / "ck") == []  # no data file, no commit
 
 
 def test_writer_choice_is_checked(tmp_path):
