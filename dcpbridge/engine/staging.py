@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dcpbridge.engine.ownership import WriteOwners
+from dcpbridge.errors import StagingError
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
 from dcpbridge.storage.backends.device_copy import host_target
 
@@ -189,6 +190,24 @@ def stage(
         raise
 
 
+def _check_backed(shard: ShardedTensor) -> None:
+    """Raise ``StagingError`` unless the storage of ``shard``'s (non-empty) data holds all
+    its elements: torch copies from a freed storage (resized to 0 bytes, as FSDP frees a
+    parameter) without a check, reading memory that is not the tensor's, or crashing."""
+    t = shard.data
+    if t.is_contiguous():  # most tensors: the cheap sum (a few microseconds a tensor in all)
+        end = t.storage_offset() + t.numel()
+    else:
+        end = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    need, have = end * t.element_size(), t.untyped_storage().nbytes()
+    if need > have:
+        raise StagingError(
+            f"{shard.key!r} (offset {tuple(shard.global_offset)}): its data lies outside its "
+            f"storage ({have} of {need} bytes allocated: freed or shrunk, as FSDP frees a "
+            "parameter's storage), so it cannot be copied"
+        )
+
+
 def _fill(
     shards: list[Any],
     writes: list[ShardedTensor],
@@ -205,6 +224,7 @@ def _fill(
     cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for s, (start, end) in zip(writes, spans):
         src = s.data
+        _check_backed(s)
         view = buffers.flat[start:end].view(src.dtype).view(src.shape)
         if src.is_cuda:
             cuda.setdefault(src.device, []).append((view, src))
