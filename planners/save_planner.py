@@ -231,9 +231,10 @@ def check_data(sh: TensorShard) -> None:
             f"ShardedTensor {sh.key!r}: data is {data.dtype} of shape {tuple(data.shape)}, "
             f"declared {sh.dtype} of local shape {tuple(sh.local_shape)}"
         )
-    if data.is_meta or data.layout != torch.strided:
+    if data.is_meta or data.is_quantized or data.layout != torch.strided:
+        what = "quantized " if data.is_quantized else ""  # its scale would be lost
         raise ShardingValidationError(
-            f"ShardedTensor {sh.key!r}: {data.layout} {data.device} data cannot be saved"
+            f"ShardedTensor {sh.key!r}: {what}{data.layout} {data.device} data cannot be saved"
         )
     if not holds_its_values(data):
         raise SerializationError(

@@ -81,6 +81,17 @@ def test_a_sharded_tensor_over_a_view_and_a_nested_tensor_are_refused(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_sharded_tensor_over_quantized_data_is_refused(tmp_path):
+    """A quantized tensor's memory holds integers whose meaning (scale, zero point) is not
+    stored: refused by name, as for a plain tensor (was: saved as its integers; a load into a
+    quantized template returned them with the template's scale, silently other values)."""
+    q = torch.quantize_per_tensor(torch.tensor([0.5, -0.2, 1.1, 0.0]), 0.1, 3, torch.qint8)
+    st = db.ShardedTensor.from_rank_offsets("q", q)
+    with pytest.raises(db.ShardingValidationError, match=r"'q': .*quantized.*cannot be saved"):
+        db.save({"q": st}, str(tmp_path / "a"))
+    assert not list(tmp_path.iterdir())
+
+
 def dtensor_conj(r: Rank, path: str) -> list[bool]:
     """A DTensor over a conjugate view saved; loaded plainly and, fully parallel (each rank
     reads half and sends it), into view templates."""
