@@ -21,6 +21,7 @@ import torch
 from dcpbridge.engine.ownership import WriteOwners
 from dcpbridge.errors import StagingError
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
+from dcpbridge.planners.save_planner import outside_storage
 from dcpbridge.storage.backends.device_copy import host_target
 
 _ALIGN = 64
@@ -191,20 +192,14 @@ def stage(
 
 
 def _check_backed(shard: ShardedTensor) -> None:
-    """Raise ``StagingError`` unless the storage of ``shard``'s (non-empty) data holds all
-    its elements: torch copies from a freed storage (resized to 0 bytes, as FSDP frees a
-    parameter) without a check, reading memory that is not the tensor's, or crashing."""
-    t = shard.data
-    if t.is_contiguous():  # most tensors: the cheap sum (a few microseconds a tensor in all)
-        end = t.storage_offset() + t.numel()
-    else:
-        end = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-    need, have = end * t.element_size(), t.untyped_storage().nbytes()
-    if need > have:
+    """Raise ``StagingError`` unless the storage of ``shard``'s data holds all its elements:
+    torch copies from a freed or shrunk storage without a check (a segfault, or other
+    memory's bytes)."""
+    outside = outside_storage(shard.data)
+    if outside is not None:
         raise StagingError(
-            f"{shard.key!r} (offset {tuple(shard.global_offset)}): its data lies outside its "
-            f"storage ({have} of {need} bytes allocated: freed or shrunk, as FSDP frees a "
-            "parameter's storage), so it cannot be copied"
+            f"{shard.key!r} (offset {tuple(shard.global_offset)}): {outside}, so it cannot "
+            "be copied"
         )
 
 
