@@ -221,6 +221,30 @@ def _one_copy_of(kept: TensorShard, again: TensorShard, sizes: Shape) -> bool:
     return mains < 2 and chunk_sizes(kept) == sizes
 
 
+def storage_reach(t: torch.Tensor) -> tuple[int, int]:
+    """(bytes of its storage that ``t``'s elements reach, bytes the storage holds): the first
+    exceeds the second where the storage was freed or shrunk (``resize_(0)``, as FSDP frees a
+    parameter), and torch's copies then read past its end without a check."""
+    if not t.numel():
+        return 0, t.untyped_storage().nbytes()
+    if t.is_contiguous():  # most tensors: the cheap sum (a few microseconds a tensor in all)
+        end = t.storage_offset() + t.numel()
+    else:
+        end = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return end * t.element_size(), t.untyped_storage().nbytes()
+
+
+def outside_storage(t: torch.Tensor) -> str | None:
+    """Why ``t``'s data cannot be read (its storage does not hold it all), or None."""
+    need, have = storage_reach(t)
+    if need <= have:
+        return None
+    return (
+        f"its data lies outside its storage ({have} of {need} bytes allocated: freed or "
+        "shrunk, as FSDP frees a parameter's storage)"
+    )
+
+
 def check_data(sh: TensorShard) -> None:
     """A main replica's data must be a tensor of exactly the declared local shape and dtype."""
     data = sh.data
@@ -231,10 +255,13 @@ def check_data(sh: TensorShard) -> None:
             f"ShardedTensor {sh.key!r}: data is {data.dtype} of shape {tuple(data.shape)}, "
             f"declared {sh.dtype} of local shape {tuple(sh.local_shape)}"
         )
-    if data.is_meta or data.layout != torch.strided:
+    if data.is_meta or data.is_quantized or data.layout != torch.strided:
+        what = "quantized " if data.is_quantized else ""  # its scale would be lost
         raise ShardingValidationError(
-            f"ShardedTensor {sh.key!r}: {data.layout} {data.device} data cannot be saved"
+            f"ShardedTensor {sh.key!r}: {what}{data.layout} {data.device} data cannot be saved"
         )
+    if (outside := outside_storage(data)) is not None:
+        raise ShardingValidationError(f"ShardedTensor {sh.key!r}: {outside}")
     if not holds_its_values(data):
         raise SerializationError(
             f"ShardedTensor {sh.key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"

@@ -179,6 +179,9 @@ class CheckpointManager:
         self._group = Group.resolve(process_group)
         self._pending: tuple[int, AsyncSaveHandle] | None = None
         self._metrics: dict[int, float | None] = {}
+        # rank 0: the sidecar (None: none) of each committed step being saved again, put back
+        # if that save fails, so the committed step keeps its own metrics
+        self._resaved: dict[int, bytes | None] = {}
         self._signals: dict[int, Any] = {}  # signal -> the handler it replaced
         self._state_fn: Callable[[], tuple[int, Any]] | None = None
         self._received: int | None = None
@@ -361,19 +364,28 @@ class CheckpointManager:
         if self.incremental:
             options["reuse_from"] = self._reuse_from(step)
         if self.async_save and not preempted:
-            handle = save_mod.async_save(
-                state,
-                url,
-                background_staging=background,
-                verify_staging=self.verify_staging,
-                before_write=prepare,
-                writer=self.writer,
-                defer_stream_wait=background,
-                **options,
-            )
+            try:
+                handle = save_mod.async_save(
+                    state,
+                    url,
+                    background_staging=background,
+                    verify_staging=self.verify_staging,
+                    before_write=prepare,
+                    writer=self.writer,
+                    defer_stream_wait=background,
+                    **options,
+                )
+            except BaseException:
+                self._unprepare(step)
+                raise
             self._pending = (step, handle)
             return
-        save_mod.save(state, url, **options)
+        try:
+            save_mod.save(state, url, **options)
+        except BaseException:
+            self._unprepare(step)
+            raise
+        self._resaved.pop(step, None)
         self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
         self._after_commit()
@@ -398,6 +410,8 @@ class CheckpointManager:
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
                 names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
+                kept = store.read_file(location.path(SIDECAR)) if store.exists(SIDECAR) else None
+                self._resaved[step] = kept
             elif store.list_names():
                 self._remove_steps([step], self._scan()[0])
             store.makedirs()
@@ -430,12 +444,34 @@ class CheckpointManager:
             return False
         step, handle = self._pending
         self._pending = None
-        handle.result()
+        try:
+            handle.result()
+        except BaseException:
+            self._unprepare(step)
+            raise
+        self._resaved.pop(step, None)
         self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
         self._after_commit()
         self._notify(step, "persistent", handle.checkpoint_dir)
         return True
+
+    def _unprepare(self, step: int) -> None:
+        """Rank 0, after a failed save of the committed step ``step``: put its sidecar back
+        (the failed save wrote its own metrics there; the step holds the old save, whose
+        metrics retention must rank). A failure to do so is logged."""
+        if step not in self._resaved:
+            return
+        kept = self._resaved.pop(step)
+        self._metrics.pop(step, None)  # read again from the sidecar when retention needs it
+        try:
+            store = storage_for(self._location(step))
+            if kept is None:
+                store.remove([SIDECAR])
+            else:
+                store.commit_file(SIDECAR, kept, f"{SIDECAR}.tmp", sync=True)
+        except Exception as e:
+            log.warning("dcpbridge: restoring %s of step %d failed: %s", SIDECAR, step, e)
 
     def _settle(self) -> None:
         """Every rank waits until rank 0's retention is done, so all see the same steps."""

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from dcpbridge.engine.ownership import WriteOwners
+from dcpbridge.errors import StagingError
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
+from dcpbridge.planners.save_planner import outside_storage
 from dcpbridge.storage.backends.device_copy import host_target
 
 _ALIGN = 64
@@ -189,6 +191,18 @@ def stage(
         raise
 
 
+def _check_backed(shard: ShardedTensor) -> None:
+    """Raise ``StagingError`` unless the storage of ``shard``'s data holds all its elements:
+    torch copies from a freed or shrunk storage without a check (a segfault, or other
+    memory's bytes)."""
+    outside = outside_storage(shard.data)
+    if outside is not None:
+        raise StagingError(
+            f"{shard.key!r} (offset {tuple(shard.global_offset)}): {outside}, so it cannot "
+            "be copied"
+        )
+
+
 def _fill(
     shards: list[Any],
     writes: list[ShardedTensor],
@@ -205,6 +219,7 @@ def _fill(
     cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for s, (start, end) in zip(writes, spans):
         src = s.data
+        _check_backed(s)
         view = buffers.flat[start:end].view(src.dtype).view(src.shape)
         if src.is_cuda:
             cuda.setdefault(src.device, []).append((view, src))

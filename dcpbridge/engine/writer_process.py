@@ -117,7 +117,7 @@ def attach(
         log.warning("%s; the thread writer writes this save", error)
         return "thread", None
     area.use(shared_buffers)
-    return "process", functools.partial(_wrap, process=process)
+    return "process", functools.partial(_wrap, process=process, fallback=auto)
 
 
 def process_of(area: StagingArea) -> WriterProcess | None:
@@ -125,7 +125,7 @@ def process_of(area: StagingArea) -> WriterProcess | None:
     return _processes.get(area)
 
 
-def _wrap(writer: StorageWriter, *, process: WriterProcess) -> StorageWriter:
+def _wrap(writer: StorageWriter, *, process: WriterProcess, fallback: bool) -> StorageWriter:
     if isinstance(writer, FsspecCheckpointWriter):
-        return ProcessWriter(writer, process)  # type: ignore[return-value]
+        return ProcessWriter(writer, process, fallback)  # type: ignore[return-value]
     return writer

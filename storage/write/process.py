@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import socket
@@ -39,6 +40,8 @@ from dcpbridge.storage.write.writer import (
     _RankTarget,
     tensor_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 CHILD_MODULE = "dcpbridge.storage.write.process_main"
 # The child's entry: ``dcpbridge`` and ``torch.distributed.checkpoint`` as bare packages, then
@@ -184,7 +187,9 @@ class WriterProcess:
                 except (OSError, EOFError) as e:
                     self._discard()
                     if attempt:
-                        raise self._died(job.url, "before it took the job", e) from e
+                        died = self._died(job.url, "before it took the job", e)
+                        died.before_job = True  # type: ignore[attr-defined]  # nothing written
+                        raise died from e
                     continue
                 except Exception as e:  # the job does not pickle: nothing was sent
                     raise WriterProcessError(
@@ -192,10 +197,13 @@ class WriterProcess:
                         f"{type(e).__name__}: {e}"
                     ) from e
                 try:
-                    return self._receive_reply(job.url)
+                    kind, payload = self._recv()
                 except (OSError, EOFError) as e:
                     self._discard()
                     raise self._died(job.url, "while writing", e) from e
+                if kind == "error":  # outside the try: its StorageError is no death (an OSError)
+                    raise_failure(payload, job.url)
+                return payload
 
     def close(self) -> None:
         """End the child (it finishes nothing half-way: only idle children are asked)."""
@@ -246,12 +254,6 @@ class WriterProcess:
         if self._recv() != "started":
             raise EOFError("the writer process answered out of turn")
 
-    def _receive_reply(self, url: str) -> Any:
-        kind, payload = self._recv()
-        if kind == "error":
-            raise_failure(payload, url)
-        return payload
-
     def _died(self, url: str, when: str, error: BaseException) -> WriterProcessError:
         code = self._last_code
         return WriterProcessError(
@@ -281,11 +283,17 @@ class WriterProcess:
 
 class ProcessWriter:
     """``inner`` (a ``FsspecCheckpointWriter``) whose ``write_data`` runs in ``process``;
-    everything else (planning, commit, cleanup) runs here, as ``inner`` does it."""
+    everything else (planning, commit, cleanup) runs here, as ``inner`` does it. With
+    ``fallback``, a process that dies before it takes the job (it cannot start: its
+    interpreter fails to import the writer) leaves the write to ``inner``, here, with a
+    warning."""
 
-    def __init__(self, inner: FsspecCheckpointWriter, process: WriterProcess) -> None:
+    def __init__(
+        self, inner: FsspecCheckpointWriter, process: WriterProcess, fallback: bool = False
+    ) -> None:
         self.inner = inner
         self.process = process
+        self.fallback = fallback
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -317,7 +325,13 @@ class ProcessWriter:
         inner._save_id = target.save_id
         most = MOST_FILES if inner.thread_count is None else inner.thread_count
         inner._written = {data_file_name(target.rank, i, target.save_id) for i in range(most)}
-        results, names = self.process.write(job, segments)
+        try:
+            results, names = self.process.write(job, segments)
+        except WriterProcessError as e:
+            if not (self.fallback and getattr(e, "before_job", False)):
+                raise
+            log.warning("%s; the thread writer writes this save", e)
+            return inner.write_data(plan, planner)  # it took nothing: no file of it exists
         inner._written = set(names)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

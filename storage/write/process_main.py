@@ -1,7 +1,8 @@
 """The writer process's loop (``dcpbridge.storage.write.process_main FD``): map the
 shared segments it is sent, run each write job with ``FsspecCheckpointWriter``, reply.
 
-It ends when its parent closes the socket (or exits), never in the middle of a job.
+It ends when its parent closes the socket (or exits), never in the middle of a job: it ignores
+SIGINT and SIGTERM, which a terminal or a scheduler sends to the trainer's processes too.
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def serve(conn: Connection) -> None:
 
 
 def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the trainer's to handle
+    # a Ctrl-C, or a scheduler's SIGTERM to every process of the job (Slurm), is the trainer's
+    # to handle (its save_on_signal); this process ends when the trainer hangs up or exits
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
     with Connection(int(argv[1])) as conn:
         serve(conn)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -99,6 +101,38 @@ def test_a_staging_buffer_that_cannot_be_allocated_does_not_hang_later_saves(tmp
     handle.result(timeout=60)  # it used to wait forever for the failed save's buffer
     tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(12, 8), (12, 8), (0, 0))}
     assert torch.equal(db.load(tmpl, str(tmp_path / "ok"))["w"], L.full("w"))
+
+
+FREED_STORAGE_SAVE = """
+import sys, torch, dcpbridge as db
+t = torch.randn(1 << 20)
+t.untyped_storage().resize_(0)  # freed, as FSDP frees an unsharded parameter's storage
+state = {"w": db.ShardedTensor.from_box("w", t, (1 << 20,), (0,))}
+handle = db.async_save(state, sys.argv[1], background_staging=sys.argv[2] == "1")
+try:
+    handle.result(timeout=60)
+except db.StagingError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("background", [False, True])
+def test_a_tensor_whose_storage_was_freed_fails_its_staging(tmp_path, background):
+    """A tensor whose storage no longer holds its elements (resized to 0 bytes, as FSDP frees
+    parameters) fails the save with ``StagingError`` naming its key (was: a segfault while
+    copying it: the whole training process died)."""
+    run = subprocess.run(
+        [sys.executable, "-c", FREED_STORAGE_SAVE, str(tmp_path / "ck"), str(int(background))],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("StagingError "), run.stdout + run.stderr[-2000:]
+    assert "'w' (offset (0,))" in run.stdout and "outside its storage" in run.stdout
+    assert "0 of 4194304 bytes" in run.stdout and "cannot be copied" in run.stdout
+    assert not os.path.exists(tmp_path / "ck")
 
 
 @pytest.mark.timeout(60)

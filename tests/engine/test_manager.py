@@ -413,3 +413,38 @@ def test_a_step_folder_name_with_a_trailing_newline_is_not_a_step(tmp_path):
     for pattern in (local_tier._STEP_DIR, local_tier._ASIDE_DIR):
         name = "step_00000002" + (".previous" if pattern is local_tier._ASIDE_DIR else "")
         assert pattern.match(name) and pattern.match(name + "\n") is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_re_save_leaves_the_committed_steps_metrics(tmp_path, async_save):
+    """A save of a committed step again (after a rollback) that fails leaves that step as
+    it was, its recorded metric too: retention still keeps it as the best (was: the failed
+    save's metric stayed in its manager.json, and the next save deleted the best step)."""
+    root = str(tmp_path)
+    mgr = db.CheckpointManager(
+        root, every=1, keep_best=1, best_metric="loss", async_save=async_save, writer="thread"
+    )
+    w = torch.arange(4.0)
+    mgr.save(1, {"w": w}, metrics={"loss": 5.0})
+    mgr.save(2, {"w": w * 2}, metrics={"loss": 1.0})
+    mgr.wait()
+    sidecar = os.path.join(root, "step_00000002", SIDECAR)
+    with open(sidecar, "rb") as f:
+        recorded = f.read()
+    bad = torch.randn(8)
+    bad.untyped_storage().resize_(0)  # cannot be saved: the re-save fails
+
+    def save_again() -> None:
+        mgr.save(2, {"w": w * 3, "bad": bad}, metrics={"loss": 100.0})
+        mgr.wait()  # an async save's failure is raised here
+
+    with pytest.raises(db.CheckpointError, match="'bad'"):
+        save_again()
+    with open(sidecar, "rb") as f:
+        assert f.read() == recorded
+    mgr.save(3, {"w": w * 4}, metrics={"loss": 3.0})
+    mgr.close()
+    assert mgr.all_steps() == [2, 3]  # the best (loss 1.0) and the newest
+    tmpl = {"w": torch.zeros(4)}
+    assert torch.equal(mgr.load(tmpl, step=2)["w"], w * 2)

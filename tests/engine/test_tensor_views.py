@@ -3,6 +3,9 @@ stored as the values they show, and filled as such on load; nested tensors are r
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,6 +81,47 @@ def test_a_sharded_tensor_over_a_view_and_a_nested_tensor_are_refused(tmp_path):
     nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
     with pytest.raises(db.SerializationError, match=r"'n'.*nested tensor"):
         db.save({"n": nested}, str(tmp_path / "b"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_sharded_tensor_over_quantized_data_is_refused(tmp_path):
+    """A quantized tensor's memory holds integers whose meaning (scale, zero point) is not
+    stored: refused by name, as for a plain tensor (was: saved as its integers; a load into a
+    quantized template returned them with the template's scale, silently other values)."""
+    q = torch.quantize_per_tensor(torch.tensor([0.5, -0.2, 1.1, 0.0]), 0.1, 3, torch.qint8)
+    st = db.ShardedTensor.from_rank_offsets("q", q)
+    with pytest.raises(db.ShardingValidationError, match=r"'q': .*quantized.*cannot be saved"):
+        db.save({"q": st}, str(tmp_path / "a"))
+    assert not list(tmp_path.iterdir())
+
+
+FREED = """
+import sys, torch, dcpbridge as db
+t = torch.randn(4, 8)
+t.untyped_storage().resize_(int(sys.argv[2]))  # freed (0), as FSDP frees a parameter, or shrunk
+try:
+    db.save({"w": db.ShardedTensor.from_rank_offsets("w", t)}, sys.argv[1])
+except db.CheckpointError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("left", [0, 100])
+def test_a_sharded_tensor_whose_storage_was_freed_is_refused(tmp_path, left):
+    """Data whose storage no longer holds it (resized to 0 bytes, as FSDP frees a parameter,
+    or shrunk) is refused by name before anything is written (was: the writer copied from
+    the storage's address unchecked: a segfault, or bytes past its end written)."""
+    run = subprocess.run(
+        [sys.executable, "-c", FREED, str(tmp_path / "a"), str(left)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("ShardingValidationError "), run.stdout + run.stderr[-2000:]
+    assert "'w': its data lies outside its storage" in run.stdout
+    assert f"{left} of 128 bytes" in run.stdout
     assert not list(tmp_path.iterdir())
 
 

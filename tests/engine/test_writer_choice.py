@@ -256,3 +256,38 @@ def test_a_writer_process_that_cannot_start(pool, tmp_path):
         [],
         [],
     ]
+
+
+def test_auto_writes_on_the_thread_when_the_writer_process_dies_before_its_job(
+    tmp_path, monkeypatch
+):
+    """A writer process that starts but dies before it takes any job (its interpreter cannot
+    import the writer) cannot start either: "auto" writes that save on the thread with a
+    warning, as when it cannot be spawned; a named "process" fails it (was: every "auto"
+    save failed with WriterProcessError, so the default lost every checkpoint)."""
+    from dcpbridge.storage.write import process as writer_module
+    from dcpbridge.storage.write.process import WriterProcess
+
+    area = AsyncSaver.for_group(Group.resolve(None), 1).area
+    monkeypatch.setattr(WriterProcess, "child_module", "tests.support.no_such_writer")
+    monkeypatch.setattr(writer_process, "AUTO_MIN_BYTES", 0)  # "auto" takes the process
+    running = process_of(area)
+    if running is not None:
+        running.close()  # the next save starts the child that cannot import its module
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(9))
+    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
+    try:
+        with _warnings(writer_module.log) as warned:
+            db.async_save(state, str(tmp_path / "auto")).result(60)
+        named = db.async_save(state, str(tmp_path / "named"), writer="process")
+        with pytest.raises(db.WriterProcessError, match="ended before it took the job"):
+            named.result(60)
+    finally:
+        process = process_of(area)
+        if process is not None:
+            process.close()  # the next save starts a plain child
+    assert len(warned) == 1 and "ended before it took the job" in warned[0], warned
+    assert warned[0].endswith("; the thread writer writes this save"), warned
+    tmpl = {"t": db.ShardedTensor.from_box("t", torch.zeros(64, 33), (64, 33), (0, 0))}
+    assert torch.equal(db.load(tmpl, str(tmp_path / "auto"))["t"], t)
+    assert not os.path.exists(tmp_path / "named" / "dcpbridge.json")

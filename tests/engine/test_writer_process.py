@@ -18,7 +18,7 @@ import torch.distributed as dist
 import dcpbridge as db
 from dcpbridge.engine.async_save import AsyncSaver
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.writer_process import attach
+from dcpbridge.engine.writer_process import attach, process_of
 from dcpbridge.storage.write.process import Failure, WriterProcess, raise_failure
 from tests.support.dist_pool import Rank
 
@@ -163,6 +163,66 @@ def test_a_child_failure_is_raised_with_its_cause():
     with pytest.raises(db.WriterProcessError, match="MemoryError: out") as wrapped:
         raise_failure(Failure(MemoryError("out"), None, "trace"), "file:///x")
     assert isinstance(wrapped.value.__cause__, MemoryError)
+
+
+def test_a_storage_fault_in_the_writer_process_is_its_storage_error(tmp_path, monkeypatch):
+    """A write that fails in the writer process with a storage fault (a full disk) fails the
+    save with that ``StorageError`` (cause kept), not as a death of the process, which stays
+    up for the next save (was: a "writer process ended" error, and the process restarted)."""
+    area = AsyncSaver.for_group(Group.resolve(None), 1).area
+    monkeypatch.setattr(WriterProcess, "child_module", "tests.support.full_disk_writer")
+    running = process_of(area)
+    if running is not None:
+        running.close()  # the next save starts the full-disk child
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(7))
+    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
+    handle = db.async_save(state, str(tmp_path / "ck"), writer="process")
+    process = process_of(area)
+    assert process is not None
+    try:
+        with pytest.raises(db.StorageError) as failed:
+            handle.result(60)
+        alive = process._proc is not None and process._proc.poll() is None
+    finally:
+        process.close()  # the next save starts a plain child
+    assert alive  # it did not die: storage failed
+    assert not isinstance(failed.value, db.WriterProcessError), failed.value
+    assert "No space left on device" in str(failed.value) and "write __0_" in str(failed.value)
+    assert isinstance(failed.value.__cause__, OSError) and failed.value.__cause__.errno == 28
+    assert os.listdir(tmp_path / "ck") == []  # no data file, no commit
+
+
+def test_a_sigterm_to_the_process_group_lets_the_writer_process_finish(tmp_path, monkeypatch):
+    """A scheduler's SIGTERM reaches every process of the job (Slurm signals them all), the
+    writer process too: it finishes the save it is writing, so the save in flight commits
+    and the trainer's ``save_on_signal`` can write its final checkpoint (was: the writer
+    process died of it, failing the save in flight, and with it the final save)."""
+    area = AsyncSaver.for_group(Group.resolve(None), 1).area
+    monkeypatch.setattr(WriterProcess, "child_module", "tests.support.gated_writer")
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("DCPB_TEST_GATE", str(gate))
+    running = process_of(area)
+    if running is not None:
+        running.close()  # the next save starts the gated child
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(8))
+    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
+    handle = db.async_save(state, str(tmp_path / "ck"), writer="process")
+    process = process_of(area)
+    assert process is not None
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "gate.taken").exists():  # the job is in the writer process
+            assert time.monotonic() < deadline, "the gated writer never took the job"
+            time.sleep(0.02)
+        os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        time.sleep(0.2)  # a default handler would have ended it by now
+        gate.touch()
+        handle.result(60)  # was: WriterProcessError (exit code -15)
+    finally:
+        gate.touch()
+        process.close()  # the next save starts a plain child
+    tmpl = {"t": db.ShardedTensor.from_box("t", torch.zeros(64, 33), (64, 33), (0, 0))}
+    assert torch.equal(db.load(tmpl, str(tmp_path / "ck"))["t"], t)
 
 
 def test_writer_choice_is_checked(tmp_path):
