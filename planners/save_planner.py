@@ -225,13 +225,13 @@ def storage_reach(t: torch.Tensor) -> tuple[int, int]:
     """(bytes of its storage that ``t``'s elements reach, bytes the storage holds): the first
     exceeds the second where the storage was freed or shrunk (``resize_(0)``, as FSDP frees a
     parameter), and torch's copies then read past its end without a check."""
-    if not t.numel():
-        return 0, t.untyped_storage().nbytes()
-    if t.is_contiguous():  # most tensors: the cheap sum (a few microseconds a tensor in all)
-        end = t.storage_offset() + t.numel()
-    else:
-        end = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-    return end * t.element_size(), t.untyped_storage().nbytes()
+    have, size = t.untyped_storage().nbytes(), t.nbytes  # six calls: 1.1 us a tensor
+    if not size:
+        return 0, have
+    if t.is_contiguous():  # most tensors: the cheap sum
+        return t.storage_offset() * t.element_size() + size, have
+    end = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return end * t.element_size(), have
 
 
 def outside_storage(t: torch.Tensor) -> str | None:
