@@ -179,8 +179,8 @@ class CheckpointManager:
         self._group = Group.resolve(process_group)
         self._pending: tuple[int, AsyncSaveHandle] | None = None
         self._metrics: dict[int, float | None] = {}
-        # rank 0: the sidecar (None: none) of each committed step being saved again, put back
-        # if that save fails, so the committed step keeps its own metrics
+        # rank 0: the sidecar (None: none) of each step being saved, put back if that save
+        # fails, so a committed step keeps its own metrics and a new one leaves nothing
         self._resaved: dict[int, bytes | None] = {}
         self._signals: dict[int, Any] = {}  # signal -> the handler it replaced
         self._state_fn: Callable[[], tuple[int, Any]] | None = None
@@ -412,8 +412,10 @@ class CheckpointManager:
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
                 kept = store.read_file(location.path(SIDECAR)) if store.exists(SIDECAR) else None
                 self._resaved[step] = kept
-            elif store.list_names():
-                self._remove_steps([step], self._scan()[0])
+            else:  # a new step: its sidecar goes if the save fails (rule 3)
+                if store.list_names():
+                    self._remove_steps([step], self._scan()[0])
+                self._resaved[step] = None
             store.makedirs()
             raw = json.dumps({"step": step, "metrics": plain}, sort_keys=True).encode()
             store.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
@@ -457,9 +459,9 @@ class CheckpointManager:
         return True
 
     def _unprepare(self, step: int) -> None:
-        """Rank 0, after a failed save of the committed step ``step``: put its sidecar back
-        (the failed save wrote its own metrics there; the step holds the old save, whose
-        metrics retention must rank). A failure to do so is logged."""
+        """Rank 0, after a failed save of ``step``: put its sidecar back (the failed save
+        wrote its own metrics there; a committed step holds the old save, whose metrics
+        retention must rank), or remove it (a new step). A failure to do so is logged."""
         if step not in self._resaved:
             return
         kept = self._resaved.pop(step)
@@ -468,6 +470,8 @@ class CheckpointManager:
             store = storage_for(self._location(step))
             if kept is None:
                 store.remove([SIDECAR])
+                if not store.list_names():  # a new step's folder, nothing else written there
+                    store.remove_folder()
             else:
                 store.commit_file(SIDECAR, kept, f"{SIDECAR}.tmp", sync=True)
         except Exception as e:

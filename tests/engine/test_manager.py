@@ -448,3 +448,23 @@ def test_a_failed_re_save_leaves_the_committed_steps_metrics(tmp_path, async_sav
     assert mgr.all_steps() == [2, 3]  # the best (loss 1.0) and the newest
     tmpl = {"w": torch.zeros(4)}
     assert torch.equal(mgr.load(tmpl, step=2)["w"], w * 2)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_save_of_a_new_step_leaves_no_sidecar(tmp_path, async_save):
+    """Rule 3: the failed save's manager.json stayed in step_N/ until a later save."""
+    root = str(tmp_path)
+    mgr = db.CheckpointManager(root, every=1, async_save=async_save, writer="thread")
+    w = torch.arange(4.0)
+    mgr.save(1, {"w": w}, metrics={"loss": 5.0})
+    mgr.wait()
+    bad = torch.randn(8)
+    bad.untyped_storage().resize_(0)  # cannot be saved
+
+    with pytest.raises(db.CheckpointError, match="'bad'"):
+        mgr.save(2, {"w": w * 3, "bad": bad}, metrics={"loss": 1.0})
+        mgr.wait()
+    step2 = os.path.join(root, "step_00000002")
+    assert not os.path.exists(step2)
+    assert mgr.all_steps() == [1]
+    mgr.close()
