@@ -461,9 +461,12 @@ def test_a_failed_save_of_a_new_step_leaves_no_sidecar(tmp_path, async_save):
     bad = torch.randn(8)
     bad.untyped_storage().resize_(0)  # cannot be saved
 
-    with pytest.raises(db.CheckpointError, match="'bad'"):
+    def save_bad() -> None:
         mgr.save(2, {"w": w * 3, "bad": bad}, metrics={"loss": 1.0})
-        mgr.wait()
+        mgr.wait()  # an async save's failure is raised here
+
+    with pytest.raises(db.CheckpointError, match="'bad'"):
+        save_bad()
     step2 = os.path.join(root, "step_00000002")
     assert not os.path.exists(step2)
     assert mgr.all_steps() == [1]
