@@ -2,14 +2,18 @@
 shared segments it is sent, run each write job with ``FsspecCheckpointWriter``, reply.
 
 It ends when its parent closes the socket (or exits), never in the middle of a job: it ignores
-SIGINT and SIGTERM, which a terminal or a scheduler sends to the trainer's processes too.
+SIGINT and SIGTERM, which a terminal or a scheduler sends to the trainer's processes too. A
+parent killed outright ends it at once, mid-job: nothing it writes would be committed.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -83,12 +87,21 @@ def serve(conn: Connection) -> None:
         conn.send(reply)
 
 
+def _end_with(parent: int) -> None:
+    """End this process once ``parent`` is gone (a SIGKILLed trainer never hangs up: the job
+    in hand would go on writing files nobody commits, into a folder a restarted job may use)."""
+    while os.getppid() == parent:
+        time.sleep(0.25)
+    os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     # a Ctrl-C, or a scheduler's SIGTERM to every process of the job (Slurm), is the trainer's
     # to handle (its save_on_signal); this process ends when the trainer hangs up or exits
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
+    threading.Thread(target=_end_with, args=(os.getppid(),), daemon=True).start()
     with Connection(int(argv[1])) as conn:
         serve(conn)
     return 0

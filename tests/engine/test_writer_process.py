@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -256,3 +258,64 @@ def test_a_relative_path_is_written_where_the_save_commits_it(tmp_path, monkeypa
     assert not (started_in / "ck").exists()  # its data files landed here, without a commit
     tmpl = {"t": db.ShardedTensor.from_box("t", torch.zeros(64, 33), (64, 33), (0, 0))}
     assert torch.equal(db.load(tmpl, str(saved_in / "ck"))["t"], t)  # was: data file missing
+
+
+_TRAINER = """
+import sys, time, torch
+import dcpbridge as db
+from dcpbridge.engine.async_save import AsyncSaver
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.writer_process import process_of
+from dcpbridge.storage.write.process import WriterProcess
+WriterProcess.child_module = "tests.support.gated_writer"
+t = torch.randn(64, 33)
+db.async_save({"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}, sys.argv[1],
+              writer="process")
+area = AsyncSaver.for_group(Group.resolve(None), 1).area
+with open(sys.argv[2], "w") as f:
+    f.write(str(process_of(area).pid))
+time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"  # exited, not yet reaped
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_process_whose_trainer_was_killed_ends_without_writing(tmp_path):
+    """The trainer SIGKILLed mid-save (an OOM kill, a node agent): its writer process went on
+    writing files nobody would commit, into a step folder a restarted job may already use
+    again; it now ends within a second of its parent."""
+    gate, pidfile, ck = tmp_path / "gate", tmp_path / "child.pid", tmp_path / "ck"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "DCPB_TEST_GATE": str(gate), "PYTHONPATH": root}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(ck), str(pidfile)], cwd=root, env=env
+    )
+    child = None
+    try:
+        deadline = time.monotonic() + 90
+        while not ((tmp_path / "gate.taken").exists() and pidfile.exists()):
+            assert time.monotonic() < deadline and trainer.poll() is None, "no job taken"
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        trainer.kill()
+        trainer.wait(10)
+        deadline = time.monotonic() + 5
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), "the writer process outlived its trainer"
+        gate.touch()
+        time.sleep(0.5)
+        assert not any(n.endswith(".bin") for n in os.listdir(ck)) if ck.exists() else True
+    finally:
+        gate.touch()
+        trainer.kill()
+        if child is not None and not _gone(child):
+            os.kill(child, signal.SIGKILL)
