@@ -111,18 +111,20 @@ def _writers(everyone: list[list[Held]]) -> dict[str, list[Placed]]:
     loads = [0] * len(everyone)
     plain: dict[str, list[int]] = {}
     nbytes: dict[str, int] = {}
+    shapes: dict[str, Shape] = {}  # the same on every holder (``_tensor_table`` checked)
     for rank, held in enumerate(everyone):
         for h in held:
             if h.plain:
                 plain.setdefault(h.key, []).append(rank)
                 nbytes[h.key] = math.prod(h.shape) * h.dtype.itemsize
+                shapes[h.key] = h.shape
             elif h.main:
                 boxes.setdefault(h.key, []).append(Placed(h.offsets, h.sizes, rank))
                 loads[rank] += math.prod(h.sizes) * h.dtype.itemsize
     for key in sorted(plain, key=lambda k: (-nbytes[k], k)):
         rank = min(plain[key], key=lambda r: (loads[r], r))
         loads[rank] += nbytes[key]
-        shape = next(h.shape for h in everyone[rank] if h.key == key)
+        shape = shapes[key]
         boxes.setdefault(key, []).append(Placed((0,) * len(shape), shape, rank))
     return boxes
 
