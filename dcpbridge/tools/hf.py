@@ -41,6 +41,7 @@ from dcpbridge.storage.write.writer import tensor_bytes
 from dcpbridge.tools.export import (
     SAFETENSORS_SINGLE,
     ExportResult,
+    _remove_quietly,
     plan_files,
     remove_export,
     safetensors_header,
@@ -287,9 +288,11 @@ def save_hf(
 
     def publish(_: list[int]) -> None:
         if len(plan.files) == 1:
-            os.replace(
-                location.path(SAFETENSORS_SINGLE + PARTIAL), location.path(SAFETENSORS_SINGLE)
-            )
+            with storage_faults(f"{location.url}: publish {SAFETENSORS_SINGLE}"):
+                os.replace(
+                    location.path(SAFETENSORS_SINGLE + PARTIAL),
+                    location.path(SAFETENSORS_SINGLE),
+                )
             _sync_dir(location.root)
         else:
             raw = safetensors_index(plan.weight_map, plan.total)
@@ -304,8 +307,8 @@ def save_hf(
         raise
     names = [name for name, _ in plan.files]
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
-    if group.is_coordinator:
-        _remove_present(store, stale_exports(store, written))
+    if group.is_coordinator:  # committed: a leftover is logged, not raised on one rank only
+        _remove_quietly(store, stale_exports(store, written))
     return ExportResult(location.url, written, len(plan.weight_map), plan.total, [])
 
 

@@ -479,3 +479,27 @@ def test_plan_of_many_plain_tensors_takes_linear_time():
     writes = sorted((w.key, r, w.sizes) for r, ws in plan.writes.items() for w in ws)
     assert len(writes) == 30_000 and {r for _, r, _ in writes} == {0, 1}
     assert all(sizes == (4,) for _, _, sizes in writes)
+
+
+def test_save_hf_publish_and_cleanup_failures_raise_storage_errors_or_are_logged(tmp_path, caplog):
+    """The one file's rename raised the OS error itself (no StorageError, nothing naming the
+    export), and a stale file of an earlier export that could not be removed after the commit
+    raised on the coordinator alone, though the export was complete and published (the other
+    ranks returned it). The rename's failure is a StorageError leaving nothing; the leftover
+    is logged, as ``export_safetensors`` does."""
+    from safetensors.torch import load_file
+
+    blocked = tmp_path / "blocked"
+    (blocked / "model.safetensors" / "x").mkdir(parents=True)  # a folder where the file goes
+    error = rf"{blocked}: publish model\.safetensors: IsADirectoryError"
+    with pytest.raises(db.StorageError, match=error) as raised:
+        db.save_hf(full(), str(blocked))
+    assert isinstance(raised.value.__cause__, IsADirectoryError)
+    assert sorted(os.listdir(blocked)) == ["model.safetensors"]  # the folder only
+    stale = tmp_path / "stale"
+    (stale / "model-00001-of-00005.safetensors" / "x").mkdir(parents=True)
+    with caplog.at_level("WARNING"):
+        assert db.save_hf(full(), str(stale)).files == ["model.safetensors"]
+    assert "could not remove ['model-00001-of-00005.safetensors']" in caplog.text
+    got = load_file(str(stale / "model.safetensors"))
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
