@@ -163,6 +163,7 @@ def _holdings(state_dict: Any) -> tuple[list[Held], dict[tuple[str, Shape], Shar
     """What this rank holds (tensors only: anything else is refused by name)."""
     parts = for_save(state_dict)
     held, data = [], {}
+    plain_seen: set[str] = set()
     for s in parts.shards:
         if not isinstance(s, ShardedTensor):
             raise SerializationError(
@@ -170,6 +171,13 @@ def _holdings(state_dict: Any) -> tuple[list[Held], dict[tuple[str, Shape], Shar
             )
         offsets, sizes = tuple(s.global_offset), chunk_sizes(s)
         plain = s.key in parts.plain
+        if plain:  # a plain tensor is one shard: another under its key is a second value
+            if s.key in plain_seen:
+                raise ShardingValidationError(
+                    f"save_hf: {s.key!r} is both a plain tensor and a ShardedTensor key on "
+                    "this rank: two values under one key"
+                )
+            plain_seen.add(s.key)
         held.append(
             Held(
                 s.key,
@@ -181,7 +189,8 @@ def _holdings(state_dict: Any) -> tuple[list[Held], dict[tuple[str, Shape], Shar
                 plain,
             )
         )
-        data[(s.key, offsets)] = s
+        if (s.key, offsets) not in data or is_main_replica(s.replica_id):
+            data[(s.key, offsets)] = s  # a box held twice: the main replica's data is written
     if parts.objects:
         names = ", ".join(sorted(parts.objects)[:5])
         raise SerializationError(

@@ -503,3 +503,25 @@ def test_save_hf_publish_and_cleanup_failures_raise_storage_errors_or_are_logged
     assert "could not remove ['model-00001-of-00005.safetensors']" in caplog.text
     got = load_file(str(stale / "model.safetensors"))
     assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
+def test_save_hf_writes_the_main_replica_and_refuses_a_plain_tensor_under_a_shard_key(tmp_path):
+    """A rank holding a box twice (its main replica and a replica, as ``db.save`` accepts)
+    wrote the data of whichever came last: the replica's bytes where they differ. A plain
+    tensor whose path is also a ShardedTensor's key was taken for the shard's replica and one
+    of the two values dropped. Now the main replica's bytes are written, in either order, and
+    two values under one key raise before anything is written, as ``db.save`` raises."""
+    from safetensors.torch import load_file
+
+    main = db.ShardedTensor.from_box("a.b", torch.arange(4.0), (4,), (0,))
+    copy = db.ShardedTensor.from_box("a.b", torch.zeros(4), (4,), (0,), replica_id=1)
+    for i, state in enumerate(({"m": main, "c": copy}, {"c": copy, "m": main})):
+        out = tmp_path / f"order{i}"
+        db.save_hf(state, str(out))
+        assert torch.equal(load_file(str(out / "model.safetensors"))["a.b"], torch.arange(4.0))
+    shard = db.ShardedTensor.from_box("a.b", torch.zeros(2), (4,), (2,))
+    for i, other in enumerate((main, shard)):
+        out = tmp_path / f"both{i}"
+        with pytest.raises(db.ShardingValidationError, match=r"'a\.b' is both a plain tensor"):
+            db.save_hf({"a": {"b": torch.ones(4)}, "x": other}, str(out))
+        assert not out.exists()
