@@ -166,7 +166,8 @@ class _TorchFileSource(Source):
     scratch: tempfile.TemporaryDirectory[str] | None = None
 
     def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
-        return self.values[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        box = self.values[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        return box.resolve_conj().resolve_neg()  # the values a conjugate/negative view shows
 
     def object_bytes(self, key: str) -> bytes:
         buf = io.BytesIO()

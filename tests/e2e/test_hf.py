@@ -525,3 +525,32 @@ def test_save_hf_writes_the_main_replica_and_refuses_a_plain_tensor_under_a_shar
         with pytest.raises(db.ShardingValidationError, match=r"'a\.b' is both a plain tensor"):
             db.save_hf({"a": {"b": torch.ones(4)}, "x": other}, str(out))
         assert not out.exists()
+
+
+def test_export_keeps_conjugate_and_negative_views_of_one_storage_apart(tmp_path):
+    """A torch.save file keeps a conjugate (or negative) view on its base's storage, with the
+    same offset, shape and stride: export took it for a tied weight, wrote the base's values
+    once and recorded the view as an alias of it (re-tied on load: the base's values, not the
+    view's); and reading the view to write it (convert --to safetensors or dcpbridge) raised
+    torch's RuntimeError. Each is written with the values it shows."""
+    from safetensors.torch import load_file
+
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    f = torch.tensor([1.0, -2.5])
+    state = {"c": c, "c_conj": c.conj(), "f": f, "f_neg": f._neg_view(), "f_tied": f}
+    src = str(tmp_path / "views.pt")
+    torch.save(state, src)
+    source = db.open_source(src)
+    try:
+        result = db.export_safetensors(source, str(tmp_path / "out"))
+        db.reshard(source, str(tmp_path / "ck"), db.parse_layout({"world_size": 1}))
+    finally:
+        source.close()
+    template = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in state.items()}
+    resharded = db.load(template, str(tmp_path / "ck"))
+    assert all(torch.equal(resharded[k], v.resolve_conj().resolve_neg()) for k, v in state.items())
+    assert result.aliases == {"f_tied": "f"}
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(got) == ["c", "c_conj", "f", "f_neg"]
+    for key in got:
+        assert torch.equal(_bytes(got[key]), _bytes(state[key].resolve_conj().resolve_neg()))
