@@ -249,7 +249,9 @@ def export_safetensors(
     except BaseException:  # every rank has stopped writing by now
         index_files = [SAFETENSORS_INDEX] if group.is_coordinator else []  # (its temp file:
         # commit_file's own, which it removes when the commit fails)
-        remove_export(store, [*started, *index_files], created if group.is_coordinator else [])
+        # each rank removes its files, then the folders the export made while they are empty:
+        # the last rank to finish removes them (the coordinator may finish first)
+        remove_export(store, [*started, *index_files], created)
         raise
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
     if group.is_coordinator:

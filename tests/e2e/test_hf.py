@@ -170,6 +170,51 @@ def test_a_rank_failing_mid_save_leaves_no_index(pool, tmp_path):
     assert not os.path.exists(path) or os.listdir(path) == []
 
 
+def export_failing_on_rank_1(r: Rank, source: str, path: str) -> str:
+    """``export_safetensors`` on every rank; rank 1's disk fills at its first file, and it
+    removes what it wrote only after the coordinator has removed its own files."""
+    import time
+
+    from dcpbridge.engine.collectives import Group
+    from dcpbridge.tools import export
+
+    whole, remove = export._whole, export._remove_quietly
+
+    def full_disk(*args: Any) -> Any:
+        yield next(whole(*args))
+        raise OSError(28, "No space left on device")
+
+    def late_remove(*args: Any) -> None:
+        time.sleep(1.0)
+        remove(*args)
+
+    if r.rank == 1:
+        export._whole, export._remove_quietly = full_disk, late_remove  # type: ignore[assignment]
+    src = db.open_source(source)
+    try:
+        db.export_safetensors(src, path, max_shard_bytes=SHARD_BYTES, group=Group.resolve(r.group))
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        export._whole, export._remove_quietly = whole, remove  # type: ignore[assignment]
+        src.close()
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_an_export_failing_on_one_rank_leaves_no_folder_behind(pool, tmp_path):
+    """Each rank removes the files it wrote; the folder the export made was removed by the
+    coordinator only, while it was empty: where another rank's files were still there, an empty
+    folder stayed behind (a one-process export leaves none). The last rank done removes it."""
+    source, path = str(tmp_path / "full.pt"), str(tmp_path / "out" / "hf")
+    torch.save(full(), source)
+    outcomes = pool.run(export_failing_on_rank_1, 2, source, path, timeout=100)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"StorageError: rank 1: {path}: write model-"), outcomes[0]
+    assert "No space left on device" in outcomes[0]
+    assert sorted(os.listdir(tmp_path)) == ["full.pt"]  # neither "out" nor "out/hf"
+
+
 def save_or_export_split_differently(r: Rank, path: str, source: str | None) -> str:
     """``save_hf`` (``export_safetensors`` from ``source`` if given) with a ``max_shard_bytes``
     that differs between the ranks: the files each rank plans would differ."""
