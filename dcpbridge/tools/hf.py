@@ -317,7 +317,9 @@ def save_hf(
     names = [name for name, _ in plan.files]
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
     if group.is_coordinator:  # committed: a leftover is logged, not raised on one rank only
-        _remove_quietly(store, stale_exports(store, written))
+        # (and the one-file temp name of a killed earlier save, which a rename would replace)
+        partial = [SAFETENSORS_SINGLE + PARTIAL] if len(names) > 1 else []
+        _remove_quietly(store, [*stale_exports(store, written), *partial])
     return ExportResult(location.url, written, len(plan.weight_map), plan.total, [])
 
 

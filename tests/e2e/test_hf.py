@@ -298,6 +298,32 @@ def test_a_save_killed_before_its_index_is_refused_not_read_as_zeros(tmp_path):
         db.open_source(path)
 
 
+def _killed_one_file_save(path: str) -> None:
+    """A one-file ``save_hf`` in a process killed at its first tensor byte."""
+    from dcpbridge.tools import hf
+
+    def die(*_: object) -> None:
+        os._exit(9)
+
+    hf._box_parts = die  # type: ignore[assignment]
+    db.save_hf(full(), path)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_one_file_save_leaves_no_temp_file_after_the_next_save(tmp_path):
+    """A one-file save killed before its rename leaves ``model.safetensors.partial``, as large
+    as the model; the next save replaced it only if it was one file too: a save in several
+    files kept it for ever. It is removed with the earlier export's other leftovers."""
+    path = str(tmp_path / "hf")
+    assert _exit_code(_killed_one_file_save, path) == 9
+    assert os.listdir(path) == ["model.safetensors.partial"]
+    db.save_hf(full(), path, max_shard_bytes=SHARD_BYTES)
+    names = sorted(os.listdir(path))
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
+    got = db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in full().items())
+
+
 def _export_killed_after_one_shard(source: str, path: str) -> None:
     """``export_safetensors`` (``convert --force``) killed once its first shard is durable."""
     from dcpbridge.tools import export
