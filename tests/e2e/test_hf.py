@@ -625,3 +625,38 @@ def test_export_keeps_conjugate_and_negative_views_of_one_storage_apart(tmp_path
     assert sorted(got) == ["c", "c_conj", "f", "f_neg"]
     for key in got:
         assert torch.equal(_bytes(got[key]), _bytes(state[key].resolve_conj().resolve_neg()))
+
+
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [
+        ("sparse", "a torch.sparse_coo tensor"),
+        ("csr", "a torch.sparse_csr tensor"),
+        ("quantized", "a quantized tensor"),
+        ("nested", "a nested tensor"),
+        ("meta", "a torch.strided meta tensor"),
+    ],
+)
+def test_a_torch_file_holding_a_tensor_without_dense_data_is_refused_naming_it(
+    tmp_path, kind, what
+):
+    """Export and reshard of such a torch.save file raised torch's own NotImplementedError or
+    RuntimeError mid-way (sparse, nested, meta), or, for a quantized tensor, resharded its
+    integer bytes without their scale and zero point (values silently lost; db.save refuses
+    the tensor). Opening the file now refuses it, naming the file and the tensor."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on sparse and nested tensors
+        odd = {
+            "sparse": lambda: torch.eye(3).to_sparse(),
+            "csr": lambda: torch.eye(3).to_sparse_csr(),
+            "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.5, 3, torch.qint8),
+            "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+            "meta": lambda: torch.empty(3, device="meta"),
+        }[kind]()
+        src = str(tmp_path / "odd.pt")
+        torch.save({"w": torch.ones(2), "layer": {"x": odd}}, src)
+    error = rf"{src}: tensor 'layer\.x' is {what}, which has no dense data to read"
+    with pytest.raises(db.SerializationError, match=error):
+        db.open_source(src)
