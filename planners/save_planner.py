@@ -75,6 +75,9 @@ class LocalSummary:
     paths: dict[str, ObjPath] = field(default_factory=dict)  # DCP key -> path in the state dict
     digest: bytes = b""  # fingerprint of ``tensors`` (``describe_plan``; empty: not made)
     columns: PlanColumns | None = None  # the plan's items as arrays (``describe_plan``)
+    # keys of 0-element tensors held as shards, which no local rule plans a chunk of: the
+    # coordinator has one holder plan the whole empty chunk (``plan_empty_chunks``)
+    empty: list[str] = field(default_factory=list)
 
 
 def describe_plan(items: list[WriteItem], summary: LocalSummary) -> None:
@@ -176,7 +179,9 @@ def plan_local_writes(
                     whole = value.to_local().new_empty(shape)
                     sh = LocalBox(key, whole, sh.dtype, shape, shape, (0,) * len(shape))
                     sizes = shape
-                if writes and (math.prod(sizes) > 0 or empty):
+                if not empty and not math.prod(shape):  # a shard of a 0-element tensor
+                    out.summary.empty.append(key)
+                elif writes and (math.prod(sizes) > 0 or empty):
                     check_data(sh)
                     item = _tensor_item(key, tuple(sh.global_offset), sizes, shape, sh.dtype)
                     kept = out.sources.get(item.index)
@@ -209,6 +214,34 @@ def plan_local_writes(
             item = WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
             out.items.append(item)
             out.sources[item.index] = serialize_object(leaf.value, f"object {key!r}")
+    return out
+
+
+def plan_empty_chunks(plans: list[SavePlan]) -> list[SavePlan]:
+    """``plans`` with one whole empty chunk for each 0-element tensor held only as shards
+    (Megatron-style ShardedTensors, torch ShardedTensors), planned by the lowest rank that
+    holds it: no rank plans a chunk of it otherwise, and a storage writer that writes only
+    the planned items (DCP's HF writer) would drop the key. Its columns are made again."""
+    lowest: dict[str, int] = {}
+    for rank, plan in enumerate(plans):
+        summary = plan.planner_data
+        if isinstance(summary, LocalSummary):
+            for key in summary.empty:
+                lowest.setdefault(key, rank)
+    if not lowest:
+        return plans
+    out = list(plans)
+    for key, rank in lowest.items():
+        plan = out[rank]
+        summary = plan.planner_data
+        shape, dtype = summary.tensors[key]
+        item = _tensor_item(key, (0,) * len(shape), shape, shape, parse_dtype(dtype))
+        out[rank] = dataclasses.replace(plan, items=[*plan.items, item])
+    for rank, plan in enumerate(out):
+        if plan is not plans[rank] and plan.planner_data.columns is not None:
+            summary = dataclasses.replace(plan.planner_data, columns=None)
+            describe_plan(plan.items, summary)
+            out[rank] = dataclasses.replace(plan, planner_data=summary)
     return out
 
 
@@ -641,6 +674,11 @@ class ShardedSavePlanner(SavePlanner):
     # Send the plan's chunks as columns too: they save the coordinator a walk over every
     # rank's items (a group of one gains nothing from them, and may turn them off).
     columns = True
+    # The coordinator adds a whole empty chunk of each 0-element tensor held only as shards
+    # to the plan of its lowest holder (``plan_empty_chunks``): DCP's writers write only the
+    # planned items. Off where the writer records every declared tensor and writes only the
+    # local plan's items (dcpbridge's own saves).
+    plans_empty_chunks = True
 
     def __init__(self, *, validate: bool = True, owners: WhoWrites | None = None) -> None:
         self.validate = validate
@@ -697,10 +735,22 @@ class ShardedSavePlanner(SavePlanner):
         return columns.digest
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if self.plans_empty_chunks:
+            all_plans = plan_empty_chunks(all_plans)
         metadata = build_metadata(all_plans, validate=self.validate)
         return [dataclasses.replace(p, planner_data=None) for p in all_plans], metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if len(new_plan.items) != len(self._planned):  # the coordinator added empty chunks
+            sources = self._sources
+            for item in new_plan.items:
+                data = item.tensor_data
+                if item.index not in sources and data is not None and not data.size.numel():
+                    empty = torch.empty(data.size, dtype=data.properties.dtype)
+                    shape = tuple(data.size)
+                    sources[item.index] = LocalBox(
+                        item.index.fqn, empty, empty.dtype, shape, shape, (0,) * len(shape)
+                    )
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:

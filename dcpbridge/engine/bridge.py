@@ -48,6 +48,10 @@ class TensorWrites:
 class BridgeSavePlanner(ShardedSavePlanner):
     """Plans ``save``'s shards and common entries, and records the common table."""
 
+    # the commit document records every declared tensor, and ``drive`` writes the local
+    # plan's items: no empty chunk is added to a plan
+    plans_empty_chunks = False
+
     def __init__(
         self,
         shards: list[Shard],

@@ -44,6 +44,7 @@ from dcpbridge.formats.safetensors_files import SafetensorsReader, open_safetens
 from dcpbridge.model.mapping import COMMON_KEY, ShardedTensor
 from dcpbridge.model.state import HOLE, extract, fill_holes
 from dcpbridge.planners import ShardedLoadPlanner, load_object
+from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import Location, StorageIndex
 
@@ -166,7 +167,8 @@ class _TorchFileSource(Source):
     scratch: tempfile.TemporaryDirectory[str] | None = None
 
     def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
-        return self.values[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        box = self.values[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        return box.resolve_conj().resolve_neg()  # the values a conjugate/negative view shows
 
     def object_bytes(self, key: str) -> bytes:
         buf = io.BytesIO()
@@ -329,6 +331,7 @@ def _open_torch_file(checkpoint: Checkpoint) -> Source:
         if isinstance(leaf.value, torch.Tensor):
             if leaf.path in values:
                 raise CorruptCheckpointError(f"{location.url}: two tensors are named {leaf.path!r}")
+            _check_dense(location.url, leaf.path, leaf.value)
             values[leaf.path] = leaf.value
     _, rest = extract(loaded, lambda x: isinstance(x, torch.Tensor))
     tensors = {
@@ -345,6 +348,17 @@ def _open_torch_file(checkpoint: Checkpoint) -> Source:
     src = _TorchFileSource(checkpoint, tensors, objects, {"files": [location.root]})
     src.values, src.common, src.scratch = values, common, scratch
     return src
+
+
+def _check_dense(url: str, key: str, t: torch.Tensor) -> None:
+    """Refuse a tensor whose elements are no dense bytes (sparse, nested, quantized: their
+    bytes alone would lose the rest; meta: none), as a save refuses it, naming it."""
+    if t.layout != torch.strided or t.is_meta or t.is_quantized or t.is_nested:
+        what = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
+        meta = "meta " if t.is_meta else ""
+        raise SerializationError(
+            f"{url}: tensor {key!r} is a {what} {meta}tensor, which has no dense data to read"
+        )
 
 
 def _pickled(path: str) -> bool:

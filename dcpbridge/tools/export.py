@@ -116,8 +116,9 @@ def safetensors_header(
 
 
 def tied_aliases(source: Source) -> dict[str, str]:
-    """Names sharing one storage (same bytes, shape and dtype) with an earlier name in the
-    file's order: alias -> kept name. Only ``torch.save`` files keep storage identity."""
+    """Names sharing one storage (same bytes, shape, dtype and conjugate/negative bits) with an
+    earlier name in the file's order: alias -> kept name. Only ``torch.save`` files keep
+    storage identity."""
     if not isinstance(source, _TorchFileSource):
         return {}
     first: dict[tuple[Any, ...], str] = {}
@@ -131,6 +132,8 @@ def tied_aliases(source: Source) -> dict[str, str]:
             t.shape,
             t.stride(),
             t.dtype,
+            t.is_conj(),  # a conjugate or negative view shows other values from one storage
+            t.is_neg(),
         )
         if identity in first:
             aliases[key] = first[identity]
@@ -246,7 +249,9 @@ def export_safetensors(
     except BaseException:  # every rank has stopped writing by now
         index_files = [SAFETENSORS_INDEX] if group.is_coordinator else []  # (its temp file:
         # commit_file's own, which it removes when the commit fails)
-        remove_export(store, [*started, *index_files], created if group.is_coordinator else [])
+        # each rank removes its files, then the folders the export made while they are empty:
+        # the last rank to finish removes them (the coordinator may finish first)
+        remove_export(store, [*started, *index_files], created)
         raise
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
     if group.is_coordinator:

@@ -41,6 +41,7 @@ from dcpbridge.storage.write.writer import tensor_bytes
 from dcpbridge.tools.export import (
     SAFETENSORS_SINGLE,
     ExportResult,
+    _remove_quietly,
     plan_files,
     remove_export,
     safetensors_header,
@@ -111,18 +112,20 @@ def _writers(everyone: list[list[Held]]) -> dict[str, list[Placed]]:
     loads = [0] * len(everyone)
     plain: dict[str, list[int]] = {}
     nbytes: dict[str, int] = {}
+    shapes: dict[str, Shape] = {}  # the same on every holder (``_tensor_table`` checked)
     for rank, held in enumerate(everyone):
         for h in held:
             if h.plain:
                 plain.setdefault(h.key, []).append(rank)
                 nbytes[h.key] = math.prod(h.shape) * h.dtype.itemsize
+                shapes[h.key] = h.shape
             elif h.main:
                 boxes.setdefault(h.key, []).append(Placed(h.offsets, h.sizes, rank))
                 loads[rank] += math.prod(h.sizes) * h.dtype.itemsize
     for key in sorted(plain, key=lambda k: (-nbytes[k], k)):
         rank = min(plain[key], key=lambda r: (loads[r], r))
         loads[rank] += nbytes[key]
-        shape = next(h.shape for h in everyone[rank] if h.key == key)
+        shape = shapes[key]
         boxes.setdefault(key, []).append(Placed((0,) * len(shape), shape, rank))
     return boxes
 
@@ -160,6 +163,7 @@ def _holdings(state_dict: Any) -> tuple[list[Held], dict[tuple[str, Shape], Shar
     """What this rank holds (tensors only: anything else is refused by name)."""
     parts = for_save(state_dict)
     held, data = [], {}
+    plain_seen: set[str] = set()
     for s in parts.shards:
         if not isinstance(s, ShardedTensor):
             raise SerializationError(
@@ -167,6 +171,13 @@ def _holdings(state_dict: Any) -> tuple[list[Held], dict[tuple[str, Shape], Shar
             )
         offsets, sizes = tuple(s.global_offset), chunk_sizes(s)
         plain = s.key in parts.plain
+        if plain:  # a plain tensor is one shard: another under its key is a second value
+            if s.key in plain_seen:
+                raise ShardingValidationError(
+                    f"save_hf: {s.key!r} is both a plain tensor and a ShardedTensor key on "
+                    "this rank: two values under one key"
+                )
+            plain_seen.add(s.key)
         held.append(
             Held(
                 s.key,
@@ -178,7 +189,8 @@ def _holdings(state_dict: Any) -> tuple[list[Held], dict[tuple[str, Shape], Shar
                 plain,
             )
         )
-        data[(s.key, offsets)] = s
+        if (s.key, offsets) not in data or is_main_replica(s.replica_id):
+            data[(s.key, offsets)] = s  # a box held twice: the main replica's data is written
     if parts.objects:
         names = ", ".join(sorted(parts.objects)[:5])
         raise SerializationError(
@@ -285,9 +297,11 @@ def save_hf(
 
     def publish(_: list[int]) -> None:
         if len(plan.files) == 1:
-            os.replace(
-                location.path(SAFETENSORS_SINGLE + PARTIAL), location.path(SAFETENSORS_SINGLE)
-            )
+            with storage_faults(f"{location.url}: publish {SAFETENSORS_SINGLE}"):
+                os.replace(
+                    location.path(SAFETENSORS_SINGLE + PARTIAL),
+                    location.path(SAFETENSORS_SINGLE),
+                )
             _sync_dir(location.root)
         else:
             raw = safetensors_index(plan.weight_map, plan.total)
@@ -302,8 +316,10 @@ def save_hf(
         raise
     names = [name for name, _ in plan.files]
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
-    if group.is_coordinator:
-        _remove_present(store, stale_exports(store, written))
+    if group.is_coordinator:  # committed: a leftover is logged, not raised on one rank only
+        # (and the one-file temp name of a killed earlier save, which a rename would replace)
+        partial = [SAFETENSORS_SINGLE + PARTIAL] if len(names) > 1 else []
+        _remove_quietly(store, [*stale_exports(store, written), *partial])
     return ExportResult(location.url, written, len(plan.weight_map), plan.total, [])
 
 

@@ -633,6 +633,87 @@ def test_hf_writer_with_dcpbridge_planner_keeps_empty_dtensors(pool, tmp_path):
     assert pool.run(hf_empty_dtensors, 2, path, timeout=120) == [keys] * 2
 
 
+def empty_sharded(r: Rank, fill: float) -> dict:
+    """0-element Megatron-style ShardedTensors: identical empty boxes on every rank (rows),
+    empty boxes split by rows (cols), replicas (rep), a key one rank holds (late); next to a
+    sharded tensor with data."""
+    n, i = r.size, r.rank
+    rows = 8 // n
+    return {
+        "model": {
+            "rows": db.ShardedTensor.from_rank_offsets("rows", torch.zeros(0, 3), (0, i, n)),
+            "cols": db.ShardedTensor.from_box("cols", torch.zeros(2, 0), (2 * n, 0), (2 * i, 0)),
+            "rep": db.ShardedTensor.from_box(
+                "rep", torch.zeros(0, dtype=torch.bfloat16), (0,), (0,), replica_id=i
+            ),
+            **(
+                {"late": db.ShardedTensor.from_box("late", torch.zeros(0, 5), (0, 5), (0, 0))}
+                if i == n - 1
+                else {}
+            ),
+            "w": db.ShardedTensor.from_box(
+                "w", full("w")[i * rows : (i + 1) * rows] + fill, (8, 6), (i * rows, 0)
+            ),
+        }
+    }
+
+
+def hf_empty_sharded(r: Rank, path: str) -> tuple[list[tuple[str, list[int]]], list[str]]:
+    """Saved through DCP's HF writer with dcpbridge's planner: each file's keys and shapes as
+    the safetensors package reads them, and the keys db.load filled."""
+    from safetensors import safe_open
+
+    writer = HuggingFaceStorageWriter(path, save_distributed=True)
+    dcp.save(
+        empty_sharded(r, 0),
+        storage_writer=writer,
+        planner=db.ShardedSavePlanner(),
+        process_group=r.group,
+    )
+    stored = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                stored += [(k, list(f.get_slice(k).get_shape())) for k in f.keys()]  # noqa: SIM118 (a safe_open handle)
+    template = empty_sharded(r, 1)
+    out = db.load(template, path, process_group=r.group)["model"]
+    rows = 8 // r.size
+    assert torch.equal(out["w"], full("w")[r.rank * rows : (r.rank + 1) * rows])
+    own = path + "-dcpbridge"  # dcpbridge's writer under dcp.save, and db.save
+    dcp.save(
+        empty_sharded(r, 0),
+        storage_writer=db.FsspecCheckpointWriter(own),
+        planner=db.ShardedSavePlanner(),
+        process_group=r.group,
+    )
+    db.save(empty_sharded(r, 0), own + "-save", process_group=r.group)
+    for url in (own, own + "-save"):
+        got = db.load(empty_sharded(r, 1), url, process_group=r.group)["model"]
+        assert sorted(got) == sorted(out) and torch.equal(got["w"], out["w"])
+        assert db.load_tensors_metadata(url)["rows"].global_shape == (0, 3)
+    return sorted(stored), sorted(out)
+
+
+def test_hf_writer_with_dcpbridge_planner_keeps_empty_sharded_tensors(pool, tmp_path):
+    """A ShardedTensor whose global tensor has no elements is one whole empty chunk, planned
+    once (by the lowest rank holding it): in the HF output exactly once, with its global shape,
+    wherever it is held, however many ranks hold (identical) empty boxes of it."""
+    path = str(tmp_path / "hf")
+    stored = [
+        ("cols", [4, 0]),
+        ("late", [0, 5]),
+        ("rep", [0]),
+        ("rows", [0, 3]),
+        ("w", [4, 6]),
+        ("w", [4, 6]),
+    ]
+    got = pool.run(hf_empty_sharded, 2, path, timeout=120)
+    assert got == [
+        (stored, ["cols", "rep", "rows", "w"]),
+        (stored, ["cols", "late", "rep", "rows", "w"]),
+    ]
+
+
 @pytest.mark.parametrize("distributed", [False, True])
 def test_hf_writer_with_dcpbridge_planner_keeps_empty_tensors(tmp_path, distributed):
     """DCP's HF writer writes only the planned items: a 0-element tensor planned by
