@@ -130,7 +130,9 @@ def _outcome(out: str, rank: int, started: float, error: BaseException | None, *
 def killed_behind_async_save(r: Rank, root: str, out: str) -> None:
     """Rank 1 dies in its background write; rank 0 waits for it in the async commit."""
     os.environ[liveness.PEER_TIMEOUT_ENV] = PEER_TIMEOUT
-    mgr = db.CheckpointManager(root, every=1, process_group=r.group, async_save=True)
+    mgr = db.CheckpointManager(
+        root, every=1, process_group=r.group, async_save=True, writer="thread"
+    )
     w = torch.arange(64.0).reshape(8, 8).chunk(r.size)[r.rank].clone()
     sharded = {"w": db.ShardedTensor.from_rank_offsets("w", w, (0, r.rank, r.size))}
     mgr.save(1, sharded)
