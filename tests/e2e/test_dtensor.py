@@ -584,3 +584,27 @@ def test_bad_input_refused_on_every_rank_nothing_written(pool, tmp_path, case, n
     errors = pool.run(save_bad_input, 2, path, case)
     assert all(named in e for e in errors), errors
     assert not os.path.exists(path) or not os.listdir(path)
+
+
+# -- load templates whose local tensor cannot hold the stored values -------------------------------
+
+
+def load_into_overlapping_local(r: Rank, path: str) -> str:
+    """Rank r's rows of ``w`` as a (3, 8) ``as_strided`` view of strides (1, 1): its elements
+    meet, so the stored rows landed over each other (wrong values, no error)."""
+    memory = torch.zeros(10)
+    local = memory.as_strided((3, 8), (1, 1))
+    dt = DTensor.from_local(
+        local, mesh_of(r), [Shard(0)], run_check=False, shape=(6, 8), stride=(8, 1)
+    )
+    with pytest.raises(db.InvalidRequestError) as e:
+        db.load({"w": dt}, path, process_group=r.group)
+    assert not memory.any()  # nothing was read into it
+    return str(e.value)
+
+
+def test_dtensor_whose_local_elements_overlap_refused(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    db.save({"w": full("w")}, path)
+    errors = pool.run(load_into_overlapping_local, 2, path)
+    assert all("'w'" in e and "sharing memory" in e for e in errors), errors
