@@ -6,6 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -608,3 +609,49 @@ def test_dtensor_whose_local_elements_overlap_refused(pool, tmp_path):
     db.save({"w": full("w")}, path)
     errors = pool.run(load_into_overlapping_local, 2, path)
     assert all("'w'" in e and "sharing memory" in e for e in errors), errors
+
+
+# -- a process whose rank changes (in-process restart) -------------------------------------------
+
+
+def save_before_and_after_reranking(r: Rank, path: str, port: int) -> list[Any]:
+    """Saves on a 1-D mesh, then the job restarts in process (a new default group, ranks
+    reversed, as in-process restarts reassign them) and saves its new mesh, equal to the old
+    one as torch compares meshes: the box of this process's old rank was reused."""
+    from datetime import timedelta
+
+    value = torch.arange(32.0).reshape(8, 4)
+    mesh = init_device_mesh("cpu", (r.size,))
+    db.save({"w": distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)}, path + "/a")
+    dist.destroy_process_group()
+    new_rank = r.size - 1 - r.rank
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=new_rank,
+        world_size=r.size,
+        timeout=timedelta(seconds=60),
+    )
+    again = init_device_mesh("cpu", (r.size,))
+    assert again == mesh and tuple(again.get_coordinate()) == (new_rank,)
+    w = distribute_tensor(value, again, [Shard(0)], src_data_rank=None)
+    db.save({"w": w}, path + "/b")
+    template = distribute_tensor(torch.zeros(8, 4), again, [Shard(0)], src_data_rank=None)
+    db.load({"w": template}, path + "/a")
+    return [new_rank, torch.equal(template.to_local(), w.to_local())]
+
+
+def test_rank_reassigned_in_process_saves_and_loads_its_new_box(pool, tmp_path):
+    from tests.support.s3_server import free_port
+
+    path = str(tmp_path / "ck")
+    try:
+        ranks = pool.run(
+            save_before_and_after_reranking, pool.size, path, free_port(), default_group=True
+        )
+    finally:
+        pool.kill()  # its ranks' groups are gone: the next test starts a fresh pool
+    value = torch.arange(32.0).reshape(8, 4)
+    for name in ("a", "b"):  # b held the rows of each process's old rank: reversed, silently
+        assert torch.equal(db.load({"w": torch.zeros(8, 4)}, f"{path}/{name}")["w"], value)
+    assert ranks == [[pool.size - 1 - r, True] for r in range(pool.size)]  # loaded its new box
