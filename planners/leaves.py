@@ -99,6 +99,27 @@ def _strided(p: Any) -> bool:
     return type(p) is not Shard and isinstance(getattr(p, "dim", None), int)
 
 
+def _check_placements(
+    key: str, mesh_ndim: int, placements: tuple[Any, ...], shape: tuple[int, ...]
+) -> None:
+    """One placement per mesh dimension, each sharding one of the tensor's dimensions
+    (``DTensor.from_local(..., run_check=False)`` takes any): else ``SerializationError``
+    naming the key, where torch's box maths raised a bare IndexError."""
+    if len(placements) != mesh_ndim:
+        raise SerializationError(
+            f"{key!r}: DTensor has {len(placements)} placements {placements} on a "
+            f"{mesh_ndim}-D mesh; it needs one per mesh dimension"
+        )
+    ndim = len(shape)
+    for p in placements:
+        dim = getattr(p, "dim", None)
+        if isinstance(dim, int) and not -ndim <= dim < ndim:
+            raise SerializationError(
+                f"{key!r}: DTensor placements {placements} shard dimension {dim} of a tensor "
+                f"of shape {shape}"
+            )
+
+
 def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
     """This rank's box of ``dt`` (None if it is not on the mesh); replicas along Replicate
     mesh dimensions other than coordinate 0 are not the main replica."""
@@ -110,9 +131,17 @@ def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
     coordinate = dt.device_mesh.get_coordinate()
     if coordinate is None:
         return None
-    shape, offset, scattered = _layout(
-        dt.device_mesh, tuple(dt.placements), tuple(dt.shape), tuple(coordinate)
-    )
+    placements, global_shape = tuple(dt.placements), tuple(dt.shape)
+    _check_placements(key, dt.device_mesh.ndim, placements, global_shape)
+    try:
+        shape, offset, scattered = _layout(
+            dt.device_mesh, placements, global_shape, tuple(coordinate)
+        )
+    except Exception as e:  # torch's box maths refused them (a split factor below 1, ...)
+        raise SerializationError(
+            f"{key!r}: DTensor placements {placements} cannot place a tensor of shape "
+            f"{global_shape} on its mesh: {e}"
+        ) from e
     local = _plain_data(key, dt.to_local(), save)
     if tuple(local.shape) != tuple(shape):
         if local.numel() or math.prod(shape):

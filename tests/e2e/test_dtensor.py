@@ -655,3 +655,40 @@ def test_rank_reassigned_in_process_saves_and_loads_its_new_box(pool, tmp_path):
     for name in ("a", "b"):  # b held the rows of each process's old rank: reversed, silently
         assert torch.equal(db.load({"w": torch.zeros(8, 4)}, f"{path}/{name}")["w"], value)
     assert ranks == [[pool.size - 1 - r, True] for r in range(pool.size)]  # loaded its new box
+
+
+# -- DTensors whose placements do not fit their mesh or shape ---------------------------------------
+
+
+def malformed_dtensor(r: Rank, path: str, case: str, save: bool) -> str:
+    """``DTensor.from_local(..., run_check=False)`` takes any placements; those torch cannot
+    place raised a bare IndexError (no key, not a CheckpointError) from torch's box maths."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = {
+        "dim beyond the tensor": [Shard(2)],
+        "strided dim beyond the tensor": [_StridedShard(3, split_factor=2)],
+        "more placements than mesh dims": [Shard(0), Shard(1)],
+    }[case]
+    local = full("w")[3 * r.rank : 3 * r.rank + 3].clone() if save else torch.zeros(3, 8)
+    dt = DTensor.from_local(
+        local, mesh_of(r), placements, run_check=False, shape=(6, 8), stride=(8, 1)
+    )
+    call = db.save if save else db.load
+    with pytest.raises(db.SerializationError) as e:
+        call({"w": dt}, path + "-again" if save else path, process_group=r.group)
+    assert save or not local.any()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize(
+    "case",
+    ["dim beyond the tensor", "strided dim beyond the tensor", "more placements than mesh dims"],
+)
+def test_placements_that_do_not_fit_refused_naming_the_key(pool, tmp_path, case, save):
+    path = str(tmp_path / "ck")
+    db.save({"w": full("w")}, path)
+    errors = pool.run(malformed_dtensor, 2, path, case, save)
+    assert errors[0] == errors[1] and "'w'" in errors[0] and "placements" in errors[0], errors
+    assert not os.path.exists(path + "-again") or not os.listdir(path + "-again")
