@@ -58,7 +58,26 @@ def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
         raise SerializationError(
             f"{key!r}: a {what} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
         )
+    if not _storage_holds(t):
+        raise SerializationError(
+            f"{key!r}: the tensor's storage holds {t.untyped_storage().nbytes()} bytes, fewer "
+            f"than its shape {tuple(t.shape)} needs (memory freed by resizing its storage, as "
+            f"FSDP does to unsharded parameters): nothing to {'store' if save else 'fill'}"
+        )
     return as_shown(t.detach()) if save else t.detach()
+
+
+def _storage_holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage reaches its last element; a storage resized to fewer bytes
+    (FSDP frees parameter memory so, the tensor keeping its shape) leaves its address
+    dangling: reading or filling it crashed the process."""
+    held = t.untyped_storage().nbytes()
+    if t.is_contiguous():  # the commonest: its bytes follow its offset (0.9 us here)
+        return held >= t.nbytes + t.storage_offset() * t.element_size()
+    if not t.numel():
+        return True
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return held >= (last + 1) * t.element_size()
 
 
 def _scattered(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> str | None:

@@ -692,3 +692,33 @@ def test_placements_that_do_not_fit_refused_naming_the_key(pool, tmp_path, case,
     errors = pool.run(malformed_dtensor, 2, path, case, save)
     assert errors[0] == errors[1] and "'w'" in errors[0] and "placements" in errors[0], errors
     assert not os.path.exists(path + "-again") or not os.listdir(path + "-again")
+
+
+# -- tensors whose memory was freed (storage resized to 0 bytes, as FSDP frees parameters) -----------
+
+
+def freed_memory(r: Rank, path: str, kind: str, save: bool) -> str:
+    """The tensor keeps its shape, its storage holds 0 bytes: reading or filling it at its
+    address crashed the rank (SIGSEGV) instead of raising."""
+    local = full("w")[3 * r.rank : 3 * r.rank + 3].clone() if save else torch.zeros(3, 8)
+    local.untyped_storage().resize_(0)
+    if kind == "dtensor":
+        value: torch.Tensor = DTensor.from_local(
+            local, mesh_of(r), [Shard(0)], run_check=False, shape=(6, 8), stride=(8, 1)
+        )
+    else:
+        value = local
+    call = db.save if save else db.load
+    with pytest.raises(db.SerializationError) as e:
+        call({"w": value}, path + "-again" if save else path, process_group=r.group)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("kind", ["dtensor", "plain"])
+def test_tensor_with_freed_storage_refused_not_crashing(pool, tmp_path, kind, save):
+    path = str(tmp_path / "ck")
+    db.save({"w": full("w")}, path)
+    errors = pool.run(freed_memory, 2, path, kind, save)
+    assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors
+    assert not os.path.exists(path + "-again") or not os.listdir(path + "-again")
