@@ -58,16 +58,21 @@ def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
         raise SerializationError(
             f"{key!r}: a {what} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
         )
-    if not _storage_holds(t):
-        raise SerializationError(
-            f"{key!r}: the tensor's storage holds {t.untyped_storage().nbytes()} bytes, fewer "
-            f"than its shape {tuple(t.shape)} needs (memory freed by resizing its storage, as "
-            f"FSDP does to unsharded parameters): nothing to {'store' if save else 'fill'}"
-        )
+    if not storage_holds(t):
+        raise freed_storage(repr(key), t, save)
     return as_shown(t.detach()) if save else t.detach()
 
 
-def _storage_holds(t: torch.Tensor) -> bool:
+def freed_storage(what: str, t: torch.Tensor, save: bool) -> SerializationError:
+    """The error for ``what`` (a key, quoted), whose tensor ``t`` fails ``storage_holds``."""
+    return SerializationError(
+        f"{what}: the tensor's storage holds {t.untyped_storage().nbytes()} bytes, fewer than "
+        f"its shape {tuple(t.shape)} needs (memory freed by resizing its storage, as FSDP "
+        f"does to unsharded parameters): nothing to {'store' if save else 'fill'}"
+    )
+
+
+def storage_holds(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage reaches its last element; a storage resized to fewer bytes
     (FSDP frees parameter memory so, the tensor keeping its shape) leaves its address
     dangling: reading or filling it crashed the process."""

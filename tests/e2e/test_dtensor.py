@@ -722,3 +722,31 @@ def test_tensor_with_freed_storage_refused_not_crashing(pool, tmp_path, kind, sa
     errors = pool.run(freed_memory, 2, path, kind, save)
     assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors
     assert not os.path.exists(path + "-again") or not os.listdir(path + "-again")
+
+
+def save_freed_sharded_tensor(r: Rank, path: str, use_async: bool) -> str:
+    """A Megatron-style ShardedTensor whose data's storage is freed after a first save: the
+    async save (its plan cached) crashed the rank staging it, the sync one raised a bare
+    RuntimeError from the writer."""
+    data = full("w")[3 * r.rank : 3 * r.rank + 3].clone()
+    sd = {"w": db.ShardedTensor.from_rank_offsets("w", data, (0, r.rank, r.size))}
+    db.save(sd, path + "/1", process_group=r.group)
+    data.untyped_storage().resize_(0)
+
+    def again() -> None:
+        if use_async:
+            db.async_save(sd, path + "/2", process_group=r.group).result(timeout=60)
+        else:
+            db.save(sd, path + "/2", process_group=r.group)
+
+    with pytest.raises(db.SerializationError) as e:
+        again()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_sharded_tensor_with_freed_storage_refused_not_crashing(pool, tmp_path, use_async):
+    path = str(tmp_path / "ck")
+    errors = pool.run(save_freed_sharded_tensor, 2, path, use_async)
+    assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors
+    assert not os.path.exists(path + "/2") or not os.listdir(path + "/2")
