@@ -291,6 +291,8 @@ def for_load(tree: Any) -> LoadParts:
             data = value.data
             if data is None or data.is_meta:
                 value.init_data()
+            elif not storage_holds(data):  # filling it wrote to a dangling address
+                raise freed_storage(f"ShardedTensor {value.key!r}", data, save=False)
             all_shards.append(value)
             slots[id(value)] = value
             continue
@@ -306,6 +308,9 @@ def for_load(tree: Any) -> LoadParts:
             shard = own_tensor(value) if kind == "tensor_shard" else own_object(value)
             if isinstance(shard, ShardedTensor):
                 shard.init_data()
+                data = shard.data
+                if data is not None and not storage_holds(data):
+                    raise freed_storage(f"ShardedTensor {shard.key!r}", data, save=False)
             parts.shards.append(shard)
             parts._slots[id(value)] = shard  # not a closure per tensor: ``result`` asks it
         elif kind in ("dtensor", "torch_sharded", "tensor"):

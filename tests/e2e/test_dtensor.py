@@ -750,3 +750,21 @@ def test_sharded_tensor_with_freed_storage_refused_not_crashing(pool, tmp_path, 
     errors = pool.run(save_freed_sharded_tensor, 2, path, use_async)
     assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors
     assert not os.path.exists(path + "/2") or not os.listdir(path + "/2")
+
+
+def load_into_freed_sharded_tensor(r: Rank, path: str) -> str:
+    """A ShardedTensor template whose data's storage was freed: filling a small one crashed
+    the rank (SIGSEGV), a large one raised a StorageError blaming the data file."""
+    data = torch.zeros(3, 8)
+    data.untyped_storage().resize_(0)
+    sd = {"w": db.ShardedTensor.from_rank_offsets("w", data, (0, r.rank, r.size))}
+    with pytest.raises(db.SerializationError) as e:
+        db.load(sd, path, process_group=r.group)
+    return str(e.value)
+
+
+def test_sharded_tensor_template_with_freed_storage_refused(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    db.save({"w": db.ShardedTensor.from_rank_offsets("w", full("w"))}, path)
+    errors = pool.run(load_into_freed_sharded_tensor, 2, path)
+    assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors
