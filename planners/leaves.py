@@ -77,9 +77,9 @@ def storage_holds(t: torch.Tensor) -> bool:
     (FSDP frees parameter memory so, the tensor keeping its shape) leaves its address
     dangling: reading or filling it crashed the process."""
     held = t.untyped_storage().nbytes()
-    if t.is_contiguous():  # the commonest: its bytes follow its offset (0.9 us here)
-        return held >= t.nbytes + t.storage_offset() * t.element_size()
-    if not t.numel():
+    if t.is_contiguous() and held >= t.nbytes + t.storage_offset() * t.element_size():
+        return True  # the commonest: its bytes follow its offset (0.9 us here)
+    if not t.numel():  # nothing to read or fill, wherever it points
         return True
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return held >= (last + 1) * t.element_size()

@@ -236,3 +236,15 @@ def test_stateful_values_go_through_their_state_dicts(tmp_path, writer):
     assert app.optim.param_groups[0]["lr"] == 0.1
     ref = saved.optim.state[saved.model.weight]["exp_avg"]
     assert torch.equal(app.optim.state[app.model.weight]["exp_avg"], ref)
+
+
+def test_empty_tensor_of_freed_storage_saves_and_loads(tmp_path):
+    """An empty view of a storage freed since (resized to 0 bytes) holds nothing to read or
+    fill: it is stored and loaded like any empty tensor, not refused as freed memory."""
+    memory = torch.zeros(10)
+    empty = memory[3:3]
+    memory.untyped_storage().resize_(0)
+    db.save({"e": empty, "w": torch.arange(3.0)}, tmp_path)
+    template = {"e": empty, "w": torch.zeros(3)}
+    out = db.load(template, tmp_path)
+    assert out["e"].shape == (0,) and torch.equal(out["w"], torch.arange(3.0))
