@@ -58,7 +58,31 @@ def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
         raise SerializationError(
             f"{key!r}: a {what} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
         )
+    if not storage_holds(t):
+        raise freed_storage(repr(key), t, save)
     return as_shown(t.detach()) if save else t.detach()
+
+
+def freed_storage(what: str, t: torch.Tensor, save: bool) -> SerializationError:
+    """The error for ``what`` (a key, quoted), whose tensor ``t`` fails ``storage_holds``."""
+    return SerializationError(
+        f"{what}: the tensor's storage holds {t.untyped_storage().nbytes()} bytes, fewer than "
+        f"its shape {tuple(t.shape)} needs (memory freed by resizing its storage, as FSDP "
+        f"does to unsharded parameters): nothing to {'store' if save else 'fill'}"
+    )
+
+
+def storage_holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage reaches its last element; a storage resized to fewer bytes
+    (FSDP frees parameter memory so, the tensor keeping its shape) leaves its address
+    dangling: reading or filling it crashed the process."""
+    held = t.untyped_storage().nbytes()
+    if t.is_contiguous() and held >= t.nbytes + t.storage_offset() * t.element_size():
+        return True  # the commonest: its bytes follow its offset (0.9 us here)
+    if not t.numel():  # nothing to read or fill, wherever it points
+        return True
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return held >= (last + 1) * t.element_size()
 
 
 def _scattered(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> str | None:
@@ -80,12 +104,15 @@ def _scattered(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -
 
 @functools.lru_cache(maxsize=4096)
 def _layout(
-    mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]
+    mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...], coordinate: tuple[int, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...], str | None]:
     """DTensor's own box of this rank (local shape, offset) and, for a strided layout, where
     its indices are not one block (``_scattered``); cached: the same for every tensor of a
     mesh, placements and shape, and torch computes a strided box in milliseconds (1.7 ms
-    here, 0.05-0.09 ms for Shard and Replicate), on every save and load of every tensor."""
+    here, 0.05-0.09 ms for Shard and Replicate), on every save and load of every tensor.
+    Keyed by this rank's ``coordinate`` on the mesh too: torch compares meshes by their ranks
+    only, so the mesh of a process group made again with this process under another rank
+    (an in-process restart) equals the old one, whose box is another coordinate's."""
     local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     strided = any(_strided(p) for p in placements)
     return tuple(local), tuple(offset), _scattered(mesh, placements, shape) if strided else None
@@ -94,6 +121,27 @@ def _layout(
 def _strided(p: Any) -> bool:
     """A sharding placement other than ``Shard`` (FSDP2's ``_StridedShard``)."""
     return type(p) is not Shard and isinstance(getattr(p, "dim", None), int)
+
+
+def _check_placements(
+    key: str, mesh_ndim: int, placements: tuple[Any, ...], shape: tuple[int, ...]
+) -> None:
+    """One placement per mesh dimension, each sharding one of the tensor's dimensions
+    (``DTensor.from_local(..., run_check=False)`` takes any): else ``SerializationError``
+    naming the key, where torch's box maths raised a bare IndexError."""
+    if len(placements) != mesh_ndim:
+        raise SerializationError(
+            f"{key!r}: DTensor has {len(placements)} placements {placements} on a "
+            f"{mesh_ndim}-D mesh; it needs one per mesh dimension"
+        )
+    ndim = len(shape)
+    for p in placements:
+        dim = getattr(p, "dim", None)
+        if isinstance(dim, int) and not -ndim <= dim < ndim:
+            raise SerializationError(
+                f"{key!r}: DTensor placements {placements} shard dimension {dim} of a tensor "
+                f"of shape {shape}"
+            )
 
 
 def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
@@ -107,7 +155,17 @@ def dtensor_box(key: str, dt: DTensor, save: bool = False) -> LocalBox | None:
     coordinate = dt.device_mesh.get_coordinate()
     if coordinate is None:
         return None
-    shape, offset, scattered = _layout(dt.device_mesh, tuple(dt.placements), tuple(dt.shape))
+    placements, global_shape = tuple(dt.placements), tuple(dt.shape)
+    _check_placements(key, dt.device_mesh.ndim, placements, global_shape)
+    try:
+        shape, offset, scattered = _layout(
+            dt.device_mesh, placements, global_shape, tuple(coordinate)
+        )
+    except Exception as e:  # torch's box maths refused them (a split factor below 1, ...)
+        raise SerializationError(
+            f"{key!r}: DTensor placements {placements} cannot place a tensor of shape "
+            f"{global_shape} on its mesh: {e}"
+        ) from e
     local = _plain_data(key, dt.to_local(), save)
     if tuple(local.shape) != tuple(shape):
         if local.numel() or math.prod(shape):

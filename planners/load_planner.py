@@ -362,11 +362,11 @@ def _plan_box(
             f"{fqn!r}: the load template has no data to fill ({'meta' if sh.data is not None else 'None'})"
         )
     view = chunk_view(sh)
-    if not view.is_contiguous() and torch._debug_has_internal_overlap(view) == 1:
-        # an expanded view: copy_ into it would raise RuntimeError (contiguous ones never are)
+    if _shares_elements(view):
         raise InvalidRequestError(
             f"{fqn!r}: the load template's tensor has elements sharing memory (an expanded "
-            "view) and cannot be filled; pass a tensor with memory of its own (clone())"
+            "or overlapping view) and cannot be filled; pass a tensor with memory of its own "
+            "(clone())"
         )
     offsets, sizes, shape = tuple(sh.global_offset), chunk_sizes(sh), tuple(sh.global_shape)
     out.requested.add(fqn)
@@ -428,6 +428,26 @@ def _plan_box(
             f"at {fmt_box(offsets, sizes)}; the checkpoint is missing part of this tensor"
         )
     out.items.extend(items)
+
+
+def _shares_elements(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one memory location (an expanded view, or an
+    ``as_strided`` one whose elements meet): reads into it would keep one stored value of
+    each such pair, silently, or raise from ``copy_``. Contiguous tensors never are."""
+    if t.is_contiguous() or not t.numel():
+        return False
+    verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: a zero stride, 2: too hard
+    if verdict != 2:
+        return verdict == 1
+    reach = 0  # the farthest offset of the dimensions taken so far, smallest stride first
+    for stride, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:  # may meet an earlier dimension's elements: count exactly
+            offsets = torch.zeros((), dtype=torch.int64)
+            for size, step in zip(t.shape, t.stride()):
+                offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * step
+            return torch.unique(offsets).numel() != t.numel()
+        reach += (n - 1) * stride
+    return False
 
 
 def _take_plain_wholes(

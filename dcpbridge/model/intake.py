@@ -30,7 +30,13 @@ from dcpbridge.model.mapping import (
 )
 from dcpbridge.model.state import HOLE
 from dcpbridge.planners.errors import SerializationError
-from dcpbridge.planners.leaves import check_key, refuse, tensor_boxes
+from dcpbridge.planners.leaves import (
+    check_key,
+    freed_storage,
+    refuse,
+    storage_holds,
+    tensor_boxes,
+)
 from dcpbridge.planners.protocol import LeafKind, leaf_kind
 from dcpbridge.planners.walk import SLOW, STATE_WALKER, Leaf, ObjPath, set_path
 
@@ -57,6 +63,15 @@ def own_tensor(value: Any) -> ShardedTensor:
         value.prepend_axis_num,
         value.allow_shape_mismatch,
     )
+
+
+def _held(shard: Any) -> Any:
+    """``shard`` for a save, unless its data's storage was freed (``storage_holds``): writing
+    or staging it read a dangling address (a crash, or a bare RuntimeError)."""
+    data = getattr(shard, "data", None)
+    if isinstance(data, torch.Tensor) and not data.is_meta and not storage_holds(data):
+        raise freed_storage(f"ShardedTensor {shard.key!r}", data, save=True)
+    return shard
 
 
 def own_object(value: Any) -> ShardedObject:
@@ -156,9 +171,9 @@ def for_save(tree: Any) -> SaveParts:
         if kind == "nonpersistent":
             continue
         if kind == "factory":
-            parts.shards.extend(_factory_shards(_built(value)))
+            parts.shards.extend(_held(s) for s in _factory_shards(_built(value)))
         elif kind == "tensor_shard":
-            parts.shards.append(own_tensor(value))
+            parts.shards.append(_held(own_tensor(value)))
         elif kind == "object_shard":
             parts.shards.append(own_object(value))
         elif kind in ("dtensor", "torch_sharded", "tensor"):
@@ -276,6 +291,8 @@ def for_load(tree: Any) -> LoadParts:
             data = value.data
             if data is None or data.is_meta:
                 value.init_data()
+            elif not storage_holds(data):  # filling it wrote to a dangling address
+                raise freed_storage(f"ShardedTensor {value.key!r}", data, save=False)
             all_shards.append(value)
             slots[id(value)] = value
             continue
@@ -291,6 +308,9 @@ def for_load(tree: Any) -> LoadParts:
             shard = own_tensor(value) if kind == "tensor_shard" else own_object(value)
             if isinstance(shard, ShardedTensor):
                 shard.init_data()
+                data = shard.data
+                if data is not None and not storage_holds(data):
+                    raise freed_storage(f"ShardedTensor {shard.key!r}", data, save=False)
             parts.shards.append(shard)
             parts._slots[id(value)] = shard  # not a closure per tensor: ``result`` asks it
         elif kind in ("dtensor", "torch_sharded", "tensor"):

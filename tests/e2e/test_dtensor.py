@@ -6,6 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -584,3 +585,186 @@ def test_bad_input_refused_on_every_rank_nothing_written(pool, tmp_path, case, n
     errors = pool.run(save_bad_input, 2, path, case)
     assert all(named in e for e in errors), errors
     assert not os.path.exists(path) or not os.listdir(path)
+
+
+# -- load templates whose local tensor cannot hold the stored values -------------------------------
+
+
+def load_into_overlapping_local(r: Rank, path: str) -> str:
+    """Rank r's rows of ``w`` as a (3, 8) ``as_strided`` view of strides (1, 1): its elements
+    meet, so the stored rows landed over each other (wrong values, no error)."""
+    memory = torch.zeros(10)
+    local = memory.as_strided((3, 8), (1, 1))
+    dt = DTensor.from_local(
+        local, mesh_of(r), [Shard(0)], run_check=False, shape=(6, 8), stride=(8, 1)
+    )
+    with pytest.raises(db.InvalidRequestError) as e:
+        db.load({"w": dt}, path, process_group=r.group)
+    assert not memory.any()  # nothing was read into it
+    return str(e.value)
+
+
+def test_dtensor_whose_local_elements_overlap_refused(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    db.save({"w": full("w")}, path)
+    errors = pool.run(load_into_overlapping_local, 2, path)
+    assert all("'w'" in e and "sharing memory" in e for e in errors), errors
+
+
+# -- a process whose rank changes (in-process restart) -------------------------------------------
+
+
+def save_before_and_after_reranking(r: Rank, path: str, port: int) -> list[Any]:
+    """Saves on a 1-D mesh, then the job restarts in process (a new default group, ranks
+    reversed, as in-process restarts reassign them) and saves its new mesh, equal to the old
+    one as torch compares meshes: the box of this process's old rank was reused."""
+    from datetime import timedelta
+
+    value = torch.arange(32.0).reshape(8, 4)
+    mesh = init_device_mesh("cpu", (r.size,))
+    db.save({"w": distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)}, path + "/a")
+    dist.destroy_process_group()
+    new_rank = r.size - 1 - r.rank
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=new_rank,
+        world_size=r.size,
+        timeout=timedelta(seconds=60),
+    )
+    again = init_device_mesh("cpu", (r.size,))
+    assert again == mesh and tuple(again.get_coordinate()) == (new_rank,)
+    w = distribute_tensor(value, again, [Shard(0)], src_data_rank=None)
+    db.save({"w": w}, path + "/b")
+    template = distribute_tensor(torch.zeros(8, 4), again, [Shard(0)], src_data_rank=None)
+    db.load({"w": template}, path + "/a")
+    return [new_rank, torch.equal(template.to_local(), w.to_local())]
+
+
+def test_rank_reassigned_in_process_saves_and_loads_its_new_box(pool, tmp_path):
+    from tests.support.s3_server import free_port
+
+    path = str(tmp_path / "ck")
+    try:
+        ranks = pool.run(
+            save_before_and_after_reranking, pool.size, path, free_port(), default_group=True
+        )
+    finally:
+        pool.kill()  # its ranks' groups are gone: the next test starts a fresh pool
+    value = torch.arange(32.0).reshape(8, 4)
+    for name in ("a", "b"):  # b held the rows of each process's old rank: reversed, silently
+        assert torch.equal(db.load({"w": torch.zeros(8, 4)}, f"{path}/{name}")["w"], value)
+    assert ranks == [[pool.size - 1 - r, True] for r in range(pool.size)]  # loaded its new box
+
+
+# -- DTensors whose placements do not fit their mesh or shape ---------------------------------------
+
+
+def malformed_dtensor(r: Rank, path: str, case: str, save: bool) -> str:
+    """``DTensor.from_local(..., run_check=False)`` takes any placements; those torch cannot
+    place raised a bare IndexError (no key, not a CheckpointError) from torch's box maths."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = {
+        "dim beyond the tensor": [Shard(2)],
+        "strided dim beyond the tensor": [_StridedShard(3, split_factor=2)],
+        "more placements than mesh dims": [Shard(0), Shard(1)],
+    }[case]
+    local = full("w")[3 * r.rank : 3 * r.rank + 3].clone() if save else torch.zeros(3, 8)
+    dt = DTensor.from_local(
+        local, mesh_of(r), placements, run_check=False, shape=(6, 8), stride=(8, 1)
+    )
+    call = db.save if save else db.load
+    with pytest.raises(db.SerializationError) as e:
+        call({"w": dt}, path + "-again" if save else path, process_group=r.group)
+    assert save or not local.any()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize(
+    "case",
+    ["dim beyond the tensor", "strided dim beyond the tensor", "more placements than mesh dims"],
+)
+def test_placements_that_do_not_fit_refused_naming_the_key(pool, tmp_path, case, save):
+    path = str(tmp_path / "ck")
+    db.save({"w": full("w")}, path)
+    errors = pool.run(malformed_dtensor, 2, path, case, save)
+    assert errors[0] == errors[1] and "'w'" in errors[0] and "placements" in errors[0], errors
+    assert not os.path.exists(path + "-again") or not os.listdir(path + "-again")
+
+
+# -- tensors whose memory was freed (storage resized to 0 bytes, as FSDP frees parameters) -----------
+
+
+def freed_memory(r: Rank, path: str, kind: str, save: bool) -> str:
+    """The tensor keeps its shape, its storage holds 0 bytes: reading or filling it at its
+    address crashed the rank (SIGSEGV) instead of raising."""
+    local = full("w")[3 * r.rank : 3 * r.rank + 3].clone() if save else torch.zeros(3, 8)
+    local.untyped_storage().resize_(0)
+    if kind == "dtensor":
+        value: torch.Tensor = DTensor.from_local(
+            local, mesh_of(r), [Shard(0)], run_check=False, shape=(6, 8), stride=(8, 1)
+        )
+    else:
+        value = local
+    call = db.save if save else db.load
+    with pytest.raises(db.SerializationError) as e:
+        call({"w": value}, path + "-again" if save else path, process_group=r.group)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("kind", ["dtensor", "plain"])
+def test_tensor_with_freed_storage_refused_not_crashing(pool, tmp_path, kind, save):
+    path = str(tmp_path / "ck")
+    db.save({"w": full("w")}, path)
+    errors = pool.run(freed_memory, 2, path, kind, save)
+    assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors
+    assert not os.path.exists(path + "-again") or not os.listdir(path + "-again")
+
+
+def save_freed_sharded_tensor(r: Rank, path: str, use_async: bool) -> str:
+    """A Megatron-style ShardedTensor whose data's storage is freed after a first save: the
+    async save (its plan cached) crashed the rank staging it, the sync one raised a bare
+    RuntimeError from the writer."""
+    data = full("w")[3 * r.rank : 3 * r.rank + 3].clone()
+    sd = {"w": db.ShardedTensor.from_rank_offsets("w", data, (0, r.rank, r.size))}
+    db.save(sd, path + "/1", process_group=r.group)
+    data.untyped_storage().resize_(0)
+
+    def again() -> None:
+        if use_async:
+            db.async_save(sd, path + "/2", process_group=r.group).result(timeout=60)
+        else:
+            db.save(sd, path + "/2", process_group=r.group)
+
+    with pytest.raises(db.SerializationError) as e:
+        again()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_sharded_tensor_with_freed_storage_refused_not_crashing(pool, tmp_path, use_async):
+    path = str(tmp_path / "ck")
+    errors = pool.run(save_freed_sharded_tensor, 2, path, use_async)
+    assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors
+    assert not os.path.exists(path + "/2") or not os.listdir(path + "/2")
+
+
+def load_into_freed_sharded_tensor(r: Rank, path: str) -> str:
+    """A ShardedTensor template whose data's storage was freed: filling a small one crashed
+    the rank (SIGSEGV), a large one raised a StorageError blaming the data file."""
+    data = torch.zeros(3, 8)
+    data.untyped_storage().resize_(0)
+    sd = {"w": db.ShardedTensor.from_rank_offsets("w", data, (0, r.rank, r.size))}
+    with pytest.raises(db.SerializationError) as e:
+        db.load(sd, path, process_group=r.group)
+    return str(e.value)
+
+
+def test_sharded_tensor_template_with_freed_storage_refused(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    db.save({"w": db.ShardedTensor.from_rank_offsets("w", full("w"))}, path)
+    errors = pool.run(load_into_freed_sharded_tensor, 2, path)
+    assert all("'w'" in e and "storage holds 0 bytes" in e for e in errors), errors

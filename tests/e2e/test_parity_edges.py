@@ -107,6 +107,22 @@ def test_template_of_overlapping_memory_refused_naming_the_key(tmp_path):
     assert out["w"] is stride_view["w"] and torch.equal(out["w"], torch.arange(4.0))
 
 
+def test_template_whose_elements_overlap_without_a_zero_stride_refused(tmp_path):
+    """An ``as_strided`` view whose elements meet (strides (1, 1)) took the stored rows over
+    each other: [[0, 3, 6], [3, 6, 9], ...] instead of the stored values, silently."""
+    full = torch.arange(12.0).reshape(4, 3)
+    db.save({"w": full}, tmp_path)
+    memory = torch.zeros(6)
+    with pytest.raises(db.InvalidRequestError, match=r"'w'.*sharing memory"):
+        db.load({"w": memory.as_strided((4, 3), (1, 1))}, tmp_path)
+    assert not memory.any()  # nothing was read into it
+    # interleaved but disjoint (offsets 2i + 3j of a (3, 3) view): filled in place
+    interleaved = {"w": torch.full((11,), -1.0).as_strided((3, 3), (2, 3))}
+    db.save({"w": full[:3]}, tmp_path / "rows")
+    out = db.load(interleaved, tmp_path / "rows")
+    assert out["w"] is interleaved["w"] and torch.equal(out["w"], full[:3])
+
+
 @pytest.mark.parametrize("writer", ["dcp", "dcpbridge"])
 def test_tensor_stored_where_the_template_holds_a_value(tmp_path, writer):
     """SGD's momentum buffer is None before the first step: db.load returns the stored tensor
@@ -220,3 +236,15 @@ def test_stateful_values_go_through_their_state_dicts(tmp_path, writer):
     assert app.optim.param_groups[0]["lr"] == 0.1
     ref = saved.optim.state[saved.model.weight]["exp_avg"]
     assert torch.equal(app.optim.state[app.model.weight]["exp_avg"], ref)
+
+
+def test_empty_tensor_of_freed_storage_saves_and_loads(tmp_path):
+    """An empty view of a storage freed since (resized to 0 bytes) holds nothing to read or
+    fill: it is stored and loaded like any empty tensor, not refused as freed memory."""
+    memory = torch.zeros(10)
+    empty = memory[3:3]
+    memory.untyped_storage().resize_(0)
+    db.save({"e": empty, "w": torch.arange(3.0)}, tmp_path)
+    template = {"e": empty, "w": torch.zeros(3)}
+    out = db.load(template, tmp_path)
+    assert out["e"].shape == (0,) and torch.equal(out["w"], torch.arange(3.0))
