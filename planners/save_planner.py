@@ -49,7 +49,14 @@ from dcpbridge.planners.columns import (
 )
 from dcpbridge.planners.distribution import MainReplicasWrite, WhoWrites, is_main_replica
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
-from dcpbridge.planners.leaves import TENSOR_KINDS, check_key, refuse, tensor_boxes
+from dcpbridge.planners.leaves import (
+    TENSOR_KINDS,
+    check_key,
+    freed_storage,
+    refuse,
+    storage_holds,
+    tensor_boxes,
+)
 from dcpbridge.planners.protocol import (
     LocalBox,
     ObjectShard,
@@ -254,30 +261,6 @@ def _one_copy_of(kept: TensorShard, again: TensorShard, sizes: Shape) -> bool:
     return mains < 2 and chunk_sizes(kept) == sizes
 
 
-def storage_reach(t: torch.Tensor) -> tuple[int, int]:
-    """(bytes of its storage that ``t``'s elements reach, bytes the storage holds): the first
-    exceeds the second where the storage was freed or shrunk (``resize_(0)``, as FSDP frees a
-    parameter), and torch's copies then read past its end without a check."""
-    have, size = t.untyped_storage().nbytes(), t.nbytes  # six calls: 1.1 us a tensor
-    if not size:
-        return 0, have
-    if t.is_contiguous():  # most tensors: the cheap sum
-        return t.storage_offset() * t.element_size() + size, have
-    end = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-    return end * t.element_size(), have
-
-
-def outside_storage(t: torch.Tensor) -> str | None:
-    """Why ``t``'s data cannot be read (its storage does not hold it all), or None."""
-    need, have = storage_reach(t)
-    if need <= have:
-        return None
-    return (
-        f"its data lies outside its storage ({have} of {need} bytes allocated: freed or "
-        "shrunk, as FSDP frees a parameter's storage)"
-    )
-
-
 def check_data(sh: TensorShard) -> None:
     """A main replica's data must be a tensor of exactly the declared local shape and dtype."""
     data = sh.data
@@ -293,8 +276,8 @@ def check_data(sh: TensorShard) -> None:
         raise ShardingValidationError(
             f"ShardedTensor {sh.key!r}: {what}{data.layout} {data.device} data cannot be saved"
         )
-    if (outside := outside_storage(data)) is not None:
-        raise ShardingValidationError(f"ShardedTensor {sh.key!r}: {outside}")
+    if not storage_holds(data):  # read unchecked: a segfault, or bytes past its end
+        raise freed_storage(f"ShardedTensor {sh.key!r}", data, save=True)
     if not holds_its_values(data):
         raise SerializationError(
             f"ShardedTensor {sh.key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"

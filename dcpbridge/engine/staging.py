@@ -21,7 +21,7 @@ import torch
 from dcpbridge.engine.ownership import WriteOwners
 from dcpbridge.errors import StagingError
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
-from dcpbridge.planners.save_planner import outside_storage
+from dcpbridge.planners.leaves import storage_holds
 from dcpbridge.storage.backends.device_copy import host_target
 
 _ALIGN = 64
@@ -195,11 +195,13 @@ def _check_backed(shard: ShardedTensor) -> None:
     """Raise ``StagingError`` unless the storage of ``shard``'s data holds all its elements:
     torch copies from a freed or shrunk storage without a check (a segfault, or other
     memory's bytes)."""
-    outside = outside_storage(shard.data)
-    if outside is not None:
+    data = shard.data
+    if not storage_holds(data):
         raise StagingError(
-            f"{shard.key!r} (offset {tuple(shard.global_offset)}): {outside}, so it cannot "
-            "be copied"
+            f"{shard.key!r} (offset {tuple(shard.global_offset)}): its storage holds "
+            f"{data.untyped_storage().nbytes()} bytes, fewer than its shape "
+            f"{tuple(data.shape)} needs (freed or shrunk, as FSDP frees a parameter's "
+            "storage), so it cannot be copied"
         )
 
 
