@@ -264,6 +264,18 @@ class S3Storage(Storage):
         self.fs.invalidate_cache(self.location.root)
         return super().exists(name)
 
+    @storage_op("look up")
+    def info(self, path: str) -> dict[str, Any]:
+        """A HEAD of the object, never a listing this process cached: another process may
+        have replaced it (the commit file's ETag keys the decoded-metadata cache)."""
+        self.fs.invalidate_cache(path)
+        return super().info(path)
+
+    @storage_op("look up")
+    def file_size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return super().file_size(path)
+
     @storage_op("list")
     def list_names(self) -> list[str]:
         self.fs.invalidate_cache(self.location.root)  # other processes write here too

@@ -504,3 +504,28 @@ def test_a_location_with_a_version_id_is_refused_before_writing(s3_server, bucke
         db.save({"t": torch.arange(4.0)}, url, storage_options=options)
     assert s3_server.keys(bucket) == ["ck"]
     assert _fs(s3_server).cat_file(f"{bucket}/ck") == b"user data"
+
+
+@pytest.mark.s3
+def test_a_reader_sees_a_commit_another_process_replaced(s3_server, bucket):
+    """Looking up the commit file (and any file's size) never answers from a listing this
+    process cached: a checkpoint re-saved by another process loads as its new self."""
+    url = f"s3://{bucket}/ck"
+    options = s3_server.storage_options()
+    db.save({"w": torch.full((4,), 1.0)}, url, storage_options=options)
+
+    def load() -> torch.Tensor:
+        out = {"w": torch.zeros(4)}
+        reader = FsspecCheckpointReader(url, storage_options=options)
+        dcp.load(out, storage_reader=reader, planner=db.ShardedLoadPlanner(), no_dist=True)
+        return out["w"]
+
+    assert torch.equal(load(), torch.full((4,), 1.0))  # lists the folder (sizes of its files)
+    store = storage_for(resolve(url, options))
+    old_size = store.file_size(f"{bucket}/ck/dcpbridge.json")
+    other = s3_server.storage_options(skip_instance_cache=True)  # another process, in effect
+    db.save({"w": torch.full((4,), 2.0), "pad": torch.zeros(3)}, url, storage_options=other)
+    assert torch.equal(load(), torch.full((4,), 2.0))
+    fresh = _fs(s3_server, private=True).size(f"{bucket}/ck/dcpbridge.json")
+    assert fresh != old_size and store.file_size(f"{bucket}/ck/dcpbridge.json") == fresh
+    assert store.info(f"{bucket}/ck/dcpbridge.json")["size"] == fresh
