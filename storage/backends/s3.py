@@ -288,8 +288,22 @@ class S3Storage(Storage):
 
     @storage_op("remove")
     def remove(self, names: Sequence[str]) -> None:
-        super().remove(names)
+        """Delete files ``names`` (keys taken literally), raising if S3 kept any of them."""
+        _delete(self.fs._fs, [self._paths.get(n) or self._path_of(n) for n in names], self.budget)
         self.fs.invalidate_cache(self.location.root)
+
+    @storage_op("remove")
+    def remove_folder(self) -> None:
+        """Delete every object under the checkpoint's prefix (``<root>/``, a listing that
+        takes the root literally), raising if S3 kept any of them."""
+        root = self.location.root.rstrip("/")
+        self.fs.invalidate_cache(root)
+        try:
+            found = self.fs.find(root)
+        except FileNotFoundError:
+            found = []
+        _delete(self.fs._fs, found, self.budget)
+        self.fs.invalidate_cache(root)
 
     @storage_op("read")
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
@@ -481,6 +495,37 @@ def _error_code(e: BaseException) -> str | None:
     """The S3 error code behind an exception s3fs translated (None if there is none)."""
     response = getattr(e.__cause__, "response", None) or getattr(e, "response", None)
     return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+_DELETE_BATCH = 1000  # keys one DeleteObjects request may name
+
+
+def _delete(fs: Any, paths: Sequence[str], budget: RequestBudget) -> None:
+    """Delete objects ``paths`` with DeleteObjects requests; raise if S3 kept any. S3 answers
+    200 even when it refused some keys (listed under ``Errors``), which s3fs's ``rm`` drops:
+    a commit file kept while its data files went would look like a complete checkpoint."""
+    by_bucket: dict[str, list[str]] = {}
+    for path in paths:
+        bucket, key = _split(fs, path)
+        by_bucket.setdefault(bucket, []).append(key)
+        fs.invalidate_cache(path)
+    failed: list[str] = []
+    for bucket, keys in by_bucket.items():
+        for at in range(0, len(keys), _DELETE_BATCH):
+            objects = [{"Key": k} for k in keys[at : at + _DELETE_BATCH]]
+            call = fs._call_s3(
+                "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+            )
+            out = _wait(fs.loop, budget.bounded(call, "delete_objects"))
+            failed += [
+                f"{bucket}/{e.get('Key')}: {e.get('Code')}: {e.get('Message')}"
+                for e in out.get("Errors") or ()
+            ]
+    if failed:
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        raise OSError(
+            f"S3 kept {len(failed)} object(s) it was asked to delete: {'; '.join(failed[:3])}{more}"
+        )
 
 
 def _split(fs: Any, path: str) -> tuple[str, str]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import fsspec
 import pytest
+import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -529,3 +530,51 @@ def test_a_reader_sees_a_commit_another_process_replaced(s3_server, bucket):
     fresh = _fs(s3_server, private=True).size(f"{bucket}/ck/dcpbridge.json")
     assert fresh != old_size and store.file_size(f"{bucket}/ck/dcpbridge.json") == fresh
     assert store.info(f"{bucket}/ck/dcpbridge.json")["size"] == fresh
+
+
+def _refuse_deletes(monkeypatch, ending: str) -> list[str]:
+    """Make every s3fs multi-object delete refuse the keys ending with ``ending`` the way S3
+    does per key (200 OK, the key under ``Errors``); the other keys are deleted for real."""
+    refused: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def call(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method != "delete_objects":
+            return await real(fs, method, *args, **kwargs)
+        delete = kwargs["Delete"]
+        keep = [o for o in delete["Objects"] if o["Key"].endswith(ending)]
+        rest = [o for o in delete["Objects"] if o not in keep]
+        refused.extend(o["Key"] for o in keep)
+        out = {}
+        if rest:
+            out = await real(fs, method, *args, **{**kwargs, "Delete": {**delete, "Objects": rest}})
+        errors = [{"Key": o["Key"], "Code": "InternalError", "Message": "try again"} for o in keep]
+        return {**out, "Errors": [*out.get("Errors", []), *errors]}
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    return refused
+
+
+@pytest.mark.s3
+def test_retention_never_leaves_a_commit_without_its_data(s3_server, bucket, monkeypatch, caplog):
+    """A multi-object delete that refuses some keys (S3 answers 200 and lists them) raises:
+    retention stops before deleting the data of a step whose commit file is still there."""
+    options = s3_server.storage_options(config_kwargs={"retries": {"max_attempts": 2}})
+    root = f"s3://{bucket}/run"
+    refused = _refuse_deletes(monkeypatch, "dcpbridge.json")
+    mgr = db.CheckpointManager(
+        root, every=1, keep_last=1, async_save=False, storage_options=options
+    )
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    mgr.close()
+    assert refused == ["run/step_00000001/dcpbridge.json"]
+    assert "run/step_00000001/dcpbridge.json: InternalError" in caplog.text
+    assert mgr.all_steps() == [1, 2]
+    for step in mgr.all_steps():  # every step that looks complete loads
+        out = db.load({"w": torch.zeros(4)}, mgr.step_url(step), storage_options=options)
+        assert torch.equal(out["w"], torch.full((4,), float(step)))
+    store = storage_for(resolve(mgr.step_url(1), options))
+    with pytest.raises(db.StorageError, match=r"step_00000001/dcpbridge\.json: InternalError"):
+        store.remove_folder()  # what it could delete is gone; what it could not, named
+    assert s3_server.keys(bucket)[0] == "run/step_00000001/dcpbridge.json"
