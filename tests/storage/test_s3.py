@@ -578,3 +578,26 @@ def test_retention_never_leaves_a_commit_without_its_data(s3_server, bucket, mon
     with pytest.raises(db.StorageError, match=r"step_00000001/dcpbridge\.json: InternalError"):
         store.remove_folder()  # what it could delete is gone; what it could not, named
     assert s3_server.keys(bucket)[0] == "run/step_00000001/dcpbridge.json"
+
+
+@pytest.mark.s3
+def test_an_upload_from_the_local_tier_that_fails_creates_no_object(
+    s3_server, bucket, tmp_path, monkeypatch
+):
+    """Persisting a local step's file to S3: a read of the local file that fails part-way
+    aborts the upload, so no object with the first part of its bytes appears."""
+    from dcpbridge.engine import local_persist
+
+    source = tmp_path / "__0_0.0123456789abcdef.bin"
+    source.write_bytes(os.urandom(12 * MiB))
+    local = resolve(str(tmp_path))
+    store = storage_for(resolve(f"s3://{bucket}/ck", s3_server.storage_options()))
+
+    def copy_then_fail(src: Any, dst: Any, length: int = 0) -> None:
+        dst.write(src.read(MiB))
+        raise OSError("local disk gone")
+
+    monkeypatch.setattr(local_persist.shutil, "copyfileobj", copy_then_fail)
+    with pytest.raises(OSError, match="local disk gone"):
+        local_persist._upload_file(local, str(source), store, f"{bucket}/ck/{source.name}")
+    assert s3_server.keys(bucket) == [] and s3_server.multipart_uploads(bucket) == []
