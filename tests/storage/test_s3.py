@@ -601,3 +601,23 @@ def test_an_upload_from_the_local_tier_that_fails_creates_no_object(
     with pytest.raises(OSError, match="local disk gone"):
         local_persist._upload_file(local, str(source), store, f"{bucket}/ck/{source.name}")
     assert s3_server.keys(bucket) == [] and s3_server.multipart_uploads(bucket) == []
+
+
+@pytest.mark.s3
+def test_a_connection_cut_mid_body_on_every_try_raises_a_storage_error(s3_server, s3_proxy, bucket):
+    """Ranged GETs whose connection dies in the middle of the body are retried, then fail
+    as a StorageError naming the URL and file (not aiohttp's payload error)."""
+    url = f"s3://{bucket}/ck"
+    db.save(_state(0), url, storage_options=s3_server.storage_options())
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url,
+        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
+    )
+    cut = s3_proxy.inject("GET", "ck/__0_0", "cut", times=1000)
+    with pytest.raises(db.StorageError, match=rf"{url}: read {bucket}/ck/__0_0\.") as got:
+        db.load(_state(0, fill=False), url, storage_options=options)
+    assert cut.hits >= 2 and got.value.__cause__ is not None
+    s3_proxy.inject("GET", "ck/__0_0", "cut", times=1)  # once: the retry reads it whole
+    cut.times = cut.hits
+    out = db.load(_state(0, fill=False), url, storage_options=options)
+    assert torch.equal(out["t0"], _state(0)["t0"].data)
