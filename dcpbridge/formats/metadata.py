@@ -220,6 +220,7 @@ def _referenced_by_siblings(location: Location) -> set[str] | None:
         if sibling.rsplit("/", 1)[-1] == name:
             continue
         try:
+            location.fs.invalidate_cache(document)  # a listing cached before it committed
             if not location.fs.exists(document):
                 continue
             files = json.loads(location.fs.cat_file(document)).get("files", [])

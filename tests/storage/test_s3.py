@@ -621,3 +621,24 @@ def test_a_connection_cut_mid_body_on_every_try_raises_a_storage_error(s3_server
     cut.times = cut.hits
     out = db.load(_state(0, fill=False), url, storage_options=options)
     assert torch.equal(out["t0"], _state(0)["t0"].data)
+
+
+@pytest.mark.s3
+def test_removing_tensors_keeps_files_a_sibling_committed_since_references(s3_server, bucket):
+    """remove_sharded_tensors looks up each sibling's commit file afresh: a sibling this
+    process listed before another process committed it still keeps the files it references."""
+    a, b = torch.arange(64 * 1024.0), -torch.arange(64 * 1024.0)
+    options = s3_server.storage_options()
+    step_1, step_2 = f"s3://{bucket}/run/step_1", f"s3://{bucket}/run/step_2"
+    db.save({"a": a, "b": b}, step_1, storage_options=options, thread_count=2)
+    other = s3_server.storage_options(skip_instance_cache=True)  # another process, in effect
+    _fs(s3_server, private=True).pipe_file(f"{bucket}/run/step_2/manager.json", b"{}")
+    with pytest.raises(db.NotACheckpointError):  # listed here before its save commits
+        db.load({"a": torch.zeros_like(a)}, step_2, storage_options=options)
+    db.save({"a": a, "b": b}, step_2, storage_options=other, reuse_from=step_1)
+    dropped = db.remove_sharded_tensors(step_1, "b", storage_options=options)
+    assert dropped == ["b"]
+    out = db.load(
+        {"a": torch.zeros_like(a), "b": torch.zeros_like(b)}, step_2, storage_options=options
+    )
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
