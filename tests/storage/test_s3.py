@@ -642,3 +642,24 @@ def test_removing_tensors_keeps_files_a_sibling_committed_since_references(s3_se
         {"a": torch.zeros_like(a), "b": torch.zeros_like(b)}, step_2, storage_options=options
     )
     assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+
+
+@pytest.mark.s3
+def test_fsck_of_a_frozen_store_fails_within_the_request_timeout(s3_server, s3_proxy, bucket):
+    """fsck's listings (and retention's, of incremental steps) are S3 requests like any
+    other: a store that stops answering fails them within the timeouts, naming the URL."""
+    from dcpbridge.engine.incremental import files_in, fsck
+
+    root = f"s3://{bucket}/run"
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url, request_timeout=2, cleanup_timeout=1
+    )
+    db.save({"w": torch.arange(8.0)}, f"{root}/a", storage_options=options)
+    s3_proxy.inject("GET", "list-type=2", "freeze")
+    for call in (lambda: fsck(root, options), lambda: files_in(resolve(f"{root}/a", options))):
+        began = time.monotonic()
+        with pytest.raises(
+            db.StorageError, match=rf"{root}(/a)?: list: RequestTimeoutError: no answer within 2 s"
+        ):
+            call()
+        assert time.monotonic() - began < 10
