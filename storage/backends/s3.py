@@ -28,6 +28,7 @@ from typing import Any
 
 import botocore.config
 import s3fs.core
+from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
@@ -333,6 +334,10 @@ def _check_client_options(url: str, opts: dict[str, Any]) -> None:
             raise InvalidArgumentError(
                 f"{url}: storage option {name} must be a string, got {type(value).__name__}"
             )
+    client_kwargs = opts.get("client_kwargs") or {}
+    for endpoint in (client_kwargs.get("endpoint_url"), opts.get("endpoint_url")):
+        if endpoint is not None:
+            _check_endpoint(url, endpoint)
     try:
         botocore.config.Config(**(opts.get("config_kwargs") or {}))
     except Exception as e:
@@ -340,6 +345,24 @@ def _check_client_options(url: str, opts: dict[str, Any]) -> None:
             f"{url}: storage option config_kwargs is not a valid botocore Config: "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+def _check_endpoint(url: str, endpoint: object) -> None:
+    """Refuse an endpoint URL botocore would refuse at the first request, with a bare
+    ValueError naming neither the option nor the checkpoint (``localhost:9000``: no scheme)."""
+    if not isinstance(endpoint, str):
+        raise InvalidArgumentError(
+            f"{url}: storage option endpoint_url must be a string, got {type(endpoint).__name__}"
+        )
+    try:
+        valid = bool(is_valid_endpoint_url(endpoint) or is_valid_ipv6_endpoint_url(endpoint))
+    except ValueError:  # urllib's own refusal (an unclosed IPv6 bracket)
+        valid = False
+    if not valid:
+        raise InvalidArgumentError(
+            f"{url}: storage option endpoint_url {endpoint!r} is not a URL botocore accepts "
+            "(scheme://host[:port], e.g. http://localhost:9000)"
+        )
 
 
 def _wait(loop: Any, coro: Awaitable[Any]) -> Any:

@@ -70,6 +70,10 @@ def test_wrong_types_of_s3fs_transfer_options_raise_a_checkpoint_error(option, v
         ({"config_kwargs": "x"}, "config_kwargs must be a mapping"),
         ({"config_kwargs": {"retries": "x"}}, "config_kwargs is not a valid botocore Config"),
         ({"key": 5}, "key must be a string, got int"),
+        ({"client_kwargs": {"endpoint_url": "localhost:9000"}}, "endpoint_url 'localhost:9000'"),
+        ({"client_kwargs": {"endpoint_url": "http://[::1"}}, r"endpoint_url 'http://\[::1'"),
+        ({"endpoint_url": "minio:9000"}, "endpoint_url 'minio:9000' is not a URL"),
+        ({"client_kwargs": {"endpoint_url": 9000}}, "endpoint_url must be a string, got int"),
     ],
 )
 def test_s3fs_client_options_of_the_wrong_type_raise_a_checkpoint_error(tmp_path, extra, message):
