@@ -667,3 +667,36 @@ def test_fsck_of_a_frozen_store_fails_within_the_request_timeout(s3_server, s3_p
         ):
             call()
         assert time.monotonic() - began < 10
+
+
+@pytest.mark.s3
+def test_a_commit_whose_answer_was_lost_keeps_its_data_when_it_cannot_be_read_back(
+    s3_server, bucket, monkeypatch, caplog
+):
+    """The commit PUT landed but its answer never came, and the cleanup's read of the commit
+    file fails too: whether the save committed is unknown, so its data files stay (deleting
+    them would leave a commit file naming files that are gone)."""
+    url = f"s3://{bucket}/ck"
+    options = s3_server.storage_options()
+    real = s3fs.S3FileSystem._call_s3
+    faults = {"put": 0, "get": 0}
+
+    async def call(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        commit = kwargs.get("Key", "").endswith("dcpbridge.json")
+        if commit and method == "get_object" and faults["put"] and not faults["get"]:
+            faults["get"] += 1  # the cleanup's read, after the failed commit
+            raise OSError("InternalError reading the commit back")
+        out = await real(fs, method, *args, **kwargs)
+        if commit and method == "put_object" and not faults["put"]:
+            faults["put"] += 1
+            raise OSError("connection reset after the PUT landed")
+        return out
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    with pytest.raises(db.StorageError, match=rf"{url}: commit dcpbridge\.json: .*PUT landed"):
+        db.save({"w": torch.arange(8.0)}, url, storage_options=options)
+    assert faults == {"put": 1, "get": 1}
+    assert "InternalError reading the commit back" in caplog.text
+    monkeypatch.undo()
+    out = db.load({"w": torch.zeros(8)}, url, storage_options=options)  # it did commit
+    assert torch.equal(out["w"], torch.arange(8.0))
