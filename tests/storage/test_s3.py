@@ -700,3 +700,25 @@ def test_a_commit_whose_answer_was_lost_keeps_its_data_when_it_cannot_be_read_ba
     monkeypatch.undo()
     out = db.load({"w": torch.zeros(8)}, url, storage_options=options)  # it did commit
     assert torch.equal(out["w"], torch.arange(8.0))
+
+
+@pytest.mark.s3
+def test_removing_tensors_on_a_frozen_store_fails_within_the_request_timeout(
+    s3_server, s3_proxy, bucket
+):
+    """remove_sharded_tensors lists the checkpoints beside it with bounded requests: a store
+    that stops answering fails it within the timeouts, naming the URL, and changes nothing."""
+    url = f"s3://{bucket}/run/step_1"
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url, request_timeout=2, cleanup_timeout=1
+    )
+    a, b = torch.arange(64 * 1024.0), -torch.arange(64 * 1024.0)
+    db.save({"a": a, "b": b}, url, storage_options=options, thread_count=2)
+    s3_proxy.inject("GET", "list-type=2", "freeze")
+    began = time.monotonic()
+    with pytest.raises(db.StorageError, match=rf"{url}: list the checkpoints beside it: .*2 s"):
+        db.remove_sharded_tensors(url, "b", storage_options=options)
+    assert time.monotonic() - began < 10
+    s3_proxy.frozen.clear()
+    out = db.load({"b": torch.zeros_like(b)}, url, storage_options=s3_server.storage_options())
+    assert torch.equal(out["b"], b)
