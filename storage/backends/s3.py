@@ -146,6 +146,7 @@ class _BoundedFS:
             "ls",
             "find",
             "exists",
+            "isfile",
             "info",
             "rm",
             "rm_file",

@@ -722,3 +722,31 @@ def test_removing_tensors_on_a_frozen_store_fails_within_the_request_timeout(
     s3_proxy.frozen.clear()
     out = db.load({"b": torch.zeros_like(b)}, url, storage_options=s3_server.storage_options())
     assert torch.equal(out["b"], b)
+
+
+@pytest.mark.s3
+def test_a_safetensors_header_read_that_fails_raises_a_storage_error(s3_server, s3_proxy, bucket):
+    """Reading a safetensors file's header on S3: a failing GET raises a StorageError naming
+    the URL and file (not a bare OSError), and a frozen store fails within the timeouts."""
+    from safetensors.torch import save
+
+    url = f"s3://{bucket}/hf"
+    _fs(s3_server).pipe_file(f"{bucket}/hf/model.safetensors", save({"w": torch.arange(4.0)}))
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url,
+        request_timeout=6,
+        cleanup_timeout=2,
+        config_kwargs={"retries": {"max_attempts": 1}},
+    )
+    assert torch.equal(
+        db.open_source(url, storage_options=options).read("w", (0,), (4,)), torch.arange(4.0)
+    )
+    failing = s3_proxy.inject("GET", "/hf/model.safetensors", "internal", times=1000)
+    with pytest.raises(db.StorageError, match=rf"^{url}: read model\.safetensors: OSError"):
+        db.open_source(url, storage_options=options)
+    failing.times = failing.hits
+    s3_proxy.inject("GET", "/hf/model.safetensors", "freeze")
+    began = time.monotonic()
+    with pytest.raises(db.StorageError, match=rf"^{url}: read model\.safetensors: RequestTimeout"):
+        db.open_source(url, storage_options=options)
+    assert time.monotonic() - began < 15
