@@ -60,12 +60,16 @@ class ConcurrentSaveError(CheckpointError):
 
 
 def is_storage_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` is an I/O failure of the storage layer (OS, fsspec, botocore, s3fs)."""
+    """Whether ``exc`` is an I/O failure of the storage layer (OS, fsspec, botocore, s3fs, or
+    aiohttp under them: a body cut short mid-transfer surfaces as its ``ClientPayloadError``)."""
     if isinstance(exc, CheckpointError):
         return False
     if isinstance(exc, OSError):
         return True
-    return any(c.__module__.split(".")[0] in ("botocore", "aiobotocore") for c in type(exc).__mro__)
+    return any(c.__module__.split(".")[0] in _CLIENT_LIBRARIES for c in type(exc).__mro__)
+
+
+_CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp")
 
 
 def storage_error(where: str, exc: BaseException) -> StorageError:

@@ -86,20 +86,22 @@ def refuse_if_referenced(root: Location, name: str, others: Iterable[str]) -> No
         )
 
 
-def _listing(location: Location, list_fn: Callable[[str], Any]) -> tuple[str, Any]:
-    """``list_fn(folder)`` of ``location``'s folder, afresh (an absent folder lists nothing)."""
+def _listing(location: Location, list_fn: Callable[[Any, str], Any]) -> tuple[str, Any]:
+    """``list_fn(fs, folder)`` of ``location``'s folder, afresh (an absent folder lists
+    nothing); ``fs`` is the storage's own (on S3, every request bounded by its timeouts)."""
     base = location.root.rstrip("/")
     with storage_faults(f"{location.url}: list"):
-        location.fs.invalidate_cache(base)
+        fs = storage_for(location).fs
+        fs.invalidate_cache(base)
         try:
-            return base, list_fn(base)
+            return base, list_fn(fs, base)
         except FileNotFoundError:
             return base, []
 
 
 def files_in(location: Location) -> list[str]:
     """Paths (relative to the folder) of every file under checkpoint folder ``location``."""
-    base, found = _listing(location, lambda b: location.fs.find(b, detail=False))
+    base, found = _listing(location, lambda fs, b: fs.find(b, detail=False))
     return sorted(p.rstrip("/")[len(base) + 1 :] for p in found if p.startswith(base + "/"))
 
 
@@ -147,7 +149,7 @@ class FsckReport:
 
 
 def _folders(root: Location) -> list[str]:
-    _, entries = _listing(root, lambda b: root.fs.ls(b, detail=True))
+    _, entries = _listing(root, lambda fs, b: fs.ls(b, detail=True))
     names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries]
     types = [e.get("type") for e in entries]
     return sorted(n for n, t in zip(names, types) if t == "directory")

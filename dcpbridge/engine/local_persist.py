@@ -8,7 +8,6 @@ time, and the upload runs on the local tier's background thread after the local 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 from collections.abc import Callable
@@ -128,8 +127,8 @@ def _upload_mine(group: Group, job: PersistJob, local: Location, index: StorageI
 
 
 def _upload_file(local: Location, source: str, store: Storage, target: str) -> None:
-    with local.fs.open(source, "rb") as src:
-        out = store.open_write(target)
-        with contextlib.closing(out):
-            shutil.copyfileobj(src, out, _PIECE)
-            store.sync(out)
+    """Copy ``source`` to ``target``; a failure part-way leaves no object (an S3 upload is
+    aborted on leaving its ``with`` block with an exception, where ``close`` would finish it)."""
+    with local.fs.open(source, "rb") as src, store.open_write(target) as out:
+        shutil.copyfileobj(src, out, _PIECE)
+        store.sync(out)

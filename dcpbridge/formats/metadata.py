@@ -212,17 +212,19 @@ def _referenced_by_siblings(location: Location) -> set[str] | None:
         return set()  # no parent folder: no siblings
     parent, name = root.rsplit("/", 1)
     out: set[str] = set()
+    fs = storage_for(location).fs  # the storage's own: on S3, requests bounded by its timeouts
     with storage_faults(f"{location.url}: list the checkpoints beside it"):
-        location.fs.invalidate_cache(parent)
-        siblings = [e.rstrip("/") for e in location.fs.ls(parent, detail=False)]
+        fs.invalidate_cache(parent)
+        siblings = [e.rstrip("/") for e in fs.ls(parent, detail=False)]
     for sibling in siblings:
         document = f"{sibling}/{METADATA_FILE}"
         if sibling.rsplit("/", 1)[-1] == name:
             continue
         try:
-            if not location.fs.exists(document):
+            fs.invalidate_cache(document)  # a listing cached before it committed
+            if not fs.exists(document):
                 continue
-            files = json.loads(location.fs.cat_file(document)).get("files", [])
+            files = json.loads(fs.cat_file(document)).get("files", [])
             for f in files:
                 if isinstance(f, str) and is_reference(f):
                     match = check_reference(f)

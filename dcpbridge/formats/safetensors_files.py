@@ -35,6 +35,7 @@ from dcpbridge.formats.safetensors_chunks import (
 from dcpbridge.storage import FsspecCheckpointReader, Location, StorageIndex, StoredItem, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.errors import storage_faults
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
@@ -62,12 +63,16 @@ def _parent_url(location: Location) -> str:
 def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, Any], int]:
     """The JSON header of safetensors file ``name`` and the offset where its data starts."""
     path = location.path(name)
-    head = location.fs.cat_file(path, start=0, end=8)
+    fs = storage_for(location).fs  # on S3, requests bounded by the storage's timeouts
+    with storage_faults(f"{location.url}: read {name}"):
+        head = fs.cat_file(path, start=0, end=8)
     size = int.from_bytes(head, "little") if len(head) == 8 else -1
     if not 2 <= size <= MAX_HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: not a safetensors file (bad header length)")
+    with storage_faults(f"{location.url}: read {name}"):
+        raw = fs.cat_file(path, start=8, end=8 + size)
     try:
-        header = load_json(location.fs.cat_file(path, start=8, end=8 + size))
+        header = load_json(raw)
     except DuplicateName as e:
         raise CorruptCheckpointError(f"{path}: safetensors header {e}") from None
     except (ValueError, RecursionError) as e:
@@ -93,6 +98,12 @@ def _weight_map(raw: bytes, where: str) -> dict[str, str]:
     return weight_map
 
 
+def _is_file(store: Storage, location: Location) -> bool:
+    """Whether ``location`` is a file (a request bounded like the storage's others)."""
+    with storage_faults(f"{location.url}: look up"):
+        return bool(store.fs.isfile(location.root))
+
+
 def _files(
     location: Location, store: Storage, storage_options: dict[str, Any] | None
 ) -> tuple[Location, list[str], dict[str, str] | None]:
@@ -106,7 +117,7 @@ def _files(
             )
         weight_map = _weight_map(store.read_file(location.path(SAFETENSORS_INDEX)), location.url)
         return location, sorted(set(weight_map.values())), weight_map
-    if location.root.endswith(".safetensors") and location.fs.isfile(location.root):
+    if location.root.endswith(".safetensors") and _is_file(store, location):
         folder = resolve(_parent_url(location), storage_options)
         return folder, [location.root.rstrip("/").rsplit("/", 1)[-1]], None
     names = sorted(n for n in store.file_sizes() if n.endswith(".safetensors"))  # files only

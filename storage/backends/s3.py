@@ -28,6 +28,7 @@ from typing import Any
 
 import botocore.config
 import s3fs.core
+from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
@@ -145,6 +146,7 @@ class _BoundedFS:
             "ls",
             "find",
             "exists",
+            "isfile",
             "info",
             "rm",
             "rm_file",
@@ -264,6 +266,18 @@ class S3Storage(Storage):
         self.fs.invalidate_cache(self.location.root)
         return super().exists(name)
 
+    @storage_op("look up")
+    def info(self, path: str) -> dict[str, Any]:
+        """A HEAD of the object, never a listing this process cached: another process may
+        have replaced it (the commit file's ETag keys the decoded-metadata cache)."""
+        self.fs.invalidate_cache(path)
+        return super().info(path)
+
+    @storage_op("look up")
+    def file_size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return super().file_size(path)
+
     @storage_op("list")
     def list_names(self) -> list[str]:
         self.fs.invalidate_cache(self.location.root)  # other processes write here too
@@ -276,8 +290,22 @@ class S3Storage(Storage):
 
     @storage_op("remove")
     def remove(self, names: Sequence[str]) -> None:
-        super().remove(names)
+        """Delete files ``names`` (keys taken literally), raising if S3 kept any of them."""
+        _delete(self.fs._fs, [self._paths.get(n) or self._path_of(n) for n in names], self.budget)
         self.fs.invalidate_cache(self.location.root)
+
+    @storage_op("remove")
+    def remove_folder(self) -> None:
+        """Delete every object under the checkpoint's prefix (``<root>/``, a listing that
+        takes the root literally), raising if S3 kept any of them."""
+        root = self.location.root.rstrip("/")
+        self.fs.invalidate_cache(root)
+        try:
+            found = self.fs.find(root)
+        except FileNotFoundError:
+            found = []
+        _delete(self.fs._fs, found, self.budget)
+        self.fs.invalidate_cache(root)
 
     @storage_op("read")
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
@@ -307,6 +335,10 @@ def _check_client_options(url: str, opts: dict[str, Any]) -> None:
             raise InvalidArgumentError(
                 f"{url}: storage option {name} must be a string, got {type(value).__name__}"
             )
+    client_kwargs = opts.get("client_kwargs") or {}
+    for endpoint in (client_kwargs.get("endpoint_url"), opts.get("endpoint_url")):
+        if endpoint is not None:
+            _check_endpoint(url, endpoint)
     try:
         botocore.config.Config(**(opts.get("config_kwargs") or {}))
     except Exception as e:
@@ -314,6 +346,24 @@ def _check_client_options(url: str, opts: dict[str, Any]) -> None:
             f"{url}: storage option config_kwargs is not a valid botocore Config: "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+def _check_endpoint(url: str, endpoint: object) -> None:
+    """Refuse an endpoint URL botocore would refuse at the first request, with a bare
+    ValueError naming neither the option nor the checkpoint (``localhost:9000``: no scheme)."""
+    if not isinstance(endpoint, str):
+        raise InvalidArgumentError(
+            f"{url}: storage option endpoint_url must be a string, got {type(endpoint).__name__}"
+        )
+    try:
+        valid = bool(is_valid_endpoint_url(endpoint) or is_valid_ipv6_endpoint_url(endpoint))
+    except ValueError:  # urllib's own refusal (an unclosed IPv6 bracket)
+        valid = False
+    if not valid:
+        raise InvalidArgumentError(
+            f"{url}: storage option endpoint_url {endpoint!r} is not a URL botocore accepts "
+            "(scheme://host[:port], e.g. http://localhost:9000)"
+        )
 
 
 def _wait(loop: Any, coro: Awaitable[Any]) -> Any:
@@ -469,6 +519,37 @@ def _error_code(e: BaseException) -> str | None:
     """The S3 error code behind an exception s3fs translated (None if there is none)."""
     response = getattr(e.__cause__, "response", None) or getattr(e, "response", None)
     return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+_DELETE_BATCH = 1000  # keys one DeleteObjects request may name
+
+
+def _delete(fs: Any, paths: Sequence[str], budget: RequestBudget) -> None:
+    """Delete objects ``paths`` with DeleteObjects requests; raise if S3 kept any. S3 answers
+    200 even when it refused some keys (listed under ``Errors``), which s3fs's ``rm`` drops:
+    a commit file kept while its data files went would look like a complete checkpoint."""
+    by_bucket: dict[str, list[str]] = {}
+    for path in paths:
+        bucket, key = _split(fs, path)
+        by_bucket.setdefault(bucket, []).append(key)
+        fs.invalidate_cache(path)
+    failed: list[str] = []
+    for bucket, keys in by_bucket.items():
+        for at in range(0, len(keys), _DELETE_BATCH):
+            objects = [{"Key": k} for k in keys[at : at + _DELETE_BATCH]]
+            call = fs._call_s3(
+                "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+            )
+            out = _wait(fs.loop, budget.bounded(call, "delete_objects"))
+            failed += [
+                f"{bucket}/{e.get('Key')}: {e.get('Code')}: {e.get('Message')}"
+                for e in out.get("Errors") or ()
+            ]
+    if failed:
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        raise OSError(
+            f"S3 kept {len(failed)} object(s) it was asked to delete: {'; '.join(failed[:3])}{more}"
+        )
 
 
 def _split(fs: Any, path: str) -> tuple[str, str]:

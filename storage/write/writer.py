@@ -869,15 +869,18 @@ def index_results(
 
 
 def _committed_document(store: Storage) -> dict[str, Any] | None:
-    """The JSON of the commit file at ``store``'s location, or None if absent or unreadable."""
+    """The JSON of the commit file at ``store``'s location, or None if absent or not a JSON
+    object; a failure to read it raises (the caller cannot tell whether a save committed)."""
     try:
         return _document(store.read_file(store.location.path(METADATA_FILE)))
-    except OSError:
+    except FileNotFoundError:
         return None
 
 
 def committed_save_id(store: Storage) -> str | None:
-    """The save id the location's commit file names (None if there is none)."""
+    """The save id the location's commit file names (None if there is none). Raises where
+    the commit file cannot be read: a failed save's cleanup then removes nothing (its
+    commit may have landed with its answer lost, and its data files are then needed)."""
     doc = _committed_document(store)
     save_id = doc.get("save_id") if doc is not None else None
     return save_id if isinstance(save_id, str) else None

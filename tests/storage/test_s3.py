@@ -12,6 +12,7 @@ from typing import Any
 
 import fsspec
 import pytest
+import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -69,6 +70,10 @@ def test_wrong_types_of_s3fs_transfer_options_raise_a_checkpoint_error(option, v
         ({"config_kwargs": "x"}, "config_kwargs must be a mapping"),
         ({"config_kwargs": {"retries": "x"}}, "config_kwargs is not a valid botocore Config"),
         ({"key": 5}, "key must be a string, got int"),
+        ({"client_kwargs": {"endpoint_url": "localhost:9000"}}, "endpoint_url 'localhost:9000'"),
+        ({"client_kwargs": {"endpoint_url": "http://[::1"}}, r"endpoint_url 'http://\[::1'"),
+        ({"endpoint_url": "minio:9000"}, "endpoint_url 'minio:9000' is not a URL"),
+        ({"client_kwargs": {"endpoint_url": 9000}}, "endpoint_url must be a string, got int"),
     ],
 )
 def test_s3fs_client_options_of_the_wrong_type_raise_a_checkpoint_error(tmp_path, extra, message):
@@ -504,3 +509,244 @@ def test_a_location_with_a_version_id_is_refused_before_writing(s3_server, bucke
         db.save({"t": torch.arange(4.0)}, url, storage_options=options)
     assert s3_server.keys(bucket) == ["ck"]
     assert _fs(s3_server).cat_file(f"{bucket}/ck") == b"user data"
+
+
+@pytest.mark.s3
+def test_a_reader_sees_a_commit_another_process_replaced(s3_server, bucket):
+    """Looking up the commit file (and any file's size) never answers from a listing this
+    process cached: a checkpoint re-saved by another process loads as its new self."""
+    url = f"s3://{bucket}/ck"
+    options = s3_server.storage_options()
+    db.save({"w": torch.full((4,), 1.0)}, url, storage_options=options)
+
+    def load() -> torch.Tensor:
+        out = {"w": torch.zeros(4)}
+        reader = FsspecCheckpointReader(url, storage_options=options)
+        dcp.load(out, storage_reader=reader, planner=db.ShardedLoadPlanner(), no_dist=True)
+        return out["w"]
+
+    assert torch.equal(load(), torch.full((4,), 1.0))  # lists the folder (sizes of its files)
+    store = storage_for(resolve(url, options))
+    old_size = store.file_size(f"{bucket}/ck/dcpbridge.json")
+    other = s3_server.storage_options(skip_instance_cache=True)  # another process, in effect
+    db.save({"w": torch.full((4,), 2.0), "pad": torch.zeros(3)}, url, storage_options=other)
+    assert torch.equal(load(), torch.full((4,), 2.0))
+    fresh = _fs(s3_server, private=True).size(f"{bucket}/ck/dcpbridge.json")
+    assert fresh != old_size and store.file_size(f"{bucket}/ck/dcpbridge.json") == fresh
+    assert store.info(f"{bucket}/ck/dcpbridge.json")["size"] == fresh
+
+
+def _refuse_deletes(monkeypatch, ending: str) -> list[str]:
+    """Make every s3fs multi-object delete refuse the keys ending with ``ending`` the way S3
+    does per key (200 OK, the key under ``Errors``); the other keys are deleted for real."""
+    refused: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def call(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method != "delete_objects":
+            return await real(fs, method, *args, **kwargs)
+        delete = kwargs["Delete"]
+        keep = [o for o in delete["Objects"] if o["Key"].endswith(ending)]
+        rest = [o for o in delete["Objects"] if o not in keep]
+        refused.extend(o["Key"] for o in keep)
+        out = {}
+        if rest:
+            out = await real(fs, method, *args, **{**kwargs, "Delete": {**delete, "Objects": rest}})
+        errors = [{"Key": o["Key"], "Code": "InternalError", "Message": "try again"} for o in keep]
+        return {**out, "Errors": [*out.get("Errors", []), *errors]}
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    return refused
+
+
+@pytest.mark.s3
+def test_retention_never_leaves_a_commit_without_its_data(s3_server, bucket, monkeypatch, caplog):
+    """A multi-object delete that refuses some keys (S3 answers 200 and lists them) raises:
+    retention stops before deleting the data of a step whose commit file is still there."""
+    options = s3_server.storage_options(config_kwargs={"retries": {"max_attempts": 2}})
+    root = f"s3://{bucket}/run"
+    refused = _refuse_deletes(monkeypatch, "dcpbridge.json")
+    mgr = db.CheckpointManager(
+        root, every=1, keep_last=1, async_save=False, storage_options=options
+    )
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    mgr.close()
+    assert refused == ["run/step_00000001/dcpbridge.json"]
+    assert "run/step_00000001/dcpbridge.json: InternalError" in caplog.text
+    assert mgr.all_steps() == [1, 2]
+    for step in mgr.all_steps():  # every step that looks complete loads
+        out = db.load({"w": torch.zeros(4)}, mgr.step_url(step), storage_options=options)
+        assert torch.equal(out["w"], torch.full((4,), float(step)))
+    store = storage_for(resolve(mgr.step_url(1), options))
+    with pytest.raises(db.StorageError, match=r"step_00000001/dcpbridge\.json: InternalError"):
+        store.remove_folder()  # what it could delete is gone; what it could not, named
+    assert s3_server.keys(bucket)[0] == "run/step_00000001/dcpbridge.json"
+
+
+@pytest.mark.s3
+def test_an_upload_from_the_local_tier_that_fails_creates_no_object(
+    s3_server, bucket, tmp_path, monkeypatch
+):
+    """Persisting a local step's file to S3: a read of the local file that fails part-way
+    aborts the upload, so no object with the first part of its bytes appears."""
+    from dcpbridge.engine import local_persist
+
+    source = tmp_path / "__0_0.0123456789abcdef.bin"
+    source.write_bytes(os.urandom(12 * MiB))
+    local = resolve(str(tmp_path))
+    store = storage_for(resolve(f"s3://{bucket}/ck", s3_server.storage_options()))
+
+    def copy_then_fail(src: Any, dst: Any, length: int = 0) -> None:
+        dst.write(src.read(MiB))
+        raise OSError("local disk gone")
+
+    monkeypatch.setattr(local_persist.shutil, "copyfileobj", copy_then_fail)
+    with pytest.raises(OSError, match="local disk gone"):
+        local_persist._upload_file(local, str(source), store, f"{bucket}/ck/{source.name}")
+    assert s3_server.keys(bucket) == [] and s3_server.multipart_uploads(bucket) == []
+
+
+@pytest.mark.s3
+def test_a_connection_cut_mid_body_on_every_try_raises_a_storage_error(s3_server, s3_proxy, bucket):
+    """Ranged GETs whose connection dies in the middle of the body are retried, then fail
+    as a StorageError naming the URL and file (not aiohttp's payload error)."""
+    url = f"s3://{bucket}/ck"
+    db.save(_state(0), url, storage_options=s3_server.storage_options())
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url,
+        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
+    )
+    cut = s3_proxy.inject("GET", "ck/__0_0", "cut", times=1000)
+    with pytest.raises(db.StorageError, match=rf"{url}: read {bucket}/ck/__0_0\.") as got:
+        db.load(_state(0, fill=False), url, storage_options=options)
+    assert cut.hits >= 2 and got.value.__cause__ is not None
+    s3_proxy.inject("GET", "ck/__0_0", "cut", times=1)  # once: the retry reads it whole
+    cut.times = cut.hits
+    out = db.load(_state(0, fill=False), url, storage_options=options)
+    assert torch.equal(out["t0"], _state(0)["t0"].data)
+
+
+@pytest.mark.s3
+def test_removing_tensors_keeps_files_a_sibling_committed_since_references(s3_server, bucket):
+    """remove_sharded_tensors looks up each sibling's commit file afresh: a sibling this
+    process listed before another process committed it still keeps the files it references."""
+    a, b = torch.arange(64 * 1024.0), -torch.arange(64 * 1024.0)
+    options = s3_server.storage_options()
+    step_1, step_2 = f"s3://{bucket}/run/step_1", f"s3://{bucket}/run/step_2"
+    db.save({"a": a, "b": b}, step_1, storage_options=options, thread_count=2)
+    other = s3_server.storage_options(skip_instance_cache=True)  # another process, in effect
+    _fs(s3_server, private=True).pipe_file(f"{bucket}/run/step_2/manager.json", b"{}")
+    with pytest.raises(db.NotACheckpointError):  # listed here before its save commits
+        db.load({"a": torch.zeros_like(a)}, step_2, storage_options=options)
+    db.save({"a": a, "b": b}, step_2, storage_options=other, reuse_from=step_1)
+    dropped = db.remove_sharded_tensors(step_1, "b", storage_options=options)
+    assert dropped == ["b"]
+    out = db.load(
+        {"a": torch.zeros_like(a), "b": torch.zeros_like(b)}, step_2, storage_options=options
+    )
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+
+
+@pytest.mark.s3
+def test_fsck_of_a_frozen_store_fails_within_the_request_timeout(s3_server, s3_proxy, bucket):
+    """fsck's listings (and retention's, of incremental steps) are S3 requests like any
+    other: a store that stops answering fails them within the timeouts, naming the URL."""
+    from dcpbridge.engine.incremental import files_in, fsck
+
+    root = f"s3://{bucket}/run"
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url, request_timeout=2, cleanup_timeout=1
+    )
+    db.save({"w": torch.arange(8.0)}, f"{root}/a", storage_options=options)
+    s3_proxy.inject("GET", "list-type=2", "freeze")
+    for call in (lambda: fsck(root, options), lambda: files_in(resolve(f"{root}/a", options))):
+        began = time.monotonic()
+        with pytest.raises(
+            db.StorageError, match=rf"{root}(/a)?: list: RequestTimeoutError: no answer within 2 s"
+        ):
+            call()
+        assert time.monotonic() - began < 10
+
+
+@pytest.mark.s3
+def test_a_commit_whose_answer_was_lost_keeps_its_data_when_it_cannot_be_read_back(
+    s3_server, bucket, monkeypatch, caplog
+):
+    """The commit PUT landed but its answer never came, and the cleanup's read of the commit
+    file fails too: whether the save committed is unknown, so its data files stay (deleting
+    them would leave a commit file naming files that are gone)."""
+    url = f"s3://{bucket}/ck"
+    options = s3_server.storage_options()
+    real = s3fs.S3FileSystem._call_s3
+    faults = {"put": 0, "get": 0}
+
+    async def call(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        commit = kwargs.get("Key", "").endswith("dcpbridge.json")
+        if commit and method == "get_object" and faults["put"] and not faults["get"]:
+            faults["get"] += 1  # the cleanup's read, after the failed commit
+            raise OSError("InternalError reading the commit back")
+        out = await real(fs, method, *args, **kwargs)
+        if commit and method == "put_object" and not faults["put"]:
+            faults["put"] += 1
+            raise OSError("connection reset after the PUT landed")
+        return out
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    with pytest.raises(db.StorageError, match=rf"{url}: commit dcpbridge\.json: .*PUT landed"):
+        db.save({"w": torch.arange(8.0)}, url, storage_options=options)
+    assert faults == {"put": 1, "get": 1}
+    assert "InternalError reading the commit back" in caplog.text
+    monkeypatch.undo()
+    out = db.load({"w": torch.zeros(8)}, url, storage_options=options)  # it did commit
+    assert torch.equal(out["w"], torch.arange(8.0))
+
+
+@pytest.mark.s3
+def test_removing_tensors_on_a_frozen_store_fails_within_the_request_timeout(
+    s3_server, s3_proxy, bucket
+):
+    """remove_sharded_tensors lists the checkpoints beside it with bounded requests: a store
+    that stops answering fails it within the timeouts, naming the URL, and changes nothing."""
+    url = f"s3://{bucket}/run/step_1"
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url, request_timeout=2, cleanup_timeout=1
+    )
+    a, b = torch.arange(64 * 1024.0), -torch.arange(64 * 1024.0)
+    db.save({"a": a, "b": b}, url, storage_options=options, thread_count=2)
+    s3_proxy.inject("GET", "list-type=2", "freeze")
+    began = time.monotonic()
+    with pytest.raises(db.StorageError, match=rf"{url}: list the checkpoints beside it: .*2 s"):
+        db.remove_sharded_tensors(url, "b", storage_options=options)
+    assert time.monotonic() - began < 10
+    s3_proxy.frozen.clear()
+    out = db.load({"b": torch.zeros_like(b)}, url, storage_options=s3_server.storage_options())
+    assert torch.equal(out["b"], b)
+
+
+@pytest.mark.s3
+def test_a_safetensors_header_read_that_fails_raises_a_storage_error(s3_server, s3_proxy, bucket):
+    """Reading a safetensors file's header on S3: a failing GET raises a StorageError naming
+    the URL and file (not a bare OSError), and a frozen store fails within the timeouts."""
+    from safetensors.torch import save
+
+    url = f"s3://{bucket}/hf"
+    _fs(s3_server).pipe_file(f"{bucket}/hf/model.safetensors", save({"w": torch.arange(4.0)}))
+    options = s3_server.storage_options(
+        endpoint_url=s3_proxy.endpoint_url,
+        request_timeout=6,
+        cleanup_timeout=2,
+        config_kwargs={"retries": {"max_attempts": 1}},
+    )
+    assert torch.equal(
+        db.open_source(url, storage_options=options).read("w", (0,), (4,)), torch.arange(4.0)
+    )
+    failing = s3_proxy.inject("GET", "/hf/model.safetensors", "internal", times=1000)
+    with pytest.raises(db.StorageError, match=rf"^{url}: read model\.safetensors: OSError"):
+        db.open_source(url, storage_options=options)
+    failing.times = failing.hits
+    s3_proxy.inject("GET", "/hf/model.safetensors", "freeze")
+    began = time.monotonic()
+    with pytest.raises(db.StorageError, match=rf"^{url}: read model\.safetensors: RequestTimeout"):
+        db.open_source(url, storage_options=options)
+    assert time.monotonic() - began < 15

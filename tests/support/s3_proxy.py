@@ -1,7 +1,8 @@
 """A TCP proxy on 127.0.0.1 in front of the test S3 server: counts what clients download and
 turns chosen requests into transient failures (a 503 SlowDown answer, or a reset connection),
-answers them as a server that ignores the Range header would (200 and the whole object), or
-freezes the server from a chosen request on (nothing is answered any more)."""
+answers them as a server that ignores the Range header would (200 and the whole object), cuts
+the connection in the middle of an answer's body, or freezes the server from a chosen request
+on (nothing is answered any more)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ class Fault:
     """Fail the next ``times`` requests whose method is ``method`` and whose target contains
     ``contains``: ``"slowdown"`` answers 503 SlowDown, ``"internal"`` 500 InternalError,
     ``"reset"`` resets the connection, ``"whole"`` answers 200 OK with ``body`` (the whole
-    object, as a server that ignores Range sends it), ``"freeze"`` stalls it and every later request and
+    object, as a server that ignores Range sends it), ``"cut"`` answers a ranged GET with the
+    headers of the whole range and half its body, then closes the connection (as a connection
+    killed mid-transfer), ``"freeze"`` stalls it and every later request and
     answer (a frozen server: connections stay open, nothing comes back)."""
 
     method: str
@@ -60,7 +63,7 @@ class FaultProxy:
     def inject(
         self, method: str, contains: str, kind: str, times: int = 1, body: bytes = b""
     ) -> Fault:
-        if kind not in (*_ANSWERS, "reset", "whole", "freeze"):
+        if kind not in (*_ANSWERS, "reset", "whole", "cut", "freeze"):
             raise ValueError(kind)
         fault = Fault(method, contains, kind, times, body=body)
         with self._lock:
@@ -137,6 +140,15 @@ class FaultProxy:
             return
         if headers.get("expect", "").lower() != "100-continue":
             _forward_body(reader, None, headers)
+        if fault.kind == "cut":
+            first, _, last = headers.get("range", "bytes=0-0").removeprefix("bytes=").partition("-")
+            n = int(last) - int(first) + 1
+            head = (
+                f"HTTP/1.1 206 Partial Content\r\nContent-Type: application/octet-stream\r\n"
+                f"Content-Range: bytes {first}-{last}/*\r\nContent-Length: {n}\r\n\r\n"
+            )
+            client.sendall(head.encode() + bytes(n // 2))
+            return
         if fault.kind == "whole":
             head = (
                 f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
