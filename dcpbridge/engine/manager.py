@@ -54,6 +54,8 @@ from dcpbridge.storage.write.reuse import Previous
 log = logging.getLogger("dcpbridge")
 
 _STEP_DIR = re.compile(r"^step_(\d{1,18})\Z")
+MAX_STEP = 10**18 - 1
+"""The largest step a manager saves: its folder name must read back (at most 18 digits)."""
 _NEEDS_OPTIMIZERS = (
     "background_staging needs the optimizers that change the saved state: "
     "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
@@ -272,8 +274,11 @@ class CheckpointManager:
     ) -> bool:
         """Save ``state`` as ``step`` when ``step % every == 0`` (or ``force``, or a signal of
         ``save_on_signal`` arrived on any rank); True if it saved."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            raise InvalidArgumentError(
+                f"step must be an int from 0 to {MAX_STEP} (its folder name must be found "
+                f"again), got {step!r}"
+            )
         preempted = self._agree_on_signal() if self._signals else False
         if preempted and self._final_saved:
             return False

@@ -471,3 +471,16 @@ def test_a_failed_save_of_a_new_step_leaves_no_sidecar(tmp_path, async_save):
     assert not os.path.exists(step2)
     assert mgr.all_steps() == [1]
     mgr.close()
+
+
+@pytest.mark.parametrize("step", [-1, 10**18, 2**70, True, 1.0])
+def test_a_step_whose_folder_could_not_be_found_again_is_refused(tmp_path, step):
+    """A step of 19 digits was saved (and retention ran) under a folder name that
+    ``all_steps`` never matches: the checkpoint was never found again."""
+    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=False)
+    with pytest.raises(db.InvalidArgumentError, match="step must be an int from 0 to"):
+        mgr.save(step, {"w": torch.ones(2)})
+    assert os.listdir(tmp_path) == []
+    mgr.save(10**18 - 1, {"w": torch.ones(2)})  # the largest: found again
+    assert mgr.all_steps() == [10**18 - 1]
+    mgr.close()
