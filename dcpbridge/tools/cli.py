@@ -258,14 +258,16 @@ def _refuse_existing(url: str, options: dict[str, Any] | None, force: bool) -> N
     if force:
         return
     from dcpbridge.storage import resolve
+    from dcpbridge.storage.backends import storage_for
     from dcpbridge.storage.errors import storage_faults
 
     location = resolve(url, options)
+    fs = storage_for(location).fs  # on S3, each request bounded by the storage's timeouts
     with storage_faults(f"{url}: look up"):
-        location.fs.invalidate_cache(location.root)
-        if not location.fs.exists(location.root):
+        fs.invalidate_cache(location.root)
+        if not fs.exists(location.root):
             return
-        taken = location.fs.isfile(location.root) or bool(location.fs.ls(location.root))
+        taken = fs.isfile(location.root) or bool(fs.ls(location.root))
     if taken:
         raise UsageError(f"the destination {url} exists; pass --force to overwrite it")
 

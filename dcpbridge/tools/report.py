@@ -38,11 +38,11 @@ class Findings:
 def file_sizes(source: Source) -> dict[str, int]:
     """Size of every file directly in the checkpoint (or of the single file)."""
     loc = source.location
+    store = storage_for(loc)  # requests bounded by its timeouts, faults as StorageError
     if source.format == Format.TORCH or (
         source.format == Format.SAFETENSORS and loc.root.endswith(".safetensors")
     ):
-        return {loc.root.rsplit("/", 1)[-1]: int(loc.fs.size(loc.root))}
-    store = storage_for(loc)
+        return {loc.root.rsplit("/", 1)[-1]: store.file_size(loc.root)}
     index = getattr(getattr(source, "metadata", None), "storage_data", None)
     files = index.files if isinstance(index, StorageIndex) else ()
     return sizes_with_references(store, files)  # spread folders and referenced files included
