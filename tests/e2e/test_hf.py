@@ -343,17 +343,23 @@ def _export_killed_after_one_shard(source: str, path: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_an_export_killed_over_an_older_one_does_not_mix_their_shards(tmp_path):
-    """Exporting over an earlier export (same file names) removes its index before writing:
-    a kill mid-way never leaves the old index naming one new shard and one old shard."""
+def test_an_export_killed_over_an_older_one_leaves_the_older_one_whole(tmp_path):
+    """Exporting over an earlier export (same file names) writes temp files and renames them
+    only once all are durable: a kill mid-way leaves the old export whole (its index naming
+    only old shards), and the next export removes the temp files the killed one left."""
     old, new = full(), {k: (_bytes(v) + 1).view(v.dtype).view(v.shape) for k, v in full().items()}
     path, source = str(tmp_path / "hf"), str(tmp_path / "new.pt")
     db.save_hf(old, path, max_shard_bytes=SHARD_BYTES)
     torch.save(new, source)
     assert _exit_code(_export_killed_after_one_shard, source, path) == 9
     template = {k: torch.zeros_like(v) for k, v in old.items()}
-    with pytest.raises(db.IncompleteCheckpointError, match=rf"but no {INDEX}"):
-        db.load(template, path)
+    got = db.load(template, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in old.items())
+    assert any(n.endswith(".partial") for n in os.listdir(path))
+    db.export_safetensors(db.open_source(source), path, max_shard_bytes=SHARD_BYTES)
+    assert not any(n.endswith(".partial") for n in os.listdir(path))
+    got = db.load(template, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in new.items())
 
 
 @pytest.mark.parametrize("single_file", [False, True])
