@@ -420,3 +420,24 @@ def test_a_safetensors_export_removes_the_temp_files_of_a_killed_earlier_one(tmp
         out = db.load({"a": torch.empty(4, 6), "b": torch.empty(5, 6)}, str(dst))
         assert torch.equal(out["a"], torch.arange(24.0).reshape(4, 6))
         assert torch.equal(out["b"], torch.ones(5, 6))
+
+
+def test_a_safetensors_export_over_an_earlier_one_publishes_on_every_backend(backend, tmp_path):
+    """Each file written as ``<name>.partial`` and renamed into place (on S3: copied) once
+    all are durable: an export over an earlier one of another shard count leaves exactly its
+    own files, loading bit-exact, local, memory:// and S3 alike."""
+    from dcpbridge.tools.export import export_safetensors
+
+    src = str(tmp_path / "src")
+    db.save({"a": torch.arange(24.0).reshape(4, 6), "b": torch.ones(5, 6)}, src)
+    url = backend.url("hf")
+    opts = backend.storage_options
+    for limit in (100, 10**9, 100):
+        result = export_safetensors(
+            open_source(src), url, storage_options=opts, max_shard_bytes=limit
+        )
+        assert backend.names("hf") == sorted(result.files)
+        tmpl = {"a": torch.empty(4, 6), "b": torch.empty(5, 6)}
+        out = db.load(tmpl, url, storage_options=opts)
+        assert torch.equal(out["a"], torch.arange(24.0).reshape(4, 6))
+        assert torch.equal(out["b"], torch.ones(5, 6))
