@@ -664,15 +664,20 @@ def _sharded_globals(raw: memoryview) -> set[str]:
 
 
 def _caller_writes_tensors_only(frame: Any) -> bool:
-    """Whether the ``storage_writer`` of the frame calling ``set_up_planner`` (DCP's save step:
-    DCP hands the planner no reference to its writer) is DCP's ``HuggingFaceStorageWriter``,
-    which writes tensors only."""
+    """Whether the ``storage_writer`` of the nearest of the frames calling ``set_up_planner``
+    that has one (DCP's save step, above a subclass's override: DCP hands the planner no
+    reference to its writer) is DCP's ``HuggingFaceStorageWriter``, which writes tensors only."""
     try:
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
     except ImportError:  # a torch without it
         return False
-    writer = frame.f_locals.get("storage_writer") if frame is not None else None
-    return isinstance(writer, HuggingFaceStorageWriter)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if "storage_writer" in frame.f_code.co_varnames + frame.f_code.co_freevars:
+            return isinstance(frame.f_locals.get("storage_writer"), HuggingFaceStorageWriter)
+        frame = frame.f_back
+    return False
 
 
 def refuse_non_tensors(leaves: Iterable[Leaf]) -> None:

@@ -838,3 +838,21 @@ def test_hostile_safetensors_headers_are_refused(tmp_path, entry, error):
     (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     with pytest.raises(db.CorruptCheckpointError, match=error):
         db.open_source(str(tmp_path))
+
+
+def test_hf_writer_refusal_reaches_a_planner_subclass_overriding_set_up(tmp_path):
+    """A ShardedSavePlanner subclass whose ``set_up_planner`` calls the base's still sees
+    DCP's HF writer: the non-tensor value is refused, nothing is written."""
+
+    class Planner(db.ShardedSavePlanner):
+        def set_up_planner(
+            self, state_dict: object, storage_meta: object = None, is_coordinator: bool = False
+        ) -> None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)  # type: ignore[arg-type]
+
+    path = str(tmp_path / "hf")
+    writer = HuggingFaceStorageWriter(path)
+    state = {"model": {"w": full("w")}, "step": 3}
+    with pytest.raises(CheckpointException, match="'step': DCP's HuggingFaceStorageWriter"):
+        dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+    assert not os.path.exists(path) or os.listdir(path) == []
