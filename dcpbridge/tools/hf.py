@@ -14,7 +14,6 @@ on any rank raises on every rank and leaves no index.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -43,7 +42,9 @@ from dcpbridge.storage.write.writer import tensor_bytes
 from dcpbridge.tools.export import (
     PARTIAL,
     ExportResult,
+    _remove_present,
     _remove_quietly,
+    _sync_dir,
     plan_files,
     remove_export,
     safetensors_header,
@@ -317,17 +318,3 @@ def save_hf(
         # (stale_exports: the .partial files of a killed earlier save too)
         _remove_quietly(store, stale_exports(store, written))
     return ExportResult(location.url, written, len(plan.weight_map), plan.total, [])
-
-
-def _remove_present(store: Any, names: list[str]) -> None:
-    present = set(store.list_names())
-    store.remove([n for n in names if n in present])
-
-
-def _sync_dir(root: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
