@@ -8,6 +8,7 @@ import itertools
 import math
 import operator
 import pickletools
+import sys
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -645,6 +646,34 @@ def _sharded_globals(raw: memoryview) -> set[str]:
     return found
 
 
+def _caller_writes_tensors_only(frame: Any) -> bool:
+    """Whether the ``storage_writer`` of the nearest of the frames calling ``set_up_planner``
+    that has one (DCP's save step, above a subclass's override: DCP hands the planner no
+    reference to its writer) is DCP's ``HuggingFaceStorageWriter``, which writes tensors only."""
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    except ImportError:  # a torch without it
+        return False
+    for _ in range(4):
+        if frame is None:
+            return False
+        if "storage_writer" in frame.f_code.co_varnames + frame.f_code.co_freevars:
+            return isinstance(frame.f_locals.get("storage_writer"), HuggingFaceStorageWriter)
+        frame = frame.f_back
+    return False
+
+
+def refuse_non_tensors(leaves: Iterable[Leaf]) -> None:
+    """Raise ``SerializationError`` naming the first non-tensor value (objects, ShardedObjects):
+    DCP's HF writer would write its bytes where no safetensors header names them."""
+    for leaf in leaves:
+        if leaf_kind(leaf.value) in ("object", "object_shard"):
+            raise SerializationError(
+                f"{leaf.path!r}: DCP's HuggingFaceStorageWriter stores tensors only, not "
+                f"{type(leaf.value).__name__}; save it elsewhere (db.save stores any value)"
+            )
+
+
 class ShardedSavePlanner(SavePlanner):
     """DCP ``SavePlanner`` for Megatron-style sharded state; works with ``dcp.save`` too.
 
@@ -671,6 +700,7 @@ class ShardedSavePlanner(SavePlanner):
         self._sources: dict[MetadataIndex, Any] = {}
         self._columns: PlanColumns | None = None
         self._planned: tuple[WriteItem, ...] = ()
+        self._tensors_only = False  # the storage writer is DCP's HF writer (tensors only)
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable for DCP's checkpoint process: the settings travel, not the state dict,
@@ -689,12 +719,15 @@ class ShardedSavePlanner(SavePlanner):
     ) -> None:
         self._state_dict = state_dict
         self._is_coordinator = is_coordinator
+        self._tensors_only = _caller_writes_tensors_only(sys._getframe(1))
 
     def leaves(self) -> Iterable[Leaf]:
         """The leaves to save: the state dict's, keyed as DCP keys them."""
         return iter_leaves(self._state_dict)
 
     def create_local_plan(self) -> SavePlan:
+        if self._tensors_only:
+            refuse_non_tensors(self.leaves())
         local = plan_local_writes(
             self.leaves(),
             self._is_coordinator,

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -379,7 +380,10 @@ def async_save(
     GIL; ``"thread"`` writes them on this process's background thread; ``"auto"`` (the
     default) is the process where it can write the save (format "dcpbridge" on Linux, not to
     ``memory://``, storage options that pickle), from the first save that stages at least 64 MiB on this rank (smaller
-    ones gain less than its start costs), else the thread. ``handle.writer`` says which.
+    ones gain less than its start costs), else the thread. ``handle.writer`` says which wrote:
+    where "auto" took a writer process whose child dies before taking the job, the thread
+    writes the save (one warning), ``handle.writer`` says "thread", and so do later "auto"
+    saves of this process, which spawn no new child.
     GPU tensors are copied on a side stream that the caller's streams wait for (on the GPU);
     with ``defer_stream_wait`` they do not, so the next forward and backward overlap the
     copies: the caller must then call ``handle.hold_streams()`` (after ``wait_staged``) before
@@ -404,6 +408,9 @@ def async_save(
     except WriterProcessError as e:  # this rank's alone: carried to every rank's write
         writer, wrap = chosen, None
         planned.error = planned.error or e
+    used = _WriterUsed()
+    if wrap is not None:
+        wrap = functools.partial(wrap, on_fallback=used.fell_back)
     job = functools.partial(
         _write_behind, saver.group, cache, planned, target, opts, before_write, wrap
     )
@@ -425,7 +432,30 @@ def async_save(
         planned.error.__cause__ = e
         saver.submit(target, job, None, writer=writer).reported()  # the interrupt reports
         raise
-    return saver.submit(target, job, buffers, stage=later, writer=writer)
+    return used.bind(saver.submit(target, job, buffers, stage=later, writer=writer))
+
+
+class _WriterUsed:
+    """Sets an async save's ``handle.writer`` to "thread" when its writer process falls back
+    to the thread writer: on the writer thread, before or after the handle exists."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handle: AsyncSaveHandle | None = None
+        self._fell_back = False
+
+    def fell_back(self) -> None:
+        with self._lock:
+            self._fell_back = True
+            if self._handle is not None:
+                self._handle.writer = "thread"
+
+    def bind(self, handle: AsyncSaveHandle) -> AsyncSaveHandle:
+        with self._lock:
+            self._handle = handle
+            if self._fell_back:
+                handle.writer = "thread"
+        return handle
 
 
 def _staged_bytes(planned: PlannedSave) -> int:

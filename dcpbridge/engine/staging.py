@@ -192,10 +192,17 @@ def stage(
 
 
 def _check_backed(shard: ShardedTensor) -> None:
-    """Raise ``StagingError`` unless the storage of ``shard``'s data holds all its elements:
-    torch copies from a freed or shrunk storage without a check (a segfault, or other
-    memory's bytes)."""
+    """Raise ``StagingError`` unless ``shard``'s data is dense with values (meta, sparse or
+    quantized data fails in torch's copy, naming no key) and its storage holds all its
+    elements: torch copies from a freed or shrunk storage without a check (a segfault, or
+    other memory's bytes)."""
     data = shard.data
+    if data.is_meta or data.is_quantized or data.layout != torch.strided:
+        what = "meta" if data.is_meta else "quantized" if data.is_quantized else data.layout
+        raise StagingError(
+            f"{shard.key!r} (offset {tuple(shard.global_offset)}): {what} data cannot be "
+            "saved (a save stores a dense tensor's values)"
+        )
     if not storage_holds(data):
         raise StagingError(
             f"{shard.key!r} (offset {tuple(shard.global_offset)}): its storage holds "

@@ -95,11 +95,12 @@ def attach(
     """Set ``area`` (an async saver's) up for ``writer``: (the writer it got, what wraps each
     save's storage writer so that its data is written in the process, or None). A writer
     process that cannot start raises ``WriterProcessError`` naming ``what`` or, where "auto"
-    chose it (``auto``), leaves the save to the thread writer with a warning."""
-    if writer != "process":
-        area.use(None)
-        return writer, None
+    chose it (``auto``), leaves the save to the thread writer with a warning; so does, without
+    a new warning, one whose child died before its job in an earlier "auto" save."""
     process = _processes.get(area)
+    if writer != "process" or (auto and process is not None and process.broken):
+        area.use(None)
+        return "thread" if writer == "process" else writer, None
     if process is None:
         process = _processes[area] = WriterProcess()
         # not at exit: the saves drained at exit still need it (it ends when this process does)
@@ -125,7 +126,13 @@ def process_of(area: StagingArea) -> WriterProcess | None:
     return _processes.get(area)
 
 
-def _wrap(writer: StorageWriter, *, process: WriterProcess, fallback: bool) -> StorageWriter:
+def _wrap(
+    writer: StorageWriter,
+    *,
+    process: WriterProcess,
+    fallback: bool,
+    on_fallback: Callable[[], None] | None = None,
+) -> StorageWriter:
     if isinstance(writer, FsspecCheckpointWriter):
-        return ProcessWriter(writer, process, fallback)  # type: ignore[return-value]
+        return ProcessWriter(writer, process, fallback, on_fallback)  # type: ignore[return-value]
     return writer

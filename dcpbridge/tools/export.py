@@ -7,7 +7,9 @@
   shares the input embedding) are written once, under the first name in the file's order (the
   one ``transformers`` keeps and re-ties from on load); each dropped name is recorded in the
   shard's ``__metadata__`` as ``{dropped: kept}``, as ``safetensors.torch.save_model`` does.
-  A failed export removes the files it wrote.
+  Each file is written under a temp name (``<name>.partial``) and renamed into place only
+  once every file is durable, so an earlier export in the folder stays whole while one is
+  written; a failed export removes the files it wrote.
 - One ``torch.save`` file: ``{key: tensor}`` plus the objects by key and the common state's
   top-level entries. The file is laid out by ``torch.save`` without data
   (``torch.serialization.skip_data``), then each tensor's bytes are written in place, and the
@@ -57,6 +59,7 @@ from dcpbridge.tools.reshard import (
 
 log = logging.getLogger(__name__)
 SAFETENSORS_SINGLE = "model.safetensors"
+PARTIAL = ".partial"  # a file's name until the coordinator publishes the export
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
@@ -177,10 +180,14 @@ def export_safetensors(
     """Write ``source``'s tensors as Hugging Face style safetensors in ``destination``.
 
     Every rank of ``group`` (one process if None) calls it with the same arguments: each
-    writes the files a deterministic split by bytes gives it, and the coordinator writes the
-    index once every rank's files are durable. A failure on any rank raises on every rank
-    and removes the files (no index is written). An earlier export's index at
-    ``destination`` is removed before any file is written, so it never names new shards.
+    writes the files a deterministic split by bytes gives it, each under its temp name
+    ``<name>.partial``. Once every rank's files are durable the coordinator publishes: it
+    removes an earlier export's index, renames the files into place, writes the new index
+    (several files), then removes the earlier export's other files. An earlier export at
+    ``destination`` stays whole until then: a failure while writing raises on every rank
+    and removes only this export's temp files. A failure while publishing (a rename or the
+    index write failing) leaves no index: files renamed by then are removed, and an earlier
+    several-file export has lost its index (its shards not yet replaced stay).
     """
     group = group or Group(None, 0, 1, 0)
     location = resolve(destination, storage_options)
@@ -205,15 +212,10 @@ def export_safetensors(
     created = everyone[0][0]
     same_split("export_safetensors", [m for _, m in everyone])  # else other files per rank
 
-    def prepare() -> None:
-        store.makedirs()
-        if SAFETENSORS_INDEX in store.list_names():
-            # an earlier export's index would name this one's shards among its own
-            store.remove([SAFETENSORS_INDEX])
+    protocol.on_coordinator(group, "prepare", store.makedirs)  # before any rank writes
 
-    protocol.on_coordinator(group, "prepare", prepare)  # before any rank writes
-
-    started: list[str] = []  # the files this rank opened, removed if the export fails
+    started: list[str] = []  # the temp files this rank opened, removed if the export fails
+    published: list[str] = []  # the coordinator's: final names this export has replaced
 
     def write() -> dict[str, str]:
         store.makedirs()  # the coordinator's may not be visible here yet
@@ -222,10 +224,10 @@ def export_safetensors(
             if name not in mine:
                 continue
             head, ordered = safetensors_header(shard, aliases)
-            started.append(name)
+            started.append(name + PARTIAL)
             with (
                 storage_faults(f"{location.url}: write {name}"),
-                store.open_write(location.path(name)) as raw,
+                store.open_write(location.path(name + PARTIAL)) as raw,
             ):
                 out = CoalescingFile(raw)
                 out.write(memoryview(head))
@@ -238,6 +240,15 @@ def export_safetensors(
         return weight_map
 
     def publish(maps: list[dict[str, str]]) -> None:
+        # an earlier export's index would name this one's shards among its own
+        published.append(SAFETENSORS_INDEX)
+        _remove_present(store, [SAFETENSORS_INDEX])
+        for name in names:
+            with storage_faults(f"{location.url}: publish {name}"):
+                location.fs.mv(location.path(name + PARTIAL), location.path(name))
+            published.append(name)
+        if location.is_local:
+            _sync_dir(location.root)
         if len(names) > 1:
             weight_map = {k: v for m in maps for k, v in m.items()}
             total = sum(t.nbytes for _, shard in files for t in shard)
@@ -247,11 +258,10 @@ def export_safetensors(
     try:
         protocol.commit(group, "write", write, publish)
     except BaseException:  # every rank has stopped writing by now
-        index_files = [SAFETENSORS_INDEX] if group.is_coordinator else []  # (its temp file:
-        # commit_file's own, which it removes when the commit fails)
+        # (the index's temp file: commit_file's own, which it removes when the commit fails)
         # each rank removes its files, then the folders the export made while they are empty:
         # the last rank to finish removes them (the coordinator may finish first)
-        remove_export(store, [*started, *index_files], created)
+        remove_export(store, [*started, *published], created)
         raise
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
     if group.is_coordinator:
@@ -292,10 +302,27 @@ def remove_export(store: Storage, names: list[str], created: list[str]) -> None:
 
 
 def stale_exports(store: Storage, keep: list[str]) -> list[str]:
-    """Safetensors files of an earlier export at the destination that this one did not write."""
-    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors\Z")
+    """Safetensors files of an earlier export at the destination that this one did not write,
+    and the temp files (``.partial``) a killed export or ``save_hf`` left behind."""
+    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.partial)?\Z")
     names = store.list_names()
     return [n for n in names if n not in keep and (pattern.match(n) or n == SAFETENSORS_INDEX)]
+
+
+def _remove_present(store: Storage, names: list[str]) -> None:
+    """Remove those of ``names`` that exist."""
+    present = set(store.list_names())
+    store.remove([n for n in names if n in present])
+
+
+def _sync_dir(root: str) -> None:
+    """Make the renames in the local folder ``root`` durable (best effort)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _remove_quietly(store: Storage, names: list[str]) -> None:

@@ -5,14 +5,15 @@ every rank computes the same plan (``plan_hf``: export's file split, so the name
 index are those of a one-process export) and writes its own boxes' bytes straight to their
 places in the files (positional writes, so a local or shared file system), each file's
 header by the rank the plan names. Memory stays bounded: a box is written from the rank's
-own tensor, copied only slab by slab where it is not contiguous on the CPU. The coordinator
-publishes last, once every rank has fsynced its writes: the index (several files) or the
-one file's rename. A failure on any rank raises on every rank and leaves no index.
+own tensor, copied only slab by slab where it is not contiguous on the CPU. Each file is
+written as ``<name>.partial``; the coordinator publishes last, once every rank has fsynced
+its writes: it removes an earlier export's index, renames the files into place, then writes
+the index (several files). An earlier export in the folder stays whole until then. A failure
+on any rank raises on every rank and leaves no index.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -39,9 +40,11 @@ from dcpbridge.storage.backends.regions import narrow_box, plan_extents
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.write.writer import tensor_bytes
 from dcpbridge.tools.export import (
-    SAFETENSORS_SINGLE,
+    PARTIAL,
     ExportResult,
+    _remove_present,
     _remove_quietly,
+    _sync_dir,
     plan_files,
     remove_export,
     safetensors_header,
@@ -50,8 +53,6 @@ from dcpbridge.tools.export import (
     stale_exports,
 )
 from dcpbridge.tools.reshard import DEFAULT_SLAB_BYTES, new_folders, slabs
-
-PARTIAL = ".partial"  # the one-file export's name until the coordinator publishes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ class HfPlan:
     """Every rank's part of one export: file headers, box writes, and what the index says."""
 
     files: list[tuple[str, int]]  # (name, size in bytes)
-    headers: dict[int, list[tuple[str, bytes]]]  # rank -> (file, header) it writes
+    headers: dict[int, list[tuple[str, bytes]]]  # rank -> (file.partial, header) it writes
     writes: dict[int, list[BoxWrite]]  # rank -> boxes it writes
     weight_map: dict[str, str] = field(default_factory=dict)
     total: int = 0
@@ -143,7 +144,7 @@ def plan_hf(everyone: list[list[Held]], max_shard_bytes: int) -> HfPlan:
     plan = HfPlan([], {}, {r: [] for r in range(len(everyone))})
     for i, (name, tensors) in enumerate(files):
         head, ordered = safetensors_header(tensors)
-        stored = name + PARTIAL if len(files) == 1 else name
+        stored = name + PARTIAL  # renamed to ``name`` once every rank's writes are durable
         plan.headers.setdefault(i % len(everyone), []).append((stored, head))
         pos = len(head)
         for t in ordered:
@@ -253,13 +254,9 @@ def save_hf(
     same_split("save_hf", [m for _, _, m in everyone])  # else each rank plans other files
     plan = plan_hf([h for h, _, _ in everyone], max_shard_bytes)  # the same on every rank
 
-    def prepare() -> None:
-        store.makedirs()
-        _remove_present(store, [SAFETENSORS_INDEX])  # an earlier export is overwritten
-
-    protocol.on_coordinator(group, "prepare", prepare)  # before any rank writes
-    sizes = dict(plan.files)
-    stored = {name + PARTIAL if len(plan.files) == 1 else name: n for name, n in sizes.items()}
+    protocol.on_coordinator(group, "prepare", store.makedirs)  # before any rank writes
+    stored = {name + PARTIAL: n for name, n in plan.files}
+    published: list[str] = []  # the coordinator's: final names this save has replaced
 
     def write() -> int:
         with storage_faults(lambda: f"{location.url}: write {current[0]}"):
@@ -296,14 +293,15 @@ def save_hf(
         return written
 
     def publish(_: list[int]) -> None:
-        if len(plan.files) == 1:
-            with storage_faults(f"{location.url}: publish {SAFETENSORS_SINGLE}"):
-                os.replace(
-                    location.path(SAFETENSORS_SINGLE + PARTIAL),
-                    location.path(SAFETENSORS_SINGLE),
-                )
-            _sync_dir(location.root)
-        else:
+        # an earlier export's index would name this one's shards among its own
+        published.append(SAFETENSORS_INDEX)
+        _remove_present(store, [SAFETENSORS_INDEX])
+        for name, _size in plan.files:
+            with storage_faults(f"{location.url}: publish {name}"):
+                os.replace(location.path(name + PARTIAL), location.path(name))
+            published.append(name)
+        _sync_dir(location.root)
+        if len(plan.files) > 1:
             raw = safetensors_index(plan.weight_map, plan.total)
             store.commit_file(SAFETENSORS_INDEX, raw, f"{SAFETENSORS_INDEX}.tmp", sync=True)
 
@@ -311,27 +309,12 @@ def save_hf(
         protocol.commit(group, "write", write, publish)
     except BaseException:  # every rank has stopped writing: the coordinator removes the files
         if group.is_coordinator:
-            leftovers = [*stored, SAFETENSORS_INDEX]  # commit_file removes its own temp file
-            remove_export(store, leftovers, created)
+            # (commit_file removes its own temp file)
+            remove_export(store, [*stored, *published], created)
         raise
     names = [name for name, _ in plan.files]
     written = names + ([SAFETENSORS_INDEX] if len(names) > 1 else [])
     if group.is_coordinator:  # committed: a leftover is logged, not raised on one rank only
-        # (and the one-file temp name of a killed earlier save, which a rename would replace)
-        partial = [SAFETENSORS_SINGLE + PARTIAL] if len(names) > 1 else []
-        _remove_quietly(store, [*stale_exports(store, written), *partial])
+        # (stale_exports: the .partial files of a killed earlier save too)
+        _remove_quietly(store, stale_exports(store, written))
     return ExportResult(location.url, written, len(plan.weight_map), plan.total, [])
-
-
-def _remove_present(store: Any, names: list[str]) -> None:
-    present = set(store.list_names())
-    store.remove([n for n in names if n in present])
-
-
-def _sync_dir(root: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

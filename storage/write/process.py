@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -157,6 +158,9 @@ class WriterProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._mapped: set[int] = set()
+        # a child died before taking a job and the thread writer took over ("auto"): later
+        # "auto" saves go to the thread at once, not spawning children that die (seconds each)
+        self.broken = False
 
     @property
     def pid(self) -> int | None:
@@ -286,14 +290,20 @@ class ProcessWriter:
     everything else (planning, commit, cleanup) runs here, as ``inner`` does it. With
     ``fallback``, a process that dies before it takes the job (it cannot start: its
     interpreter fails to import the writer) leaves the write to ``inner``, here, with a
-    warning."""
+    warning, marks ``process`` broken (later "auto" saves take the thread) and calls
+    ``on_fallback``."""
 
     def __init__(
-        self, inner: FsspecCheckpointWriter, process: WriterProcess, fallback: bool = False
+        self,
+        inner: FsspecCheckpointWriter,
+        process: WriterProcess,
+        fallback: bool = False,
+        on_fallback: Callable[[], None] | None = None,
     ) -> None:
         self.inner = inner
         self.process = process
         self.fallback = fallback
+        self.on_fallback = on_fallback
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -330,7 +340,13 @@ class ProcessWriter:
         except WriterProcessError as e:
             if not (self.fallback and getattr(e, "before_job", False)):
                 raise
-            log.warning("%s; the thread writer writes this save", e)
+            log.warning(
+                "%s; the thread writer writes this save and every later 'auto' one of this process",
+                e,
+            )
+            self.process.broken = True
+            if self.on_fallback is not None:
+                self.on_fallback()
             return inner.write_data(plan, planner)  # it took nothing: no file of it exists
         inner._written = set(names)
         fut: Future[list[WriteResult]] = Future()

@@ -737,6 +737,43 @@ def test_hf_writer_with_dcpbridge_planner_keeps_empty_tensors(tmp_path, distribu
             assert got["model"][k].shape == v.shape and torch.equal(got["model"][k], v), k
 
 
+NON_TENSORS = [3, "run-1", io.BytesIO(b"raw")]
+
+
+def hf_save_non_tensor(r: Rank, path: str, value: object) -> str:
+    """dcp.save through DCP's HF writer with dcpbridge's planner: the error, every rank's."""
+    state = {"model": {"w": full("w")}, "step": value}
+    writer = HuggingFaceStorageWriter(path, save_distributed=True)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(
+            state, storage_writer=writer, planner=db.ShardedSavePlanner(), process_group=r.group
+        )
+    return str(e.value)
+
+
+@pytest.mark.parametrize("value", NON_TENSORS, ids=["int", "str", "bytesio"])
+def test_hf_writer_with_dcpbridge_planner_refuses_non_tensor_values(pool, tmp_path, value):
+    """DCP's HF writer stores tensors only: a non-tensor value (its bytes written where the
+    safetensors header does not name them, a broken file) is refused by dcpbridge's planner by
+    key on every rank, before any file is written."""
+    path = str(tmp_path / "hf")
+    one = str(tmp_path / "one")
+    writer = HuggingFaceStorageWriter(one)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(
+            {"model": {"w": full("w")}, "step": value},
+            storage_writer=writer,
+            planner=db.ShardedSavePlanner(),
+            no_dist=True,
+        )
+    errors = [str(e.value), *pool.run(hf_save_non_tensor, 2, path, value, timeout=120)]
+    for error in errors:
+        assert "SerializationError" in error
+        assert "'step': DCP's HuggingFaceStorageWriter stores tensors only" in error
+    for folder in (one, path):
+        assert not os.path.exists(folder) or os.listdir(folder) == []
+
+
 def _hf_file(folder, name: str, tensors: dict, offsets: object) -> None:
     info = offsets if isinstance(offsets, str) else json.dumps(offsets)
     save_file(tensors, os.path.join(folder, name), metadata={"DCP_SHARDING_INFO": info})
@@ -801,3 +838,21 @@ def test_hostile_safetensors_headers_are_refused(tmp_path, entry, error):
     (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     with pytest.raises(db.CorruptCheckpointError, match=error):
         db.open_source(str(tmp_path))
+
+
+def test_hf_writer_refusal_reaches_a_planner_subclass_overriding_set_up(tmp_path):
+    """A ShardedSavePlanner subclass whose ``set_up_planner`` calls the base's still sees
+    DCP's HF writer: the non-tensor value is refused, nothing is written."""
+
+    class Planner(db.ShardedSavePlanner):
+        def set_up_planner(
+            self, state_dict: object, storage_meta: object = None, is_coordinator: bool = False
+        ) -> None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)  # type: ignore[arg-type]
+
+    path = str(tmp_path / "hf")
+    writer = HuggingFaceStorageWriter(path)
+    state = {"model": {"w": full("w")}, "step": 3}
+    with pytest.raises(CheckpointException, match="'step': DCP's HuggingFaceStorageWriter"):
+        dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+    assert not os.path.exists(path) or os.listdir(path) == []

@@ -284,12 +284,19 @@ def _killed_after_headers(path: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_save_killed_before_its_index_is_refused_not_read_as_zeros(tmp_path):
-    """A killed ``save_hf`` leaves full-size shards (headers written, data zeros) and no
-    index: loading them must raise, not return zeros (Hugging Face writes the index last)."""
+    """A killed ``save_hf`` leaves only its temp files (``.partial``: headers written, data
+    zeros), which no load reads. Full-size shards without the index (as a writer that renames
+    them before its index leaves them) must raise too, not return zeros (Hugging Face writes
+    the index last)."""
     path = str(tmp_path / "killed")
     assert _exit_code(_killed_after_headers, path) == 9
     names = sorted(os.listdir(path))
-    assert INDEX not in names and names[0] == "model-00001-of-00002.safetensors", names
+    shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert names == [f"{n}.partial" for n in shards], names
+    with pytest.raises(db.NotACheckpointError):
+        db.load({k: torch.zeros_like(v) for k, v in full().items()}, path)
+    for n in shards:
+        os.rename(os.path.join(path, f"{n}.partial"), os.path.join(path, n))
     template = {k: torch.zeros_like(v) for k, v in full().items()}
     error = rf"{path}: model-00001-of-00002\.safetensors .* but no {INDEX}"
     with pytest.raises(db.IncompleteCheckpointError, match=error):
@@ -343,17 +350,23 @@ def _export_killed_after_one_shard(source: str, path: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_an_export_killed_over_an_older_one_does_not_mix_their_shards(tmp_path):
-    """Exporting over an earlier export (same file names) removes its index before writing:
-    a kill mid-way never leaves the old index naming one new shard and one old shard."""
+def test_an_export_killed_over_an_older_one_leaves_the_older_one_whole(tmp_path):
+    """Exporting over an earlier export (same file names) writes temp files and renames them
+    only once all are durable: a kill mid-way leaves the old export whole (its index naming
+    only old shards), and the next export removes the temp files the killed one left."""
     old, new = full(), {k: (_bytes(v) + 1).view(v.dtype).view(v.shape) for k, v in full().items()}
     path, source = str(tmp_path / "hf"), str(tmp_path / "new.pt")
     db.save_hf(old, path, max_shard_bytes=SHARD_BYTES)
     torch.save(new, source)
     assert _exit_code(_export_killed_after_one_shard, source, path) == 9
     template = {k: torch.zeros_like(v) for k, v in old.items()}
-    with pytest.raises(db.IncompleteCheckpointError, match=rf"but no {INDEX}"):
-        db.load(template, path)
+    got = db.load(template, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in old.items())
+    assert any(n.endswith(".partial") for n in os.listdir(path))
+    db.export_safetensors(db.open_source(source), path, max_shard_bytes=SHARD_BYTES)
+    assert not any(n.endswith(".partial") for n in os.listdir(path))
+    got = db.load(template, path)
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in new.items())
 
 
 @pytest.mark.parametrize("single_file", [False, True])
@@ -660,3 +673,35 @@ def test_a_torch_file_holding_a_tensor_without_dense_data_is_refused_naming_it(
     error = rf"{src}: tensor 'layer\.x' is {what}, which has no dense data to read"
     with pytest.raises(db.SerializationError, match=error):
         db.open_source(src)
+
+
+@pytest.mark.parametrize("shard_bytes", [SHARD_BYTES, 10**9])
+def test_save_hf_failing_over_an_earlier_export_leaves_it_whole(tmp_path, monkeypatch, shard_bytes):
+    """``save_hf`` into a folder holding an earlier export of the same file names, failing
+    halfway: it wrote the shards in place (and had removed the old index first), then removed
+    them, so the earlier export was gone. Each file is now written as ``<name>.partial`` and
+    renamed into place once all are durable: the earlier export stays byte for byte."""
+    from dcpbridge.tools import hf
+
+    old = full()
+    new = {k: (_bytes(v) + 1).view(v.dtype).view(v.shape) for k, v in old.items()}
+    path = tmp_path / "hf"
+    db.save_hf(old, str(path), max_shard_bytes=shard_bytes)
+    before = {n: (path / n).read_bytes() for n in os.listdir(path)}
+    parts = hf._box_parts
+
+    def full_disk(*args: Any) -> Any:
+        yield next(iter(parts(*args)))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf, "_box_parts", full_disk)
+    with pytest.raises(db.StorageError, match="No space left on device"):
+        db.save_hf(new, str(path), max_shard_bytes=shard_bytes)
+    assert {n: (path / n).read_bytes() for n in os.listdir(path)} == before
+    monkeypatch.undo()
+    got = db.load({k: torch.zeros_like(v) for k, v in old.items()}, str(path))
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in old.items())
+    db.save_hf(new, str(path), max_shard_bytes=shard_bytes)
+    assert sorted(os.listdir(path)) == sorted(before)
+    got = db.load({k: torch.zeros_like(v) for k, v in old.items()}, str(path))
+    assert all(torch.equal(_bytes(got[k]), _bytes(v)) for k, v in new.items())

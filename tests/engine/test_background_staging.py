@@ -268,3 +268,22 @@ def test_the_manager_refuses_background_staging_without_an_optimizer(tmp_path):
     assert sidecar == {"metrics": {"loss": 2.0}, "step": 1}
     with pytest.raises(db.InvalidArgumentError):
         mgr.watch(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_async_save_of_data_without_values_names_its_key_and_offset(tmp_path, background, kind):
+    """A ShardedTensor whose data is meta or sparse fails staging with a ``StagingError``
+    naming its key and offset, as the synchronous save names the key (it named the URL only,
+    with torch's message), and nothing is committed."""
+    bad = torch.empty(4, device="meta") if kind == "meta" else torch.ones(4).to_sparse()
+    state = {
+        "w0": db.ShardedTensor.from_box("w", torch.ones(4), (8,), (0,)),
+        "w1": db.ShardedTensor.from_box("w", bad, (8,), (4,)),
+    }
+    handle = db.async_save(state, str(tmp_path / "ck"), background_staging=background)
+    with pytest.raises(db.StagingError) as info:
+        handle.result(60)
+    layout = "meta" if kind == "meta" else "torch.sparse_coo"
+    assert f"'w' (offset (4,)): {layout} data cannot be saved" in str(info.value)
+    assert not os.path.exists(tmp_path / "ck" / "dcpbridge.json")

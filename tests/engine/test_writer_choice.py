@@ -283,11 +283,55 @@ def test_auto_writes_on_the_thread_when_the_writer_process_dies_before_its_job(
         with pytest.raises(db.WriterProcessError, match="ended before it took the job"):
             named.result(60)
     finally:
-        process = process_of(area)
+        process = writer_process._processes.pop(area, None)
         if process is not None:
             process.close()  # the next save starts a plain child
     assert len(warned) == 1 and "ended before it took the job" in warned[0], warned
-    assert warned[0].endswith("; the thread writer writes this save"), warned
+    later = "; the thread writer writes this save and every later 'auto' one of this process"
+    assert warned[0].endswith(later), warned
     tmpl = {"t": db.ShardedTensor.from_box("t", torch.zeros(64, 33), (64, 33), (0, 0))}
     assert torch.equal(db.load(tmpl, str(tmp_path / "auto"))["t"], t)
     assert not os.path.exists(tmp_path / "named" / "dcpbridge.json")
+
+
+def test_auto_stops_spawning_a_writer_process_that_died_before_its_job(tmp_path, monkeypatch):
+    """Once a writer process died before its job and the thread wrote the save ("auto"),
+    later "auto" saves of this process go to the thread at once, with no new warning (each
+    spawned two children that die, seconds of CPU per save), and each handle's ``writer``
+    says "thread", the one that wrote (the first said "process")."""
+    from dcpbridge.storage.write import process as writer_module
+    from dcpbridge.storage.write.process import WriterProcess
+
+    area = AsyncSaver.for_group(Group.resolve(None), 1).area
+    monkeypatch.setattr(WriterProcess, "child_module", "tests.support.no_such_writer")
+    monkeypatch.setattr(writer_process, "AUTO_MIN_BYTES", 0)  # "auto" takes the process
+    running = writer_process._processes.pop(area, None)
+    if running is not None:
+        running.close()  # the next save starts the child that cannot import its module
+    spawned: list[int] = []
+    popen = writer_module.subprocess.Popen
+
+    def counted(*args: object, **kwargs: object) -> object:
+        spawned.append(1)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module.subprocess, "Popen", counted)
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(9))
+    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
+    writers, spawns = [], []
+    try:
+        with _warnings(writer_module.log) as warned, _warnings(writer_process.log) as chose:
+            for i in range(3):
+                handle = db.async_save(state, str(tmp_path / f"auto{i}"))
+                handle.result(60)
+                writers.append(handle.writer)
+                spawns.append(len(spawned))
+    finally:
+        writer_process._processes.pop(area, None)  # the next test starts a plain child
+    assert writers == ["thread"] * 3
+    assert spawns[1:] == [spawns[0]] * 2 and spawns[0] >= 1
+    assert len(warned) == 1 and "ended before it took the job" in warned[0], warned
+    assert chose == []
+    tmpl = {"t": db.ShardedTensor.from_box("t", torch.zeros(64, 33), (64, 33), (0, 0))}
+    for i in range(3):
+        assert torch.equal(db.load(tmpl, str(tmp_path / f"auto{i}"))["t"], t)

@@ -294,7 +294,8 @@ def test_a_writer_process_whose_trainer_was_killed_ends_without_writing(tmp_path
     again; it now ends within a second of its parent."""
     gate, pidfile, ck = tmp_path / "gate", tmp_path / "child.pid", tmp_path / "ck"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "DCPB_TEST_GATE": str(gate), "PYTHONPATH": root}
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "DCPB_TEST_GATE": str(gate), "PYTHONPATH": path}
     trainer = subprocess.Popen(
         [sys.executable, "-c", _TRAINER, str(ck), str(pidfile)], cwd=root, env=env
     )

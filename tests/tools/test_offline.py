@@ -361,3 +361,83 @@ def test_a_failed_reshard_or_export_removes_the_folders_it_created(tmp_path, cap
     assert cli.main(args) == 1
     assert "checksum mismatch" in capsys.readouterr().err
     assert os.listdir(tmp_path / "kept") == []
+
+
+def _corrupt_first_data_file(src: str) -> None:
+    """Flip one byte of the source's first data file: a read of it fails its checksum."""
+    data = next(n for n in sorted(os.listdir(src)) if n.endswith(".bin"))
+    with open(os.path.join(src, data), "r+b") as f:
+        f.seek(3)
+        byte = f.read(1)
+        f.seek(3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("shard_size", [None, "100"])
+def test_a_failed_forced_safetensors_export_keeps_the_earlier_export_whole(
+    tmp_path, capsys, shard_size
+):
+    """``convert --to safetensors --force`` into a folder holding an older export, failing
+    halfway, left that export whole (it wrote ``model.safetensors`` and the shards in place,
+    then removed them, and had removed the index first) and no temp file behind."""
+    from dcpbridge.tools import cli
+
+    dst = str(tmp_path / "hf")
+    sizes = ["--max-shard-size", shard_size] if shard_size else []
+    old = str(tmp_path / "old")
+    db.save({"a": torch.arange(24.0).reshape(4, 6), "b": torch.ones(5, 6)}, old)
+    assert cli.main(["convert", old, dst, "--to", "safetensors", *sizes, "--no-progress"]) == 0
+    before = {n: (tmp_path / "hf" / n).read_bytes() for n in os.listdir(dst)}
+    assert len(before) == (3 if shard_size else 1)
+    new = str(tmp_path / "new")
+    db.save({"a": torch.zeros(4, 6), "b": torch.zeros(5, 6)}, new)
+    _corrupt_first_data_file(new)
+    args = ["convert", new, dst, "--to", "safetensors", "--force", *sizes, "--no-progress"]
+    assert cli.main(args) == 1
+    assert "checksum mismatch" in capsys.readouterr().err
+    assert {n: (tmp_path / "hf" / n).read_bytes() for n in os.listdir(dst)} == before
+    out = db.load({"a": torch.empty(4, 6), "b": torch.empty(5, 6)}, dst)
+    assert torch.equal(out["a"], torch.arange(24.0).reshape(4, 6))
+    assert torch.equal(out["b"], torch.ones(5, 6))
+
+
+def test_a_safetensors_export_removes_the_temp_files_of_a_killed_earlier_one(tmp_path):
+    """The ``.partial`` files a killed export left (any shard count) are removed by the next
+    export into that folder, which publishes its own in their place."""
+    from dcpbridge.tools.export import export_safetensors
+
+    src = str(tmp_path / "src")
+    db.save({"a": torch.arange(24.0).reshape(4, 6), "b": torch.ones(5, 6)}, src)
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    killed = ["model.safetensors.partial", "model-00002-of-00007.safetensors.partial"]
+    for name in [*killed, "notes.partial"]:
+        (dst / name).write_bytes(b"x" * 64)
+    for limit, files in [(100, 3), (10**9, 1)]:
+        result = export_safetensors(open_source(src), str(dst), max_shard_bytes=limit)
+        assert sorted(os.listdir(dst)) == sorted([*result.files, "notes.partial"])
+        assert len(result.files) == files
+        out = db.load({"a": torch.empty(4, 6), "b": torch.empty(5, 6)}, str(dst))
+        assert torch.equal(out["a"], torch.arange(24.0).reshape(4, 6))
+        assert torch.equal(out["b"], torch.ones(5, 6))
+
+
+def test_a_safetensors_export_over_an_earlier_one_publishes_on_every_backend(backend, tmp_path):
+    """Each file written as ``<name>.partial`` and renamed into place (on S3: copied) once
+    all are durable: an export over an earlier one of another shard count leaves exactly its
+    own files, loading bit-exact, local, memory:// and S3 alike."""
+    from dcpbridge.tools.export import export_safetensors
+
+    src = str(tmp_path / "src")
+    db.save({"a": torch.arange(24.0).reshape(4, 6), "b": torch.ones(5, 6)}, src)
+    url = backend.url("hf")
+    opts = backend.storage_options
+    for limit in (100, 10**9, 100):
+        result = export_safetensors(
+            open_source(src), url, storage_options=opts, max_shard_bytes=limit
+        )
+        assert backend.names("hf") == sorted(result.files)
+        tmpl = {"a": torch.empty(4, 6), "b": torch.empty(5, 6)}
+        out = db.load(tmpl, url, storage_options=opts)
+        assert torch.equal(out["a"], torch.arange(24.0).reshape(4, 6))
+        assert torch.equal(out["b"], torch.ones(5, 6))
