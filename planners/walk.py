@@ -10,7 +10,7 @@ checkpoints match DCP's keys wherever DCP can store the state at all.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,11 +183,14 @@ class Walker:
 SLOW: Any = object()  # ``rebuild``'s ``quick`` cannot answer for this value
 
 
-def set_path(tree: dict[str, Any], obj_path: ObjPath, value: Any) -> None:
+def set_path(
+    tree: dict[str, Any], obj_path: ObjPath, value: Any, keys: Sequence[Any] | None = None
+) -> None:
     """Put ``value`` at ``obj_path`` in ``tree``, creating dicts and lists on the way (DCP's
-    ``set_element``): integer path items index lists, string items key dicts."""
+    ``set_element``): integer path items index lists, string items key dicts (by ``keys``,
+    where given: the dict keys the path's strings were made of, ints or tuples included)."""
     node: Any = tree
-    for item, nxt in itertools.pairwise(obj_path):
+    for at, (item, nxt) in enumerate(itertools.pairwise(obj_path)):
         empty: Any = [] if isinstance(nxt, int) else {}
         if isinstance(node, list):
             assert isinstance(item, int)
@@ -196,12 +199,14 @@ def set_path(tree: dict[str, Any], obj_path: ObjPath, value: Any) -> None:
                 node[item] = empty
             node = node[item]
         else:
-            node = node.setdefault(item, empty)
+            node = node.setdefault(item if keys is None else keys[at], empty)
     last = obj_path[-1]
     if isinstance(node, list):
         assert isinstance(last, int)
         node.extend([None] * (last + 1 - len(node)))
-    node[last] = value
+        node[last] = value
+    else:
+        node[last if keys is None else keys[-1]] = value
 
 
 STATE_WALKER = Walker(keep=keeps_list_recursing, sharded=is_sharded_meta)

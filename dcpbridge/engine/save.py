@@ -140,8 +140,11 @@ def plan_save(
     parallel = parallel_group(options.fully_parallel, options.parallelization_group, group)
     planned = PlannedSave()
 
+    source: list[Any] = []  # the state dict sorted (torch_dist keeps its dict keys)
+
     def sort() -> int:
-        parts = for_save(state_dicts(sharded_state_dict))
+        source[:] = [state_dicts(sharded_state_dict)]
+        parts = for_save(source[0])
         if options.format == "torch_dist":  # plain tensors go to common.pt, not to shards
             parts.shards = sharded_part(parts)
         planned.parts = parts
@@ -162,7 +165,7 @@ def plan_save(
     except Exception as e:
         planned.error = e
     if options.format == "torch_dist" and group.is_coordinator:
-        planned.common = planned.parts.nested_common()
+        planned.common = planned.parts.nested_common(source[0] if source else None)
     return planned
 
 

@@ -151,14 +151,35 @@ class SaveParts:
             "empty": [list(p) for p in self.empty],
         }
 
-    def nested_common(self) -> dict[str, Any]:
-        """The common state (values and plain tensors) as the nested dict it came from."""
+    def nested_common(self, tree: Any = None) -> dict[str, Any]:
+        """The common state (values and plain tensors) as the nested dict it came from; with
+        ``tree``, the state dict these parts were sorted from, under its own dict keys (an
+        optimizer's int keys stay ints, as Megatron-Core's common state keeps them)."""
+        names: dict[int, dict[str, Any]] = {}
         out: dict[str, Any] = {}
         for key, path in self.paths.items():
-            set_path(out, path, self.objects[key] if key in self.objects else self.plain[key])
+            value = self.objects[key] if key in self.objects else self.plain[key]
+            set_path(out, path, value, None if tree is None else _keys(tree, path, names))
         for path in self.empty:
-            set_path(out, path, {})
+            set_path(out, path, {}, None if tree is None else _keys(tree, path, names))
         return out
+
+
+def _keys(tree: Any, path: ObjPath, names: dict[int, dict[str, Any]]) -> list[Any]:
+    """The keys and indices of ``tree`` that ``path`` (dict keys as strings) was made of;
+    ``names`` caches each dict's keys by their string."""
+    keys: list[Any] = []
+    node = tree
+    for item in path:
+        key = item
+        if isinstance(node, Mapping) and not (type(item) is str and item in node):
+            by_name = names.get(id(node))
+            if by_name is None:
+                by_name = names[id(node)] = {str(k): k for k in node}
+            key = by_name[item]
+        keys.append(key)
+        node = node[key]
+    return keys
 
 
 def for_save(tree: Any) -> SaveParts:

@@ -652,3 +652,31 @@ def test_load_takes_megatron_core_load_strategies(ckpt):
         assert "rng/shard_1_2" in dc.load_sharded_metadata(ckpt, strategy)
     with pytest.raises(dc.CheckpointingException, match="not supported"):
         dc.save({"a": _st("a")}, ckpt + "_again", TorchDistLoadShardedStrategy())
+
+
+def test_torch_dist_common_state_keeps_its_dict_keys(tmp_path):
+    """Megatron-Core's common.pt keeps the state dict's own keys: an optimizer's int param ids
+    stayed ints ('0' beside the template's 0 made Megatron-Core's load return both, and
+    torch's optimizer drop the step)."""
+    path = str(tmp_path / "td")
+    state = {
+        "opt": {
+            "state": {0: {"exp_avg": _st("opt.0.exp_avg"), "step": torch.tensor(5)}, 1: {}},
+            "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.99)}],
+        },
+        "odd": {(1, 2): "tuple", True: [1, {2: "two"}], None: 3, 1.5: "float", "s": 4},
+    }
+    db.save(state, path, format="torch_dist")
+    common = torch.load(os.path.join(path, "common.pt"), weights_only=True)
+    assert common == {
+        "opt": {
+            "state": {0: {"step": torch.tensor(5)}, 1: {}},
+            "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.99)}],
+        },
+        "odd": {(1, 2): "tuple", True: [1, {2: "two"}], None: 3, 1.5: "float", "s": 4},
+    }
+    assert [type(k) for k in common["opt"]["state"]] == [int, int]
+    template = {"opt": {"state": {0: {"exp_avg": _template("opt.0.exp_avg"), "step": None}}}}
+    out = db.load(template, path)
+    assert torch.equal(out["opt"]["state"][0]["exp_avg"], torch.arange(4.0))
+    assert out["opt"]["state"][0]["step"] == torch.tensor(5) and out["opt"]["state"][1] == {}
