@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import struct
@@ -354,6 +355,69 @@ def _torch_layout(source: Source) -> dict[str, Any]:
     return out
 
 
+class _StorageOrder(pickle.Pickler):
+    """Pickles nothing: numbers each storage in the order ``torch.save`` names them
+    (``data/0``, ``data/1``, ...), as its pickler meets them."""
+
+    def __init__(self) -> None:
+        super().__init__(_Discard(), protocol=torch.serialization.DEFAULT_PROTOCOL)
+        self.order: dict[int, tuple[str, Any]] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj):
+            storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+            key = self.order.setdefault(storage._cdata, (str(len(self.order)), storage))[0]
+            return ("storage", key)
+        return None
+
+
+class _Discard:
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+def _held_storages(layout: dict[str, Any], placeholders: set[int]) -> dict[str, Any]:
+    """The storages of the tensors held in objects and the common state, by their record
+    name in the torch file (``torch.save`` under ``skip_data`` writes no tensor's bytes;
+    the checkpoint's own tensors are streamed in later, these must be written too)."""
+    skipped = {layout[k].untyped_storage()._cdata for k in layout if id(layout[k]) in placeholders}
+    order = _StorageOrder()
+    order.dump(layout)
+    return {
+        f"data/{key}": storage
+        for cdata, (key, storage) in order.order.items()
+        if cdata not in skipped
+    }
+
+
+def _write_held(
+    fd: int,
+    path: str,
+    held: dict[str, Any],
+    records: dict[int, tuple[zipfile.ZipInfo, int]],
+) -> None:
+    """Write the bytes of the ``held`` storages (objects' and common tensors') into their
+    records of the torch file at ``path``, and their CRCs."""
+    by_name = {
+        info.filename.partition("/")[2]: (start, info, cd) for start, (info, cd) in records.items()
+    }
+    for name, storage in held.items():
+        found = by_name.get(name)
+        data = storage.cpu() if storage.device.type != "cpu" else storage
+        raw = torch.empty(0, dtype=torch.uint8).set_(data, 0, (data.nbytes(),)).numpy().tobytes()
+        if found is None or found[1].file_size != len(raw):
+            raise CheckpointError(
+                f"cannot locate the bytes of a tensor held in an object in {path}"
+            )
+        start, info, cd_entry = found
+        view = memoryview(raw)
+        pos = start
+        while len(view):
+            n = os.pwrite(fd, view, pos)
+            view, pos = view[n:], pos + n
+        _set_crc(fd, info, start, cd_entry, zlib.crc32(raw))
+
+
 def _data_records(path: str) -> dict[int, tuple[zipfile.ZipInfo, int]]:
     """Data start offset -> (zip entry, offset of its central directory entry)."""
     out = {}
@@ -438,12 +502,14 @@ def _write_torch_file(
             torch.save(layout, path)
         except RuntimeError as e:  # torch's zip writer failing to write (a full disk)
             raise storage_error(f"{path}: write", e) from e
+    held = _held_storages(layout, {id(layout[k]) for k in source.tensors})
     del layout
     placed = torch.load(path, map_location="meta", mmap=True, weights_only=False)
     records = _data_records(path)
     total = 0
     fd = os.open(path, os.O_RDWR)
     try:
+        _write_held(fd, path, held, records)
         for key in sorted(source.tensors):
             if source.tensors[key].nbytes == 0:
                 continue

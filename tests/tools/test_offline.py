@@ -441,3 +441,28 @@ def test_a_safetensors_export_over_an_earlier_one_publishes_on_every_backend(bac
         out = db.load(tmpl, url, storage_options=opts)
         assert torch.equal(out["a"], torch.arange(24.0).reshape(4, 6))
         assert torch.equal(out["b"], torch.ones(5, 6))
+
+
+@pytest.mark.parametrize("fmt", ["dcpbridge", "torch_dist"])
+def test_convert_to_torch_keeps_the_tensors_inside_objects_and_common_state(tmp_path, fmt):
+    """``convert --to torch`` wrote every tensor's data region blank but the checkpoint's
+    own tensors: a tensor in an object or in torch_dist's common.pt (an optimizer step, a
+    scale) came out as zeros."""
+    from dcpbridge.tools import cli
+
+    w, plain, step = L.full("w"), torch.arange(5, dtype=torch.int32) + 7, torch.tensor(9.5)
+    state = {
+        "w": db.ShardedTensor.from_box("w", w, tuple(w.shape), (0, 0)),
+        "o": db.ShardedObject("o", {"t": torch.arange(3.0) + 1, "n": 2}, (1,), (0,)),
+        "opt": {"state": {0: {"step": step}}, "pair": (plain, "x")},
+    }
+    src, dst = str(tmp_path / fmt), str(tmp_path / f"{fmt}.pt")
+    db.save(state, src, format=fmt)
+    assert cli.main(["convert", src, dst, "--to", "torch"]) == 0
+    out = torch.load(dst, weights_only=True)
+    assert torch.equal(out["w"], w)
+    assert torch.equal(out["o/shard_0_1"]["t"], torch.arange(3.0) + 1)
+    if fmt == "dcpbridge":  # the common state by its DCP keys (the tuple is an object)
+        out["opt"] = {"state": {0: {"step": out.pop("opt.state.0.step")}}, "pair": out["opt.pair"]}
+    assert torch.equal(out["opt"]["state"][0]["step"], step)
+    assert torch.equal(out["opt"]["pair"][0], plain) and out["opt"]["pair"][1] == "x"
