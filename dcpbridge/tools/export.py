@@ -395,9 +395,10 @@ def _write_held(
     path: str,
     held: dict[str, Any],
     records: dict[int, tuple[zipfile.ZipInfo, int]],
-) -> None:
+) -> int:
     """Write the bytes of the ``held`` storages (objects' and common tensors') into their
-    records of the torch file at ``path``, and their CRCs."""
+    records of the torch file at ``path``, and their CRCs; returns the bytes written."""
+    total = 0
     by_name = {
         info.filename.partition("/")[2]: (start, info, cd) for start, (info, cd) in records.items()
     }
@@ -416,6 +417,8 @@ def _write_held(
             n = os.pwrite(fd, view, pos)
             view, pos = view[n:], pos + n
         _set_crc(fd, info, start, cd_entry, zlib.crc32(raw))
+        total += len(raw)
+    return total
 
 
 def _data_records(path: str) -> dict[int, tuple[zipfile.ZipInfo, int]]:
@@ -509,7 +512,7 @@ def _write_torch_file(
     total = 0
     fd = os.open(path, os.O_RDWR)
     try:
-        _write_held(fd, path, held, records)
+        total += _write_held(fd, path, held, records)
         for key in sorted(source.tensors):
             if source.tensors[key].nbytes == 0:
                 continue
