@@ -42,13 +42,19 @@ from dcpbridge.errors import (
 )
 from dcpbridge.formats.checkpoint import MEGATRON_COMMON, MEGATRON_CONFIG
 from dcpbridge.formats.dcp_checks import check_tiling
+from dcpbridge.formats.dcp_files import DCP_METADATA
 from dcpbridge.model.intake import SaveParts
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners import ShardedSavePlanner
 from dcpbridge.planners.save_planner import serialize_object
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
-from dcpbridge.storage.errors import StorageError, is_storage_fault, storage_error
+from dcpbridge.storage.errors import (
+    StorageError,
+    is_storage_fault,
+    storage_error,
+    storage_faults,
+)
 from dcpbridge.storage.format.paths import fsspec_options
 from dcpbridge.storage.write.writer import remove_stale_files
 
@@ -161,10 +167,19 @@ class TorchDistWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Before any data is overwritten, unpublish what this directory held, so that an
-        # interrupted save leaves an incomplete checkpoint rather than a corrupt one.
+        # interrupted save leaves an incomplete checkpoint rather than a corrupt one: the old
+        # DCP metadata and common state too (``dcp.load`` reads ``.metadata`` alone, and
+        # would read the new data files through it).
         store = self.store
-        stale = [n for n in (MEGATRON_CONFIG, METADATA_FILE) if store.exists(n)]
-        store.remove(stale)
+        names = (MEGATRON_CONFIG, METADATA_FILE, MEGATRON_COMMON)
+        stale = [n for n in names if store.exists(n)]
+        store.remove(stale[:1])  # metadata.json first: Megatron's mark of a finished save
+        fs: Any = self.inner.fs  # type: ignore[attr-defined]
+        dcp_metadata = fs.concat_path(self.inner.path, DCP_METADATA)  # type: ignore[attr-defined]
+        with storage_faults(f"{self.location.url}: remove {DCP_METADATA}"):
+            if fs.exists(dcp_metadata):  # a dot name, which dcpbridge's storage layer refuses
+                fs.rm_file(dcp_metadata)
+        store.remove(stale[1:])
         if METADATA_FILE in stale:
             remove_stale_files(store, save_id="")
         return self.inner.prepare_global_plan(plans)

@@ -304,3 +304,50 @@ def test_overlapping_shards_without_the_integrity_check_are_never_committed(
         assert text.startswith("InvalidArgumentError: rank 0: ") and why in text, text
         assert "refusing to commit invalid metadata" in text
     assert not path.exists() or sorted(os.listdir(path)) == []
+
+
+_KILLED_TORCH_DIST_SAVE = """
+import os, sys, torch
+import dcpbridge as db
+from dcpbridge.formats import torch_dist
+
+def killed(self, metadata, results):  # the process dies once the data files are written
+    os._exit(3)
+
+torch_dist.TorchDistWriter.finish = killed
+db.save({"w": db.ShardedTensor.from_box("w", torch.full((4,), 7.0), (4,), (0,))}, sys.argv[1],
+        format="torch_dist")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_torch_dist_save_leaves_no_older_metadata_over_its_new_data(tmp_path):
+    """A torch_dist save rewrites the data files of the checkpoint its directory held (fixed
+    names) but left that checkpoint's ``.metadata`` and ``common.pt``: killed after its data,
+    ``dcp.load`` read the new bytes through the old metadata (a 7.0 where 1.0 was saved)."""
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "td")
+    db.save(
+        {"w": db.ShardedTensor.from_box("w", torch.ones(4), (4,), (0,))}, path, format="torch_dist"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_TORCH_DIST_SAVE, path],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    names = set(os.listdir(path))
+    assert {".metadata", "common.pt", "metadata.json"}.isdisjoint(names), names
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"\.metadata"):  # torch's own reader
+        dcp.load({"w": torch.zeros(4)}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(db.IncompleteCheckpointError):
+        db.load({"w": torch.zeros(4)}, path)
