@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -60,7 +61,8 @@ class Heartbeat:
 
     One per process and store, started by the first store-backed group; it beats on a clone of
     the store (a store call blocks the client it runs on) from a daemon thread, and stops at
-    exit or at the first failing call (the store is gone with its job).
+    exit or at the first failing call (the store is gone with its job). It holds the store
+    weakly: a destroyed process group's store (rank 0's server with its port) goes with it.
     """
 
     _current: Heartbeat | None = None
@@ -70,7 +72,7 @@ class Heartbeat:
         self._store = dist.PrefixStore(_PREFIX, store.clone())
         self._key = str(rank)
         self._pid = os.getpid()
-        self._source = store
+        self._source = weakref.ref(store)
         self._stop = threading.Event()
         self._period = period()
         self._store.add(self._key, 1)  # a first beat at once: the peers see it started
@@ -86,7 +88,7 @@ class Heartbeat:
             if (
                 beat is not None
                 and beat._pid == os.getpid()
-                and beat._source is store
+                and beat._source() is store
                 and beat._thread.is_alive()
             ):
                 return True

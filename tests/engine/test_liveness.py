@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -212,3 +214,52 @@ def test_a_rank_killed_mid_local_copies_never_holds_the_others(pool, tmp_path):
     assert any("rank(s) [3] stopped answering" in line for s in survivors for line in s["log"])
     back = pool.run(T.restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [T.STEPS - 1] * 4
+
+
+# -- a process group destroyed in-process ---------------------------------------------------------
+
+DESTROYED_GROUP = """
+import gc, os, socket, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from dcpbridge.engine.collectives import Group, StoreGroup
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DCPB_PEER_TIMEOUT="1")
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+group = StoreGroup.for_group(Group.resolve(), "t")
+assert group.all_gather(rank) == [0, 1]
+del group
+dist.barrier()
+dist.destroy_process_group()
+gc.collect()
+time.sleep(3)  # twelve beats: a beat into the old store ends with the store
+beating = [t.name for t in threading.enumerate() if t.name == "dcpbridge-heartbeat"]
+free = True
+if rank == 0:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            free = False
+print("RESULT", beating, free, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_destroyed_process_group_takes_its_heartbeat_and_store_along(tmp_path):
+    """After destroy_process_group the heartbeat held the job's store: rank 0's store server
+    kept its port (a re-init on MASTER_PORT failed) and the thread beat into it forever."""
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", DESTROYED_GROUP, str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=60)[0] for p in ranks]
+    results = [line for out in outs for line in out.splitlines() if line.startswith("RESULT")]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert results == ["RESULT [] True"] * 2, outs
