@@ -4,7 +4,8 @@ A key-value store cannot tell a slow peer from a dead one: a ``get`` of a key a 
 would have set waits for the store's whole timeout (30 minutes by default). Each process that
 takes part in such exchanges therefore raises a counter in the store every ``period()``
 seconds (5 s by default: 16,384 ranks then cost the store about 3,300 requests a second) from
-a thread of its own; a waiter polls for its keys and gives up on a peer whose counter has not
+a thread of its own; a waiter blocks in the store for its keys (one request per period, woken
+by them) and between two such waits gives up on a peer whose counter has not
 moved for ``peer_timeout()`` seconds. Only local clocks are compared, so nodes' clocks may
 disagree.
 """
@@ -31,10 +32,6 @@ DEFAULT_PEER_TIMEOUT = 60.0
 variable overrides it; at least 1 s)."""
 
 _PREFIX = "dcpbridge/alive/"
-# The sleep between two polls of the keys waited for doubles from 0.1 ms up to 2 ms during
-# the first second (an exchange's usual latency, kept near a blocking get's) and up to 50 ms
-# after it (a long wait costs the store little).
-_FIRST_POLL, _SHORT_POLL, _LONG_POLL = 0.0001, 0.002, 0.05
 
 
 def peer_timeout() -> float:
@@ -160,29 +157,31 @@ def wait_for_keys(
     store's own timeout passes, as a blocking ``get`` would.
     """
     keys = list(keys)
-    if store.check(keys):
-        return
     timeout = getattr(store, "timeout", None)
     budget = timeout.total_seconds() if isinstance(timeout, timedelta) else math.inf
     start = time.monotonic()
     patience, look_every = peer_timeout(), period()
     watch = PeerWatch(heartbeats, owners, patience) if heartbeats is not None else None
-    next_look, pause = start + look_every, _FIRST_POLL
-    while not store.check(keys):
+    while True:
+        # blocks in the store (woken by the keys, one request) until the next look
+        step = min(look_every, max(budget - (time.monotonic() - start), 0.001))
+        try:
+            store.wait(keys, timedelta(seconds=step))
+            return
+        except dist.DistStoreError:  # the step passed with a key still missing
+            pass
         now = time.monotonic()
-        if now >= next_look or now - start > budget:
-            next_look = now + look_every
-            waiting = sorted({o for k, o in zip(keys, owners) if not store.check([k])})
-            dead = watch.silent(waiting) if watch is not None else []
-            if dead:
-                raise CollectiveError(
-                    f"{what}: rank(s) {dead} stopped answering (no heartbeat for "
-                    f"{patience:g} s, ${PEER_TIMEOUT_ENV}): the process died or hangs"
-                )
-            if waiting and now - start > budget:
-                raise CollectiveError(
-                    f"{what}: rank(s) {waiting} did not answer within the store's timeout "
-                    f"({budget:.0f} s)"
-                )
-        time.sleep(pause)
-        pause = min(2 * pause, _SHORT_POLL if now - start < 1 else _LONG_POLL)
+        waiting = sorted({o for k, o in zip(keys, owners) if not store.check([k])})
+        if not waiting:
+            return
+        dead = watch.silent(waiting) if watch is not None else []
+        if dead:
+            raise CollectiveError(
+                f"{what}: rank(s) {dead} stopped answering (no heartbeat for "
+                f"{patience:g} s, ${PEER_TIMEOUT_ENV}): the process died or hangs"
+            )
+        if now - start >= budget:
+            raise CollectiveError(
+                f"{what}: rank(s) {waiting} did not answer within the store's timeout "
+                f"({budget:.0f} s)"
+            )

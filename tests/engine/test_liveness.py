@@ -75,6 +75,44 @@ def test_a_beating_owner_is_waited_for_until_it_answers(store, fast):
         beat.stop()
 
 
+class _Counting:
+    """A store that counts the requests made through it (the store server's load)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.requests = store, 0
+        self.timeout = store.timeout
+
+    def __getattr__(self, name):
+        call = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+
+def test_a_long_wait_costs_the_store_few_requests_and_wakes_at_once(store, fast):
+    """Waiters polled their keys every 2-50 ms: 16,384 ranks waiting for one slow rank sent
+    the job's store some 300,000 requests a second. A wait now blocks in the store between
+    two looks at the heartbeats, and still returns as soon as the key is set."""
+    beat = Heartbeat(store, 2)
+    counting = _Counting(store)
+    set_at = []
+    timer = threading.Timer(2, lambda: (store.set("slow", b"1"), set_at.append(time.monotonic())))
+    timer.start()
+    try:
+        started = time.monotonic()
+        wait_for_keys(counting, ["slow"], [2], heartbeats=store, what="op")
+        woke = time.monotonic()
+        assert time.monotonic() - started >= 1.9
+        assert woke - set_at[0] < 0.1  # woken by the key, not by a poll
+        assert counting.requests <= 20, counting.requests  # a look each 0.25 s, not a poll each ms
+    finally:
+        timer.cancel()
+        beat.stop()
+
+
 def test_a_heartbeat_that_stops_is_noticed(store, fast):
     beat = Heartbeat(store, 3)
     watch = PeerWatch(store, [3], peer_timeout())
