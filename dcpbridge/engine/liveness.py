@@ -13,6 +13,7 @@ disagree.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import threading
@@ -104,6 +105,9 @@ class Heartbeat:
                 self._store.add(self._key, 1)
             except Exception:  # the store (and with it the job) is gone: nothing to tell
                 return
+            # the peers judge by the timeout they read now: beat by the same one
+            with contextlib.suppress(InvalidArgumentError):  # a bad value keeps the last
+                self._period = period()
 
     def stop(self) -> None:
         """Stop beating (peers waiting for this process then give up on it)."""

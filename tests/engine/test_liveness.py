@@ -113,6 +113,22 @@ def test_a_long_wait_costs_the_store_few_requests_and_wakes_at_once(store, fast)
         beat.stop()
 
 
+def test_a_heartbeat_follows_a_peer_timeout_set_after_it_started(store, monkeypatch):
+    """The beat kept the period of the peer timeout it started under: a process whose first
+    group came before ``DCPB_PEER_TIMEOUT=1`` beat every 5 s and was named dead while alive."""
+    monkeypatch.delenv(liveness.PEER_TIMEOUT_ENV, raising=False)
+    beat = Heartbeat(store, 2)
+    monkeypatch.setenv(liveness.PEER_TIMEOUT_ENV, "1")
+    time.sleep(5.5)  # the beat in flight under the old period has passed
+    timer = threading.Timer(3, lambda: store.set("later", b"1"))
+    timer.start()
+    try:
+        wait_for_keys(store, ["later"], [2], heartbeats=store, what="op")
+    finally:
+        timer.cancel()
+        beat.stop()
+
+
 def test_a_heartbeat_that_stops_is_noticed(store, fast):
     beat = Heartbeat(store, 3)
     watch = PeerWatch(store, [3], peer_timeout())
