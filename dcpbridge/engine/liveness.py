@@ -4,7 +4,8 @@ A key-value store cannot tell a slow peer from a dead one: a ``get`` of a key a 
 would have set waits for the store's whole timeout (30 minutes by default). Each process that
 takes part in such exchanges therefore raises a counter in the store every ``period()``
 seconds (5 s by default: 16,384 ranks then cost the store about 3,300 requests a second) from
-a thread of its own; a waiter polls for its keys and gives up on a peer whose counter has not
+a thread of its own; a waiter blocks in the store for its keys (one request per period, woken
+by them) and between two such waits gives up on a peer whose counter has not
 moved for ``peer_timeout()`` seconds. Only local clocks are compared, so nodes' clocks may
 disagree.
 """
@@ -12,10 +13,12 @@ disagree.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,10 +33,6 @@ DEFAULT_PEER_TIMEOUT = 60.0
 variable overrides it; at least 1 s)."""
 
 _PREFIX = "dcpbridge/alive/"
-# The sleep between two polls of the keys waited for doubles from 0.1 ms up to 2 ms during
-# the first second (an exchange's usual latency, kept near a blocking get's) and up to 50 ms
-# after it (a long wait costs the store little).
-_FIRST_POLL, _SHORT_POLL, _LONG_POLL = 0.0001, 0.002, 0.05
 
 
 def peer_timeout() -> float:
@@ -60,7 +59,8 @@ class Heartbeat:
 
     One per process and store, started by the first store-backed group; it beats on a clone of
     the store (a store call blocks the client it runs on) from a daemon thread, and stops at
-    exit or at the first failing call (the store is gone with its job).
+    exit or at the first failing call (the store is gone with its job). It holds the store
+    weakly: a destroyed process group's store (rank 0's server with its port) goes with it.
     """
 
     _current: Heartbeat | None = None
@@ -70,7 +70,7 @@ class Heartbeat:
         self._store = dist.PrefixStore(_PREFIX, store.clone())
         self._key = str(rank)
         self._pid = os.getpid()
-        self._source = store
+        self._source = weakref.ref(store)
         self._stop = threading.Event()
         self._period = period()
         self._store.add(self._key, 1)  # a first beat at once: the peers see it started
@@ -86,7 +86,7 @@ class Heartbeat:
             if (
                 beat is not None
                 and beat._pid == os.getpid()
-                and beat._source is store
+                and beat._source() is store
                 and beat._thread.is_alive()
             ):
                 return True
@@ -105,6 +105,9 @@ class Heartbeat:
                 self._store.add(self._key, 1)
             except Exception:  # the store (and with it the job) is gone: nothing to tell
                 return
+            # the peers judge by the timeout they read now: beat by the same one
+            with contextlib.suppress(InvalidArgumentError):  # a bad value keeps the last
+                self._period = period()
 
     def stop(self) -> None:
         """Stop beating (peers waiting for this process then give up on it)."""
@@ -158,29 +161,31 @@ def wait_for_keys(
     store's own timeout passes, as a blocking ``get`` would.
     """
     keys = list(keys)
-    if store.check(keys):
-        return
     timeout = getattr(store, "timeout", None)
     budget = timeout.total_seconds() if isinstance(timeout, timedelta) else math.inf
     start = time.monotonic()
     patience, look_every = peer_timeout(), period()
     watch = PeerWatch(heartbeats, owners, patience) if heartbeats is not None else None
-    next_look, pause = start + look_every, _FIRST_POLL
-    while not store.check(keys):
+    while True:
+        # blocks in the store (woken by the keys, one request) until the next look
+        step = min(look_every, max(budget - (time.monotonic() - start), 0.001))
+        try:
+            store.wait(keys, timedelta(seconds=step))
+            return
+        except dist.DistStoreError:  # the step passed with a key still missing
+            pass
         now = time.monotonic()
-        if now >= next_look or now - start > budget:
-            next_look = now + look_every
-            waiting = sorted({o for k, o in zip(keys, owners) if not store.check([k])})
-            dead = watch.silent(waiting) if watch is not None else []
-            if dead:
-                raise CollectiveError(
-                    f"{what}: rank(s) {dead} stopped answering (no heartbeat for "
-                    f"{patience:g} s, ${PEER_TIMEOUT_ENV}): the process died or hangs"
-                )
-            if waiting and now - start > budget:
-                raise CollectiveError(
-                    f"{what}: rank(s) {waiting} did not answer within the store's timeout "
-                    f"({budget:.0f} s)"
-                )
-        time.sleep(pause)
-        pause = min(2 * pause, _SHORT_POLL if now - start < 1 else _LONG_POLL)
+        waiting = sorted({o for k, o in zip(keys, owners) if not store.check([k])})
+        if not waiting:
+            return
+        dead = watch.silent(waiting) if watch is not None else []
+        if dead:
+            raise CollectiveError(
+                f"{what}: rank(s) {dead} stopped answering (no heartbeat for "
+                f"{patience:g} s, ${PEER_TIMEOUT_ENV}): the process died or hangs"
+            )
+        if now - start >= budget:
+            raise CollectiveError(
+                f"{what}: rank(s) {waiting} did not answer within the store's timeout "
+                f"({budget:.0f} s)"
+            )

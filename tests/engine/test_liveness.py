@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -68,6 +70,60 @@ def test_a_beating_owner_is_waited_for_until_it_answers(store, fast):
         started = time.monotonic()
         wait_for_keys(store, ["late"], [2], heartbeats=store, what="op")
         assert time.monotonic() - started >= 2.9  # three peer timeouts
+    finally:
+        timer.cancel()
+        beat.stop()
+
+
+class _Counting:
+    """A store that counts the requests made through it (the store server's load)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.requests = store, 0
+        self.timeout = store.timeout
+
+    def __getattr__(self, name):
+        call = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+
+def test_a_long_wait_costs_the_store_few_requests_and_wakes_at_once(store, fast):
+    """Waiters polled their keys every 2-50 ms: 16,384 ranks waiting for one slow rank sent
+    the job's store some 300,000 requests a second. A wait now blocks in the store between
+    two looks at the heartbeats, and still returns as soon as the key is set."""
+    beat = Heartbeat(store, 2)
+    counting = _Counting(store)
+    set_at = []
+    timer = threading.Timer(2, lambda: (store.set("slow", b"1"), set_at.append(time.monotonic())))
+    timer.start()
+    try:
+        started = time.monotonic()
+        wait_for_keys(counting, ["slow"], [2], heartbeats=store, what="op")
+        woke = time.monotonic()
+        assert time.monotonic() - started >= 1.9
+        assert woke - set_at[0] < 0.1  # woken by the key, not by a poll
+        assert counting.requests <= 20, counting.requests  # a look each 0.25 s, not a poll each ms
+    finally:
+        timer.cancel()
+        beat.stop()
+
+
+def test_a_heartbeat_follows_a_peer_timeout_set_after_it_started(store, monkeypatch):
+    """The beat kept the period of the peer timeout it started under: a process whose first
+    group came before ``DCPB_PEER_TIMEOUT=1`` beat every 5 s and was named dead while alive."""
+    monkeypatch.delenv(liveness.PEER_TIMEOUT_ENV, raising=False)
+    beat = Heartbeat(store, 2)
+    monkeypatch.setenv(liveness.PEER_TIMEOUT_ENV, "1")
+    time.sleep(5.5)  # the beat in flight under the old period has passed
+    timer = threading.Timer(3, lambda: store.set("later", b"1"))
+    timer.start()
+    try:
+        wait_for_keys(store, ["later"], [2], heartbeats=store, what="op")
     finally:
         timer.cancel()
         beat.stop()
@@ -212,3 +268,52 @@ def test_a_rank_killed_mid_local_copies_never_holds_the_others(pool, tmp_path):
     assert any("rank(s) [3] stopped answering" in line for s in survivors for line in s["log"])
     back = pool.run(T.restore, 4, root, local, 0, 2, timeout=120)
     assert [b["step"] for b in back] == [T.STEPS - 1] * 4
+
+
+# -- a process group destroyed in-process ---------------------------------------------------------
+
+DESTROYED_GROUP = """
+import gc, os, socket, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from dcpbridge.engine.collectives import Group, StoreGroup
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DCPB_PEER_TIMEOUT="1")
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+group = StoreGroup.for_group(Group.resolve(), "t")
+assert group.all_gather(rank) == [0, 1]
+del group
+dist.barrier()
+dist.destroy_process_group()
+gc.collect()
+time.sleep(3)  # twelve beats: a beat into the old store ends with the store
+beating = [t.name for t in threading.enumerate() if t.name == "dcpbridge-heartbeat"]
+free = True
+if rank == 0:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            free = False
+print("RESULT", beating, free, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_destroyed_process_group_takes_its_heartbeat_and_store_along(tmp_path):
+    """After destroy_process_group the heartbeat held the job's store: rank 0's store server
+    kept its port (a re-init on MASTER_PORT failed) and the thread beat into it forever."""
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", DESTROYED_GROUP, str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=60)[0] for p in ranks]
+    results = [line for out in outs for line in out.splitlines() if line.startswith("RESULT")]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert results == ["RESULT [] True"] * 2, outs
