@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 import dcpbridge as db
 from dcpbridge.engine import liveness
-from dcpbridge.engine.liveness import Heartbeat, PeerWatch, peer_timeout, wait_for_keys
+from dcpbridge.engine.liveness import Heartbeat, PeerWatch, get_all, peer_timeout
 from dcpbridge.storage import FsspecCheckpointWriter
 from tests.e2e import test_local_tier as T
 from tests.support.dist_pool import Rank, RankFailure
@@ -46,29 +47,47 @@ def fast(monkeypatch):
 
 def test_a_key_already_set_returns_at_once(store):
     store.set("k", b"v")
-    wait_for_keys(store, ["k"], [1], heartbeats=store, what="op")
+    assert get_all(store, ["k"], [1], beat=None, view=None, what="op") == [b"v"]
 
 
 def test_a_silent_owner_is_named_dead(store, fast):
-    """Rank 5 never beat: the wait ends after the peer timeout, naming rank 5 only."""
+    """Rank 5 never beat: the heartbeat thread marks its key dead after the peer timeout,
+    which wakes the wait; reading it raises, naming rank 5 only. Rank 4's value reads."""
     beat = Heartbeat(store, 4)
+    store.set("a", pickle.dumps("four"))
     try:
         started = time.monotonic()
-        with pytest.raises(db.CollectiveError, match=r"op: rank\(s\) \[5\] stopped answering"):
-            wait_for_keys(store, ["a", "b"], [4, 5], heartbeats=store, what="op")
+        a, b = get_all(store, ["a", "b"], [4, 5], beat=beat, view=beat.base, what="op")
         assert 1 < time.monotonic() - started < 6
+        assert liveness.loads(a, "op") == "four"
+        with pytest.raises(db.CollectiveError, match=r"op: rank\(s\) \[5\] stopped answering"):
+            liveness.loads(b, "op")
+    finally:
+        beat.stop()
+
+
+def test_a_late_value_is_never_replaced_by_the_dead_mark(store, fast):
+    beat = Heartbeat(store, 4)
+    store.set("b", pickle.dumps("late but here"))
+    watched = liveness._Watched(beat.base, ["b"], [5], PeerWatch(beat.base, [5], 1.0))
+    try:
+        watched.look()
+        time.sleep(1.2)
+        watched.look()  # rank 5 is silent, but its key is set: nothing to mark
+        assert liveness.loads(store.get("b"), "op") == "late but here"
     finally:
         beat.stop()
 
 
 def test_a_beating_owner_is_waited_for_until_it_answers(store, fast):
-    """A live owner may take many peer timeouts: the wait returns when its key comes."""
+    """A live owner may take many peer timeouts: the wait returns when its key comes (set
+    on another client: a blocked wait holds the one it runs on, as a blocking ``get`` does)."""
     beat = Heartbeat(store, 2)
-    timer = threading.Timer(3, lambda: store.set("late", b"1"))
+    timer = threading.Timer(3, lambda: store.clone().set("late", b"1"))
     timer.start()
     try:
         started = time.monotonic()
-        wait_for_keys(store, ["late"], [2], heartbeats=store, what="op")
+        assert get_all(store, ["late"], [2], beat=beat, view=beat.base, what="op") == [b"1"]
         assert time.monotonic() - started >= 2.9  # three peer timeouts
     finally:
         timer.cancel()
@@ -94,20 +113,22 @@ class _Counting:
 
 def test_a_long_wait_costs_the_store_few_requests_and_wakes_at_once(store, fast):
     """Waiters polled their keys every 2-50 ms: 16,384 ranks waiting for one slow rank sent
-    the job's store some 300,000 requests a second. A wait now blocks in the store between
-    two looks at the heartbeats, and still returns as soon as the key is set."""
+    the job's store some 300,000 requests a second. A wait now blocks in the store (the
+    heartbeat thread looks at the peers) and returns as soon as the key is set."""
     beat = Heartbeat(store, 2)
     counting = _Counting(store)
     set_at = []
-    timer = threading.Timer(2, lambda: (store.set("slow", b"1"), set_at.append(time.monotonic())))
+    timer = threading.Timer(
+        2, lambda: (store.clone().set("slow", b"1"), set_at.append(time.monotonic()))
+    )
     timer.start()
     try:
         started = time.monotonic()
-        wait_for_keys(counting, ["slow"], [2], heartbeats=store, what="op")
+        get_all(counting, ["slow"], [2], beat=beat, view=beat.base, what="op")
         woke = time.monotonic()
         assert time.monotonic() - started >= 1.9
         assert woke - set_at[0] < 0.1  # woken by the key, not by a poll
-        assert counting.requests <= 20, counting.requests  # a look each 0.25 s, not a poll each ms
+        assert counting.requests == 1, counting.requests  # one multi_get, no polls
     finally:
         timer.cancel()
         beat.stop()
@@ -120,10 +141,10 @@ def test_a_heartbeat_follows_a_peer_timeout_set_after_it_started(store, monkeypa
     beat = Heartbeat(store, 2)
     monkeypatch.setenv(liveness.PEER_TIMEOUT_ENV, "1")
     time.sleep(5.5)  # the beat in flight under the old period has passed
-    timer = threading.Timer(3, lambda: store.set("later", b"1"))
+    timer = threading.Timer(3, lambda: store.clone().set("later", b"1"))
     timer.start()
     try:
-        wait_for_keys(store, ["later"], [2], heartbeats=store, what="op")
+        get_all(store, ["later"], [2], beat=beat, view=beat.base, what="op")
     finally:
         timer.cancel()
         beat.stop()
@@ -145,7 +166,7 @@ def test_a_heartbeat_that_stops_is_noticed(store, fast):
 def test_without_heartbeats_the_store_timeout_still_ends_the_wait(store):
     store.set_timeout(timedelta(seconds=1.5))
     with pytest.raises(db.CollectiveError, match=r"op: rank\(s\) \[1\] did not answer within"):
-        wait_for_keys(store, ["never"], [1], heartbeats=None, what="op")
+        get_all(store, ["never"], [1], beat=None, view=None, what="op")
 
 
 @pytest.mark.parametrize("raw", ["0", "-1", "nan", "soon", "inf"])
