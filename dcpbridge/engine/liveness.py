@@ -91,12 +91,7 @@ class Heartbeat:
         cannot carry one (it cannot be cloned: waits then end at the store's timeout only)."""
         with cls._lock:
             beat = cls._current
-            if (
-                beat is not None
-                and beat._pid == os.getpid()
-                and beat._source() is store
-                and beat._thread.is_alive()
-            ):
+            if beat is not None and beat.alive and beat._source() is store:
                 return beat
             if beat is not None and beat._pid == os.getpid():
                 beat.stop()

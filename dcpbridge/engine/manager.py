@@ -10,6 +10,7 @@ its commit file first, so a half-deleted directory never looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -17,7 +18,7 @@ import math
 import os
 import re
 import signal
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -369,7 +370,7 @@ class CheckpointManager:
         if self.incremental:
             options["reuse_from"] = self._reuse_from(step)
         if self.async_save and not preempted:
-            try:
+            with self._unprepared_on_failure(step):
                 handle = save_mod.async_save(
                     state,
                     url,
@@ -380,16 +381,10 @@ class CheckpointManager:
                     defer_stream_wait=background,
                     **options,
                 )
-            except BaseException:
-                self._unprepare(step)
-                raise
             self._pending = (step, handle)
             return
-        try:
+        with self._unprepared_on_failure(step):
             save_mod.save(state, url, **options)
-        except BaseException:
-            self._unprepare(step)
-            raise
         self._resaved.pop(step, None)
         self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, url)
@@ -451,17 +446,23 @@ class CheckpointManager:
             return False
         step, handle = self._pending
         self._pending = None
-        try:
+        with self._unprepared_on_failure(step):
             handle.result()
-        except BaseException:
-            self._unprepare(step)
-            raise
         self._resaved.pop(step, None)
         self._committed(step)
         log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
         self._after_commit()
         self._notify(step, "persistent", handle.checkpoint_dir)
         return True
+
+    @contextlib.contextmanager
+    def _unprepared_on_failure(self, step: int) -> Iterator[None]:
+        """Run a save of ``step``; if it raises, ``_unprepare`` it first."""
+        try:
+            yield
+        except BaseException:
+            self._unprepare(step)
+            raise
 
     def _unprepare(self, step: int) -> None:
         """Rank 0, after a failed save of ``step``: put its sidecar back (the failed save

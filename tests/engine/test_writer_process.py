@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -167,20 +168,31 @@ def test_a_child_failure_is_raised_with_its_cause():
     assert isinstance(wrapped.value.__cause__, MemoryError)
 
 
+def _save_through(
+    child: str, path: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[torch.Tensor, Any, WriterProcess]:
+    """An async save of one random tensor to ``path`` whose data a fresh writer process
+    running module ``child`` (a test's stand-in) writes: (the tensor, its handle, the process)."""
+    area = AsyncSaver.for_group(Group.resolve(None), 1).area
+    monkeypatch.setattr(WriterProcess, "child_module", child)
+    running = process_of(area)
+    if running is not None:
+        running.close()  # the next save starts ``child``
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(seed))
+    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
+    handle = db.async_save(state, path, writer="process")
+    process = process_of(area)
+    assert process is not None
+    return t, handle, process
+
+
 def test_a_storage_fault_in_the_writer_process_is_its_storage_error(tmp_path, monkeypatch):
     """A write that fails in the writer process with a storage fault (a full disk) fails the
     save with that ``StorageError`` (cause kept), not as a death of the process, which stays
     up for the next save (was: a "writer process ended" error, and the process restarted)."""
-    area = AsyncSaver.for_group(Group.resolve(None), 1).area
-    monkeypatch.setattr(WriterProcess, "child_module", "tests.support.full_disk_writer")
-    running = process_of(area)
-    if running is not None:
-        running.close()  # the next save starts the full-disk child
-    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(7))
-    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
-    handle = db.async_save(state, str(tmp_path / "ck"), writer="process")
-    process = process_of(area)
-    assert process is not None
+    _, handle, process = _save_through(
+        "tests.support.full_disk_writer", str(tmp_path / "ck"), 7, monkeypatch
+    )
     try:
         with pytest.raises(db.StorageError) as failed:
             handle.result(60)
@@ -199,18 +211,11 @@ def test_a_sigterm_to_the_process_group_lets_the_writer_process_finish(tmp_path,
     writer process too: it finishes the save it is writing, so the save in flight commits
     and the trainer's ``save_on_signal`` can write its final checkpoint (was: the writer
     process died of it, failing the save in flight, and with it the final save)."""
-    area = AsyncSaver.for_group(Group.resolve(None), 1).area
-    monkeypatch.setattr(WriterProcess, "child_module", "tests.support.gated_writer")
     gate = tmp_path / "gate"
     monkeypatch.setenv("DCPB_TEST_GATE", str(gate))
-    running = process_of(area)
-    if running is not None:
-        running.close()  # the next save starts the gated child
-    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(8))
-    state = {"t": db.ShardedTensor.from_box("t", t, (64, 33), (0, 0))}
-    handle = db.async_save(state, str(tmp_path / "ck"), writer="process")
-    process = process_of(area)
-    assert process is not None
+    t, handle, process = _save_through(
+        "tests.support.gated_writer", str(tmp_path / "ck"), 8, monkeypatch
+    )
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "gate.taken").exists():  # the job is in the writer process
