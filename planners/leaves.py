@@ -50,11 +50,19 @@ def refuse(key: str, value: Any, kind: LeafKind) -> SerializationError:
     )
 
 
+def not_dense(t: torch.Tensor) -> Any:
+    """None if ``t``'s elements are dense bytes to store or fill, else what it is instead:
+    "nested", "quantized" (its bytes would lose their scale) or its layout (sparse; a meta
+    tensor's is ``torch.strided``: it has no data at all)."""
+    if t.layout == torch.strided and not (t.is_meta or t.is_quantized or t.is_nested):
+        return None
+    return "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
+
+
 def _plain_data(key: str, t: torch.Tensor, save: bool = False) -> torch.Tensor:
     """``t`` detached, refused unless it is dense; for a save, a conjugate or negative view
     becomes a copy of the values it shows (its memory holds them unconjugated, unnegated)."""
-    if t.layout != torch.strided or t.is_meta or t.is_quantized or t.is_nested:
-        what = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
+    if (what := not_dense(t)) is not None:
         raise SerializationError(
             f"{key!r}: a {what} {'meta ' if t.is_meta else ''}tensor has no dense data to store"
         )

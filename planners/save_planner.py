@@ -54,6 +54,7 @@ from dcpbridge.planners.leaves import (
     TENSOR_KINDS,
     check_key,
     freed_storage,
+    not_dense,
     refuse,
     storage_holds,
     tensor_boxes,
@@ -272,7 +273,7 @@ def check_data(sh: TensorShard) -> None:
             f"ShardedTensor {sh.key!r}: data is {data.dtype} of shape {tuple(data.shape)}, "
             f"declared {sh.dtype} of local shape {tuple(sh.local_shape)}"
         )
-    if data.is_meta or data.is_quantized or data.layout != torch.strided:
+    if not_dense(data) is not None:
         what = "quantized " if data.is_quantized else ""  # its scale would be lost
         raise ShardingValidationError(
             f"ShardedTensor {sh.key!r}: {what}{data.layout} {data.device} data cannot be saved"

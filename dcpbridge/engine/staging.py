@@ -21,7 +21,7 @@ import torch
 from dcpbridge.engine.ownership import WriteOwners
 from dcpbridge.errors import StagingError
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor
-from dcpbridge.planners.leaves import storage_holds
+from dcpbridge.planners.leaves import not_dense, storage_holds
 from dcpbridge.storage.backends.device_copy import host_target
 
 _ALIGN = 64
@@ -197,8 +197,8 @@ def _check_backed(shard: ShardedTensor) -> None:
     elements: torch copies from a freed or shrunk storage without a check (a segfault, or
     other memory's bytes)."""
     data = shard.data
-    if data.is_meta or data.is_quantized or data.layout != torch.strided:
-        what = "meta" if data.is_meta else "quantized" if data.is_quantized else data.layout
+    if (what := not_dense(data)) is not None:
+        what = "meta" if data.is_meta else what
         raise StagingError(
             f"{shard.key!r} (offset {tuple(shard.global_offset)}): {what} data cannot be "
             "saved (a save stores a dense tensor's values)"

@@ -45,6 +45,7 @@ from dcpbridge.model.mapping import COMMON_KEY, ShardedTensor
 from dcpbridge.model.state import HOLE, extract, fill_holes
 from dcpbridge.planners import ShardedLoadPlanner, load_object
 from dcpbridge.planners.errors import SerializationError
+from dcpbridge.planners.leaves import not_dense
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import Location, StorageIndex
 
@@ -353,8 +354,7 @@ def _open_torch_file(checkpoint: Checkpoint) -> Source:
 def _check_dense(url: str, key: str, t: torch.Tensor) -> None:
     """Refuse a tensor whose elements are no dense bytes (sparse, nested, quantized: their
     bytes alone would lose the rest; meta: none), as a save refuses it, naming it."""
-    if t.layout != torch.strided or t.is_meta or t.is_quantized or t.is_nested:
-        what = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
+    if (what := not_dense(t)) is not None:
         meta = "meta " if t.is_meta else ""
         raise SerializationError(
             f"{url}: tensor {key!r} is a {what} {meta}tensor, which has no dense data to read"
