@@ -311,7 +311,8 @@ time.sleep(3)  # twelve beats: a beat into the old store ends with the store
 beating = [t.name for t in threading.enumerate() if t.name == "dcpbridge-heartbeat"]
 free = True
 if rank == 0:
-    with socket.socket() as s:
+    with socket.socket() as s:  # as the store binds it: TIME_WAIT leftovers do not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
