@@ -132,22 +132,26 @@ class Walker:
                 yield Leaf(key, node, parent, slot, path)
                 continue
             dot = f"{key}." if path else ""
-            if isinstance(node, Mapping):
-                children = [
-                    ((*path, s), dot + s, v, node, k) for k, v in node.items() for s in (str(k),)
-                ]
-            else:
-                children = [((*path, i), f"{dot}{i}", v, node, i) for i, v in enumerate(node)]
-            for at, child in enumerate(children):
-                if not _plain(child[2]):  # a container: walked in order from the stack
-                    stack.extend(reversed(children[at:]))
+            # (slot, path item, key part, value) per child: a mapping's by its keys' strings
+            entries: Iterator[tuple[Any, Any, str, Any]] = (
+                ((k, s, s, v) for k, v in node.items() for s in (str(k),))
+                if isinstance(node, Mapping)
+                else ((i, i, str(i), v) for i, v in enumerate(node))
+            )
+            known = _PLAIN.get
+            for slot, item, s, v in entries:
+                if not (known(type(v)) or _plain(v)):  # a container: it and the rest walked
+                    rest = [((*path, item), dot + s, v, node, slot)]  # in order from the stack
+                    rest += [((*path, i), dot + p, w, node, k) for k, i, p, w in entries]
+                    stack.extend(reversed(rest))
                     break
-                if child[1] in seen:  # a leaf by its type: yielded here, no stack round trip
+                child = dot + s  # a leaf by its type: yielded here, no stack round trip
+                if child in seen:
                     raise SerializationError(
-                        f"two entries of the state dict flatten to the same key {child[1]!r}"
+                        f"two entries of the state dict flatten to the same key {child!r}"
                     )
-                seen.add(child[1])
-                yield Leaf(child[1], child[2], node, child[4], child[0])
+                seen.add(child)
+                yield Leaf(child, v, node, slot, (*path, item))
 
     def rebuild(
         self,
@@ -155,17 +159,25 @@ class Walker:
         fn: Callable[[Leaf], Any],
         prefix: ObjPath = (),
         quick: Callable[[Any], Any] | None = None,
+        known: Mapping[int, Any] | None = None,
     ) -> Any:
         """New containers shaped like ``tree``, with ``fn(leaf)`` in place of every leaf;
         ``quick(value)``, where given, answers first for the leaves of mappings by their value
-        alone (``SLOW``: ask ``fn``), so the commonest leaves need no ``Leaf`` each."""
+        alone (``SLOW``: ask ``fn``), so the commonest leaves need no ``Leaf`` each; before it,
+        ``known`` answers for the leaves of mappings it holds by their ``id`` (no call each)."""
+        look = (known or {}).get
 
         def go(path: ObjPath, key: str, node: Any, parent: Any, slot: Any) -> Any:
             if self.is_leaf(node, path):
                 return fn(Leaf(key, node, parent, slot, path))
             dot = f"{key}." if path else ""
             if isinstance(node, Mapping):
-                return {k: entry(path, dot, node, k, v) for k, v in node.items()}
+                return {
+                    k: got
+                    if (got := look(id(v), SLOW)) is not SLOW
+                    else entry(path, dot, node, k, v)
+                    for k, v in node.items()
+                }
             return like(node, [go((*path, i), f"{dot}{i}", v, node, i) for i, v in enumerate(node)])
 
         def entry(path: ObjPath, dot: str, node: Any, k: Any, v: Any) -> Any:

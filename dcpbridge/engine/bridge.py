@@ -390,7 +390,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
             holes = holes or got is MISSING
             return got
 
-        result = self.parts.result(loaded, value)
+        result = self.parts.result(loaded, value, in_place=filled_all)
         if holes:
             result = _prune(result)
         result = {} if result is MISSING else result

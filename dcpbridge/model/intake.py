@@ -271,11 +271,18 @@ class LoadParts:
         default_factory=dict
     )  # by the template leaf's id: its one shard (the value is what loaded it), or a slot
 
-    def result(self, loaded: Callable[[Shard], Any], value: Callable[[str], Any]) -> Any:
+    def result(
+        self, loaded: Callable[[Shard], Any], value: Callable[[str], Any], in_place: bool = False
+    ) -> Any:
         """The template's structure with every leaf replaced by what was loaded for it:
-        ``loaded(shard)`` for shards (MISSING if absent), ``value(key)`` for plain values."""
+        ``loaded(shard)`` for shards (MISSING if absent), ``value(key)`` for plain values.
+        ``in_place``: every ShardedTensor was filled in place, so ``loaded`` would answer its
+        data (taken here for all of them at once, without a call each)."""
 
         slots = self._slots
+        known = (
+            {i: s.data for i, s in slots.items() if type(s) is ShardedTensor} if in_place else None
+        )
 
         def filled(leaf_value: Any) -> Any:
             slot = slots.get(id(leaf_value))
@@ -295,7 +302,7 @@ class LoadParts:
                 return value(leaf.path)
             return leaf.value
 
-        return STATE_WALKER.rebuild(self.template, fill, quick=filled)
+        return STATE_WALKER.rebuild(self.template, fill, quick=filled, known=known)
 
 
 def for_load(tree: Any) -> LoadParts:

@@ -19,7 +19,7 @@ from dcpbridge.planners import (
     plan_local_reads,
     plan_local_writes,
 )
-from dcpbridge.planners.walk import iter_leaves
+from dcpbridge.planners.walk import STATE_WALKER, iter_leaves
 from dcpbridge.storage.backends.regions import expand_to_blocks, plan_extents
 
 
@@ -199,3 +199,51 @@ def test_an_object_name_with_a_trailing_newline_is_not_a_sharded_object():
 
     assert parse_object_name("key/shard_0_2") == ("key", (0,), (2,))
     assert parse_object_name("key/shard_0_2\n") is None
+
+
+def _mixed_tree() -> tuple[dict, torch.Tensor, torch.Tensor]:
+    t, u = torch.zeros(2), torch.ones(3)
+    inner = {"c": t, "d": [t, {"e": 2}], "g": 5}
+    return {"a": 1, "b": inner, "f": u, 3: "x", "h": (1, 2), "i": [u, 7]}, t, u
+
+
+def test_leaves_come_in_dcp_order_with_their_keys_paths_and_slots():
+    tree, t, u = _mixed_tree()
+    got = [(leaf.path, leaf.obj_path, leaf.slot, leaf.value) for leaf in STATE_WALKER.leaves(tree)]
+    inner = tree["b"]
+    assert [g[:3] for g in got] == [
+        ("a", ("a",), "a"),
+        ("b.c", ("b", "c"), "c"),
+        ("b.d.0", ("b", "d", 0), 0),
+        ("b.d.1.e", ("b", "d", 1, "e"), "e"),
+        ("b.g", ("b", "g"), "g"),
+        ("f", ("f",), "f"),
+        ("3", ("3",), 3),
+        ("h", ("h",), "h"),
+        ("i.0", ("i", 0), 0),
+        ("i.1", ("i", 1), 1),
+    ]
+    assert [g[3] for g in got][:3] == [1, t, t] and got[3][3] == 2 and got[5][3] is u
+    parents = [leaf.parent for leaf in STATE_WALKER.leaves(tree)]
+    assert parents[1] is inner and parents[3] is inner["d"][1] and parents[6] is tree
+
+
+def test_leaves_refuse_two_entries_of_one_key_wherever_they_meet():
+    for tree in ({1: 1, "1": 2}, {"a": {"b": 1}, "a.b": 2}, {"a": [1, torch.zeros(1)], "a.1": 3}):
+        with pytest.raises(db.SerializationError, match="flatten to the same key"):
+            list(STATE_WALKER.leaves(tree))
+
+
+def test_rebuild_takes_known_values_by_id_and_asks_for_the_others():
+    tree, _, u = _mixed_tree()
+    marker = object()
+    asked = []
+
+    def fn(leaf):
+        asked.append(leaf.path)
+        return leaf.path
+
+    out = STATE_WALKER.rebuild(tree, fn, known={id(u): marker})
+    assert out["f"] is marker and out["i"] == ["i.0", "i.1"]  # a list's leaves: by fn only
+    assert out["b"] == {"c": "b.c", "d": ["b.d.0", {"e": "b.d.1.e"}], "g": "b.g"}
+    assert "f" not in asked and "i.0" in asked and out[3] == "3" and out["h"] == "h"
