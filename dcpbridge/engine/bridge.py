@@ -208,6 +208,7 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         self.replaced: dict[str, torch.Tensor] = {}  # plain tensors stored in another form
         self.as_values: set[str] = set()  # plain tensors stored as values (read into values)
         self.table: dict[str, Any] | None = None
+        self.others: list[Shard] | None = None  # shards not planned in bulk (``requests``)
 
     def leaves(self) -> Iterator[Leaf]:
         shards, rest = self.requests()
@@ -219,25 +220,26 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         """The template's ShardedTensors, as they are (planned in bulk), and the other
         leaves: its objects, plain tensors and values, and the checkpoint's common state."""
         plain = self.parts.plain_tensors
-        direct = [s for s in self.shards if isinstance(s, ShardedTensor) and s.key not in plain]
-        return direct, self._other_leaves({s.key for s in direct})
+        direct: list[ShardedTensor] = []
+        others: list[Shard] = []
+        self.others = others
+        for s in self.shards:
+            (direct if isinstance(s, ShardedTensor) and s.key not in plain else others).append(s)
+        return direct, self._other_leaves(direct, others)
 
-    def _other_leaves(self, taken: set[str]) -> Iterator[Leaf]:
-        """``requests``' leaves; ``taken``: the keys of its shards."""
+    def _other_leaves(self, direct: list[ShardedTensor], others: list[Shard]) -> Iterator[Leaf]:
+        """``requests``' leaves: of ``others`` (ShardedObjects, plain tensors' shards), plain
+        values and the common state; ``direct``: the shards planned in bulk."""
         assert self._metadata is not None
+        taken: set[str] = set()  # keys planned: ``direct``'s join them where a table asks
         stored = self._metadata.state_dict_metadata
         self.table = common_table(self._metadata)
         blob = self.legacy_common or COMMON_KEY in stored
         if self.table is not None and not blob:
             _check_common_entries(self.table, stored)
         plain = self.parts.plain_tensors
-        for shard in self.shards:
-            if isinstance(shard, ShardedTensor):
-                key = shard.key
-                if key not in plain:
-                    continue  # one of ``requests``' shards
-            else:
-                key = shard.unique_key
+        for shard in others:
+            key = shard.key if isinstance(shard, ShardedTensor) else shard.unique_key
             if key in plain:
                 md = stored.get(key)
                 if blob and (md is None or self._in_common(self.parts.tensor_paths[key])):
@@ -269,6 +271,8 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                 yield Leaf("", box, None, None)
             else:
                 yield Leaf(key, None, self.values, key)
+        if self.table:
+            taken.update([s.key for s in direct])
         for key in self.table["keys"] if self.table else ():
             if key in taken:
                 continue
@@ -350,7 +354,8 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
 
     def shard_objects(self) -> dict[str, Any]:
         """Loaded ShardedObjects by storage key."""
-        keys = {s.unique_key for s in self.shards if isinstance(s, ShardedObject)}
+        shards = self.shards if self.others is None else self.others
+        keys = {s.unique_key for s in shards if isinstance(s, ShardedObject)}
         return {k: v for k, v in self.loaded_objects.items() if k in keys}
 
     def result(self, objects: dict[str, Any], blob: Any) -> tuple[Any, set[str]]:
