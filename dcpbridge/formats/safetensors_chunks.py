@@ -11,7 +11,6 @@ reader assumes without checking.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 from collections.abc import Iterable
@@ -184,18 +183,30 @@ def file_chunks(
                 placed is not None,
             )
         )
-    _check_disjoint(chunks, name)
+    _check_layout(chunks, name, data_start, file_size)
     return chunks
 
 
-def _check_disjoint(chunks: list[FileChunk], name: str) -> None:
-    """Raise if two tensors of one file share bytes (each must have its own)."""
-    spans = sorted((c.start, c.start + c.nbytes, c.key) for c in chunks if c.nbytes)
-    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
-        if start < end:
+def _check_layout(chunks: list[FileChunk], name: str, data_start: int, file_size: int) -> None:
+    """Raise unless the tensors' bytes tile the file's data exactly, as the format requires
+    (and the ``safetensors`` package checks): no two share bytes, no bytes between or after
+    them that no tensor accounts for (a file with such bytes is damaged, or made to be read
+    as something else too)."""
+    at, last = data_start, None
+    for start, end, key in sorted((c.start, c.start + c.nbytes, c.key) for c in chunks):
+        if start < at:
             raise CorruptCheckpointError(
-                f"{name}: tensors {a!r:.200} and {b!r:.200} share bytes {start}..{end}"
+                f"{name}: tensors {last!r:.200} and {key!r:.200} share bytes {start}..{at}"
             )
+        if start > at:
+            raise CorruptCheckpointError(
+                f"{name}: bytes {at}..{start} before tensor {key!r:.200} belong to no tensor"
+            )
+        at, last = end, key
+    if at != file_size:
+        raise CorruptCheckpointError(
+            f"{name}: bytes {at}..{file_size} at the end of the file belong to no tensor"
+        )
 
 
 def global_tensors(chunks: Iterable[FileChunk], where: str) -> dict[str, GlobalTensor]:

@@ -1,9 +1,9 @@
 """A folder (or one file) of safetensors opened as a sharded checkpoint: checked headers into
 DCP metadata, read by dcpbridge's reader (each rank reads just its ranges, no broadcast).
 
-Every header is validated before anything is sized by it: its length, JSON (no name given
-twice), dtypes, shapes, byte ranges inside the file, equal to shape x dtype and pairwise
-disjoint, and (with an index, itself of bounded size) every key where the index says it is
+Every header is validated before anything is sized by it: its length, UTF-8 JSON (no name
+given twice), dtypes, shapes, byte ranges equal to shape x dtype that tile the file's data
+exactly, and (with an index, itself of bounded size) every key where the index says it is
 (``dcpbridge.formats.safetensors_chunks``). Shards of a Hugging Face export without their
 index (which the writer publishes last) are an export that did not finish, refused.
 """
@@ -71,8 +71,10 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
         raise CorruptCheckpointError(f"{path}: not a safetensors file (bad header length)")
     with storage_faults(f"{location.url}: read {name}"):
         raw = fs.cat_file(path, start=8, end=8 + size)
+    if raw[:1] != b"{":  # the format's header is a UTF-8 JSON object, nothing before it
+        raise CorruptCheckpointError(f"{path}: safetensors header does not start with '{{'")
     try:
-        header = load_json(raw)
+        header = load_json(raw.decode("utf-8"))
     except DuplicateName as e:
         raise CorruptCheckpointError(f"{path}: safetensors header {e}") from None
     except (ValueError, RecursionError) as e:

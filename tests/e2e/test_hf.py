@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -473,6 +474,53 @@ def _header_file(folder, header: dict[str, Any], data: bytes) -> None:
 def test_load_refuses_a_hostile_header(tmp_path, header, error):
     """``db.load`` checks the header before it sizes anything by it (the file holds 12 bytes)."""
     _header_file(tmp_path, header, bytes(12))
+    with pytest.raises(db.CorruptCheckpointError, match=error):
+        db.load({"a": torch.zeros(2)}, str(tmp_path))
+
+
+_A8 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    ("raw", "data", "error"),
+    [
+        (  # 4 bytes between a and b that no tensor accounts for
+            {"a": _A8, "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}},
+            bytes(16),
+            r"model\.safetensors: bytes \d+\.\.\d+ before tensor 'b' belong to no tensor",
+        ),
+        (  # 4 bytes after the last tensor
+            {"a": _A8},
+            bytes(12),
+            r"model\.safetensors: bytes \d+\.\.\d+ at the end of the file belong to no tensor",
+        ),
+        (  # the header in UTF-16 (Python's json reads it; the format is UTF-8)
+            json.dumps({"a": _A8}).encode("utf-16"),
+            bytes(8),
+            r"safetensors header does not start with '\{'",
+        ),
+        (  # UTF-32 without a byte order mark: starts with '{', read as UTF-8 it is not JSON
+            json.dumps({"a": _A8}).encode("utf-32-le"),
+            bytes(8),
+            r"safetensors header is not JSON",
+        ),
+        (  # a header that is not UTF-8 at all
+            b'{"a": "\xff"}',
+            bytes(8),
+            r"safetensors header is not JSON: 'utf-8' codec can't decode",
+        ),
+    ],
+    ids=["gap", "trailing-bytes", "utf-16", "utf-32", "latin-1"],
+)  # fmt: skip
+def test_load_refuses_files_the_safetensors_package_refuses(tmp_path, raw, data, error):
+    """Bytes no tensor accounts for, or a header that is not UTF-8 JSON: a damaged file, or
+    one made to be read as something else too. Refused as the ``safetensors`` package does
+    (checked here), naming the file and where."""
+    raw = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    with pytest.raises(Exception, match=r"(?i)header|offset|incomplete|invalid"):
+        safetensors.torch.load_file(str(path))  # the reference reader refuses it too
     with pytest.raises(db.CorruptCheckpointError, match=error):
         db.load({"a": torch.zeros(2)}, str(tmp_path))
 
