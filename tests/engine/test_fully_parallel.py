@@ -331,3 +331,32 @@ def test_a_box_storage_does_not_fill_is_not_handed_over(pool, tmp_path, strict):
         assert plain == [0.0, 1.0, 2.0, 3.0]
         if strict == "return_all":
             assert unexpected == {"gone"}
+
+
+def fp_replicas_in_other_boxes(r: Rank, root: str, fully_parallel: bool) -> list[float]:
+    """Rank 0 holds 'vec' whole (its main replica) and a tensor only it has; ranks 1 and 2
+    hold halves of 'vec' as replicas (another sharding of the same tensor)."""
+    vec, solo = L.full("vec"), torch.arange(1000.0)
+    if r.rank == 0:
+        sd = {
+            "vec": db.ShardedTensor.from_box("vec", vec.clone(), (10,), (0,)),
+            "solo": db.ShardedTensor.from_box("solo", solo, (1000,), (0,)),
+        }
+    else:
+        lo = 5 * (r.rank - 1)
+        half = vec[lo : lo + 5].clone()
+        sd = {"vec": db.ShardedTensor.from_box("vec", half, (10,), (lo,), replica_id=r.rank)}
+    path = f"{root}/{fully_parallel}"
+    db.save(sd, path, process_group=r.group, fully_parallel=fully_parallel)
+    tmpl = {"vec": db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,))}
+    return db.load(tmpl, path, process_group=r.group)["vec"].tolist()
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_replicas_sharded_otherwise_than_the_main_one(pool, tmp_path, fully_parallel):
+    """A replica whose box starts where the main replica's does but is smaller: spreading
+    the writes took it for the main's shard (same key and offset) and gave it the write, so
+    the rest of the main's box was written by nobody and the save failed (only with
+    fully_parallel). Now a shard is its key, offset and size: the main's box is written."""
+    got = pool.run(fp_replicas_in_other_boxes, 3, str(tmp_path), fully_parallel, timeout=60)
+    assert got == [L.full("vec").tolist()] * 3
