@@ -236,6 +236,20 @@ def test_model_space_keeps_moments_of_a_zero_dim_parameter_apart(tmp_path):
             assert torch.equal(got[pid][name], value), (pid, name)
 
 
+def test_model_space_refuses_two_parameters_of_one_name():
+    """An optimizer over two modules' ``named_parameters()`` names two parameters "weight":
+    their state landed under one model-space key, the first one's moments silently replaced
+    by the second's (saved once, restored to both). Now that raises, naming the ids."""
+    first, second = nn.Linear(3, 2), nn.Linear(3, 2)
+    opt = torch.optim.AdamW([*first.named_parameters(), *second.named_parameters()])
+    (first(torch.ones(1, 3)).sum() + 2 * second(torch.ones(1, 3)).sum()).backward()
+    opt.step()
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.to_model_space(opt.state_dict())
+    message = str(raised.value)
+    assert "'weight' (state ids [0, 2])" in message and "'bias' (state ids [1, 3])" in message
+
+
 def _columns(key, data, replica_id):
     """Two column halves: views of the parameter that are not contiguous."""
     return {
