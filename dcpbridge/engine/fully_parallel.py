@@ -85,23 +85,25 @@ def hand_off(group: Group, share: LoadShare) -> None:
 
     Boxes travel on the group's device (CUDA for NCCL, host for gloo): data elsewhere, not
     contiguous, or a conjugate or negative view (its memory holds other values than it shows)
-    goes through a buffer there and is copied into place after the exchange.
+    goes through a buffer there and is copied into place after the exchange. Boxes are filled
+    detached, as the reader fills its own: a box may be a view of an ``nn.Parameter``.
     """
     device = group.tensor_device
     sends = []
     for s, dsts, tag in share.sends:
-        data = as_shown(s.data.to(device)).contiguous()
+        data = as_shown(s.data.detach().to(device)).contiguous()
         sends += [(data, dst, tag) for dst in dsts]
     recvs = []
     fixups = []
     for s, src, tag in share.recvs:
-        buf = s.data
+        dest = s.data.detach()
+        buf = dest
         if buf.device != device or not buf.is_contiguous() or not holds_its_values(buf):
             buf = torch.empty(tuple(buf.shape), dtype=buf.dtype, device=device)
-            fixups.append((s.data, buf))
+            fixups.append((dest, buf))
         recvs.append((buf, src, tag))
     group.exchange(sends, recvs)
     for dest, buf in fixups:
         dest.copy_(buf)
     for dup, src in share.copies:
-        dup.data.copy_(src.data)
+        dup.data.detach().copy_(src.data)

@@ -360,3 +360,36 @@ def test_replicas_sharded_otherwise_than_the_main_one(pool, tmp_path, fully_para
     fully_parallel). Now a shard is its key, offset and size: the main's box is written."""
     got = pool.run(fp_replicas_in_other_boxes, 3, str(tmp_path), fully_parallel, timeout=60)
     assert got == [L.full("vec").tolist()] * 3
+
+
+def _column_halves(key: str, data: torch.Tensor, replica_id: Any) -> dict[int, db.ShardedTensor]:
+    """Two column halves of ``data``: views that are not contiguous."""
+    return {
+        i: db.ShardedTensor.from_rank_offsets(f"{key}.{i}", half, replica_id=replica_id)
+        for i, half in enumerate(data.chunk(2, dim=1))
+    }
+
+
+def _joined(parts: dict[int, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([parts[0], parts[1]], dim=1)
+
+
+def fp_factory_of_a_parameter(r: Rank, path: str) -> list[float]:
+    """Both ranks hold 'w' as a factory of column halves over an nn.Parameter (the template
+    optimizer_sharded_state_dict needs), data-parallel replicas."""
+    w = torch.nn.Parameter(L.full("w").clone())
+    sd = {"w": db.ShardedTensorFactory("w", w, _column_halves, _joined, replica_id=r.rank)}
+    db.save(sd, path, process_group=r.group, fully_parallel=True)
+    fresh = torch.nn.Parameter(torch.zeros(12, 8))
+    tmpl = {"w": db.ShardedTensorFactory("w", fresh, _column_halves, _joined)}
+    out = db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    return out["w"].flatten().tolist()
+
+
+def test_fully_parallel_load_of_a_factory_over_a_parameter(pool, tmp_path):
+    """Each rank read one half and received the other into a strided view of the Parameter,
+    copied into place with autograd on: torch's RuntimeError ('Output 0 of Split is a view
+    ... modified inplace') on the receiving rank, where the load without fully_parallel
+    works. Now received boxes are copied into place as the reader fills them, detached."""
+    got = pool.run(fp_factory_of_a_parameter, 2, str(tmp_path / "ck"), timeout=60, grace=10)
+    assert got == [L.full("w").flatten().tolist()] * 2
