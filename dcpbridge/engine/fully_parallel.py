@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import BoxId, ReadOwners, box_id
 from dcpbridge.model.mapping import ShardedTensor
+from dcpbridge.model.ties import untie
 from dcpbridge.storage.read.delivery import as_shown, holds_its_values
 
 
@@ -30,13 +31,31 @@ class LoadShare:
     copies: list[tuple[ShardedTensor, ShardedTensor]] = field(default_factory=list)
 
 
+def exchangeable(shards: list[Any]) -> list[Any]:
+    """The tensor shards of ``shards`` a fully-parallel load may read on one rank for others.
+
+    Not those tied to another key's shard (one tensor under two keys, ``untie``): a received
+    box lands after the read step, whose check that tied keys are stored alike
+    (``TiedTensorsError``) would not see it; so each rank reads its tied shards itself.
+    """
+    candidates = [s for s in shards if isinstance(s, ShardedTensor) and s.numel > 0]
+    untied, ties = untie(candidates)
+    if not ties.pairs:
+        return candidates
+    tied = {id(kept) for kept, _ in ties.pairs}
+    tied |= {id(s) for s, u in zip(candidates, untied) if u is not s}
+    return [s for s in candidates if id(s) not in tied]
+
+
 def share_load(rank: int, owners: ReadOwners, shards: list[Any]) -> LoadShare:
-    """Split this rank's load template between reading and receiving, as ``owners`` say."""
+    """Split this rank's load template between reading and receiving, as ``owners`` say
+    (``owners`` of the ``exchangeable`` shards: any other is read by this rank)."""
     tags = {box: i for i, box in enumerate(sorted(owners.reader, key=repr))}
     share = LoadShare()
     first: dict[BoxId, ShardedTensor] = {}
+    exchanged_here = {id(s) for s in exchangeable(shards)}
     for s in shards:
-        if not (isinstance(s, ShardedTensor) and s.numel > 0):
+        if id(s) not in exchanged_here:
             share.read.append(s)
             continue
         box = box_id(s)

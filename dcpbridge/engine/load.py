@@ -168,7 +168,7 @@ def _load(
     share = None
     if parallel is not None:
         try:
-            owners = read_owners(parallel, lambda: _or_raise(error, parts.shards))
+            owners = read_owners(parallel, lambda: fp.exchangeable(_or_raise(error, parts.shards)))
             share = fp.share_load(parallel.rank, owners, parts.shards)
         except Exception as e:  # raised on ``parallel`` only: carried to the whole group
             error = error or e

@@ -393,3 +393,41 @@ def test_fully_parallel_load_of_a_factory_over_a_parameter(pool, tmp_path):
     works. Now received boxes are copied into place as the reader fills them, detached."""
     got = pool.run(fp_factory_of_a_parameter, 2, str(tmp_path / "ck"), timeout=60, grace=10)
     assert got == [L.full("w").flatten().tolist()] * 2
+
+
+def fp_tied_keys(r: Rank, path: str) -> list[float] | str:
+    """Both ranks tie 'a' and 'b' (one tensor under two keys, as tied embeddings are)."""
+    t = torch.zeros(4)
+    tmpl = {
+        "a": db.ShardedTensor.from_box("a", t, (4,), (0,), replica_id=r.rank),
+        "b": db.ShardedTensor.from_box("b", t, (4,), (0,), replica_id=r.rank),
+    }
+    try:
+        db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return t.tolist()
+
+
+@pytest.mark.parametrize("b_value", [1.0, 2.0])
+def test_fully_parallel_load_checks_tied_keys(pool, tmp_path, b_value):
+    """Tied keys stored with different values: each rank read one key and received the
+    other after the read step's tie check, which never saw them meet; rank 0 returned 'b's
+    values, rank 1 'a's, silently. Now tied shards are read by their own rank: the load
+    raises TiedTensorsError on every rank as without fully_parallel (equal values load)."""
+    a, b = torch.full((4,), 1.0), torch.full((4,), b_value)
+    sd = {
+        "a": db.ShardedTensor.from_box("a", a, (4,), (0,)),
+        "b": db.ShardedTensor.from_box("b", b, (4,), (0,)),
+    }
+    db.save(sd, str(tmp_path))
+    got = pool.run(fp_tied_keys, 2, str(tmp_path), timeout=60, grace=10)
+    if b_value == 1.0:
+        assert got == [[1.0] * 4] * 2
+    else:
+        expected = (
+            "TiedTensorsError: ranks [0, 1]: 'a' and 'b' share one tensor's memory in the load "
+            "template (tied weights), but the checkpoint holds different values for them: "
+            "give each its own tensor to load both"
+        )
+        assert got == [expected, expected]
