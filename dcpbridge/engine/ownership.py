@@ -139,8 +139,9 @@ def write_owners(
     if parallel is None:
         return owners
 
-    def held() -> list[Holding]:
-        return [Holding(write_id(s), _nbytes(s), owners.writes_alone(s)) for s in _tensors(shards)]
+    def held() -> list[Holding]:  # the common state's plain tensors: the coordinator's values
+        spread = [s for s in _tensors(shards) if s.key not in owners.common_tensors]
+        return [Holding(write_id(s), _nbytes(s), owners.writes_alone(s)) for s in spread]
 
     everyone = protocol.agree(parallel, "fully-parallel exchange", held)
     placed = set(placed)

@@ -431,3 +431,26 @@ def test_fully_parallel_load_checks_tied_keys(pool, tmp_path, b_value):
             "give each its own tensor to load both"
         )
         assert got == [expected, expected]
+
+
+def fp_plain_tensor_of_each_rank(r: Rank, root: str, fully_parallel: bool) -> list[float]:
+    """Each rank's plain tensor 'p' holds its rank; a large replicated shard keeps rank 0
+    (the coordinator) busiest, so the balance would pick another rank for 'p'."""
+    sd = {
+        "big": db.ShardedTensor.from_box(
+            "big", torch.arange(1000.0), (1000,), (0,), replica_id=r.rank
+        ),
+        "p": torch.full((8,), float(r.rank)),
+    }
+    path = f"{root}/{fully_parallel}"
+    db.save(sd, path, process_group=r.group, fully_parallel=fully_parallel)
+    return db.load({"p": torch.zeros(8)}, path, process_group=r.group)["p"].tolist()
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_fully_parallel_save_keeps_the_coordinators_plain_tensors(pool, tmp_path, fully_parallel):
+    """A plain tensor is common state: the coordinator's value is saved. Spreading the
+    writes assigned it to the least-loaded rank like a replicated shard, so another rank's
+    value was saved, silently (only with fully_parallel). Now the coordinator writes it."""
+    got = pool.run(fp_plain_tensor_of_each_rank, 4, str(tmp_path), fully_parallel, timeout=60)
+    assert got == [[0.0] * 8] * 4
