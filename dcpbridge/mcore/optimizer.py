@@ -7,9 +7,10 @@ that reshards exactly like the model:
   ``optimizer.state.<k>.<model key>`` with the parameter's global shape, offset, axis
   fragmentations, prepended axes and replica id (or a factory with the same build/merge
   functions when the parameter is a ``ShardedTensorFactory``);
-- any other per-parameter entry (``step``) must be a number or a one-element tensor, equal
-  for every parameter; it is stored once, as common state, under ``"shared_state"`` (a larger
-  tensor not shaped like its parameter, e.g. Adafactor's ``row_var``, is refused);
+- any other per-parameter entry (``step``) must be a number or a 0-dim tensor, equal for
+  every parameter; it is stored once, as common state, under ``"shared_state"`` (a tensor of
+  one or more dims not shaped like its parameter, e.g. Adafactor's ``row_var``, is refused:
+  stored once, every rank would load rank 0's);
 - each param group's hyper-parameters are common state under ``"param_groups"``, keyed by the
   group's identity (its ``"group_key"`` entry, else its position ``"#i"``); its ``params`` and
   ``param_names`` lists stay local (``LocalNonpersistentObject`` under ``"local"``), as they
@@ -239,7 +240,7 @@ def optim_state_to_sharding_state(
                 sharded[param_id][key] = make_sharded_optimizer_tensor(
                     model_param, value, prefix=f"optimizer.state.{key}"
                 )
-            elif key not in SHARED_KEYS and isinstance(value, torch.Tensor) and value.numel() > 1:
+            elif key not in SHARED_KEYS and isinstance(value, torch.Tensor) and value.ndim > 0:
                 raise OptimizerStateError(
                     f"optimizer state {key!r} of {model_param.key!r} has shape "
                     f"{tuple(value.shape)}, not shaped like its parameter ({shape}): it can "

@@ -294,12 +294,12 @@ def test_factories_of_parameters_load_with_the_optimizer(tmp_path, fmt, build):
     assert torch.equal(out["model"]["fc"]["weight"], src.fc.weight)
 
 
-def adafactor_tp(r: Rank, path: str) -> str:
-    """Each of 2 ranks holds half of one weight's rows under Adafactor, whose row_var and
+def adafactor_tp(r: Rank, path: str, rows: int) -> str:
+    """Each of 2 ranks holds ``rows`` rows of one weight under Adafactor, whose row_var and
     col_var are per-parameter but not shaped like the parameter."""
-    p = nn.Parameter(torch.arange(12.0).reshape(4, 3) + 12 * r.rank)
+    p = nn.Parameter(torch.arange(rows * 3.0).reshape(rows, 3) + 12 * r.rank)
     opt = torch.optim.Adafactor([p], lr=0.1)
-    p.grad = torch.full((4, 3), 1.0 + r.rank)
+    p.grad = torch.full((rows, 3), 1.0 + r.rank)
     opt.step()
     model = {"w": db.ShardedTensor.from_rank_offsets("w", p, (0, r.rank, 2))}
     with pytest.raises(db.OptimizerStateError) as e:
@@ -307,10 +307,13 @@ def adafactor_tp(r: Rank, path: str) -> str:
     return str(e.value)
 
 
-def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path):
+@pytest.mark.parametrize("rows", [4, 1])
+def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path, rows):
     """Such state was stored once (rank 0's, as common state), so every other rank silently
-    loaded rank 0's row_var and col_var; Megatron refuses it too (exclude_keys still works)."""
-    messages = pool.run(adafactor_tp, 2, str(tmp_path), timeout=60)
+    loaded rank 0's row_var and col_var; Megatron refuses it too (exclude_keys still works).
+    With one row per rank, row_var (shape (1, 1)) has one element: it was stored once too,
+    and rank 1 loaded rank 0's row_var. Only 0-dim tensors (and numbers) are stored once."""
+    messages = pool.run(adafactor_tp, 2, str(tmp_path), rows, timeout=60)
     for message in messages:
         assert "'row_var'" in message
         assert "not shaped like its parameter" in message and "exclude_keys" in message
