@@ -454,3 +454,43 @@ def test_fully_parallel_save_keeps_the_coordinators_plain_tensors(pool, tmp_path
     value was saved, silently (only with fully_parallel). Now the coordinator writes it."""
     got = pool.run(fp_plain_tensor_of_each_rank, 4, str(tmp_path), fully_parallel, timeout=60)
     assert got == [[0.0] * 8] * 4
+
+
+def fp_group_wider_than_the_job(r: Rank, root: str, op: str) -> str:
+    """Ranks {0, 1} and {2, 3} each save and load their own checkpoint (other values) on
+    their own process group, passing the whole world as parallelization group."""
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine, half = halves[r.rank // 2], r.rank // 2
+    vec = L.full("vec") + half
+    sd = {"vec": db.ShardedTensor.from_box("vec", vec.clone(), (10,), (0,), replica_id=r.rank % 2)}
+    path = f"{root}/{op}{half}"
+    world = dist.group.WORLD
+    tmpl = {"vec": db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,))}
+    try:
+        if op == "save":
+            db.save(sd, path, process_group=mine, fully_parallel=True, parallelization_group=world)
+        else:
+            db.save(sd, path, process_group=mine)
+            dist.barrier()
+            db.load(
+                tmpl, path, process_group=mine, fully_parallel=True, parallelization_group=world
+            )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    loaded = db.load(tmpl, path, process_group=mine)["vec"]
+    return "loaded" if torch.equal(loaded, vec) else "other values"
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_a_parallelization_group_beyond_the_process_group_is_refused(pool, tmp_path, op):
+    """A fully-parallel load whose parallelization group spans ranks of another load sent
+    ranks 2 and 3 the box rank 0 read from the other checkpoint: other values, silently
+    (a save failed on 'more than one main replica'). Now both refuse the group on every
+    rank, before any exchange."""
+    got = pool.run(fp_group_wider_than_the_job, 4, str(tmp_path), op, timeout=60, grace=10)
+    outside = [[2, 3], [2, 3], [0, 1], [0, 1]]
+    for rank, message in enumerate(got):
+        assert message == (
+            f"InvalidArgumentError: parallelization_group has ranks outside the "
+            f"process_group: {outside[rank]} (global ranks); it must be a subgroup of it"
+        ), (rank, message)
