@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
+from dcpbridge.engine import fully_parallel as fp_module
 from dcpbridge.engine.cache import SAVE_CACHES
 from dcpbridge.planners.distribution import Holding, distribute
 from tests.support import layouts as L
@@ -494,3 +496,42 @@ def test_a_parallelization_group_beyond_the_process_group_is_refused(pool, tmp_p
             f"InvalidArgumentError: parallelization_group has ranks outside the "
             f"process_group: {outside[rank]} (global ranks); it must be a subgroup of it"
         ), (rank, message)
+
+
+class _OutOfMemory(types.ModuleType):
+    """torch, except that ``torch.empty`` fails as an exhausted allocator does."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+
+def fp_receiver_out_of_memory(r: Rank, path: str) -> str:
+    """Both ranks ask 'vec' whole into a strided view (received through a buffer); rank 1
+    cannot allocate that buffer."""
+    tmpl = {"vec": db.ShardedTensor.from_box("vec", torch.zeros(10, 2)[:, 0], (10,), (0,))}
+    if r.rank == 1:
+        fp_module.torch = _OutOfMemory("torch")
+    try:
+        db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    except RuntimeError as e:  # torch's error, carried to every rank as the protocol does
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"  # (then the failed rank's stack)
+    finally:
+        fp_module.torch = torch
+    return "loaded"
+
+
+def test_a_hand_off_buffer_that_cannot_be_allocated_fails_every_rank(pool, tmp_path):
+    """The receiving rank allocated its buffer after the reads, alone: its RuntimeError left
+    the reader waiting in the exchange (a hang until the process group's timeout). Buffers
+    are now made inside the load's first collective step: every rank raises."""
+    path = str(tmp_path / "ck")
+    pool.run(_save_model_and_vec, 2, path)
+    got = pool.run(fp_receiver_out_of_memory, 2, path, timeout=30, grace=5)
+    assert (
+        got
+        == ["RuntimeError: rank 1: RuntimeError: DefaultCPUAllocator: can't allocate memory"] * 2
+    )
