@@ -250,6 +250,40 @@ def test_model_space_refuses_two_parameters_of_one_name():
     assert "'weight' (state ids [0, 2])" in message and "'bias' (state ids [1, 3])" in message
 
 
+@pytest.mark.parametrize(
+    ("stored", "needles"),
+    [
+        (torch.arange(3.0), ["tensor([0., 1., 2.])", "torch.float32 tensor of shape ()"]),
+        ("seven", ["'seven'", "torch.float32 tensor of shape ()"]),
+        (2.5, ["2.5", "torch.int64 tensor of shape ()", "not a whole number"]),
+    ],
+    ids=["vector", "text", "fraction"],
+)
+def test_a_stored_step_the_optimizer_cannot_hold_is_an_optimizer_state_error(
+    tmp_path, stored, needles
+):
+    """A checkpoint's shared ``step`` that does not fit this optimizer's (another program's
+    state, a damaged one) raised torch's RuntimeError or TypeError out of restore, or was
+    truncated (2.5 restored as 2 into an integer step). Now OptimizerStateError names it."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"]["step"] = stored
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
+    db.init_optimizer_state(new)
+    for state in new.state.values():  # an optimizer keeping its steps as integers
+        state["step"] = torch.tensor(1) if isinstance(stored, float) else state["step"]
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.restore_optim_state(loaded)
+    message = str(raised.value)
+    assert message.startswith("optimizer state 'step': the checkpoint's value "), message
+    assert all(n in message for n in needles), message
+    assert raised.value.__cause__ is not None
+
+
 def _columns(key, data, replica_id):
     """Two column halves: views of the parameter that are not contiguous."""
     return {
