@@ -107,7 +107,7 @@ def check_single_main(twice: Mapping[ShardId, list[int]]) -> None:
 
 
 def _describe(shard: ShardId, ranks: list[int]) -> str:
-    if isinstance(shard, tuple) and len(shard) == 2:  # (key, global offset)
+    if isinstance(shard, tuple) and len(shard) in (2, 3):  # (key, global offset[, size])
         return f"{shard[0]!r} at offset {shard[1]} (ranks {ranks})"
     return f"{shard!r} (ranks {ranks})"
 

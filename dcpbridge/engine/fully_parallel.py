@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import BoxId, ReadOwners, box_id
 from dcpbridge.model.mapping import ShardedTensor
-from dcpbridge.storage.read.delivery import as_shown, holds_its_values
+from dcpbridge.model.ties import untie
+from dcpbridge.storage.read.delivery import holds_its_values
 
 
 @dataclass
@@ -28,15 +29,36 @@ class LoadShare:
     sends: list[tuple[ShardedTensor, list[int], int]] = field(default_factory=list)
     recvs: list[tuple[ShardedTensor, int, int]] = field(default_factory=list)
     copies: list[tuple[ShardedTensor, ShardedTensor]] = field(default_factory=list)
+    # where each send and receive travels (None: the box's own tensor), made by ``allocate``
+    send_bufs: list[torch.Tensor | None] | None = None
+    recv_bufs: list[torch.Tensor | None] | None = None
+
+
+def exchangeable(shards: list[Any]) -> list[Any]:
+    """The tensor shards of ``shards`` a fully-parallel load may read on one rank for others.
+
+    Not those tied to another key's shard (one tensor under two keys, ``untie``): a received
+    box lands after the read step, whose check that tied keys are stored alike
+    (``TiedTensorsError``) would not see it; so each rank reads its tied shards itself.
+    """
+    candidates = [s for s in shards if isinstance(s, ShardedTensor) and s.numel > 0]
+    untied, ties = untie(candidates)
+    if not ties.pairs:
+        return candidates
+    tied = {id(kept) for kept, _ in ties.pairs}
+    tied |= {id(s) for s, u in zip(candidates, untied) if u is not s}
+    return [s for s in candidates if id(s) not in tied]
 
 
 def share_load(rank: int, owners: ReadOwners, shards: list[Any]) -> LoadShare:
-    """Split this rank's load template between reading and receiving, as ``owners`` say."""
+    """Split this rank's load template between reading and receiving, as ``owners`` say
+    (``owners`` of the ``exchangeable`` shards: any other is read by this rank)."""
     tags = {box: i for i, box in enumerate(sorted(owners.reader, key=repr))}
     share = LoadShare()
     first: dict[BoxId, ShardedTensor] = {}
+    exchanged_here = {id(s) for s in exchangeable(shards)}
     for s in shards:
-        if not (isinstance(s, ShardedTensor) and s.numel > 0):
+        if id(s) not in exchanged_here:
             share.read.append(s)
             continue
         box = box_id(s)
@@ -80,28 +102,54 @@ def exchanged(share: LoadShare, stored: Mapping[str, Any]) -> None:
     share.read.extend(own)
 
 
-def hand_off(group: Group, share: LoadShare) -> None:
-    """Send every box this rank read to the others that need it; receive its own.
+def allocate(group: Group, share: LoadShare) -> None:
+    """Make the buffers ``share``'s exchange needs, before the reads: called inside the load's
+    first collective step, a failure (out of memory) fails the load on every rank, where in
+    ``hand_off`` it left the others waiting in the exchange.
 
     Boxes travel on the group's device (CUDA for NCCL, host for gloo): data elsewhere, not
     contiguous, or a conjugate or negative view (its memory holds other values than it shows)
-    goes through a buffer there and is copied into place after the exchange.
+    goes through a buffer there.
     """
     device = group.tensor_device
+    share.send_bufs = [_buffer(s.data, device) for s, _, _ in share.sends]
+    share.recv_bufs = [_buffer(s.data, device) for s, _, _ in share.recvs]
+
+
+def _buffer(t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """None where ``t`` itself can travel, else a new tensor of its shape on ``device``."""
+    if t.device == device and t.is_contiguous() and holds_its_values(t):
+        return None
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+
+
+def hand_off(group: Group, share: LoadShare) -> None:
+    """Send every box this rank read to the others that need it; receive its own.
+
+    Through the buffers ``allocate`` made (made here if it was not called); a received box
+    goes from its buffer into place after the exchange. Boxes are filled detached, as the
+    reader fills its own: a box may be a view of an ``nn.Parameter``.
+    """
+    if share.send_bufs is None or share.recv_bufs is None:
+        allocate(group, share)
+    assert share.send_bufs is not None and share.recv_bufs is not None
     sends = []
-    for s, dsts, tag in share.sends:
-        data = as_shown(s.data.to(device)).contiguous()
+    for (s, dsts, tag), buf in zip(share.sends, share.send_bufs, strict=True):
+        data = s.data.detach()
+        if buf is not None:
+            data = buf.copy_(data)  # the values it shows (a conjugate view's resolved)
         sends += [(data, dst, tag) for dst in dsts]
     recvs = []
     fixups = []
-    for s, src, tag in share.recvs:
-        buf = s.data
-        if buf.device != device or not buf.is_contiguous() or not holds_its_values(buf):
-            buf = torch.empty(tuple(buf.shape), dtype=buf.dtype, device=device)
-            fixups.append((s.data, buf))
+    for (s, src, tag), buf in zip(share.recvs, share.recv_bufs, strict=True):
+        dest = s.data.detach()
+        if buf is None:
+            buf = dest
+        else:
+            fixups.append((dest, buf))
         recvs.append((buf, src, tag))
     group.exchange(sends, recvs)
     for dest, buf in fixups:
         dest.copy_(buf)
     for dup, src in share.copies:
-        dup.data.copy_(src.data)
+        dup.data.detach().copy_(src.data)

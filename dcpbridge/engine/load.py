@@ -168,7 +168,7 @@ def _load(
     share = None
     if parallel is not None:
         try:
-            owners = read_owners(parallel, lambda: _or_raise(error, parts.shards))
+            owners = read_owners(parallel, lambda: fp.exchangeable(_or_raise(error, parts.shards)))
             share = fp.share_load(parallel.rank, owners, parts.shards)
         except Exception as e:  # raised on ``parallel`` only: carried to the whole group
             error = error or e
@@ -187,6 +187,7 @@ def _load(
         reader = checkpoint.reader(thread_count=thread_count, verify_checksums=verify_checksums)
         if share is not None:  # boxes storage does not fill as asked: each rank plans its own
             fp.exchanged(share, reader.read_metadata().state_dict_metadata)
+            fp.allocate(parallel, share)  # its failure fails the load on every rank
         if isinstance(reader, FsspecCheckpointReader):  # the planner may allocate
             reader.check_ranges()  # common tensors by their recorded sizes
         legacy_common = checkpoint.format == Format.TORCH_DIST

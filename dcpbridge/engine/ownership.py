@@ -34,12 +34,20 @@ from dcpbridge.planners.protocol import chunk_sizes
 from dcpbridge.storage.write.writer import tensor_digest
 
 ShardId = tuple[str, tuple[int, ...]]
+WriteId = tuple[str, tuple[int, ...], tuple[int, ...]]
 BoxId = tuple[str, tuple[int, ...], tuple[int, ...], str, tuple[int, ...]]
 
 
 def shard_id(sh: ShardedTensor) -> ShardId:
     """A tensor shard's identity across ranks: its key and global offset."""
     return sh.key, tuple(sh.global_offset)
+
+
+def write_id(sh: ShardedTensor) -> WriteId:
+    """A tensor shard's identity for who writes it: key, global offset and box size. A
+    replica sharded otherwise than its main replica, starting at the same offset, holds
+    other bytes than the main's box: writing it in the main's place would lose the rest."""
+    return sh.key, tuple(sh.global_offset), chunk_sizes(sh)
 
 
 def box_id(sh: ShardedTensor) -> BoxId:
@@ -75,16 +83,16 @@ class WriteOwners:
 
     coordinator: bool
     common_tensors: frozenset[str] = frozenset()
-    assigned: Mapping[ShardId, int] | None = None
+    assigned: Mapping[WriteId, int] | None = None
     parallel_rank: int = 0
     # shards several members hold as main replicas that are copies by placement (DTensors
     # whose data-parallel copies are off their mesh): each save checks they are still equal
-    copies: frozenset[ShardId] = frozenset()
+    copies: frozenset[WriteId] = frozenset()
 
     def writes(self, shard: Any) -> bool:
         """Whether this rank writes ``shard``."""
         if self.assigned is not None and isinstance(shard, ShardedTensor):
-            writer = self.assigned.get(shard_id(shard))
+            writer = self.assigned.get(write_id(shard))
             if writer is not None:
                 return writer == self.parallel_rank
         return self.writes_alone(shard)
@@ -131,8 +139,9 @@ def write_owners(
     if parallel is None:
         return owners
 
-    def held() -> list[Holding]:
-        return [Holding(shard_id(s), _nbytes(s), owners.writes_alone(s)) for s in _tensors(shards)]
+    def held() -> list[Holding]:  # the common state's plain tensors: the coordinator's values
+        spread = [s for s in _tensors(shards) if s.key not in owners.common_tensors]
+        return [Holding(write_id(s), _nbytes(s), owners.writes_alone(s)) for s in spread]
 
     everyone = protocol.agree(parallel, "fully-parallel exchange", held)
     placed = set(placed)
@@ -149,18 +158,18 @@ def write_owners(
 
 
 def check_copies(
-    parallel: Group, shards: list[Any], copies: frozenset[ShardId], owners: WriteOwners
+    parallel: Group, shards: list[Any], copies: frozenset[WriteId], owners: WriteOwners
 ) -> None:
     """Raise ``ShardingValidationError`` on every member of ``parallel`` unless each of
     ``copies`` holds the same bytes on every member holding it as main replica (collective:
     one exchange of digests). Different bytes are two tensors under one key (pipeline
     stages' layers named alike), not copies: writing one would lose the other."""
-    mine = [s for s in _tensors(shards) if shard_id(s) in copies and owners.writes_alone(s)]
+    mine = [s for s in _tensors(shards) if write_id(s) in copies and owners.writes_alone(s)]
 
-    def digests() -> dict[ShardId, tuple[str, int]]:
-        return {shard_id(s): (str(s.dtype), tensor_digest(s.data)) for s in mine}
+    def digests() -> dict[WriteId, tuple[str, int]]:
+        return {write_id(s): (str(s.dtype), tensor_digest(s.data)) for s in mine}
 
-    by_digest: dict[ShardId, dict[tuple[str, int], list[int]]] = {}
+    by_digest: dict[WriteId, dict[tuple[str, int], list[int]]] = {}
     for rank, got in enumerate(protocol.agree(parallel, "replica digests", digests)):
         for shard, digest in got.items():
             by_digest.setdefault(shard, {}).setdefault(digest, []).append(rank)

@@ -25,7 +25,14 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from dcpbridge.engine import protocol, stats
 from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.engine.bridge import BridgeSavePlanner
-from dcpbridge.engine.cache import Reuse, SaveCache, agree_to_reuse, save_cache, structure_of
+from dcpbridge.engine.cache import (
+    Reuse,
+    SaveCache,
+    agree_to_reuse,
+    members,
+    save_cache,
+    structure_of,
+)
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.drive import run_save
 from dcpbridge.engine.gc_pause import gc_paused
@@ -103,10 +110,20 @@ class SaveOptions:
 def parallel_group(
     fully_parallel: bool, parallelization_group: dist.ProcessGroup | None, group: Group
 ) -> Group | None:
-    """The group that spreads writes or reads (None without ``fully_parallel``)."""
+    """The group that spreads writes or reads (None without ``fully_parallel``): a subgroup
+    of ``group``, as a member beyond it takes part in another save or load (refused)."""
     if not fully_parallel:
         return None
-    return Group.resolve(parallelization_group) if parallelization_group is not None else group
+    if parallelization_group is None:
+        return group
+    parallel = Group.resolve(parallelization_group)
+    outside = sorted(set(members(parallel) or ()) - set(members(group) or ()))
+    if outside:
+        raise InvalidArgumentError(
+            f"parallelization_group has ranks outside the process_group: {outside} (global "
+            "ranks); it must be a subgroup of it"
+        )
+    return parallel
 
 
 @dataclass

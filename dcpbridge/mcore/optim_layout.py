@@ -51,6 +51,16 @@ def _names_by_id(optim_state_dict: StateDict) -> dict[Any, str]:
     unnamed = [pid for pid in optim_state_dict["state"] if pid not in names]
     if unnamed:
         raise OptimizerStateError(f"optimizer state of {unnamed[:6]} belongs to no param group")
+    ids_by_name: dict[str, list[Any]] = {}
+    for pid, name in names.items():
+        ids_by_name.setdefault(name, []).append(pid)
+    shared = [f"{name!r} (state ids {ids})" for name, ids in ids_by_name.items() if len(ids) > 1]
+    if shared:  # one model-space key would hold both parameters' state: one would be lost
+        raise OptimizerStateError(
+            f"parameters share a name in the optimizer's param groups: {', '.join(shared[:6])}; "
+            "each parameter's state is stored under its name, so names must be unique "
+            "(prefix each model's names, e.g. with its model chunk)"
+        )
     return names
 
 

@@ -7,9 +7,10 @@ that reshards exactly like the model:
   ``optimizer.state.<k>.<model key>`` with the parameter's global shape, offset, axis
   fragmentations, prepended axes and replica id (or a factory with the same build/merge
   functions when the parameter is a ``ShardedTensorFactory``);
-- any other per-parameter entry (``step``) must be a number or a one-element tensor, equal
-  for every parameter; it is stored once, as common state, under ``"shared_state"`` (a larger
-  tensor not shaped like its parameter, e.g. Adafactor's ``row_var``, is refused);
+- any other per-parameter entry (``step``) must be a number or a 0-dim tensor, equal for
+  every parameter; it is stored once, as common state, under ``"shared_state"`` (a tensor of
+  one or more dims not shaped like its parameter, e.g. Adafactor's ``row_var``, is refused:
+  stored once, every rank would load rank 0's);
 - each param group's hyper-parameters are common state under ``"param_groups"``, keyed by the
   group's identity (its ``"group_key"`` entry, else its position ``"#i"``); its ``params`` and
   ``param_names`` lists stay local (``LocalNonpersistentObject`` under ``"local"``), as they
@@ -146,8 +147,27 @@ class _ValueType:
             return _ValueType("int")
         return _ValueType("float" if isinstance(value, float) else "other")
 
-    def make(self, value: Any) -> Any:
-        """A fresh ``value`` of this type (steps are incremented in place: never share one)."""
+    def make(self, key: str, value: Any) -> Any:
+        """A fresh ``value`` of this type (steps are incremented in place: never share one);
+        ``OptimizerStateError`` naming ``key`` where a stored value has none (another shape
+        or kind, or a fraction where this optimizer keeps a whole number)."""
+        try:
+            made = self._make(value)
+            whole = self.kind == "int" or (
+                self.kind == "tensor"
+                and self.dtype is not None
+                and not self.dtype.is_floating_point
+            )
+            if whole and _number(made) != _number(value):
+                raise ValueError("not a whole number")
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise OptimizerStateError(
+                f"optimizer state {key!r}: the checkpoint's value {value!r} does not fit this "
+                f"optimizer's {self.describe()} ({e})"
+            ) from e
+        return made
+
+    def _make(self, value: Any) -> Any:
         if self.kind == "tensor":
             t = torch.as_tensor(value).detach()
             return t.to(dtype=self.dtype, device=self.device, copy=True).reshape(self.shape)
@@ -158,6 +178,17 @@ class _ValueType:
         if self.kind == "float":
             return float(value)
         return value
+
+    def describe(self) -> str:
+        """How error messages name this type."""
+        if self.kind == "tensor":
+            return f"{self.dtype} tensor of shape {self.shape}"
+        return {"int": "integer", "float": "float"}.get(self.kind, "value")
+
+
+def _number(value: Any) -> Any:
+    """A one-element tensor's number, or ``value`` itself."""
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def _comparable(value: Any) -> Any:
@@ -239,7 +270,7 @@ def optim_state_to_sharding_state(
                 sharded[param_id][key] = make_sharded_optimizer_tensor(
                     model_param, value, prefix=f"optimizer.state.{key}"
                 )
-            elif key not in SHARED_KEYS and isinstance(value, torch.Tensor) and value.numel() > 1:
+            elif key not in SHARED_KEYS and isinstance(value, torch.Tensor) and value.ndim > 0:
                 raise OptimizerStateError(
                     f"optimizer state {key!r} of {model_param.key!r} has shape "
                     f"{tuple(value.shape)}, not shaped like its parameter ({shape}): it can "
@@ -276,7 +307,7 @@ def restore_optim_state(loaded: StateDict) -> StateDict:
     for param_id, tensors in loaded.get("state", {}).items():
         entry = dict(tensors)
         for key, value in shared.items():
-            entry[key] = types.get(param_id, {}).get(key, _ValueType.of(value)).make(value)
+            entry[key] = types.get(param_id, {}).get(key, _ValueType.of(value)).make(key, value)
         entry.update(local["excluded"].get(param_id, {}))
         state[param_id] = entry
     if shared and not state and any(g.get("params") for _, g in local["groups"]):

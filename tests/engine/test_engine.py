@@ -13,7 +13,7 @@ import dcpbridge as db
 from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import SAVE_CACHES
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.ownership import WriteOwners, shard_id
+from dcpbridge.engine.ownership import WriteOwners, write_id
 from tests.support.collective_counts import count_collectives
 from tests.support.dist_pool import Rank
 
@@ -121,7 +121,7 @@ def test_write_owners_answer_for_every_item():
     spread = WriteOwners(
         coordinator=True,
         common_tensors=frozenset({"step"}),
-        assigned={shard_id(w0): 1, shard_id(plain): 0},
+        assigned={write_id(w0): 1, write_id(plain): 0},
         parallel_rank=1,
     )
     assert spread.writes(w0) and not spread.writes(plain) and spread.writes_common()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
+from dcpbridge.engine import fully_parallel as fp_module
 from dcpbridge.engine.cache import SAVE_CACHES
 from dcpbridge.planners.distribution import Holding, distribute
 from tests.support import layouts as L
@@ -331,3 +333,205 @@ def test_a_box_storage_does_not_fill_is_not_handed_over(pool, tmp_path, strict):
         assert plain == [0.0, 1.0, 2.0, 3.0]
         if strict == "return_all":
             assert unexpected == {"gone"}
+
+
+def fp_replicas_in_other_boxes(r: Rank, root: str, fully_parallel: bool) -> list[float]:
+    """Rank 0 holds 'vec' whole (its main replica) and a tensor only it has; ranks 1 and 2
+    hold halves of 'vec' as replicas (another sharding of the same tensor)."""
+    vec, solo = L.full("vec"), torch.arange(1000.0)
+    if r.rank == 0:
+        sd = {
+            "vec": db.ShardedTensor.from_box("vec", vec.clone(), (10,), (0,)),
+            "solo": db.ShardedTensor.from_box("solo", solo, (1000,), (0,)),
+        }
+    else:
+        lo = 5 * (r.rank - 1)
+        half = vec[lo : lo + 5].clone()
+        sd = {"vec": db.ShardedTensor.from_box("vec", half, (10,), (lo,), replica_id=r.rank)}
+    path = f"{root}/{fully_parallel}"
+    db.save(sd, path, process_group=r.group, fully_parallel=fully_parallel)
+    tmpl = {"vec": db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,))}
+    return db.load(tmpl, path, process_group=r.group)["vec"].tolist()
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_replicas_sharded_otherwise_than_the_main_one(pool, tmp_path, fully_parallel):
+    """A replica whose box starts where the main replica's does but is smaller: spreading
+    the writes took it for the main's shard (same key and offset) and gave it the write, so
+    the rest of the main's box was written by nobody and the save failed (only with
+    fully_parallel). Now a shard is its key, offset and size: the main's box is written."""
+    got = pool.run(fp_replicas_in_other_boxes, 3, str(tmp_path), fully_parallel, timeout=60)
+    assert got == [L.full("vec").tolist()] * 3
+
+
+def _column_halves(key: str, data: torch.Tensor, replica_id: Any) -> dict[int, db.ShardedTensor]:
+    """Two column halves of ``data``: views that are not contiguous."""
+    return {
+        i: db.ShardedTensor.from_rank_offsets(f"{key}.{i}", half, replica_id=replica_id)
+        for i, half in enumerate(data.chunk(2, dim=1))
+    }
+
+
+def _joined(parts: dict[int, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([parts[0], parts[1]], dim=1)
+
+
+def fp_factory_of_a_parameter(r: Rank, path: str) -> list[float]:
+    """Both ranks hold 'w' as a factory of column halves over an nn.Parameter (the template
+    optimizer_sharded_state_dict needs), data-parallel replicas."""
+    w = torch.nn.Parameter(L.full("w").clone())
+    sd = {"w": db.ShardedTensorFactory("w", w, _column_halves, _joined, replica_id=r.rank)}
+    db.save(sd, path, process_group=r.group, fully_parallel=True)
+    fresh = torch.nn.Parameter(torch.zeros(12, 8))
+    tmpl = {"w": db.ShardedTensorFactory("w", fresh, _column_halves, _joined)}
+    out = db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    return out["w"].flatten().tolist()
+
+
+def test_fully_parallel_load_of_a_factory_over_a_parameter(pool, tmp_path):
+    """Each rank read one half and received the other into a strided view of the Parameter,
+    copied into place with autograd on: torch's RuntimeError ('Output 0 of Split is a view
+    ... modified inplace') on the receiving rank, where the load without fully_parallel
+    works. Now received boxes are copied into place as the reader fills them, detached."""
+    got = pool.run(fp_factory_of_a_parameter, 2, str(tmp_path / "ck"), timeout=60, grace=10)
+    assert got == [L.full("w").flatten().tolist()] * 2
+
+
+def fp_tied_keys(r: Rank, path: str) -> list[float] | str:
+    """Both ranks tie 'a' and 'b' (one tensor under two keys, as tied embeddings are)."""
+    t = torch.zeros(4)
+    tmpl = {
+        "a": db.ShardedTensor.from_box("a", t, (4,), (0,), replica_id=r.rank),
+        "b": db.ShardedTensor.from_box("b", t, (4,), (0,), replica_id=r.rank),
+    }
+    try:
+        db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return t.tolist()
+
+
+@pytest.mark.parametrize("b_value", [1.0, 2.0])
+def test_fully_parallel_load_checks_tied_keys(pool, tmp_path, b_value):
+    """Tied keys stored with different values: each rank read one key and received the
+    other after the read step's tie check, which never saw them meet; rank 0 returned 'b's
+    values, rank 1 'a's, silently. Now tied shards are read by their own rank: the load
+    raises TiedTensorsError on every rank as without fully_parallel (equal values load)."""
+    a, b = torch.full((4,), 1.0), torch.full((4,), b_value)
+    sd = {
+        "a": db.ShardedTensor.from_box("a", a, (4,), (0,)),
+        "b": db.ShardedTensor.from_box("b", b, (4,), (0,)),
+    }
+    db.save(sd, str(tmp_path))
+    got = pool.run(fp_tied_keys, 2, str(tmp_path), timeout=60, grace=10)
+    if b_value == 1.0:
+        assert got == [[1.0] * 4] * 2
+    else:
+        expected = (
+            "TiedTensorsError: ranks [0, 1]: 'a' and 'b' share one tensor's memory in the load "
+            "template (tied weights), but the checkpoint holds different values for them: "
+            "give each its own tensor to load both"
+        )
+        assert got == [expected, expected]
+
+
+def fp_plain_tensor_of_each_rank(r: Rank, root: str, fully_parallel: bool) -> list[float]:
+    """Each rank's plain tensor 'p' holds its rank; a large replicated shard keeps rank 0
+    (the coordinator) busiest, so the balance would pick another rank for 'p'."""
+    sd = {
+        "big": db.ShardedTensor.from_box(
+            "big", torch.arange(1000.0), (1000,), (0,), replica_id=r.rank
+        ),
+        "p": torch.full((8,), float(r.rank)),
+    }
+    path = f"{root}/{fully_parallel}"
+    db.save(sd, path, process_group=r.group, fully_parallel=fully_parallel)
+    return db.load({"p": torch.zeros(8)}, path, process_group=r.group)["p"].tolist()
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_fully_parallel_save_keeps_the_coordinators_plain_tensors(pool, tmp_path, fully_parallel):
+    """A plain tensor is common state: the coordinator's value is saved. Spreading the
+    writes assigned it to the least-loaded rank like a replicated shard, so another rank's
+    value was saved, silently (only with fully_parallel). Now the coordinator writes it."""
+    got = pool.run(fp_plain_tensor_of_each_rank, 4, str(tmp_path), fully_parallel, timeout=60)
+    assert got == [[0.0] * 8] * 4
+
+
+def fp_group_wider_than_the_job(r: Rank, root: str, op: str) -> str:
+    """Ranks {0, 1} and {2, 3} each save and load their own checkpoint (other values) on
+    their own process group, passing the whole world as parallelization group."""
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine, half = halves[r.rank // 2], r.rank // 2
+    vec = L.full("vec") + half
+    sd = {"vec": db.ShardedTensor.from_box("vec", vec.clone(), (10,), (0,), replica_id=r.rank % 2)}
+    path = f"{root}/{op}{half}"
+    world = dist.group.WORLD
+    tmpl = {"vec": db.ShardedTensor.from_box("vec", torch.zeros(10), (10,), (0,))}
+    try:
+        if op == "save":
+            db.save(sd, path, process_group=mine, fully_parallel=True, parallelization_group=world)
+        else:
+            db.save(sd, path, process_group=mine)
+            dist.barrier()
+            db.load(
+                tmpl, path, process_group=mine, fully_parallel=True, parallelization_group=world
+            )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    loaded = db.load(tmpl, path, process_group=mine)["vec"]
+    return "loaded" if torch.equal(loaded, vec) else "other values"
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_a_parallelization_group_beyond_the_process_group_is_refused(pool, tmp_path, op):
+    """A fully-parallel load whose parallelization group spans ranks of another load sent
+    ranks 2 and 3 the box rank 0 read from the other checkpoint: other values, silently
+    (a save failed on 'more than one main replica'). Now both refuse the group on every
+    rank, before any exchange."""
+    got = pool.run(fp_group_wider_than_the_job, 4, str(tmp_path), op, timeout=60, grace=10)
+    outside = [[2, 3], [2, 3], [0, 1], [0, 1]]
+    for rank, message in enumerate(got):
+        assert message == (
+            f"InvalidArgumentError: parallelization_group has ranks outside the "
+            f"process_group: {outside[rank]} (global ranks); it must be a subgroup of it"
+        ), (rank, message)
+
+
+class _OutOfMemory(types.ModuleType):
+    """torch, except that ``torch.empty`` fails as an exhausted allocator does."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+
+def fp_receiver_out_of_memory(r: Rank, path: str) -> str:
+    """Both ranks ask 'vec' whole into a strided view (received through a buffer); rank 1
+    cannot allocate that buffer."""
+    tmpl = {"vec": db.ShardedTensor.from_box("vec", torch.zeros(10, 2)[:, 0], (10,), (0,))}
+    if r.rank == 1:
+        fp_module.torch = _OutOfMemory("torch")
+    try:
+        db.load(tmpl, path, process_group=r.group, fully_parallel=True)
+    except RuntimeError as e:  # torch's error, carried to every rank as the protocol does
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"  # (then the failed rank's stack)
+    finally:
+        fp_module.torch = torch
+    return "loaded"
+
+
+def test_a_hand_off_buffer_that_cannot_be_allocated_fails_every_rank(pool, tmp_path):
+    """The receiving rank allocated its buffer after the reads, alone: its RuntimeError left
+    the reader waiting in the exchange (a hang until the process group's timeout). Buffers
+    are now made inside the load's first collective step: every rank raises."""
+    path = str(tmp_path / "ck")
+    pool.run(_save_model_and_vec, 2, path)
+    got = pool.run(fp_receiver_out_of_memory, 2, path, timeout=30, grace=5)
+    assert (
+        got
+        == ["RuntimeError: rank 1: RuntimeError: DefaultCPUAllocator: can't allocate memory"] * 2
+    )

@@ -236,6 +236,54 @@ def test_model_space_keeps_moments_of_a_zero_dim_parameter_apart(tmp_path):
             assert torch.equal(got[pid][name], value), (pid, name)
 
 
+def test_model_space_refuses_two_parameters_of_one_name():
+    """An optimizer over two modules' ``named_parameters()`` names two parameters "weight":
+    their state landed under one model-space key, the first one's moments silently replaced
+    by the second's (saved once, restored to both). Now that raises, naming the ids."""
+    first, second = nn.Linear(3, 2), nn.Linear(3, 2)
+    opt = torch.optim.AdamW([*first.named_parameters(), *second.named_parameters()])
+    (first(torch.ones(1, 3)).sum() + 2 * second(torch.ones(1, 3)).sum()).backward()
+    opt.step()
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.to_model_space(opt.state_dict())
+    message = str(raised.value)
+    assert "'weight' (state ids [0, 2])" in message and "'bias' (state ids [1, 3])" in message
+
+
+@pytest.mark.parametrize(
+    ("stored", "needles"),
+    [
+        (torch.arange(3.0), ["tensor([0., 1., 2.])", "torch.float32 tensor of shape ()"]),
+        ("seven", ["'seven'", "torch.float32 tensor of shape ()"]),
+        (2.5, ["2.5", "torch.int64 tensor of shape ()", "not a whole number"]),
+    ],
+    ids=["vector", "text", "fraction"],
+)
+def test_a_stored_step_the_optimizer_cannot_hold_is_an_optimizer_state_error(
+    tmp_path, stored, needles
+):
+    """A checkpoint's shared ``step`` that does not fit this optimizer's (another program's
+    state, a damaged one) raised torch's RuntimeError or TypeError out of restore, or was
+    truncated (2.5 restored as 2 into an integer step). Now OptimizerStateError names it."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"]["step"] = stored
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
+    db.init_optimizer_state(new)
+    for state in new.state.values():  # an optimizer keeping its steps as integers
+        state["step"] = torch.tensor(1) if isinstance(stored, float) else state["step"]
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.restore_optim_state(loaded)
+    message = str(raised.value)
+    assert message.startswith("optimizer state 'step': the checkpoint's value "), message
+    assert all(n in message for n in needles), message
+    assert raised.value.__cause__ is not None
+
+
 def _columns(key, data, replica_id):
     """Two column halves: views of the parameter that are not contiguous."""
     return {
@@ -280,12 +328,12 @@ def test_factories_of_parameters_load_with_the_optimizer(tmp_path, fmt, build):
     assert torch.equal(out["model"]["fc"]["weight"], src.fc.weight)
 
 
-def adafactor_tp(r: Rank, path: str) -> str:
-    """Each of 2 ranks holds half of one weight's rows under Adafactor, whose row_var and
+def adafactor_tp(r: Rank, path: str, rows: int) -> str:
+    """Each of 2 ranks holds ``rows`` rows of one weight under Adafactor, whose row_var and
     col_var are per-parameter but not shaped like the parameter."""
-    p = nn.Parameter(torch.arange(12.0).reshape(4, 3) + 12 * r.rank)
+    p = nn.Parameter(torch.arange(rows * 3.0).reshape(rows, 3) + 12 * r.rank)
     opt = torch.optim.Adafactor([p], lr=0.1)
-    p.grad = torch.full((4, 3), 1.0 + r.rank)
+    p.grad = torch.full((rows, 3), 1.0 + r.rank)
     opt.step()
     model = {"w": db.ShardedTensor.from_rank_offsets("w", p, (0, r.rank, 2))}
     with pytest.raises(db.OptimizerStateError) as e:
@@ -293,10 +341,13 @@ def adafactor_tp(r: Rank, path: str) -> str:
     return str(e.value)
 
 
-def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path):
+@pytest.mark.parametrize("rows", [4, 1])
+def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path, rows):
     """Such state was stored once (rank 0's, as common state), so every other rank silently
-    loaded rank 0's row_var and col_var; Megatron refuses it too (exclude_keys still works)."""
-    messages = pool.run(adafactor_tp, 2, str(tmp_path), timeout=60)
+    loaded rank 0's row_var and col_var; Megatron refuses it too (exclude_keys still works).
+    With one row per rank, row_var (shape (1, 1)) has one element: it was stored once too,
+    and rank 1 loaded rank 0's row_var. Only 0-dim tensors (and numbers) are stored once."""
+    messages = pool.run(adafactor_tp, 2, str(tmp_path), rows, timeout=60)
     for message in messages:
         assert "'row_var'" in message
         assert "not shaped like its parameter" in message and "exclude_keys" in message
