@@ -62,7 +62,8 @@ class TiedTensorsError(CheckpointError, ValueError):
 
 
 class StagingError(CheckpointError, RuntimeError):
-    """Copying an async save's state into host memory failed (the message names the cause)."""
+    """Copying state into buffers of its own failed: an async save's staging into host memory,
+    a fully-parallel load's exchange buffers (the message names the key and the cause)."""
 
 
 class StagingMutationError(StagingError):

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import BoxId, ReadOwners, box_id
+from dcpbridge.errors import StagingError
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.model.ties import untie
 from dcpbridge.storage.read.delivery import holds_its_values
@@ -112,15 +113,25 @@ def allocate(group: Group, share: LoadShare) -> None:
     goes through a buffer there.
     """
     device = group.tensor_device
-    share.send_bufs = [_buffer(s.data, device) for s, _, _ in share.sends]
-    share.recv_bufs = [_buffer(s.data, device) for s, _, _ in share.recvs]
+    share.send_bufs = [_buffer(s, device) for s, _, _ in share.sends]
+    share.recv_bufs = [_buffer(s, device) for s, _, _ in share.recvs]
 
 
-def _buffer(t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """None where ``t`` itself can travel, else a new tensor of its shape on ``device``."""
+def _buffer(shard: ShardedTensor, device: torch.device) -> torch.Tensor | None:
+    """None where ``shard``'s data itself can travel, else a new tensor of its shape on
+    ``device``; ``StagingError`` naming the box where it cannot be allocated."""
+    t = shard.data
+    assert t is not None
     if t.device == device and t.is_contiguous() and holds_its_values(t):
         return None
-    return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+    try:
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise StagingError(
+            f"fully-parallel load: cannot allocate the exchange buffer of "
+            f"{shard.key!r} (offset {tuple(shard.global_offset)}, {tuple(t.shape)} {t.dtype}, "
+            f"{t.nelement() * t.element_size()} bytes) on {device}: {e}"
+        ) from e
 
 
 def hand_off(group: Group, share: LoadShare) -> None:

@@ -517,7 +517,7 @@ def fp_receiver_out_of_memory(r: Rank, path: str) -> str:
         fp_module.torch = _OutOfMemory("torch")
     try:
         db.load(tmpl, path, process_group=r.group, fully_parallel=True)
-    except RuntimeError as e:  # torch's error, carried to every rank as the protocol does
+    except db.CheckpointError as e:  # carried to every rank as the protocol does
         return f"{type(e).__name__}: {str(e).splitlines()[0]}"  # (then the failed rank's stack)
     finally:
         fp_module.torch = torch
@@ -533,5 +533,10 @@ def test_a_hand_off_buffer_that_cannot_be_allocated_fails_every_rank(pool, tmp_p
     got = pool.run(fp_receiver_out_of_memory, 2, path, timeout=30, grace=5)
     assert (
         got
-        == ["RuntimeError: rank 1: RuntimeError: DefaultCPUAllocator: can't allocate memory"] * 2
+        == [
+            "StagingError: rank 1: fully-parallel load: cannot allocate the exchange buffer of "
+            "'vec' (offset (0,), (10,) torch.float32, 40 bytes) on cpu: DefaultCPUAllocator: "
+            "can't allocate memory"
+        ]
+        * 2
     )
