@@ -54,7 +54,7 @@ from dcpbridge.storage.write.reuse import Previous
 
 log = logging.getLogger("dcpbridge")
 
-_STEP_DIR = re.compile(r"^step_(\d{1,18})\Z")
+_STEP_DIR = re.compile(r"^step_([0-9]{1,18})\Z")
 MAX_STEP = 10**18 - 1
 """The largest step a manager saves: its folder name must read back (at most 18 digits)."""
 _NEEDS_OPTIMIZERS = (
@@ -68,6 +68,15 @@ SIDECAR = "manager.json"
 def step_dir_name(step: int) -> str:
     """``step_00000100``: zero-padded so that names sort like steps."""
     return f"step_{step:08d}"
+
+
+def _step_of(name: str) -> int | None:
+    """The step whose folder is ``name``, or None: only the name ``step_dir_name`` gives is a
+    step (``step_2`` beside ``step_00000002`` is another checkpoint, not a second step 2)."""
+    m = _STEP_DIR.match(name)
+    if m is None or step_dir_name(int(m.group(1))) != name:
+        return None
+    return int(m.group(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +248,7 @@ class CheckpointManager:
     def _scan(self) -> tuple[list[int], list[int]]:
         """(complete steps, steps without a commit), ascending; a storage fault raises."""
         names = storage_for(self._location()).list_names()
-        steps = sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
+        steps = sorted(s for n in names if (s := _step_of(n)) is not None)
         complete, partial = [], []
         for step in steps:
             committed = storage_for(self._location(step)).exists(METADATA_FILE)
@@ -515,7 +524,7 @@ class CheckpointManager:
         out = []
         root = self._location()
         for name in storage_for(root).list_names():
-            if _STEP_DIR.match(name):
+            if _step_of(name) is not None:
                 continue
             try:
                 location = child(root, name)

@@ -415,6 +415,29 @@ def test_a_step_folder_name_with_a_trailing_newline_is_not_a_step(tmp_path):
         assert pattern.match(name) and pattern.match(name + "\n") is None
 
 
+def test_a_step_folder_spelt_otherwise_is_another_checkpoint_not_a_step(tmp_path):
+    """``step_2`` (or ``step_`` with non-ASCII digits) beside ``step_00000002`` is not step 2:
+    it was read as a second step 2 (``all_steps`` listed 2 twice) and, being taken for a
+    step, was not among the checkpoints whose referenced files retention keeps: a committed
+    copy of an incremental step lost its data. It is now one of the other checkpoints."""
+    import shutil
+
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), every=1, keep_last=1, async_save=False, incremental=True)
+    w = torch.arange(8.0)
+    mgr.save(1, {"w": w, "v": torch.ones(4)})
+    mgr.save(2, {"w": w, "v": torch.zeros(4)})  # references step 1's file for "w"
+    shutil.copytree(root / "step_00000002", root / "step_2")
+    os.mkdir(root / "step_\u0663")  # Arabic-Indic digit 3: not a step either
+    assert mgr.all_steps() == [2] and mgr.latest_step() == 2
+    mgr.save(3, {"w": w + 1, "v": torch.full((4,), 3.0)})  # retention: steps 1 and 2 go
+    mgr.close()
+    assert mgr.all_steps() == [3]
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000003", "step_2", "step_\u0663"]
+    out = db.load({"w": torch.zeros(8), "v": torch.ones(4)}, str(root / "step_2"))
+    assert torch.equal(out["w"], w) and torch.equal(out["v"], torch.zeros(4))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_failed_re_save_leaves_the_committed_steps_metrics(tmp_path, async_save):
