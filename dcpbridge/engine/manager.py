@@ -51,6 +51,7 @@ from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.write.reuse import Previous
+from dcpbridge.storage.write.writer import committed_save_id
 
 log = logging.getLogger("dcpbridge")
 
@@ -416,17 +417,20 @@ class CheckpointManager:
         def run(value: float | None, plain: dict[str, float]) -> None:
             location = self._location(step)
             store = storage_for(location)
+            doc: dict[str, Any] = {"step": step, "metrics": plain}
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
                 names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
                 kept = store.read_file(location.path(SIDECAR)) if store.exists(SIDECAR) else None
                 self._resaved[step] = kept
+                # while the commit it replaces stays (a killed save), its metrics hold
+                doc["over"] = {"save_id": committed_save_id(store), "metrics": _metrics_of(kept)}
             else:  # a new step: its sidecar goes if the save fails (rule 3)
                 if store.list_names():
                     self._remove_steps([step], self._scan()[0])
                 self._resaved[step] = None
             store.makedirs()
-            raw = json.dumps({"step": step, "metrics": plain}, sort_keys=True).encode()
+            raw = json.dumps(doc, sort_keys=True).encode()
             store.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
             self._metrics[step] = value
 
@@ -562,16 +566,30 @@ class CheckpointManager:
         return -1
 
     def _stored_metric(self, step: int) -> float | None:
-        """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None)."""
+        """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None); the
+        metrics of the commit a re-save was written over while that commit is still there."""
         if step not in self._metrics:
             value = None
             try:
                 location = self._location(step)
-                doc = json.loads(storage_for(location).read_file(location.path(SIDECAR)))
+                store = storage_for(location)
+                doc = json.loads(store.read_file(location.path(SIDECAR)))
+                over = doc.get("over")
+                if isinstance(over, dict) and over.get("save_id") == committed_save_id(store):
+                    doc = over  # the re-save that wrote this sidecar never committed
                 raw = doc["metrics"][self.best_metric]
                 if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                     value = float(raw)
-            except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            except (
+                OSError,
+                CheckpointError,
+                ValueError,
+                KeyError,
+                TypeError,
+                AttributeError,
+                OverflowError,
+                RecursionError,
+            ):
                 value = None
             self._metrics[step] = value
         return self._metrics[step]
@@ -846,6 +864,15 @@ def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _metrics_of(sidecar: bytes | None) -> Any:
+    """The ``metrics`` a sidecar's bytes hold (None where absent or unreadable)."""
+    try:
+        doc = json.loads(sidecar) if sidecar is not None else None
+    except (ValueError, RecursionError):
+        return None
+    return doc.get("metrics") if isinstance(doc, dict) else None
 
 
 def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:

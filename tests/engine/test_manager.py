@@ -192,7 +192,7 @@ def test_async_failure_raises_on_every_rank_at_the_next_call(pool, tmp_path):
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000006"]  # step 4 removed
 
 
-def _die_while_writing(rank: int) -> None:
+def _die_while_writing(rank: int, dies: int = 1) -> None:
     """Fault injection: this rank's writer writes its data, then the process is SIGKILLed."""
     original = FsspecCheckpointWriter.write_data
 
@@ -200,7 +200,7 @@ def _die_while_writing(rank: int) -> None:
         original(self, plan, planner).wait()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if rank == 1:
+    if rank == dies:
         FsspecCheckpointWriter.write_data = write_then_die
 
 
@@ -258,6 +258,50 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step(pool, tmp_path):
 @pytest.mark.s3
 def test_a_rank_killed_mid_save_on_s3(pool, s3_server):
     _kill_mid_save(pool, s3_backend(s3_server))
+
+
+def best_steps(r: Rank, root: str, resave: bool) -> None:
+    """Steps 1 (loss 1) and 2 (loss 5); with ``resave``, step 1 again (loss 100), rank 0
+    SIGKILLed once its data is written (the commit never happens)."""
+    mgr = db.CheckpointManager(
+        root, every=1, keep_best=1, best_metric="loss", process_group=r.group, async_save=False
+    )
+    if resave:
+        _die_while_writing(r.rank, dies=0)
+        w = rows(weights(7), r.rank, r.size)
+        mgr.save(1, state(w, r.rank, r.size, 7), metrics={"loss": 100.0})
+    for step, loss in ((1, 1.0), (2, 5.0)):
+        mgr.save(
+            step,
+            state(rows(weights(step), r.rank, r.size), r.rank, r.size, step),
+            metrics={"loss": loss},
+        )
+    mgr.close()
+
+
+def test_a_re_save_killed_mid_write_leaves_the_committed_steps_metric(pool, tmp_path):
+    """A re-save of a committed step wrote its metrics into the step's manager.json before it
+    committed: when rank 0 was killed mid-save, the old checkpoint stayed with the dead save's
+    metric, and retention then deleted the best checkpoint (loss 1.0) as the worst."""
+    root = str(tmp_path / "run")
+    pool.run(best_steps, 2, root, False)
+    try:
+        with pytest.raises(RankFailure, match="worker died"):
+            pool.run(best_steps, 2, root, True, timeout=60)
+    finally:
+        pool.kill()  # the survivors' process group is broken: start afresh
+    mgr = db.CheckpointManager(root, every=1, keep_best=1, best_metric="loss", async_save=False)
+    assert mgr.all_steps() == [1, 2]
+    mgr.save(3, state(weights(3), 0, 1, 3), metrics={"loss": 3.0})
+    assert mgr.all_steps() == [1, 3]  # the best (loss 1.0) and the newest
+    out = mgr.load(template(0, 1), step=1)
+    assert out["step"] == 1 and torch.equal(out["w"], weights(1))
+    mgr.close()
+    plain = db.CheckpointManager(root, every=1, async_save=False)  # a re-save that commits
+    plain.save(1, state(weights(7), 0, 1, 7), metrics={"loss": 50.0})
+    mgr = db.CheckpointManager(root, every=1, keep_best=1, best_metric="loss", async_save=False)
+    mgr.save(4, state(weights(4), 0, 1, 4), metrics={"loss": 9.0})
+    assert mgr.all_steps() == [3, 4]  # step 1 now holds the loss-50 save: no longer the best
 
 
 def preempted(r: Rank, root: str, signal_at: int, via_should_stop: bool) -> tuple[int, int]:
