@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,16 +127,29 @@ def remove_checkpoints(root: Location, doomed: Iterable[str], kept: Iterable[str
         return
     needed = needed_files(root, kept)  # raises before anything is deleted
     for name in doomed:
-        store = storage_for(child(root, name))
-        if store.exists(METADATA_FILE):
+        location = child(root, name)
+        store = storage_for(location)
+        if not _is_link(location) and store.exists(METADATA_FILE):
             store.remove([METADATA_FILE])
     for name in doomed:
         location = child(root, name)
         keep = {p for d, p in needed if d == name}
+        if _is_link(location):  # another place's checkpoint, linked in: never changed here
+            if keep:
+                log.info("dcpbridge: keeping %s: kept checkpoints read through it", location.url)
+            else:  # the link alone, its path taken literally (one step: never half-deleted)
+                with storage_faults(f"{location.url}: remove"):
+                    os.unlink(location.root.rstrip("/"))
+            continue
         if not keep:
             _remove_folder(location)
             continue
         _remove(location, [p for p in files_in(location) if p not in keep])
+
+
+def _is_link(location: Location) -> bool:
+    """Whether checkpoint folder ``location`` is a symbolic link (local storage)."""
+    return location.is_local and os.path.islink(location.root.rstrip("/"))
 
 
 @dataclass

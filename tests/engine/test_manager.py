@@ -482,6 +482,31 @@ def test_a_step_folder_spelt_otherwise_is_another_checkpoint_not_a_step(tmp_path
     assert torch.equal(out["w"], w) and torch.equal(out["v"], torch.zeros(4))
 
 
+@pytest.mark.parametrize("referenced", [False, True])
+def test_retention_never_deletes_through_a_linked_step_folder(tmp_path, referenced):
+    """A step folder that is a symbolic link (a base checkpoint linked in to resume from)
+    had its target's commit file deleted by retention: the checkpoint outside the root was
+    destroyed. Retention now removes only the link, or leaves it where a kept step
+    references files through it; the target stays whole."""
+    base, root = tmp_path / "base", tmp_path / "run"
+    w = torch.arange(8.0)
+    db.save({"w": w, "v": torch.ones(4)}, str(base))
+    before = sorted(os.listdir(base))
+    root.mkdir()
+    os.symlink(base, root / "step_00000001")
+    mgr = db.CheckpointManager(
+        str(root), every=1, keep_last=1, async_save=False, incremental=referenced
+    )
+    assert mgr.all_steps() == [1]
+    mgr.save(2, {"w": w, "v": torch.zeros(4)})  # incremental: "w" read through the link
+    mgr.close()
+    assert sorted(os.listdir(base)) == before
+    assert torch.equal(db.load({"w": torch.zeros(8)}, str(base))["w"], w)
+    assert mgr.all_steps() == ([1, 2] if referenced else [2])
+    out = mgr.load({"w": torch.zeros(8), "v": torch.ones(4)}, step=2)
+    assert torch.equal(out["w"], w) and torch.equal(out["v"], torch.zeros(4))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_failed_re_save_leaves_the_committed_steps_metrics(tmp_path, async_save):
