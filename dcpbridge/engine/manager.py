@@ -412,7 +412,8 @@ class CheckpointManager:
         checked here; the rest is returned, for the background save to run first."""
 
         def check() -> tuple[float | None, dict[str, float]]:
-            return self._metric(metrics), _plain_metrics(metrics)
+            plain = _plain_metrics(metrics)  # raises for a value that is no number
+            return self._metric(plain), plain
 
         def run(value: float | None, plain: dict[str, float]) -> None:
             location = self._location(step)
@@ -880,9 +881,9 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     for name, value in (metrics or {}).items():
         try:
             out[str(name)] = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
             raise InvalidArgumentError(
                 f"metric {name!r} must be a number (or a one-element tensor), got "
                 f"{type(value).__name__}"
-            ) from None
+            ) from e
     return out

@@ -372,6 +372,28 @@ def test_a_hostile_sidecar_only_loses_its_own_metric(tmp_path, caplog, sidecar):
     assert mgr.all_steps() == [3, 4] and "retention" not in caplog.text
 
 
+@pytest.mark.parametrize("keep_best", [None, 1])
+@pytest.mark.parametrize(
+    "value",
+    [torch.ones(2), 10**400, "abc", torch.tensor(1.0, device="meta")],
+    ids=["two-elements", "huge-int", "str", "meta"],
+)
+def test_a_metric_that_is_no_number_raises_invalid_argument(tmp_path, keep_best, value):
+    """Rule 2: a metric that is no number escaped as ValueError, OverflowError or
+    RuntimeError (with keep_best, or where float() overflowed or could not read a tensor)."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(
+        str(root), every=1, async_save=False, keep_best=keep_best, best_metric="loss"
+    )
+    with pytest.raises(db.InvalidArgumentError, match="metric 'loss' must be a number") as e:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"acc": 1.0, "loss": value})
+    assert e.value.__cause__ is not None
+    assert not root.exists() or os.listdir(root) == []
+    assert mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": torch.tensor([2.0])})
+    mgr.close()
+    assert mgr.all_steps() == [1]
+
+
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
