@@ -285,11 +285,7 @@ class CheckpointManager:
     ) -> bool:
         """Save ``state`` as ``step`` when ``step % every == 0`` (or ``force``, or a signal of
         ``save_on_signal`` arrived on any rank); True if it saved."""
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-            raise InvalidArgumentError(
-                f"step must be an int from 0 to {MAX_STEP} (its folder name must be found "
-                f"again), got {step!r}"
-            )
+        _check_step(step)
         preempted = self._agree_on_signal() if self._signals else False
         if preempted and self._final_saved:
             return False
@@ -609,6 +605,8 @@ class CheckpointManager:
         """Load ``step`` (default: the newest complete one, as rank 0 sees it) into
         ``template``, in any layout or world size; ``kwargs`` go to ``dcpbridge.load``."""
         _check_load_options(kwargs)
+        if step is not None:
+            _check_step(step)
         self._finish_pending()
         if self._local is not None:
             return self._load_either(template, step, kwargs)
@@ -859,6 +857,15 @@ def _local_load_options(kwargs: dict[str, Any]) -> tuple[Policy, dict[str, Any]]
     known = {"strict", "allow_pickle", "allow_dtype_cast", "thread_count", "reshard_data_state"}
     options = {k: v for k, v in kwargs.items() if k in known}
     return parse_strict(options.pop("strict", StrictMode.RAISE_MISSING)), options
+
+
+def _check_step(step: Any) -> None:
+    """Raise unless ``step`` is a step number a manager saves (its folder name reads back)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidArgumentError(
+            f"step must be an int from 0 to {MAX_STEP} (its folder name must be found "
+            f"again), got {step!r}"
+        )
 
 
 def _positive(name: str, value: Any) -> int:

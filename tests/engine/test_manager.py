@@ -372,6 +372,20 @@ def test_a_hostile_sidecar_only_loses_its_own_metric(tmp_path, caplog, sidecar):
     assert mgr.all_steps() == [3, 4] and "retention" not in caplog.text
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["persistent", "local-tier"])
+@pytest.mark.parametrize("step", ["1", 1.0, True, -1, 10**30])
+def test_load_refuses_a_step_that_is_no_step_number(tmp_path, step, local):
+    """``load(step="1")`` or ``step=1.0`` raised ValueError from formatting the folder name
+    (rule 2) and ``step=True`` loaded step 1; a step is now checked as ``save`` checks it."""
+    extra = {"local_dir": str(tmp_path / "local")} if local else {}
+    mgr = db.CheckpointManager(str(tmp_path / "run"), every=1, async_save=False, **extra)
+    mgr.save(1, {"w": torch.ones(2)})
+    with pytest.raises(db.InvalidArgumentError, match="step must be an int from 0 to"):
+        mgr.load({"w": torch.zeros(2)}, step=step)
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=1)["w"], torch.ones(2))
+    mgr.close()
+
+
 @pytest.mark.parametrize("keep_best", [None, 1])
 @pytest.mark.parametrize(
     "value",
