@@ -777,7 +777,12 @@ class CheckpointManager:
         returns True on every rank. Call it from the main thread.
         """
         if signum not in self._signals:
-            self._signals[signum] = signal.signal(signum, self._on_signal)
+            try:
+                self._signals[signum] = signal.signal(signum, self._on_signal)
+            except (ValueError, OSError, TypeError) as e:  # a bad number, not the main thread
+                raise InvalidArgumentError(
+                    f"save_on_signal cannot handle signal {signum!r} here: {e}"
+                ) from e
         if state_fn is not None:
             self._state_fn = state_fn
 

@@ -336,6 +336,34 @@ def test_a_signal_on_one_rank_saves_on_all_and_stops(pool, tmp_path, via_should_
     assert pool.run(check, 2, root, {}, 4) == [4, 4]
 
 
+def test_save_on_signal_refuses_what_it_cannot_install_with_invalid_argument(tmp_path):
+    """Rule 2: a signal number out of range, or a call from another thread than the main
+    one, raised the ``ValueError`` of ``signal.signal``."""
+    import threading
+
+    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=False)
+    with pytest.raises(db.InvalidArgumentError, match="save_on_signal") as e:
+        mgr.save_on_signal(99999)
+    assert isinstance(e.value.__cause__, ValueError)
+    failures: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            mgr.save_on_signal(signal.SIGUSR2)
+        except BaseException as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=install)
+    thread.start()
+    thread.join()
+    assert [type(f) for f in failures] == [db.InvalidArgumentError]
+    assert "main thread" in str(failures[0])
+    previous = signal.getsignal(signal.SIGUSR2)
+    mgr.save_on_signal(signal.SIGUSR2)  # from the main thread: installed, then restored
+    mgr.close()
+    assert signal.getsignal(signal.SIGUSR2) == previous
+
+
 def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
     root = tmp_path / "run"
     mgr = db.CheckpointManager(str(root), every=1, async_save=False)
