@@ -144,7 +144,17 @@ def remove_checkpoints(root: Location, doomed: Iterable[str], kept: Iterable[str
         if not keep:
             _remove_folder(location)
             continue
-        _remove(location, [p for p in files_in(location) if p not in keep])
+        doomed_files = [p for p in files_in(location) if p not in keep]
+        _remove(location, [p for p in doomed_files if _checkpoint_path(p)])
+        tops = {p.split("/", 1)[0] for p in doomed_files if "/" in p}
+        for folder in sorted(t for t in tops if not SPREAD_DIR.match(t)):
+            _remove_folder(child(location, folder))  # a folder of its own: no kept file is in one
+
+
+def _checkpoint_path(path: str) -> bool:
+    """Whether ``path`` (in a checkpoint folder) is a file of it or of a spread folder."""
+    folder, sep, rest = path.partition("/")
+    return not sep or (bool(SPREAD_DIR.match(folder)) and "/" not in rest)
 
 
 def _is_link(location: Location) -> bool:
