@@ -129,12 +129,12 @@ def remove_checkpoints(root: Location, doomed: Iterable[str], kept: Iterable[str
     for name in doomed:
         location = child(root, name)
         store = storage_for(location)
-        if not _is_link(location) and store.exists(METADATA_FILE):
+        if not is_link(location) and store.exists(METADATA_FILE):
             store.remove([METADATA_FILE])
     for name in doomed:
         location = child(root, name)
         keep = {p for d, p in needed if d == name}
-        if _is_link(location):  # another place's checkpoint, linked in: never changed here
+        if is_link(location):  # another place's checkpoint, linked in: never changed here
             if keep:
                 log.info("dcpbridge: keeping %s: kept checkpoints read through it", location.url)
             else:  # the link alone, its path taken literally (one step: never half-deleted)
@@ -157,7 +157,7 @@ def _checkpoint_path(path: str) -> bool:
     return not sep or (bool(SPREAD_DIR.match(folder)) and "/" not in rest)
 
 
-def _is_link(location: Location) -> bool:
+def is_link(location: Location) -> bool:
     """Whether checkpoint folder ``location`` is a symbolic link (local storage)."""
     return location.is_local and os.path.islink(location.root.rstrip("/"))
 

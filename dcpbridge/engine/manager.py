@@ -31,7 +31,12 @@ from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.gc_pause import gc_paused
-from dcpbridge.engine.incremental import child, refuse_if_referenced, remove_checkpoints
+from dcpbridge.engine.incremental import (
+    child,
+    is_link,
+    refuse_if_referenced,
+    remove_checkpoints,
+)
 from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step, planning_ahead
@@ -415,6 +420,11 @@ class CheckpointManager:
             location = self._location(step)
             store = storage_for(location)
             doc: dict[str, Any] = {"step": step, "metrics": plain}
+            if is_link(location):  # another place's folder: a save must not write into it
+                raise InvalidArgumentError(
+                    f"{location.url}: {step_dir_name(step)} is a symbolic link to a folder "
+                    "elsewhere; remove the link or save under another step"
+                )
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
                 names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)

@@ -571,6 +571,34 @@ def test_retention_never_deletes_through_a_linked_step_folder(tmp_path, referenc
     assert torch.equal(out["w"], w) and torch.equal(out["v"], torch.zeros(4))
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_never_writes_through_a_linked_step_folder(tmp_path, async_save):
+    """Saving step 0 again where ``step_00000000`` links to a base checkpoint elsewhere
+    wrote the new state into that checkpoint and deleted its data files. The save is
+    refused; the base and the link stay as they were."""
+    base, root = tmp_path / "base", tmp_path / "run"
+    w = torch.arange(8.0)
+    db.save({"w": w}, str(base))
+    before = {n: (base / n).read_bytes() for n in os.listdir(base)}
+    root.mkdir()
+    os.symlink(base, root / "step_00000000")
+    mgr = db.CheckpointManager(str(root), every=1, async_save=async_save, writer="thread")
+    assert mgr.latest_step() == 0
+
+    def save_again() -> None:
+        mgr.save(0, {"w": w * 0})
+        mgr.wait()  # an async save's failure is raised here
+
+    with pytest.raises(db.InvalidArgumentError, match="step_00000000 is a symbolic link"):
+        save_again()
+    assert {n: (base / n).read_bytes() for n in os.listdir(base)} == before
+    assert os.path.islink(root / "step_00000000")
+    mgr.save(1, {"w": w + 1})
+    mgr.close()
+    assert mgr.all_steps() == [0, 1]
+    assert torch.equal(mgr.load({"w": torch.zeros(8)}, step=0)["w"], w)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_failed_re_save_leaves_the_committed_steps_metrics(tmp_path, async_save):
