@@ -434,7 +434,7 @@ class CheckpointManager:
                 doc["over"] = {"save_id": committed_save_id(store), "metrics": _metrics_of(kept)}
             else:  # a new step: its sidecar goes if the save fails (rule 3)
                 if store.list_names():
-                    self._remove_steps([step], self._scan()[0])
+                    self._clear_leftovers(step)
                 self._resaved[step] = None
             store.makedirs()
             raw = json.dumps(doc, sort_keys=True).encode()
@@ -448,6 +448,17 @@ class CheckpointManager:
             return lambda: run(None, {})
         checked = protocol.on_coordinator(self._group, "prepare", check)
         return (lambda: run(*checked)) if checked is not None else (lambda: None)
+
+    def _clear_leftovers(self, step: int) -> None:
+        """Rank 0: remove what a killed save left in new step ``step``'s folder, keeping what
+        the complete steps reference; where their documents cannot tell, nothing is removed
+        (the leftovers' own save id keeps them apart from this save's files)."""
+        try:
+            self._remove_steps([step], self._scan()[0])
+        except CorruptCheckpointError as e:
+            log.warning(
+                "dcpbridge: leaving what a killed save left in %s: %s", self.step_url(step), e
+            )
 
     def _metric(self, metrics: Mapping[str, Any] | None) -> float | None:
         if self.retention.keep_best is None:

@@ -381,6 +381,26 @@ def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
         mgr.load({}, step=7)
 
 
+def test_a_damaged_older_step_does_not_stop_the_save_over_a_killed_ones_leftovers(tmp_path, caplog):
+    """The save of a step whose folder holds a killed save's files removes them keeping
+    what the complete steps reference; where one of those steps' document was unreadable,
+    that save raised, and a job resumed below the killed step failed at that step on every
+    restart. Now the leftovers stay (logged) and the save goes on."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), every=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    (root / "step_00000001" / "dcpbridge.json").write_text("{garbage")
+    (root / "step_00000003").mkdir()
+    (root / "step_00000003" / "__0_0.0123456789abcdef.bin").write_bytes(b"x" * 16)  # killed
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        assert mgr.save(3, {"w": torch.full((4,), 3.0)})
+    assert "step_00000003" in caplog.text and "not valid JSON" in caplog.text
+    assert mgr.all_steps() == [1, 2, 3]
+    assert torch.equal(mgr.load({"w": torch.zeros(4)})["w"], torch.full((4,), 3.0))
+    mgr.close()
+
+
 @pytest.mark.parametrize(
     "sidecar", ['{"metrics": {"loss": 1' + "0" * 400 + "}}", "[" * 100_000 + "]" * 100_000]
 )
