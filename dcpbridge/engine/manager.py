@@ -585,31 +585,20 @@ class CheckpointManager:
 
     def _stored_metric(self, step: int) -> float | None:
         """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None); the
-        metrics of the commit a re-save was written over while that commit is still there."""
+        metrics of the commit a re-save was written over while that commit is still there. A
+        storage fault raises: retention then deletes nothing rather than rank ``step`` as
+        having no metric."""
         if step not in self._metrics:
-            value = None
+            location = self._location(step)
+            store = storage_for(location)
             try:
-                location = self._location(step)
-                store = storage_for(location)
                 doc = json.loads(store.read_file(location.path(SIDECAR)))
-                over = doc.get("over")
-                if isinstance(over, dict) and over.get("save_id") == committed_save_id(store):
-                    doc = over  # the re-save that wrote this sidecar never committed
-                raw = doc["metrics"][self.best_metric]
-                if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-                    value = float(raw)
-            except (
-                OSError,
-                CheckpointError,
-                ValueError,
-                KeyError,
-                TypeError,
-                AttributeError,
-                OverflowError,
-                RecursionError,
-            ):
-                value = None
-            self._metrics[step] = value
+            except (FileNotFoundError, IsADirectoryError, ValueError, RecursionError):
+                doc = None  # none, or no JSON document
+            over = doc.get("over") if isinstance(doc, dict) else None
+            if isinstance(over, dict) and over.get("save_id") == committed_save_id(store):
+                doc = over  # the re-save that wrote this sidecar never committed
+            self._metrics[step] = _metric_in(doc, self.best_metric)
         return self._metrics[step]
 
     def wait(self) -> None:
@@ -898,6 +887,17 @@ def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _metric_in(doc: Any, name: str | None) -> float | None:
+    """Metric ``name`` of a parsed sidecar (untrusted: anything but a number is None)."""
+    try:
+        raw = doc["metrics"][name]
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+    except (KeyError, TypeError, IndexError, OverflowError):
+        pass
+    return None
 
 
 def _metrics_of(sidecar: bytes | None) -> Any:

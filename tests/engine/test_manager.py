@@ -456,6 +456,37 @@ def test_a_metric_that_is_no_number_raises_invalid_argument(tmp_path, keep_best,
     assert mgr.all_steps() == [1]
 
 
+def test_a_sidecar_that_cannot_be_read_now_deletes_nothing(tmp_path, caplog, monkeypatch):
+    """A storage fault reading the best step's manager.json counted as "no metric" (like a
+    hostile one), so retention deleted the best checkpoint. A fault now fails that
+    retention (logged, nothing deleted); the next one ranks the step again."""
+    from dcpbridge.storage.backends.store import LocalStorage
+
+    root = tmp_path / "run"
+    opts = {"keep_best": 1, "best_metric": "loss", "async_save": False, "every": 1}
+    mgr = db.CheckpointManager(str(root), **opts)
+    for step, loss in [(1, 1.0), (2, 5.0)]:
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
+    assert mgr.all_steps() == [1, 2]
+    read = LocalStorage.read_file
+
+    def flaky(self, path: str) -> bytes:
+        if path.endswith(f"step_00000001/{SIDECAR}"):
+            raise OSError(5, "Input/output error")
+        return read(self, path)
+
+    monkeypatch.setattr(LocalStorage, "read_file", flaky)
+    mgr = db.CheckpointManager(str(root), **opts)  # reads the sidecars afresh
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        mgr.save(3, {"w": torch.full((2,), 3.0)}, metrics={"loss": 3.0})
+    assert mgr.all_steps() == [1, 2, 3]
+    assert "retention" in caplog.text and "Input/output error" in caplog.text
+    monkeypatch.setattr(LocalStorage, "read_file", read)
+    mgr.save(4, {"w": torch.full((2,), 4.0)}, metrics={"loss": 9.0})
+    assert mgr.all_steps() == [1, 4]  # the best (loss 1.0) and the newest
+    mgr.close()
+
+
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
