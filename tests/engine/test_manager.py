@@ -487,6 +487,40 @@ def test_a_sidecar_that_cannot_be_read_now_deletes_nothing(tmp_path, caplog, mon
     mgr.close()
 
 
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_a_commit_file_that_cannot_be_looked_up_now_is_not_a_partial_step(
+    tmp_path, caplog, monkeypatch, scheme
+):
+    """fsspec's ``exists`` answers False for any failure: a storage fault (an NFS I/O error,
+    a 503) looking up a complete step's dcpbridge.json made it look like a killed save's
+    folder, and retention deleted the checkpoint. The fault now raises: that retention
+    fails (logged) and deletes nothing; ``all_steps`` raises it."""
+    import fsspec
+
+    root = str(tmp_path / "run") if scheme == "local" else f"memory://{tmp_path.name}/run"
+    fs = fsspec.filesystem("file" if scheme == "local" else "memory")
+    mgr = db.CheckpointManager(root, every=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    info = type(fs).info
+
+    def flaky(self, path, **kwargs):
+        if str(path).endswith("step_00000001/dcpbridge.json"):
+            raise OSError(5, "Input/output error")
+        return info(self, path, **kwargs)
+
+    monkeypatch.setattr(type(fs), "info", flaky)
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        mgr.save(3, {"w": torch.full((2,), 3.0)})
+    assert "retention" in caplog.text and "Input/output error" in caplog.text
+    with pytest.raises(db.StorageError, match="Input/output error"):
+        mgr.all_steps()
+    monkeypatch.setattr(type(fs), "info", info)
+    assert mgr.all_steps() == [1, 2, 3]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=1)["w"], torch.ones(2))
+    mgr.close()
+
+
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
