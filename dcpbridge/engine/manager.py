@@ -3,7 +3,8 @@
 Checkpoints live in ``root/step_00000100`` style directories (local disk, S3 or any fsspec URL).
 A step is complete only once its commit file (``dcpbridge.json``, written last by the storage
 layer) exists: ``latest_step`` / ``all_steps`` see complete steps only, and the directories of
-saves that never committed are removed after the next successful save. Retention runs only
+saves that never committed (holding only what a save writes) are removed after the next
+successful save. Retention runs only
 after a commit and never removes the newest complete checkpoint. Deleting a checkpoint removes
 its commit file first, so a half-deleted directory never looks complete.
 """
@@ -55,6 +56,7 @@ from dcpbridge.formats.config import Config, load_config, resolve_storage_option
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.write.reuse import Previous
 from dcpbridge.storage.write.writer import committed_save_id
 
@@ -257,8 +259,12 @@ class CheckpointManager:
         steps = sorted(s for n in names if (s := _step_of(n)) is not None)
         complete, partial = [], []
         for step in steps:
-            committed = storage_for(self._location(step)).exists(METADATA_FILE)
-            (complete if committed else partial).append(step)
+            store = storage_for(self._location(step))
+            if store.exists(METADATA_FILE):
+                complete.append(step)
+            elif not _foreign(store.list_names()):  # a killed save's leftovers
+                partial.append(step)
+            # else another format's checkpoint or others' files: never the manager's to remove
         return complete, partial
 
     def all_steps(self) -> list[int]:
@@ -453,6 +459,13 @@ class CheckpointManager:
         """Rank 0: remove what a killed save left in new step ``step``'s folder, keeping what
         the complete steps reference; where their documents cannot tell, nothing is removed
         (the leftovers' own save id keeps them apart from this save's files)."""
+        foreign = _foreign(storage_for(self._location(step)).list_names())
+        if foreign:
+            raise InvalidArgumentError(
+                f"{self.step_url(step)} holds files no save of a manager writes "
+                f"({', '.join(repr(n) for n in foreign[:5])}: another format's checkpoint?); "
+                "move them away or save under another step"
+            )
         try:
             self._remove_steps([step], self._scan()[0])
         except CorruptCheckpointError as e:
@@ -887,6 +900,15 @@ def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _foreign(names: Iterable[str]) -> list[str]:
+    """The names in an uncommitted step folder that no save of a manager writes there (its
+    data files, its commits' temp files, its sidecar), sorted."""
+    temp = (f"{METADATA_FILE}.tmp", f"{SIDECAR}.tmp")
+    return sorted(
+        n for n in names if not (DATA_FILE_RE.match(n) or n == SIDECAR or n.startswith(temp))
+    )
 
 
 def _metric_in(doc: Any, name: str | None) -> float | None:

@@ -401,6 +401,38 @@ def test_a_damaged_older_step_does_not_stop_the_save_over_a_killed_ones_leftover
     mgr.close()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_of_another_format_in_a_step_folder_is_never_removed(tmp_path):
+    """A plain DCP checkpoint saved as ``step_00000000`` (loadable with ``db.load``) has no
+    dcpbridge.json: the manager took it for a killed save's folder and its first save
+    deleted it. Only a folder holding nothing but what a dcpbridge save writes is such
+    leftovers; a save of that step refuses to write over the other files."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "run"
+    dcp.save(
+        {"w": torch.arange(4.0)},
+        storage_writer=dcp.FileSystemWriter(str(root / "step_00000000")),
+        no_dist=True,
+    )
+    before = sorted(os.listdir(root / "step_00000000"))
+    (root / "step_00000005").mkdir()  # a killed save's: data, sidecar, a commit's temp file
+    for name in ("__0_0.0123456789abcdef.bin", SIDECAR, "dcpbridge.json.tmp.12-ab"):
+        (root / "step_00000005" / name).write_bytes(b"x")
+    mgr = db.CheckpointManager(str(root), every=1, keep_last=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    assert mgr.all_steps() == [2]
+    assert sorted(os.listdir(root)) == ["step_00000000", "step_00000002"]
+    assert sorted(os.listdir(root / "step_00000000")) == before
+    with pytest.raises(db.InvalidArgumentError, match=r"step_00000000.*'\.metadata'"):
+        mgr.save(0, {"w": torch.zeros(4)})
+    assert sorted(os.listdir(root / "step_00000000")) == before
+    out = db.load({"w": torch.zeros(4)}, str(root / "step_00000000"))
+    assert torch.equal(out["w"], torch.arange(4.0))
+    mgr.close()
+
+
 @pytest.mark.parametrize(
     "sidecar", ['{"metrics": {"loss": 1' + "0" * 400 + "}}", "[" * 100_000 + "]" * 100_000]
 )
