@@ -19,6 +19,7 @@ import math
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -359,12 +360,18 @@ class CheckpointManager:
         return saved
 
     def _notify(self, step: int, tier: str, url: str) -> None:
-        """Call ``on_commit(step, tier, url)`` on rank 0; its exceptions are logged only."""
+        """Call ``on_commit(step, tier, url)`` on rank 0; its exceptions are logged only, base
+        exceptions too (an ``asyncio.CancelledError``: raised here it would leave the other
+        ranks waiting, or skip the upload behind a local commit), except an interrupt or
+        exit in the main thread."""
         if self.on_commit is None or not self._group.is_coordinator:
             return
         try:
             self.on_commit(step, tier, url)
-        except Exception as e:
+        except BaseException as e:
+            stop = isinstance(e, (KeyboardInterrupt, SystemExit))
+            if stop and threading.current_thread() is threading.main_thread():
+                raise
             log.warning("dcpbridge: on_commit(%d, %r, %r) failed: %r", step, tier, url, e)
 
     def _persist(

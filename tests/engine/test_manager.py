@@ -553,6 +553,38 @@ def test_a_commit_file_that_cannot_be_looked_up_now_is_not_a_partial_step(
     mgr.close()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("persist_behind", [False, True], ids=["persistent", "behind"])
+def test_on_commit_raising_a_base_exception_is_logged_not_raised_nor_hanging(
+    tmp_path, caplog, persist_behind
+):
+    """An ``on_commit`` raising ``asyncio.CancelledError`` (a BaseException: an async
+    notifier's cancelled task) escaped the save on rank 0, and on the local tier's thread it
+    skipped the upload it came before: the next save waited forever for that persistent step.
+    It is logged like any failure of the callback."""
+    import asyncio
+
+    def notify(step: int, tier: str, url: str) -> None:
+        raise asyncio.CancelledError()
+
+    extra = {"local_dir": str(tmp_path / "shm"), "replicas": 0} if persist_behind else {}
+    mgr = db.CheckpointManager(
+        str(tmp_path / "run"),
+        every=2,
+        on_commit=notify,
+        persist_behind=persist_behind,
+        async_save=persist_behind,  # the local step and its upload on the tier's thread
+        **extra,
+    )
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        for step in range(1, 5):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+        mgr.close()
+    assert mgr.all_steps() == [2, 4]
+    assert "on_commit(4, 'persistent'" in caplog.text and "CancelledError" in caplog.text
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
+
+
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
