@@ -57,6 +57,7 @@ from dcpbridge.formats.config import Config, load_config, resolve_storage_option
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.write.reuse import Previous
 from dcpbridge.storage.write.writer import committed_save_id
@@ -72,6 +73,8 @@ _NEEDS_OPTIMIZERS = (
 )
 SIDECAR = "manager.json"
 """Per-step file of the manager (the step's metrics), written before the save commits."""
+MAX_SIDECAR_BYTES = 1 << 20
+"""A larger sidecar is not read (it counts as no metric): a few metrics take bytes."""
 
 
 def step_dir_name(step: int) -> str:
@@ -441,7 +444,7 @@ class CheckpointManager:
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
                 names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
-                kept = store.read_file(location.path(SIDECAR)) if store.exists(SIDECAR) else None
+                kept = _read_sidecar(store, location)
                 self._resaved[step] = kept
                 # while the commit it replaces stays (a killed save), its metrics hold
                 doc["over"] = {"save_id": committed_save_id(store), "metrics": _metrics_of(kept)}
@@ -612,9 +615,10 @@ class CheckpointManager:
             location = self._location(step)
             store = storage_for(location)
             try:
-                doc = json.loads(store.read_file(location.path(SIDECAR)))
-            except (FileNotFoundError, IsADirectoryError, ValueError, RecursionError):
-                doc = None  # none, or no JSON document
+                raw = _read_sidecar(store, location)
+                doc = json.loads(raw) if raw is not None else None
+            except (IsADirectoryError, ValueError, RecursionError):
+                doc = None  # no JSON document
             over = doc.get("over") if isinstance(doc, dict) else None
             if isinstance(over, dict) and over.get("save_id") == committed_save_id(store):
                 doc = over  # the re-save that wrote this sidecar never committed
@@ -916,6 +920,18 @@ def _foreign(names: Iterable[str]) -> list[str]:
     return sorted(
         n for n in names if not (DATA_FILE_RE.match(n) or n == SIDECAR or n.startswith(temp))
     )
+
+
+def _read_sidecar(store: Storage, location: Location) -> bytes | None:
+    """The sidecar's bytes at ``location`` (None: absent, or larger than one can be, unread);
+    a storage fault raises."""
+    path = location.path(SIDECAR)
+    try:
+        if store.file_size(path) > MAX_SIDECAR_BYTES:  # checked before it is read whole
+            return None
+        return store.read_file(path)
+    except FileNotFoundError:
+        return None
 
 
 def _metric_in(doc: Any, name: str | None) -> float | None:

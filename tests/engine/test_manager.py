@@ -585,6 +585,36 @@ def test_on_commit_raising_a_base_exception_is_logged_not_raised_nor_hanging(
     assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
 
 
+def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
+    """Rule 4: a manager.json of any size was read whole (a planted one of gigabytes: that
+    much memory) to rank its step. One larger than a sidecar can be counts as no metric,
+    unread."""
+    from dcpbridge.engine import manager as manager_mod
+    from dcpbridge.storage.backends.store import LocalStorage
+
+    root = tmp_path / "run"
+    opts = {"keep_best": 1, "best_metric": "loss", "async_save": False, "every": 1}
+    mgr = db.CheckpointManager(str(root), **opts)
+    for step, loss in [(1, 0.5), (2, 1.0)]:
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
+    assert mgr.all_steps() == [1, 2]
+    pad = "x" * (manager_mod.MAX_SIDECAR_BYTES + 1)
+    (root / "step_00000001" / SIDECAR).write_text(f'{{"metrics": {{"loss": 0.5}}, "p": "{pad}"}}')
+    read = LocalStorage.read_file
+    reads: list[str] = []
+
+    def counted(self, path: str) -> bytes:
+        reads.append(path)
+        return read(self, path)
+
+    monkeypatch.setattr(LocalStorage, "read_file", counted)
+    mgr = db.CheckpointManager(str(root), **opts)  # reads the sidecars afresh
+    mgr.save(3, {"w": torch.full((2,), 3.0)}, metrics={"loss": 9.0})
+    assert not [p for p in reads if p.endswith(f"step_00000001/{SIDECAR}")]
+    assert mgr.all_steps() == [2, 3]  # step 1 has no metric: the best is step 2
+    mgr.close()
+
+
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
