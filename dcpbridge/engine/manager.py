@@ -499,6 +499,7 @@ class CheckpointManager:
         if self._pending is None:
             return False
         step, handle = self._pending
+        handle._done.wait()  # interrupted (Ctrl-C): the save is still pending, not failed
         self._pending = None
         with self._unprepared_on_failure(step):
             handle.result()

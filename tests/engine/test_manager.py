@@ -615,6 +615,48 @@ def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
     mgr.close()
 
 
+@pytest.mark.timeout(60)
+def test_an_interrupted_wait_leaves_the_pending_save_to_the_next_one(tmp_path, monkeypatch):
+    """A Ctrl-C while ``wait`` waited for an async save counted as that save's failure: its
+    manager.json was removed and the save forgotten, so it committed later with no metric
+    and no retention after it. The save stays pending; the next ``wait`` finishes it."""
+    import threading
+
+    gate = threading.Event()
+    finish = FsspecCheckpointWriter.finish
+
+    def gated(self, *args, **kwargs):
+        if "step_00000002" in self._loc.url:
+            gate.wait(30)
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(FsspecCheckpointWriter, "finish", gated)
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(
+        str(root), every=1, keep_best=1, best_metric="loss", async_save=True, writer="thread"
+    )
+    mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 1.0})
+    mgr.save(2, {"w": torch.full((2,), 2.0)}, metrics={"loss": 0.5})
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (root / "step_00000002" / SIDECAR).exists()
+    gate.set()
+    mgr.wait()
+    assert mgr.all_steps() == [2]  # retention ran after step 2: the best and the newest
+    assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 2.0))
+    mgr.close()
+
+
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
