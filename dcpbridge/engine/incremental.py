@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,16 +127,39 @@ def remove_checkpoints(root: Location, doomed: Iterable[str], kept: Iterable[str
         return
     needed = needed_files(root, kept)  # raises before anything is deleted
     for name in doomed:
-        store = storage_for(child(root, name))
-        if store.exists(METADATA_FILE):
+        location = child(root, name)
+        store = storage_for(location)
+        if not is_link(location) and store.exists(METADATA_FILE):
             store.remove([METADATA_FILE])
     for name in doomed:
         location = child(root, name)
         keep = {p for d, p in needed if d == name}
+        if is_link(location):  # another place's checkpoint, linked in: never changed here
+            if keep:
+                log.info("dcpbridge: keeping %s: kept checkpoints read through it", location.url)
+            else:  # the link alone, its path taken literally (one step: never half-deleted)
+                with storage_faults(f"{location.url}: remove"):
+                    os.unlink(location.root.rstrip("/"))
+            continue
         if not keep:
             _remove_folder(location)
             continue
-        _remove(location, [p for p in files_in(location) if p not in keep])
+        doomed_files = [p for p in files_in(location) if p not in keep]
+        _remove(location, [p for p in doomed_files if _checkpoint_path(p)])
+        tops = {p.split("/", 1)[0] for p in doomed_files if "/" in p}
+        for folder in sorted(t for t in tops if not SPREAD_DIR.match(t)):
+            _remove_folder(child(location, folder))  # a folder of its own: no kept file is in one
+
+
+def _checkpoint_path(path: str) -> bool:
+    """Whether ``path`` (in a checkpoint folder) is a file of it or of a spread folder."""
+    folder, sep, rest = path.partition("/")
+    return not sep or (bool(SPREAD_DIR.match(folder)) and "/" not in rest)
+
+
+def is_link(location: Location) -> bool:
+    """Whether checkpoint folder ``location`` is a symbolic link (local storage)."""
+    return location.is_local and os.path.islink(location.root.rstrip("/"))
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Checkpoints live in ``root/step_00000100`` style directories (local disk, S3 or any fsspec URL).
 A step is complete only once its commit file (``dcpbridge.json``, written last by the storage
 layer) exists: ``latest_step`` / ``all_steps`` see complete steps only, and the directories of
-saves that never committed are removed after the next successful save. Retention runs only
+saves that never committed (holding only what a save writes) are removed after the next
+successful save. Retention runs only
 after a commit and never removes the newest complete checkpoint. Deleting a checkpoint removes
 its commit file first, so a half-deleted directory never looks complete.
 """
@@ -18,6 +19,7 @@ import math
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +33,12 @@ from dcpbridge.engine import save as save_mod
 from dcpbridge.engine.async_save import AsyncSaveHandle
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.gc_pause import gc_paused
-from dcpbridge.engine.incremental import child, refuse_if_referenced, remove_checkpoints
+from dcpbridge.engine.incremental import (
+    child,
+    is_link,
+    refuse_if_referenced,
+    remove_checkpoints,
+)
 from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step, planning_ahead
@@ -50,11 +57,14 @@ from dcpbridge.formats.config import Config, load_config, resolve_storage_option
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
+from dcpbridge.storage.backends.store import Storage
+from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.write.reuse import Previous
+from dcpbridge.storage.write.writer import committed_save_id
 
 log = logging.getLogger("dcpbridge")
 
-_STEP_DIR = re.compile(r"^step_(\d{1,18})\Z")
+_STEP_DIR = re.compile(r"^step_([0-9]{1,18})\Z")
 MAX_STEP = 10**18 - 1
 """The largest step a manager saves: its folder name must read back (at most 18 digits)."""
 _NEEDS_OPTIMIZERS = (
@@ -63,11 +73,22 @@ _NEEDS_OPTIMIZERS = (
 )
 SIDECAR = "manager.json"
 """Per-step file of the manager (the step's metrics), written before the save commits."""
+MAX_SIDECAR_BYTES = 1 << 20
+"""A larger sidecar is not read (it counts as no metric): a few metrics take bytes."""
 
 
 def step_dir_name(step: int) -> str:
     """``step_00000100``: zero-padded so that names sort like steps."""
     return f"step_{step:08d}"
+
+
+def _step_of(name: str) -> int | None:
+    """The step whose folder is ``name``, or None: only the name ``step_dir_name`` gives is a
+    step (``step_2`` beside ``step_00000002`` is another checkpoint, not a second step 2)."""
+    m = _STEP_DIR.match(name)
+    if m is None or step_dir_name(int(m.group(1))) != name:
+        return None
+    return int(m.group(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,11 +260,15 @@ class CheckpointManager:
     def _scan(self) -> tuple[list[int], list[int]]:
         """(complete steps, steps without a commit), ascending; a storage fault raises."""
         names = storage_for(self._location()).list_names()
-        steps = sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
+        steps = sorted(s for n in names if (s := _step_of(n)) is not None)
         complete, partial = [], []
         for step in steps:
-            committed = storage_for(self._location(step)).exists(METADATA_FILE)
-            (complete if committed else partial).append(step)
+            store = storage_for(self._location(step))
+            if store.exists(METADATA_FILE):
+                complete.append(step)
+            elif not _foreign(store.list_names()):  # a killed save's leftovers
+                partial.append(step)
+            # else another format's checkpoint or others' files: never the manager's to remove
         return complete, partial
 
     def all_steps(self) -> list[int]:
@@ -275,11 +300,7 @@ class CheckpointManager:
     ) -> bool:
         """Save ``state`` as ``step`` when ``step % every == 0`` (or ``force``, or a signal of
         ``save_on_signal`` arrived on any rank); True if it saved."""
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-            raise InvalidArgumentError(
-                f"step must be an int from 0 to {MAX_STEP} (its folder name must be found "
-                f"again), got {step!r}"
-            )
+        _check_step(step)
         preempted = self._agree_on_signal() if self._signals else False
         if preempted and self._final_saved:
             return False
@@ -342,12 +363,18 @@ class CheckpointManager:
         return saved
 
     def _notify(self, step: int, tier: str, url: str) -> None:
-        """Call ``on_commit(step, tier, url)`` on rank 0; its exceptions are logged only."""
+        """Call ``on_commit(step, tier, url)`` on rank 0; its exceptions are logged only, base
+        exceptions too (an ``asyncio.CancelledError``: raised here it would leave the other
+        ranks waiting, or skip the upload behind a local commit), except an interrupt or
+        exit in the main thread."""
         if self.on_commit is None or not self._group.is_coordinator:
             return
         try:
             self.on_commit(step, tier, url)
-        except Exception as e:
+        except BaseException as e:
+            stop = isinstance(e, (KeyboardInterrupt, SystemExit))
+            if stop and threading.current_thread() is threading.main_thread():
+                raise
             log.warning("dcpbridge: on_commit(%d, %r, %r) failed: %r", step, tier, url, e)
 
     def _persist(
@@ -402,22 +429,31 @@ class CheckpointManager:
         checked here; the rest is returned, for the background save to run first."""
 
         def check() -> tuple[float | None, dict[str, float]]:
-            return self._metric(metrics), _plain_metrics(metrics)
+            plain = _plain_metrics(metrics)  # raises for a value that is no number
+            return self._metric(plain), plain
 
         def run(value: float | None, plain: dict[str, float]) -> None:
             location = self._location(step)
             store = storage_for(location)
+            doc: dict[str, Any] = {"step": step, "metrics": plain}
+            if is_link(location):  # another place's folder: a save must not write into it
+                raise InvalidArgumentError(
+                    f"{location.url}: {step_dir_name(step)} is a symbolic link to a folder "
+                    "elsewhere; remove the link or save under another step"
+                )
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
                 names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
-                kept = store.read_file(location.path(SIDECAR)) if store.exists(SIDECAR) else None
+                kept = _read_sidecar(store, location)
                 self._resaved[step] = kept
+                # while the commit it replaces stays (a killed save), its metrics hold
+                doc["over"] = {"save_id": committed_save_id(store), "metrics": _metrics_of(kept)}
             else:  # a new step: its sidecar goes if the save fails (rule 3)
                 if store.list_names():
-                    self._remove_steps([step], self._scan()[0])
+                    self._clear_leftovers(step)
                 self._resaved[step] = None
             store.makedirs()
-            raw = json.dumps({"step": step, "metrics": plain}, sort_keys=True).encode()
+            raw = json.dumps(doc, sort_keys=True).encode()
             store.commit_file(SIDECAR, raw, f"{SIDECAR}.tmp", sync=True)
             self._metrics[step] = value
 
@@ -428,6 +464,24 @@ class CheckpointManager:
             return lambda: run(None, {})
         checked = protocol.on_coordinator(self._group, "prepare", check)
         return (lambda: run(*checked)) if checked is not None else (lambda: None)
+
+    def _clear_leftovers(self, step: int) -> None:
+        """Rank 0: remove what a killed save left in new step ``step``'s folder, keeping what
+        the complete steps reference; where their documents cannot tell, nothing is removed
+        (the leftovers' own save id keeps them apart from this save's files)."""
+        foreign = _foreign(storage_for(self._location(step)).list_names())
+        if foreign:
+            raise InvalidArgumentError(
+                f"{self.step_url(step)} holds files no save of a manager writes "
+                f"({', '.join(repr(n) for n in foreign[:5])}: another format's checkpoint?); "
+                "move them away or save under another step"
+            )
+        try:
+            self._remove_steps([step], self._scan()[0])
+        except CorruptCheckpointError as e:
+            log.warning(
+                "dcpbridge: leaving what a killed save left in %s: %s", self.step_url(step), e
+            )
 
     def _metric(self, metrics: Mapping[str, Any] | None) -> float | None:
         if self.retention.keep_best is None:
@@ -445,6 +499,7 @@ class CheckpointManager:
         if self._pending is None:
             return False
         step, handle = self._pending
+        handle._done.wait()  # interrupted (Ctrl-C): the save is still pending, not failed
         self._pending = None
         with self._unprepared_on_failure(step):
             handle.result()
@@ -515,7 +570,7 @@ class CheckpointManager:
         out = []
         root = self._location()
         for name in storage_for(root).list_names():
-            if _STEP_DIR.match(name):
+            if _step_of(name) is not None:
                 continue
             try:
                 location = child(root, name)
@@ -553,18 +608,22 @@ class CheckpointManager:
         return -1
 
     def _stored_metric(self, step: int) -> float | None:
-        """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None)."""
+        """``best_metric`` of ``step`` from its sidecar (untrusted: anything odd is None); the
+        metrics of the commit a re-save was written over while that commit is still there. A
+        storage fault raises: retention then deletes nothing rather than rank ``step`` as
+        having no metric."""
         if step not in self._metrics:
-            value = None
+            location = self._location(step)
+            store = storage_for(location)
             try:
-                location = self._location(step)
-                doc = json.loads(storage_for(location).read_file(location.path(SIDECAR)))
-                raw = doc["metrics"][self.best_metric]
-                if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-                    value = float(raw)
-            except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
-                value = None
-            self._metrics[step] = value
+                raw = _read_sidecar(store, location)
+                doc = json.loads(raw) if raw is not None else None
+            except (IsADirectoryError, ValueError, RecursionError):
+                doc = None  # no JSON document
+            over = doc.get("over") if isinstance(doc, dict) else None
+            if isinstance(over, dict) and over.get("save_id") == committed_save_id(store):
+                doc = over  # the re-save that wrote this sidecar never committed
+            self._metrics[step] = _metric_in(doc, self.best_metric)
         return self._metrics[step]
 
     def wait(self) -> None:
@@ -581,6 +640,8 @@ class CheckpointManager:
         """Load ``step`` (default: the newest complete one, as rank 0 sees it) into
         ``template``, in any layout or world size; ``kwargs`` go to ``dcpbridge.load``."""
         _check_load_options(kwargs)
+        if step is not None:
+            _check_step(step)
         self._finish_pending()
         if self._local is not None:
             return self._load_either(template, step, kwargs)
@@ -751,7 +812,12 @@ class CheckpointManager:
         returns True on every rank. Call it from the main thread.
         """
         if signum not in self._signals:
-            self._signals[signum] = signal.signal(signum, self._on_signal)
+            try:
+                self._signals[signum] = signal.signal(signum, self._on_signal)
+            except (ValueError, OSError, TypeError) as e:  # a bad number, not the main thread
+                raise InvalidArgumentError(
+                    f"save_on_signal cannot handle signal {signum!r} here: {e}"
+                ) from e
         if state_fn is not None:
             self._state_fn = state_fn
 
@@ -833,10 +899,60 @@ def _local_load_options(kwargs: dict[str, Any]) -> tuple[Policy, dict[str, Any]]
     return parse_strict(options.pop("strict", StrictMode.RAISE_MISSING)), options
 
 
+def _check_step(step: Any) -> None:
+    """Raise unless ``step`` is a step number a manager saves (its folder name reads back)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidArgumentError(
+            f"step must be an int from 0 to {MAX_STEP} (its folder name must be found "
+            f"again), got {step!r}"
+        )
+
+
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _foreign(names: Iterable[str]) -> list[str]:
+    """The names in an uncommitted step folder that no save of a manager writes there (its
+    data files, its commits' temp files, its sidecar), sorted."""
+    temp = (f"{METADATA_FILE}.tmp", f"{SIDECAR}.tmp")
+    return sorted(
+        n for n in names if not (DATA_FILE_RE.match(n) or n == SIDECAR or n.startswith(temp))
+    )
+
+
+def _read_sidecar(store: Storage, location: Location) -> bytes | None:
+    """The sidecar's bytes at ``location`` (None: absent, or larger than one can be, unread);
+    a storage fault raises."""
+    path = location.path(SIDECAR)
+    try:
+        if store.file_size(path) > MAX_SIDECAR_BYTES:  # checked before it is read whole
+            return None
+        return store.read_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def _metric_in(doc: Any, name: str | None) -> float | None:
+    """Metric ``name`` of a parsed sidecar (untrusted: anything but a number is None)."""
+    try:
+        raw = doc["metrics"][name]
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+    except (KeyError, TypeError, IndexError, OverflowError):
+        pass
+    return None
+
+
+def _metrics_of(sidecar: bytes | None) -> Any:
+    """The ``metrics`` a sidecar's bytes hold (None where absent or unreadable)."""
+    try:
+        doc = json.loads(sidecar) if sidecar is not None else None
+    except (ValueError, RecursionError):
+        return None
+    return doc.get("metrics") if isinstance(doc, dict) else None
 
 
 def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
@@ -844,9 +960,9 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     for name, value in (metrics or {}).items():
         try:
             out[str(name)] = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
             raise InvalidArgumentError(
                 f"metric {name!r} must be a number (or a one-element tensor), got "
                 f"{type(value).__name__}"
-            ) from None
+            ) from e
     return out

@@ -200,7 +200,13 @@ class Storage:
 
     @storage_op("look up")
     def exists(self, name: str) -> bool:
-        return self.fs.exists(self.location.path(name))
+        """Whether file ``name`` is there; a fault looking it up raises (fsspec's ``exists``
+        answers False for any failure: a committed checkpoint then looked uncommitted)."""
+        try:
+            self.fs.info(self.location.path(name))
+        except (FileNotFoundError, NotADirectoryError):  # none, or the folder is a file
+            return False
+        return True
 
     def _entries(self) -> list[dict[str, Any]]:
         """Listing entries under the checkpoint root, plus the files in its spread folders

@@ -563,6 +563,34 @@ def test_retention_and_fsck_fix_remove_files_in_spread_folders(tmp_path, capsys)
     assert torch.equal(out["base"], base) and torch.equal(out["ad"], torch.full((8,), 3.0))
 
 
+def test_retention_removes_a_referenced_steps_own_subfolders(tmp_path, caplog):
+    """A step whose files a kept step references, holding a folder of its own (an
+    ``on_commit`` writing ``hf/config.json`` into each step): retention refused the nested
+    name and failed at every save, leaving that step's other files (its own data, its
+    sidecar) forever. Now everything but the referenced files goes."""
+
+    def add_config(step: int, tier: str, url: str) -> None:
+        os.makedirs(f"{url}/hf/sub", exist_ok=True)
+        with open(f"{url}/hf/sub/config.json", "w") as f:
+            f.write("{}")
+
+    root = str(tmp_path / "run")
+    base = torch.arange(64, dtype=torch.float32)
+    mgr = db.CheckpointManager(
+        root, every=1, keep_last=1, async_save=False, incremental=True, on_commit=add_config
+    )
+    with caplog.at_level("WARNING", logger="dcpbridge"):
+        for step in (1, 2, 3):
+            mgr.save(step, {"base": base, "ad": torch.full((8,), float(step)), "step": step})
+    mgr.close()
+    assert "retention" not in caplog.text
+    assert mgr.all_steps() == [3] and sorted(os.listdir(root)) == ["step_00000001", "step_00000003"]
+    needed = incremental.needed_files(resolve(root), ["step_00000003"])
+    assert _files(f"{root}/step_00000001") == {p for d, p in needed if d == "step_00000001"}
+    out = db.load({"base": torch.zeros(64), "ad": torch.zeros(8)}, f"{root}/step_00000003")
+    assert torch.equal(out["base"], base) and torch.equal(out["ad"], torch.full((8,), 3.0))
+
+
 def test_fsck_of_a_folder_of_roots_keeps_their_checkpoints(tmp_path, capsys):
     """``fsck`` of a folder holding manager roots lists none of their committed checkpoints'
     data files as orphans (it listed them all, for ``--fix`` to delete)."""

@@ -192,7 +192,7 @@ def test_async_failure_raises_on_every_rank_at_the_next_call(pool, tmp_path):
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000006"]  # step 4 removed
 
 
-def _die_while_writing(rank: int) -> None:
+def _die_while_writing(rank: int, dies: int = 1) -> None:
     """Fault injection: this rank's writer writes its data, then the process is SIGKILLed."""
     original = FsspecCheckpointWriter.write_data
 
@@ -200,7 +200,7 @@ def _die_while_writing(rank: int) -> None:
         original(self, plan, planner).wait()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if rank == 1:
+    if rank == dies:
         FsspecCheckpointWriter.write_data = write_then_die
 
 
@@ -260,6 +260,50 @@ def test_a_rank_killed_mid_save_on_s3(pool, s3_server):
     _kill_mid_save(pool, s3_backend(s3_server))
 
 
+def best_steps(r: Rank, root: str, resave: bool) -> None:
+    """Steps 1 (loss 1) and 2 (loss 5); with ``resave``, step 1 again (loss 100), rank 0
+    SIGKILLed once its data is written (the commit never happens)."""
+    mgr = db.CheckpointManager(
+        root, every=1, keep_best=1, best_metric="loss", process_group=r.group, async_save=False
+    )
+    if resave:
+        _die_while_writing(r.rank, dies=0)
+        w = rows(weights(7), r.rank, r.size)
+        mgr.save(1, state(w, r.rank, r.size, 7), metrics={"loss": 100.0})
+    for step, loss in ((1, 1.0), (2, 5.0)):
+        mgr.save(
+            step,
+            state(rows(weights(step), r.rank, r.size), r.rank, r.size, step),
+            metrics={"loss": loss},
+        )
+    mgr.close()
+
+
+def test_a_re_save_killed_mid_write_leaves_the_committed_steps_metric(pool, tmp_path):
+    """A re-save of a committed step wrote its metrics into the step's manager.json before it
+    committed: when rank 0 was killed mid-save, the old checkpoint stayed with the dead save's
+    metric, and retention then deleted the best checkpoint (loss 1.0) as the worst."""
+    root = str(tmp_path / "run")
+    pool.run(best_steps, 2, root, False)
+    try:
+        with pytest.raises(RankFailure, match="worker died"):
+            pool.run(best_steps, 2, root, True, timeout=60)
+    finally:
+        pool.kill()  # the survivors' process group is broken: start afresh
+    mgr = db.CheckpointManager(root, every=1, keep_best=1, best_metric="loss", async_save=False)
+    assert mgr.all_steps() == [1, 2]
+    mgr.save(3, state(weights(3), 0, 1, 3), metrics={"loss": 3.0})
+    assert mgr.all_steps() == [1, 3]  # the best (loss 1.0) and the newest
+    out = mgr.load(template(0, 1), step=1)
+    assert out["step"] == 1 and torch.equal(out["w"], weights(1))
+    mgr.close()
+    plain = db.CheckpointManager(root, every=1, async_save=False)  # a re-save that commits
+    plain.save(1, state(weights(7), 0, 1, 7), metrics={"loss": 50.0})
+    mgr = db.CheckpointManager(root, every=1, keep_best=1, best_metric="loss", async_save=False)
+    mgr.save(4, state(weights(4), 0, 1, 4), metrics={"loss": 9.0})
+    assert mgr.all_steps() == [3, 4]  # step 1 now holds the loss-50 save: no longer the best
+
+
 def preempted(r: Rank, root: str, signal_at: int, via_should_stop: bool) -> tuple[int, int]:
     previous = signal.getsignal(signal.SIGUSR2)
     mgr = db.CheckpointManager(root, every=4, process_group=r.group)
@@ -292,6 +336,34 @@ def test_a_signal_on_one_rank_saves_on_all_and_stops(pool, tmp_path, via_should_
     assert pool.run(check, 2, root, {}, 4) == [4, 4]
 
 
+def test_save_on_signal_refuses_what_it_cannot_install_with_invalid_argument(tmp_path):
+    """Rule 2: a signal number out of range, or a call from another thread than the main
+    one, raised the ``ValueError`` of ``signal.signal``."""
+    import threading
+
+    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=False)
+    with pytest.raises(db.InvalidArgumentError, match="save_on_signal") as e:
+        mgr.save_on_signal(99999)
+    assert isinstance(e.value.__cause__, ValueError)
+    failures: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            mgr.save_on_signal(signal.SIGUSR2)
+        except BaseException as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=install)
+    thread.start()
+    thread.join()
+    assert [type(f) for f in failures] == [db.InvalidArgumentError]
+    assert "main thread" in str(failures[0])
+    previous = signal.getsignal(signal.SIGUSR2)
+    mgr.save_on_signal(signal.SIGUSR2)  # from the main thread: installed, then restored
+    mgr.close()
+    assert signal.getsignal(signal.SIGUSR2) == previous
+
+
 def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
     root = tmp_path / "run"
     mgr = db.CheckpointManager(str(root), every=1, async_save=False)
@@ -307,6 +379,58 @@ def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
     assert sorted(os.listdir(root)) == ["notes", "step_00000003", "step_00000004"]
     with pytest.raises(db.NotACheckpointError, match="step 7"):
         mgr.load({}, step=7)
+
+
+def test_a_damaged_older_step_does_not_stop_the_save_over_a_killed_ones_leftovers(tmp_path, caplog):
+    """The save of a step whose folder holds a killed save's files removes them keeping
+    what the complete steps reference; where one of those steps' document was unreadable,
+    that save raised, and a job resumed below the killed step failed at that step on every
+    restart. Now the leftovers stay (logged) and the save goes on."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), every=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    (root / "step_00000001" / "dcpbridge.json").write_text("{garbage")
+    (root / "step_00000003").mkdir()
+    (root / "step_00000003" / "__0_0.0123456789abcdef.bin").write_bytes(b"x" * 16)  # killed
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        assert mgr.save(3, {"w": torch.full((4,), 3.0)})
+    assert "step_00000003" in caplog.text and "not valid JSON" in caplog.text
+    assert mgr.all_steps() == [1, 2, 3]
+    assert torch.equal(mgr.load({"w": torch.zeros(4)})["w"], torch.full((4,), 3.0))
+    mgr.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_of_another_format_in_a_step_folder_is_never_removed(tmp_path):
+    """A plain DCP checkpoint saved as ``step_00000000`` (loadable with ``db.load``) has no
+    dcpbridge.json: the manager took it for a killed save's folder and its first save
+    deleted it. Only a folder holding nothing but what a dcpbridge save writes is such
+    leftovers; a save of that step refuses to write over the other files."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "run"
+    dcp.save(
+        {"w": torch.arange(4.0)},
+        storage_writer=dcp.FileSystemWriter(str(root / "step_00000000")),
+        no_dist=True,
+    )
+    before = sorted(os.listdir(root / "step_00000000"))
+    (root / "step_00000005").mkdir()  # a killed save's: data, sidecar, a commit's temp file
+    for name in ("__0_0.0123456789abcdef.bin", SIDECAR, "dcpbridge.json.tmp.12-ab"):
+        (root / "step_00000005" / name).write_bytes(b"x")
+    mgr = db.CheckpointManager(str(root), every=1, keep_last=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    assert mgr.all_steps() == [2]
+    assert sorted(os.listdir(root)) == ["step_00000000", "step_00000002"]
+    assert sorted(os.listdir(root / "step_00000000")) == before
+    with pytest.raises(db.InvalidArgumentError, match=r"step_00000000.*'\.metadata'"):
+        mgr.save(0, {"w": torch.zeros(4)})
+    assert sorted(os.listdir(root / "step_00000000")) == before
+    out = db.load({"w": torch.zeros(4)}, str(root / "step_00000000"))
+    assert torch.equal(out["w"], torch.arange(4.0))
+    mgr.close()
 
 
 @pytest.mark.parametrize(
@@ -326,6 +450,211 @@ def test_a_hostile_sidecar_only_loses_its_own_metric(tmp_path, caplog, sidecar):
     with caplog.at_level(logging.WARNING, logger="dcpbridge"):
         mgr.save(4, {"w": torch.ones(2)}, metrics={"loss": 9.0})
     assert mgr.all_steps() == [3, 4] and "retention" not in caplog.text
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["persistent", "local-tier"])
+@pytest.mark.parametrize("step", ["1", 1.0, True, -1, 10**30])
+def test_load_refuses_a_step_that_is_no_step_number(tmp_path, step, local):
+    """``load(step="1")`` or ``step=1.0`` raised ValueError from formatting the folder name
+    (rule 2) and ``step=True`` loaded step 1; a step is now checked as ``save`` checks it."""
+    extra = {"local_dir": str(tmp_path / "local")} if local else {}
+    mgr = db.CheckpointManager(str(tmp_path / "run"), every=1, async_save=False, **extra)
+    mgr.save(1, {"w": torch.ones(2)})
+    with pytest.raises(db.InvalidArgumentError, match="step must be an int from 0 to"):
+        mgr.load({"w": torch.zeros(2)}, step=step)
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=1)["w"], torch.ones(2))
+    mgr.close()
+
+
+@pytest.mark.parametrize("keep_best", [None, 1])
+@pytest.mark.parametrize(
+    "value",
+    [torch.ones(2), 10**400, "abc", torch.tensor(1.0, device="meta")],
+    ids=["two-elements", "huge-int", "str", "meta"],
+)
+def test_a_metric_that_is_no_number_raises_invalid_argument(tmp_path, keep_best, value):
+    """Rule 2: a metric that is no number escaped as ValueError, OverflowError or
+    RuntimeError (with keep_best, or where float() overflowed or could not read a tensor)."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(
+        str(root), every=1, async_save=False, keep_best=keep_best, best_metric="loss"
+    )
+    with pytest.raises(db.InvalidArgumentError, match="metric 'loss' must be a number") as e:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"acc": 1.0, "loss": value})
+    assert e.value.__cause__ is not None
+    assert not root.exists() or os.listdir(root) == []
+    assert mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": torch.tensor([2.0])})
+    mgr.close()
+    assert mgr.all_steps() == [1]
+
+
+def test_a_sidecar_that_cannot_be_read_now_deletes_nothing(tmp_path, caplog, monkeypatch):
+    """A storage fault reading the best step's manager.json counted as "no metric" (like a
+    hostile one), so retention deleted the best checkpoint. A fault now fails that
+    retention (logged, nothing deleted); the next one ranks the step again."""
+    from dcpbridge.storage.backends.store import LocalStorage
+
+    root = tmp_path / "run"
+    opts = {"keep_best": 1, "best_metric": "loss", "async_save": False, "every": 1}
+    mgr = db.CheckpointManager(str(root), **opts)
+    for step, loss in [(1, 1.0), (2, 5.0)]:
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
+    assert mgr.all_steps() == [1, 2]
+    read = LocalStorage.read_file
+
+    def flaky(self, path: str) -> bytes:
+        if path.endswith(f"step_00000001/{SIDECAR}"):
+            raise OSError(5, "Input/output error")
+        return read(self, path)
+
+    monkeypatch.setattr(LocalStorage, "read_file", flaky)
+    mgr = db.CheckpointManager(str(root), **opts)  # reads the sidecars afresh
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        mgr.save(3, {"w": torch.full((2,), 3.0)}, metrics={"loss": 3.0})
+    assert mgr.all_steps() == [1, 2, 3]
+    assert "retention" in caplog.text and "Input/output error" in caplog.text
+    monkeypatch.setattr(LocalStorage, "read_file", read)
+    mgr.save(4, {"w": torch.full((2,), 4.0)}, metrics={"loss": 9.0})
+    assert mgr.all_steps() == [1, 4]  # the best (loss 1.0) and the newest
+    mgr.close()
+
+
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_a_commit_file_that_cannot_be_looked_up_now_is_not_a_partial_step(
+    tmp_path, caplog, monkeypatch, scheme
+):
+    """fsspec's ``exists`` answers False for any failure: a storage fault (an NFS I/O error,
+    a 503) looking up a complete step's dcpbridge.json made it look like a killed save's
+    folder, and retention deleted the checkpoint. The fault now raises: that retention
+    fails (logged) and deletes nothing; ``all_steps`` raises it."""
+    import fsspec
+
+    root = str(tmp_path / "run") if scheme == "local" else f"memory://{tmp_path.name}/run"
+    fs = fsspec.filesystem("file" if scheme == "local" else "memory")
+    mgr = db.CheckpointManager(root, every=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    info = type(fs).info
+
+    def flaky(self, path, **kwargs):
+        if str(path).endswith("step_00000001/dcpbridge.json"):
+            raise OSError(5, "Input/output error")
+        return info(self, path, **kwargs)
+
+    monkeypatch.setattr(type(fs), "info", flaky)
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        mgr.save(3, {"w": torch.full((2,), 3.0)})
+    assert "retention" in caplog.text and "Input/output error" in caplog.text
+    with pytest.raises(db.StorageError, match="Input/output error"):
+        mgr.all_steps()
+    monkeypatch.setattr(type(fs), "info", info)
+    assert mgr.all_steps() == [1, 2, 3]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=1)["w"], torch.ones(2))
+    mgr.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("persist_behind", [False, True], ids=["persistent", "behind"])
+def test_on_commit_raising_a_base_exception_is_logged_not_raised_nor_hanging(
+    tmp_path, caplog, persist_behind
+):
+    """An ``on_commit`` raising ``asyncio.CancelledError`` (a BaseException: an async
+    notifier's cancelled task) escaped the save on rank 0, and on the local tier's thread it
+    skipped the upload it came before: the next save waited forever for that persistent step.
+    It is logged like any failure of the callback."""
+    import asyncio
+
+    def notify(step: int, tier: str, url: str) -> None:
+        raise asyncio.CancelledError()
+
+    extra = {"local_dir": str(tmp_path / "shm"), "replicas": 0} if persist_behind else {}
+    mgr = db.CheckpointManager(
+        str(tmp_path / "run"),
+        every=2,
+        on_commit=notify,
+        persist_behind=persist_behind,
+        async_save=persist_behind,  # the local step and its upload on the tier's thread
+        **extra,
+    )
+    with caplog.at_level(logging.WARNING, logger="dcpbridge"):
+        for step in range(1, 5):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+        mgr.close()
+    assert mgr.all_steps() == [2, 4]
+    assert "on_commit(4, 'persistent'" in caplog.text and "CancelledError" in caplog.text
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
+
+
+def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
+    """Rule 4: a manager.json of any size was read whole (a planted one of gigabytes: that
+    much memory) to rank its step. One larger than a sidecar can be counts as no metric,
+    unread."""
+    from dcpbridge.engine import manager as manager_mod
+    from dcpbridge.storage.backends.store import LocalStorage
+
+    root = tmp_path / "run"
+    opts = {"keep_best": 1, "best_metric": "loss", "async_save": False, "every": 1}
+    mgr = db.CheckpointManager(str(root), **opts)
+    for step, loss in [(1, 0.5), (2, 1.0)]:
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
+    assert mgr.all_steps() == [1, 2]
+    pad = "x" * (manager_mod.MAX_SIDECAR_BYTES + 1)
+    (root / "step_00000001" / SIDECAR).write_text(f'{{"metrics": {{"loss": 0.5}}, "p": "{pad}"}}')
+    read = LocalStorage.read_file
+    reads: list[str] = []
+
+    def counted(self, path: str) -> bytes:
+        reads.append(path)
+        return read(self, path)
+
+    monkeypatch.setattr(LocalStorage, "read_file", counted)
+    mgr = db.CheckpointManager(str(root), **opts)  # reads the sidecars afresh
+    mgr.save(3, {"w": torch.full((2,), 3.0)}, metrics={"loss": 9.0})
+    assert not [p for p in reads if p.endswith(f"step_00000001/{SIDECAR}")]
+    assert mgr.all_steps() == [2, 3]  # step 1 has no metric: the best is step 2
+    mgr.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_wait_leaves_the_pending_save_to_the_next_one(tmp_path, monkeypatch):
+    """A Ctrl-C while ``wait`` waited for an async save counted as that save's failure: its
+    manager.json was removed and the save forgotten, so it committed later with no metric
+    and no retention after it. The save stays pending; the next ``wait`` finishes it."""
+    import threading
+
+    gate = threading.Event()
+    finish = FsspecCheckpointWriter.finish
+
+    def gated(self, *args, **kwargs):
+        if "step_00000002" in self._loc.url:
+            gate.wait(30)
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(FsspecCheckpointWriter, "finish", gated)
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(
+        str(root), every=1, keep_best=1, best_metric="loss", async_save=True, writer="thread"
+    )
+    mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 1.0})
+    mgr.save(2, {"w": torch.full((2,), 2.0)}, metrics={"loss": 0.5})
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (root / "step_00000002" / SIDECAR).exists()
+    gate.set()
+    mgr.wait()
+    assert mgr.all_steps() == [2]  # retention ran after step 2: the best and the newest
+    assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 2.0))
+    mgr.close()
 
 
 def test_defaults_come_from_the_config_file(tmp_path, monkeypatch):
@@ -413,6 +742,82 @@ def test_a_step_folder_name_with_a_trailing_newline_is_not_a_step(tmp_path):
     for pattern in (local_tier._STEP_DIR, local_tier._ASIDE_DIR):
         name = "step_00000002" + (".previous" if pattern is local_tier._ASIDE_DIR else "")
         assert pattern.match(name) and pattern.match(name + "\n") is None
+
+
+def test_a_step_folder_spelt_otherwise_is_another_checkpoint_not_a_step(tmp_path):
+    """``step_2`` (or ``step_`` with non-ASCII digits) beside ``step_00000002`` is not step 2:
+    it was read as a second step 2 (``all_steps`` listed 2 twice) and, being taken for a
+    step, was not among the checkpoints whose referenced files retention keeps: a committed
+    copy of an incremental step lost its data. It is now one of the other checkpoints."""
+    import shutil
+
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), every=1, keep_last=1, async_save=False, incremental=True)
+    w = torch.arange(8.0)
+    mgr.save(1, {"w": w, "v": torch.ones(4)})
+    mgr.save(2, {"w": w, "v": torch.zeros(4)})  # references step 1's file for "w"
+    shutil.copytree(root / "step_00000002", root / "step_2")
+    os.mkdir(root / "step_\u0663")  # Arabic-Indic digit 3: not a step either
+    assert mgr.all_steps() == [2] and mgr.latest_step() == 2
+    mgr.save(3, {"w": w + 1, "v": torch.full((4,), 3.0)})  # retention: steps 1 and 2 go
+    mgr.close()
+    assert mgr.all_steps() == [3]
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000003", "step_2", "step_\u0663"]
+    out = db.load({"w": torch.zeros(8), "v": torch.ones(4)}, str(root / "step_2"))
+    assert torch.equal(out["w"], w) and torch.equal(out["v"], torch.zeros(4))
+
+
+@pytest.mark.parametrize("referenced", [False, True])
+def test_retention_never_deletes_through_a_linked_step_folder(tmp_path, referenced):
+    """A step folder that is a symbolic link (a base checkpoint linked in to resume from)
+    had its target's commit file deleted by retention: the checkpoint outside the root was
+    destroyed. Retention now removes only the link, or leaves it where a kept step
+    references files through it; the target stays whole."""
+    base, root = tmp_path / "base", tmp_path / "run"
+    w = torch.arange(8.0)
+    db.save({"w": w, "v": torch.ones(4)}, str(base))
+    before = sorted(os.listdir(base))
+    root.mkdir()
+    os.symlink(base, root / "step_00000001")
+    mgr = db.CheckpointManager(
+        str(root), every=1, keep_last=1, async_save=False, incremental=referenced
+    )
+    assert mgr.all_steps() == [1]
+    mgr.save(2, {"w": w, "v": torch.zeros(4)})  # incremental: "w" read through the link
+    mgr.close()
+    assert sorted(os.listdir(base)) == before
+    assert torch.equal(db.load({"w": torch.zeros(8)}, str(base))["w"], w)
+    assert mgr.all_steps() == ([1, 2] if referenced else [2])
+    out = mgr.load({"w": torch.zeros(8), "v": torch.ones(4)}, step=2)
+    assert torch.equal(out["w"], w) and torch.equal(out["v"], torch.zeros(4))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_never_writes_through_a_linked_step_folder(tmp_path, async_save):
+    """Saving step 0 again where ``step_00000000`` links to a base checkpoint elsewhere
+    wrote the new state into that checkpoint and deleted its data files. The save is
+    refused; the base and the link stay as they were."""
+    base, root = tmp_path / "base", tmp_path / "run"
+    w = torch.arange(8.0)
+    db.save({"w": w}, str(base))
+    before = {n: (base / n).read_bytes() for n in os.listdir(base)}
+    root.mkdir()
+    os.symlink(base, root / "step_00000000")
+    mgr = db.CheckpointManager(str(root), every=1, async_save=async_save, writer="thread")
+    assert mgr.latest_step() == 0
+
+    def save_again() -> None:
+        mgr.save(0, {"w": w * 0})
+        mgr.wait()  # an async save's failure is raised here
+
+    with pytest.raises(db.InvalidArgumentError, match="step_00000000 is a symbolic link"):
+        save_again()
+    assert {n: (base / n).read_bytes() for n in os.listdir(base)} == before
+    assert os.path.islink(root / "step_00000000")
+    mgr.save(1, {"w": w + 1})
+    mgr.close()
+    assert mgr.all_steps() == [0, 1]
+    assert torch.equal(mgr.load({"w": torch.zeros(8)}, step=0)["w"], w)
 
 
 @pytest.mark.timeout(60)
