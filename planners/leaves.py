@@ -88,8 +88,10 @@ def storage_holds(t: torch.Tensor) -> bool:
         held = t.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts:
         return True  # not this check's to refuse (the layout checks name them)
-    if t.is_contiguous() and held >= t.nbytes + t.storage_offset() * t.element_size():
-        return True  # the commonest: its bytes follow its offset (0.9 us here)
+    if t.is_contiguous():  # the commonest: its bytes follow its offset (~0.6 us here)
+        offset = t.storage_offset()
+        if held >= t.nbytes + (offset * t.element_size() if offset else 0):
+            return True
     if not t.numel():  # nothing to read or fill, wherever it points
         return True
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
