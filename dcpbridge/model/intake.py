@@ -27,6 +27,7 @@ from dcpbridge.model.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
     check_not_flattened,
+    merged,
 )
 from dcpbridge.model.state import HOLE
 from dcpbridge.planners.errors import SerializationError
@@ -385,7 +386,6 @@ def _merge_slot(
         values = STATE_WALKER.rebuild(built, lambda leaf: loaded(by_leaf[id(leaf.value)]))
         if any(v is MISSING for v in (loaded(s) for s in shards)):
             return MISSING
-        with torch.no_grad():  # its inputs are views filled in place: no autograd history
-            return factory.merge_fn(values)
+        return merged(factory, values)
 
     return slot

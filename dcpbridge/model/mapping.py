@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dcpbridge.errors import InvalidShardError
+from dcpbridge.errors import CheckpointError, InvalidShardError
 from dcpbridge.planners.distribution import is_main_replica
 from dcpbridge.planners.protocol import ReplicaId, object_key, parse_object_name
 
@@ -401,13 +401,34 @@ class ShardedTensorFactory:
     flattened_range: slice | None = None
 
     def build(self) -> ShardedStateDict:
+        """``build_fn``'s sharded state dict; its failure is an ``InvalidShardError`` naming
+        the factory's key (the user's exception as the cause)."""
         check_not_flattened(self)
-        if _takes_four_args(self.build_fn):
-            return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
-        return self.build_fn(self.key, self.data, self.replica_id)
+        try:
+            if _takes_four_args(self.build_fn):
+                return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+            return self.build_fn(self.key, self.data, self.replica_id)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise InvalidShardError(f"factory {self.key!r}: build_fn failed: {e!r}") from e
 
     def without_data(self) -> ShardedTensorFactory:
         return dataclasses.replace(self, data=None)
+
+
+def merged(factory: Any, loaded: Any) -> Any:
+    """``factory.merge_fn(loaded)`` without autograd history (its inputs are views filled in
+    place), its failure an ``InvalidShardError`` naming the factory's key (a Megatron-Core
+    factory too), the user's exception as the cause."""
+    try:
+        with torch.no_grad():
+            return factory.merge_fn(loaded)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        key = getattr(factory, "key", "?")
+        raise InvalidShardError(f"factory {key!r}: merge_fn failed: {e!r}") from e
 
 
 def _takes_four_args(fn: Callable[..., Any]) -> bool:
@@ -465,8 +486,7 @@ def apply_factory_merges(loaded: Any, factories: Any, key: tuple[Any, ...] = ())
     matching part of ``loaded`` by its ``merge_fn`` result, in place (Megatron's
     ``apply_factory_merges``); returns ``loaded``."""
     if isinstance(factories, ShardedTensorFactory):
-        with torch.no_grad():  # loaded views filled in place: no autograd history to keep
-            return factories.merge_fn(loaded)
+        return merged(factories, loaded)
     where = ".".join(map(str, key)) or "<root>"
     if isinstance(loaded, dict) and isinstance(factories, dict):
         for k, sub in factories.items():

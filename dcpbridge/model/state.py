@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from dcpbridge.model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    merged,
 )
 from dcpbridge.planners.errors import SerializationError
 from dcpbridge.planners.walk import like
@@ -132,8 +131,7 @@ def apply_factory_merges(loaded: Any, template: Any) -> Any:
     if isinstance(template, ShardedTensorFactory):
         if loaded is HOLE or _has_hole(loaded):
             return HOLE  # parts were missing from the checkpoint (strict="return_all")
-        with torch.no_grad():  # loaded views filled in place: no autograd history to keep
-            return template.merge_fn(loaded)
+        return merged(template, loaded)
     if isinstance(template, dict) and isinstance(loaded, dict):
         return {
             k: apply_factory_merges(v, template[k]) if k in template else v

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -260,6 +261,41 @@ def test_swiglu_factory_interleaved_across_tp(pool, tmp_path):
     load_swiglu(Rank(0, 1, None), path)
     meta = db.load_tensors_metadata(path)
     assert meta["mlp.fc1"].global_shape == (2 * FFN_SW, 4)
+
+
+def _failing(message: str):
+    def fail(*_):
+        raise ValueError(message)
+
+    return fail
+
+
+def save_with_failing_build(r: Rank, path: str) -> str:
+    """Rank 1's build_fn raises (a user's bug): every rank raises, naming the factory."""
+    f = _swiglu_factory("mlp.fc1", r.size, r.rank, True)
+    if r.rank == 1:
+        f.build_fn = _failing("bad split")
+    try:
+        db.save({"fc1": f}, path, process_group=r.group)
+    except db.InvalidShardError as e:
+        return str(e).splitlines()[0]
+    return "saved"
+
+
+def test_a_failing_build_fn_raises_invalid_shard_error_on_every_rank(pool, tmp_path):
+    got = pool.run(save_with_failing_build, 2, str(tmp_path / "ck"), timeout=60)
+    assert got == ["rank 1: factory 'mlp.fc1': build_fn failed: ValueError('bad split')"] * 2
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_a_failing_merge_fn_raises_invalid_shard_error_naming_the_factory(pool, tmp_path):
+    path = str(tmp_path / "swiglu")
+    pool.run(save_swiglu, 2, path)
+    f = _swiglu_factory("mlp.fc1", 1, 0, False)
+    f.merge_fn = _failing("cannot merge")
+    with pytest.raises(db.InvalidShardError, match=r"^factory 'mlp.fc1': merge_fn failed") as e:
+        db.load({"fc1": f}, path)
+    assert isinstance(e.value.__cause__, ValueError)
 
 
 # -- allow_shape_mismatch --------------------------------------------------------------------
