@@ -172,12 +172,27 @@ def _as_bytes(
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
+def own_client(store: Any) -> Any:
+    """A new client of ``store`` (``store`` itself where it cannot be cloned).
+
+    A store call holds the client it runs on until it returns, so a group that waits for its
+    peers in the background must not wait on the job's client: the job's own store calls
+    (creating a process group, a barrier) would queue behind the wait. A clone also does not
+    keep rank 0's store server (and its port) alive once the job destroys its process group.
+    """
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return store
+
+
 class StoreGroup(Group):
     """The same object collectives over the job's key-value store instead of a process group.
 
     Background saves use it: store requests are independent RPCs, so they never interleave
     with the training loop's collectives, and no process group has to be created (which
-    torch cannot do reliably from inside a sub-group of an already running job).
+    torch cannot do reliably from inside a sub-group of an already running job). It talks
+    to the store through a client of its own (``own_client``).
     """
 
     def __init__(
@@ -192,6 +207,8 @@ class StoreGroup(Group):
         heartbeat in ``store`` (see ``liveness``; None: waits cannot tell a dead member from
         a slow one)."""
         super().__init__(None, group.rank, group.size, 0)
+        store = own_client(store)  # its waits never hold up the job's calls on ``store``
+        object.__setattr__(self, "_client", store)
         prefix = f"dcpbridge/{name}/"
         object.__setattr__(self, "_store", dist.PrefixStore(prefix, store))
         object.__setattr__(self, "_seq", iter(range(1 << 62)))
@@ -303,8 +320,8 @@ class SideGroup(StoreGroup):
     """A ``StoreGroup`` that also moves bytes, over a private gloo backend of its members.
 
     The local tier's copies and peer fetches travel here, never on the training group, from
-    a background thread too: the group has its own store client (a blocking ``get`` holds
-    the client it runs on, so sharing async_save's would deadlock). The backend is made
+    a background thread too: like every ``StoreGroup`` it has its own store client (a
+    blocking ``get`` holds the client it runs on, so sharing async_save's would deadlock). The backend is made
     directly (not with ``new_group``, whose names depend on how many groups each rank created
     before), rendezvousing under the group's own store prefix.
     """
@@ -317,9 +334,8 @@ class SideGroup(StoreGroup):
         members: tuple[int, ...] | None = None,
         beat: Heartbeat | None = None,
     ) -> None:
-        store = store.clone()  # its own client: a store call blocks the client it runs on
         super().__init__(group, store, name, members, beat)
-        prefix = dist.PrefixStore(f"dcpbridge/{name}/gloo/", store)
+        prefix = dist.PrefixStore(f"dcpbridge/{name}/gloo/", self._client)
         with _exchanging(self, "connecting the side group"):
             backend = dist.ProcessGroupGloo(prefix, group.rank, group.size, SIDE_TIMEOUT)
         object.__setattr__(self, "_gloo", backend)

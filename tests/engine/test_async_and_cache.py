@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dcpbridge as db
+from dcpbridge.engine.async_save import AsyncSaver
 from dcpbridge.engine.cache import SAVE_CACHES
+from dcpbridge.engine.collectives import Group
 from dcpbridge.storage import read_checkpoint_metadata, resolve
 from tests.support import layouts as L
 from tests.support.collective_counts import count_collectives
@@ -339,3 +343,35 @@ def test_staging_refuses_a_tensor_freed_after_the_save_call():
     t.untyped_storage().resize_(0)
     with pytest.raises(db.StagingError, match=r"'w' \(offset \(0,\)\): its storage holds 0 bytes"):
         staging._check_backed(shard)
+
+
+# -- the background waits' own store client -----------------------------------------------------
+
+
+def store_op_while_the_commit_waits(r: Rank, root: str) -> float | None:
+    """Rank 1's saver is busy for 6 s before its save, so rank 0's background save waits in
+    the store for it; meanwhile rank 0's main thread makes a store call: how long it took."""
+    saver = AsyncSaver.for_group(Group.resolve(r.group), 2)
+    if r.rank == 1:
+        saver.submit("busy", lambda: time.sleep(6), None)  # a slow peer's saver
+    path = os.path.join(root, "a")
+    handle = db.async_save(_state(r.rank, 1.0), path, process_group=r.group, max_in_flight=2)
+    took = None
+    if r.rank == 0:
+        time.sleep(1)  # the background save now waits for rank 1's part of an exchange
+        store = dist.distributed_c10d._get_default_store()
+        start = time.monotonic()
+        store.add("dcpbridge-test/probe", 1)
+        took = time.monotonic() - start
+    handle.result(timeout=60)
+    _check(r.rank, path, 1.0, r.group)
+    return took
+
+
+@pytest.mark.timeout(120)
+def test_a_background_wait_does_not_hold_up_the_jobs_store_calls(pool, tmp_path):
+    """The async saver waited for its peers on the job's own store client, which serves one
+    call at a time: a main-thread store call (creating a process group, a barrier of the
+    store) waited behind it, here for seconds, in a job for as long as the slowest rank."""
+    took, _ = pool.run(store_op_while_the_commit_waits, 2, str(tmp_path), timeout=90)
+    assert took < 2.0, took
