@@ -76,6 +76,13 @@ class Group:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    @staticmethod
+    def destroyed(pg: dist.ProcessGroup) -> bool:
+        """Whether ``pg`` was destroyed (``destroy_process_group``), here or with the job."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return True
+        return pg not in dist.distributed_c10d._world.pg_map
+
     @property
     def distributed(self) -> bool:
         return self.pg is not None and self.size > 1
