@@ -263,6 +263,15 @@ class StoreGroup(Group):
     def _what(self, op: str) -> str:
         return f"rank {self.rank} of {self.size}: {op}"
 
+    def _forget(self, keys: list[str]) -> None:
+        """Delete the keys of a failed exchange that no other rank reads (no rank would count
+        out of them); stops at the first failing call (the store is gone with its keys)."""
+        for key in keys:
+            try:
+                self._store.delete_key(key)
+            except Exception:
+                return
+
     def _done(self, key: str, names: list[str]) -> None:
         """Count this rank out of ``key``; the last one deletes the op's keys."""
         if self._store.add(f"{key}/readers", 1) == self.size:
@@ -276,7 +285,11 @@ class StoreGroup(Group):
             self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
             return None
         keys = [f"{key}/{r}" for r in range(1, self.size)]
-        out = [obj, *self._get(keys, list(range(1, self.size)), "gather")]
+        try:
+            out = [obj, *self._get(keys, list(range(1, self.size)), "gather")]
+        except BaseException:
+            self._forget(keys)  # the coordinator alone reads a gather's values
+            raise
         for k in keys:
             self._store.delete_key(k)
         return out
@@ -289,7 +302,11 @@ class StoreGroup(Group):
             for r in range(1, self.size):
                 self._store.set(f"{key}/{r}", pickle.dumps(objs[r]))
             return objs[0]
-        (value,) = self._get([f"{key}/{self.rank}"], [0], "scatter")
+        try:
+            (value,) = self._get([f"{key}/{self.rank}"], [0], "scatter")
+        except BaseException:
+            self._forget([f"{key}/{self.rank}"])  # read by this rank alone
+            raise
         self._store.delete_key(f"{key}/{self.rank}")
         return value
 
