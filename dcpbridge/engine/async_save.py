@@ -16,6 +16,7 @@ import atexit
 import logging
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections import deque
@@ -147,6 +148,8 @@ class AsyncSaver:
         """Queue the end behind the saves already queued (no wait: a finalizer calls it)."""
         if self._closing or self._pid != os.getpid():  # a forked child has no threads to end
             return
+        if sys.is_finalizing():  # the process ends: its teardown must not race the exit's
+            return
         self._closing = True
         if self._stager is not None:
             self._stagings.put(None)
@@ -256,6 +259,9 @@ class AsyncSaver:
 
 @atexit.register
 def _wait_for_saves_at_exit() -> None:
-    """Finish outstanding saves before the interpreter exits, so the last checkpoint lands."""
+    """Finish outstanding saves before the interpreter exits, so the last checkpoint lands;
+    a closing saver's thread ends first too (its teardown must not race the interpreter's)."""
     for saver in list(AsyncSaver._every):
         saver.drain()
+        if saver._closing and saver._pid == os.getpid():
+            saver._thread.join()
