@@ -65,7 +65,10 @@ def key_digests(objects: dict[str, Any]) -> dict[str, bytes]:
     """Each common key's digest (8 bytes)."""
     out = {}
     for key, value in objects.items():
-        raw = _bytes(_canonical(value))
+        try:
+            raw = _bytes(_canonical(value))
+        except Exception:  # an odd object's attributes: the digest never fails a save
+            raw = _UNHASHABLE
         out[key] = raw if raw == _UNHASHABLE else hashlib.blake2b(raw, digest_size=8).digest()
     return out
 
