@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.common_digest import CommonStateMismatchWarning
 from dcpbridge.engine.load import load, load_common_state_dict, load_plain_tensors
 from dcpbridge.engine.manager import CheckpointManager
 from dcpbridge.engine.save import SaveOptions, async_save, save
@@ -97,6 +98,7 @@ __all__ = [
     "CheckpointManager",
     "ChecksumMismatchError",
     "CollectiveError",
+    "CommonStateMismatchWarning",
     "ConcurrentSaveError",
     "ConfigError",
     "CorruptCheckpointError",

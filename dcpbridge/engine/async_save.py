@@ -4,13 +4,19 @@ Per process group there is one writer thread, one dedicated gloo group for its c
 (so they never interleave with the training loop's), one staging area whose buffers are reused
 by later saves, and (once a save stages in the background) one staging thread, which never
 communicates. Saves complete in submission order; at most ``max_in_flight`` are outstanding.
+A saver whose process group is destroyed is closed: its queued saves run to their end (they
+fail where the group's peers or store are gone), then its threads end and its buffers and
+writer process are freed; it happens when the group object is collected or, where something
+still holds it, at the next ``async_save`` of this process.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
+import sys
 import threading
 import weakref
 from collections import deque
@@ -20,6 +26,7 @@ from typing import Any
 from dcpbridge.engine.cache import PerGroup
 from dcpbridge.engine.collectives import Group, StoreGroup
 from dcpbridge.engine.staging import BufferSet, DeviceCopies, StagingArea, hold_streams
+from dcpbridge.engine.writer_process import process_of
 from dcpbridge.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -102,17 +109,57 @@ class AsyncSaver:
         self._thread.start()
         self._stagings: queue.Queue[Any] = queue.Queue()
         self._stager: threading.Thread | None = None  # started by the first background stage
+        self._pid = os.getpid()  # its threads and writer process are this process's only
+        self._pg = None if group.pg is None else weakref.ref(group.pg)
+        self._closing = False
         AsyncSaver._every.add(self)
+        if group.pg is not None:  # a group destroyed and collected takes its saver along
+            weakref.finalize(group.pg, AsyncSaver._stop_ref, weakref.ref(self)).atexit = False
 
     @classmethod
     def for_group(cls, group: Group, max_in_flight: int) -> AsyncSaver:
         """The saver of ``group`` (created collectively on first use by every member)."""
         if max_in_flight < 1:
             raise InvalidArgumentError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        cls.close_orphans()
         saver = cls._by_group.get(group, "async-save", lambda: AsyncSaver(group, max_in_flight))
         saver.area.max_sets = max(saver.area.max_sets, max_in_flight)
         saver.max_in_flight = max_in_flight
         return saver
+
+    @classmethod
+    def close_orphans(cls) -> None:
+        """Close this process's savers whose process group was destroyed (before a new group's
+        saver allocates buffers of its own)."""
+        for saver in list(cls._every):
+            pg = saver._pg() if saver._pg is not None else None
+            if saver._pg is not None and (pg is None or Group.destroyed(pg)):
+                saver.close()
+
+    def close(self) -> None:
+        """Let the queued saves end, then end the threads and free the buffers and the writer
+        process; the saver takes no more saves (idempotent)."""
+        AsyncSaver._by_group.discard(self)
+        self._stop()
+        if self._pid == os.getpid() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _stop(self) -> None:
+        """Queue the end behind the saves already queued (no wait: a finalizer calls it)."""
+        if self._closing or self._pid != os.getpid():  # a forked child has no threads to end
+            return
+        if sys.is_finalizing():  # the process ends: its teardown must not race the exit's
+            return
+        self._closing = True
+        if self._stager is not None:
+            self._stagings.put(None)
+        self._jobs.put(None)
+
+    @staticmethod
+    def _stop_ref(ref: weakref.ref[AsyncSaver]) -> None:
+        saver = ref()
+        if saver is not None:
+            saver._stop()
 
     def wait_for_capacity(self) -> None:
         """Wait for the oldest saves until fewer than ``max_in_flight`` are outstanding.
@@ -138,6 +185,8 @@ class AsyncSaver:
         """Queue ``job`` (which owns ``buffers`` until it ends) behind earlier saves; with
         ``stage``, the staging thread first runs it (it returns the buffers and must carry its
         own failures into ``job``) and ``job`` waits for it; ``writer`` is the handle's."""
+        if self._closing:
+            raise InvalidArgumentError("this async saver was closed: its process group is gone")
         handle = AsyncSaveHandle(checkpoint_dir, writer)
         handle._set_buffers(buffers)
         if stage is None:
@@ -164,7 +213,10 @@ class AsyncSaver:
     def _stage_loop(self) -> None:
         """Stage queued saves in order; local work only (no collective ever runs here)."""
         while True:
-            handle, stage = self._stagings.get()
+            item = self._stagings.get()
+            if item is None:
+                return
+            handle, stage = item
             try:
                 handle._set_buffers(stage())
             except BaseException as e:  # ``stage`` carries its failures; this is a last resort
@@ -174,7 +226,11 @@ class AsyncSaver:
 
     def _loop(self) -> None:
         while True:
-            handle, job = self._jobs.get()
+            item = self._jobs.get()
+            if item is None:
+                self._release()
+                return
+            handle, job = item
             error = None
             handle._staged.wait()
             buffers = handle._buffers
@@ -187,11 +243,25 @@ class AsyncSaver:
             finally:
                 if buffers is not None:
                     self.area.release(buffers)
+                handle._buffers = None  # the area holds them; a handle kept by the caller not
                 handle._finish(error)
+
+    def _release(self) -> None:
+        """The closed saver's last act (its saves are done): end its staging thread and
+        writer process, and drop its buffers."""
+        if self._stager is not None:
+            self._stager.join()
+        process = process_of(self.area)
+        if process is not None:
+            process.close()
+        self.area.clear()
 
 
 @atexit.register
 def _wait_for_saves_at_exit() -> None:
-    """Finish outstanding saves before the interpreter exits, so the last checkpoint lands."""
+    """Finish outstanding saves before the interpreter exits, so the last checkpoint lands;
+    a closing saver's thread ends first too (its teardown must not race the interpreter's)."""
     for saver in list(AsyncSaver._every):
         saver.drain()
+        if saver._closing and saver._pid == os.getpid():
+            saver._thread.join()

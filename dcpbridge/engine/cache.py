@@ -44,6 +44,13 @@ class PerGroup(Generic[V]):
                 value = table[full] = make()
             return value
 
+    def discard(self, value: V) -> None:
+        """Forget ``value`` wherever it is kept (compared by identity)."""
+        with self._lock:
+            for table in [self._alone, *self._by_group.values()]:
+                for key in [k for k, v in table.items() if v is value]:
+                    del table[key]
+
     def values(self) -> list[V]:
         with self._lock:
             return [

@@ -76,6 +76,13 @@ class Group:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    @staticmethod
+    def destroyed(pg: dist.ProcessGroup) -> bool:
+        """Whether ``pg`` was destroyed (``destroy_process_group``), here or with the job."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return True
+        return pg not in dist.distributed_c10d._world.pg_map
+
     @property
     def distributed(self) -> bool:
         return self.pg is not None and self.size > 1
@@ -172,12 +179,27 @@ def _as_bytes(
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
+def own_client(store: Any) -> Any:
+    """A new client of ``store`` (``store`` itself where it cannot be cloned).
+
+    A store call holds the client it runs on until it returns, so a group that waits for its
+    peers in the background must not wait on the job's client: the job's own store calls
+    (creating a process group, a barrier) would queue behind the wait. A clone also does not
+    keep rank 0's store server (and its port) alive once the job destroys its process group.
+    """
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return store
+
+
 class StoreGroup(Group):
     """The same object collectives over the job's key-value store instead of a process group.
 
     Background saves use it: store requests are independent RPCs, so they never interleave
     with the training loop's collectives, and no process group has to be created (which
-    torch cannot do reliably from inside a sub-group of an already running job).
+    torch cannot do reliably from inside a sub-group of an already running job). It talks
+    to the store through a client of its own (``own_client``).
     """
 
     def __init__(
@@ -192,6 +214,8 @@ class StoreGroup(Group):
         heartbeat in ``store`` (see ``liveness``; None: waits cannot tell a dead member from
         a slow one)."""
         super().__init__(None, group.rank, group.size, 0)
+        store = own_client(store)  # its waits never hold up the job's calls on ``store``
+        object.__setattr__(self, "_client", store)
         prefix = f"dcpbridge/{name}/"
         object.__setattr__(self, "_store", dist.PrefixStore(prefix, store))
         object.__setattr__(self, "_seq", iter(range(1 << 62)))
@@ -239,6 +263,15 @@ class StoreGroup(Group):
     def _what(self, op: str) -> str:
         return f"rank {self.rank} of {self.size}: {op}"
 
+    def _forget(self, keys: list[str]) -> None:
+        """Delete the keys of a failed exchange that no other rank reads (no rank would count
+        out of them); stops at the first failing call (the store is gone with its keys)."""
+        for key in keys:
+            try:
+                self._store.delete_key(key)
+            except Exception:
+                return
+
     def _done(self, key: str, names: list[str]) -> None:
         """Count this rank out of ``key``; the last one deletes the op's keys."""
         if self._store.add(f"{key}/readers", 1) == self.size:
@@ -252,7 +285,11 @@ class StoreGroup(Group):
             self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
             return None
         keys = [f"{key}/{r}" for r in range(1, self.size)]
-        out = [obj, *self._get(keys, list(range(1, self.size)), "gather")]
+        try:
+            out = [obj, *self._get(keys, list(range(1, self.size)), "gather")]
+        except BaseException:
+            self._forget(keys)  # the coordinator alone reads a gather's values
+            raise
         for k in keys:
             self._store.delete_key(k)
         return out
@@ -265,7 +302,11 @@ class StoreGroup(Group):
             for r in range(1, self.size):
                 self._store.set(f"{key}/{r}", pickle.dumps(objs[r]))
             return objs[0]
-        (value,) = self._get([f"{key}/{self.rank}"], [0], "scatter")
+        try:
+            (value,) = self._get([f"{key}/{self.rank}"], [0], "scatter")
+        except BaseException:
+            self._forget([f"{key}/{self.rank}"])  # read by this rank alone
+            raise
         self._store.delete_key(f"{key}/{self.rank}")
         return value
 
@@ -303,8 +344,8 @@ class SideGroup(StoreGroup):
     """A ``StoreGroup`` that also moves bytes, over a private gloo backend of its members.
 
     The local tier's copies and peer fetches travel here, never on the training group, from
-    a background thread too: the group has its own store client (a blocking ``get`` holds
-    the client it runs on, so sharing async_save's would deadlock). The backend is made
+    a background thread too: like every ``StoreGroup`` it has its own store client (a
+    blocking ``get`` holds the client it runs on, so sharing async_save's would deadlock). The backend is made
     directly (not with ``new_group``, whose names depend on how many groups each rank created
     before), rendezvousing under the group's own store prefix.
     """
@@ -317,9 +358,8 @@ class SideGroup(StoreGroup):
         members: tuple[int, ...] | None = None,
         beat: Heartbeat | None = None,
     ) -> None:
-        store = store.clone()  # its own client: a store call blocks the client it runs on
         super().__init__(group, store, name, members, beat)
-        prefix = dist.PrefixStore(f"dcpbridge/{name}/gloo/", store)
+        prefix = dist.PrefixStore(f"dcpbridge/{name}/gloo/", self._client)
         with _exchanging(self, "connecting the side group"):
             backend = dist.ProcessGroupGloo(prefix, group.rank, group.size, SIDE_TIMEOUT)
         object.__setattr__(self, "_gloo", backend)

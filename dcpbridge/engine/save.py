@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from dcpbridge.engine import protocol, stats
+from dcpbridge.engine import common_digest, protocol, stats
 from dcpbridge.engine.async_save import AsyncSaveHandle, AsyncSaver
 from dcpbridge.engine.bridge import BridgeSavePlanner
 from dcpbridge.engine.cache import (
@@ -168,8 +168,18 @@ def plan_save(
         planned.structure = structure_of(parts.shards, parallel, parts.common_layout())
         return planned.structure
 
-    told = None if report is None else lambda: report(planned.parts)
-    planned.reuse, planned.reports = agree_to_reuse(group, cache, sort, told)
+    per_key: dict[str, bytes] = {}
+
+    def told() -> tuple[bytes, Any]:
+        """This rank's common-state digest and ``report``: carried by the vote."""
+        if group.distributed:
+            per_key.update(common_digest.key_digests(planned.parts.objects))
+        mine = common_digest.digest(per_key)
+        return mine, None if report is None else report(planned.parts)
+
+    planned.reuse, told_back = agree_to_reuse(group, cache, sort, told)
+    planned.reports = [extra for _, extra in told_back]
+    common_digest.check(group, [d for d, _ in told_back], per_key, "save")
     try:  # a failure is raised on ``parallel`` only: carried to the whole group
         if planned.reuse is not None:
             planned.owners = owners = planned.reuse.entry.owners

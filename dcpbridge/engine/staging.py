@@ -109,6 +109,13 @@ class StagingArea:
                 self._count -= 1
             self._cond.notify()
 
+    def clear(self) -> None:
+        """Drop the free sets (their memory goes once no save holds them)."""
+        with self._cond:
+            self._count -= len(self._free)
+            self._free.clear()
+            self._cond.notify_all()
+
     def settle(self) -> None:
         """Wait for every copy queued on the side streams (before a failed stage's buffers
         are reused)."""

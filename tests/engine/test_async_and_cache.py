@@ -5,16 +5,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dcpbridge as db
+from dcpbridge.engine.async_save import AsyncSaver
 from dcpbridge.engine.cache import SAVE_CACHES
+from dcpbridge.engine.collectives import Group
 from dcpbridge.storage import read_checkpoint_metadata, resolve
 from tests.support import layouts as L
 from tests.support.collective_counts import count_collectives
 from tests.support.dist_pool import Rank
+from tests.support.s3_server import free_port
 
 
 def _state(rank: int, scale: float) -> dict:
@@ -339,3 +344,124 @@ def test_staging_refuses_a_tensor_freed_after_the_save_call():
     t.untyped_storage().resize_(0)
     with pytest.raises(db.StagingError, match=r"'w' \(offset \(0,\)\): its storage holds 0 bytes"):
         staging._check_backed(shard)
+
+
+# -- the background waits' own store client -----------------------------------------------------
+
+
+def store_op_while_the_commit_waits(r: Rank, root: str) -> float | None:
+    """Rank 1's saver is busy for 6 s before its save, so rank 0's background save waits in
+    the store for it; meanwhile rank 0's main thread makes a store call: how long it took."""
+    saver = AsyncSaver.for_group(Group.resolve(r.group), 2)
+    if r.rank == 1:
+        saver.submit("busy", lambda: time.sleep(6), None)  # a slow peer's saver
+    path = os.path.join(root, "a")
+    handle = db.async_save(_state(r.rank, 1.0), path, process_group=r.group, max_in_flight=2)
+    took = None
+    if r.rank == 0:
+        time.sleep(1)  # the background save now waits for rank 1's part of an exchange
+        store = dist.distributed_c10d._get_default_store()
+        start = time.monotonic()
+        store.add("dcpbridge-test/probe", 1)
+        took = time.monotonic() - start
+    handle.result(timeout=60)
+    _check(r.rank, path, 1.0, r.group)
+    return took
+
+
+@pytest.mark.timeout(120)
+def test_a_background_wait_does_not_hold_up_the_jobs_store_calls(pool, tmp_path):
+    """The async saver waited for its peers on the job's own store client, which serves one
+    call at a time: a main-thread store call (creating a process group, a barrier of the
+    store) waited behind it, here for seconds, in a job for as long as the slowest rank."""
+    took, _ = pool.run(store_op_while_the_commit_waits, 2, str(tmp_path), timeout=90)
+    assert took < 2.0, took
+
+
+# -- a process group destroyed and made again in-process ------------------------------------------
+
+REINIT = """
+import gc, os, sys, threading, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import dcpbridge as db
+from dcpbridge.engine.async_save import AsyncSaver
+from dcpbridge.engine.collectives import Group
+from dcpbridge.engine.writer_process import process_of
+
+rank, root, held = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "held"
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4], DCPB_PEER_TIMEOUT="2")
+ROWS = torch.arange(8, dtype=torch.float32)[rank * 4 : rank * 4 + 4]
+
+def state(scale):
+    return {"w": db.ShardedTensor.from_rank_offsets("w", ROWS * scale, (0, rank, 2))}
+
+def exact(name, scale):
+    tmpl = {"w": db.ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, 2))}
+    return torch.equal(db.load(tmpl, os.path.join(root, name))["w"], ROWS * scale)
+
+def ended(child, seconds):
+    deadline = time.monotonic() + seconds
+    while child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return child.poll() is not None
+
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+kept = Group.resolve().pg if held else None  # a caller that still holds the old group
+db.async_save(state(1.0), os.path.join(root, "a"), writer="process").result(60)
+saver = AsyncSaver.for_group(Group.resolve(), 1)
+child, area, thread = process_of(saver.area)._proc, saver.area, saver._thread
+del saver
+pending = db.async_save(state(3.0), os.path.join(root, "p"), writer="process")
+dist.barrier()
+dist.destroy_process_group()
+gc.collect()
+at_destroy = ended(child, 10)
+if held:  # the held group keeps its store server, and with it the port
+    os.environ["MASTER_PORT"] = sys.argv[5]
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+db.async_save(state(2.0), os.path.join(root, "b"), writer="thread").result(60)
+try:
+    pending.result(60)
+    fate = "saved"
+except db.CheckpointError as e:
+    fate = type(e).__name__
+committed = os.path.exists(os.path.join(root, "p", "dcpbridge.json"))
+# committed only whole (a failure may come after the commit: then the files are complete)
+pending_ok = exact("p", 3.0) if committed else fate != "saved"
+gc.collect()
+after = ended(child, 10)
+threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("dcpb-async"))
+freed = not thread.is_alive() and area._count == 0 and not area._free  # no staging buffer
+print("RESULT", at_destroy, after, freed, threads, exact("b", 2.0), pending_ok, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("held", [False, True])
+def test_a_destroyed_groups_async_saver_is_closed_and_a_new_group_saves(tmp_path, held):
+    """An AsyncSaver outlived its process group: after destroy_process_group and a new group
+    (an in-process restart), its threads, pinned or shared staging buffers and writer process
+    stayed for the life of the process (the re-init reuses MASTER_PORT: the saver's store
+    client must not keep the old server). Now the saver closes when its group is collected
+    (or, where the caller still holds the group, at the next async_save): its pending save
+    ends (committed bit-exact, or failed), then the rest is freed."""
+    ports = [str(free_port()), str(free_port())]
+    mode = "held" if held else "free"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", REINIT, str(r), str(tmp_path), mode, *ports],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=150)[0] for p in ranks]
+    results = [line for out in outs for line in out.splitlines() if line.startswith("RESULT")]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    # with the group held, the saver closes at the next async_save, not at destroy
+    expected = f"RESULT {not held} True True ['dcpb-async-save'] True True"
+    assert results == [expected] * 2, outs

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import dcpbridge as db
 from dcpbridge.engine import liveness
+from dcpbridge.engine.collectives import Group, StoreGroup
 from dcpbridge.engine.liveness import Heartbeat, PeerWatch, get_all, peer_timeout
 from dcpbridge.storage import FsspecCheckpointWriter
 from tests.e2e import test_local_tier as T
@@ -187,6 +188,40 @@ def test_the_peer_timeout_and_the_beat_it_sets(monkeypatch, raw, timeout, beat):
     else:
         monkeypatch.setenv(liveness.PEER_TIMEOUT_ENV, raw)
     assert (peer_timeout(), liveness.period()) == (timeout, beat)
+
+
+def _store_group(store, rank: int, beat: Heartbeat) -> StoreGroup:
+    """Group rank ``rank`` of three (global ranks 0-2) over ``store``."""
+    return StoreGroup(Group(None, rank, 3, 0), store, "t", (0, 1, 2), beat)
+
+
+def test_a_gather_that_fails_leaves_no_values_in_the_store(store, fast):
+    """Rank 2 never answers: the coordinator's gather fails. Rank 1's value (a whole plan, in
+    a real save) and rank 2's dead mark stayed in the job's store, since the coordinator,
+    their only reader, deleted them only after a success."""
+    beats = [Heartbeat(store, 0), Heartbeat(store, 1)]
+    try:
+        coordinator, other = (_store_group(store, r, beats[r]) for r in (0, 1))
+        assert other.gather({"plan": list(range(1000))}) is None
+        with pytest.raises(db.CollectiveError, match=r"gather: rank\(s\) \[2\] stopped"):
+            coordinator.gather("mine")
+        assert [coordinator._store.check([f"0/gather/{r}"]) for r in (1, 2)] == [False, False]
+    finally:
+        for beat in beats:
+            beat.stop()
+
+
+def test_a_scatter_that_fails_leaves_no_value_in_the_store(store, fast):
+    """The coordinator (rank 0) never answers: rank 1's scatter fails and its key, which only
+    it reads, is deleted (here the dead mark; a value the coordinator set before dying too)."""
+    beat = Heartbeat(store, 1)
+    try:
+        group = _store_group(store, 1, beat)
+        with pytest.raises(db.CollectiveError, match=r"scatter: rank\(s\) \[0\] stopped"):
+            group.scatter(None)
+        assert not group._store.check(["0/scatter/1"])
+    finally:
+        beat.stop()
 
 
 # -- real ranks, one of them killed ---------------------------------------------------------------
