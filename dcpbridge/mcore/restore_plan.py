@@ -53,6 +53,7 @@ class Manifest:
     wanted: tuple[ShardMeta, ...] = ()
     kept_objects: tuple[str, ...] = ()  # ShardedObject unique keys
     wanted_objects: tuple[str, ...] = ()
+    tied: bool = False  # its template asks keys tied (one memory): checked after the fill
 
 
 @dataclass(frozen=True, slots=True)

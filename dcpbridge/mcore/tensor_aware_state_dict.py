@@ -46,6 +46,7 @@ from dcpbridge.model.state import (
     leaves,
     map_leaves,
 )
+from dcpbridge.model.ties import Ties, untie
 from dcpbridge.planners import StrictMode
 from dcpbridge.planners.distribution import Holding, distribute
 from dcpbridge.planners.strict import Policy, decide, parse_strict
@@ -294,7 +295,9 @@ class TensorAwareStateDict:
         one another member of ``parallelization_group`` kept, sent by ``exchange_algo``:
         ``"broadcast"`` (one broadcast per shard to the group) or ``"p2p"`` (point-to-point,
         only to the members that need it). Template tensors are filled in place; where a
-        template has no data the result holds the kept or received tensor. ShardedObjects
+        template has no data the result holds the kept or received tensor; keys tied in the
+        template (one memory) must have been kept alike, else every member raises
+        ``TiedTensorsError`` naming both, as ``load`` does. ShardedObjects
         come from this rank's kept ones, factories are merged, the common state and the
         template's non-persistent objects are added. ``validate_access_integrity`` checks
         first, on every member, that no shard was kept twice in the group; shape or dtype
@@ -323,11 +326,15 @@ class TensorAwareStateDict:
         nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
         sharded: Any = HOLE
         requests: list[Any] = []
+        ties = Ties()
+        scratch: dict[int, ShardedTensor] = {}  # tied shard -> its copy filled into scratch
         mine: Manifest | BaseException
         try:
             shards = self._need_tensors("to_state_dict")
             sharded, _ = extract(apply_factories(tree), is_sharded)
-            requests = leaves(sharded) if sharded is not HOLE else []
+            asked = leaves(sharded) if sharded is not HOLE else []
+            requests, ties = untie(asked)  # tied keys' shards are filled into scratch
+            scratch = {id(s): u for s, u in zip(asked, requests) if u is not s}
             mine = Manifest(
                 kept=tuple(ShardMeta.of(s) for s in shards if s.numel > 0),
                 wanted=tuple(
@@ -335,10 +342,12 @@ class TensorAwareStateDict:
                 ),
                 kept_objects=tuple(s.unique_key for s in self.shards if _is_object(s)),
                 wanted_objects=tuple(s.unique_key for s in requests if _is_object(s)),
+                tied=bool(ties.pairs),
             )
         except Exception as e:  # raised on every member by the exchange below
             mine = e
-        if local_only and not validate_access_integrity and not policy.needs_stored:
+        alone = local_only and not validate_access_integrity and not policy.needs_stored
+        if alone:  # no collective: this rank's failures raise here alone
             if isinstance(mine, BaseException):
                 raise mine
             manifests = {group.rank: mine}
@@ -350,6 +359,7 @@ class TensorAwareStateDict:
         mismatch = _judge(policy, plan, group.rank, KEPT_BY_EACH if local_only else KEPT_BY_GROUP)
         sources = self._sources(group, plan, requests, exchange_algo)
         objects = {s.unique_key: s.data for s in self.shards if _is_object(s)}
+        unfilled: set[str] = set()  # keys of shards missing (strict="return_all")
 
         def value(x: Any) -> Any:
             if isinstance(x, ShardedObject):
@@ -359,15 +369,28 @@ class TensorAwareStateDict:
                 return x.data
             src = sources.get(shard_id(x))
             if src is None:
+                unfilled.add(x.key)
                 return HOLE  # missing, with strict="return_all"
-            if x.data is None:
-                x.data = src
-            elif x.data is not src:
+            into = scratch.get(id(x), x)  # a tied key's shard: its scratch, checked below
+            if into.data is None:
+                into.data = src
+            elif into.data is not src:
                 with torch.no_grad():  # a template Parameter is filled like a load fills it
-                    x.data.copy_(src)
+                    into.data.copy_(src)
             return x.data
 
-        loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
+        def fill() -> Any:
+            """The requested values, tied keys checked to be kept alike (``TiedTensorsError``)."""
+            loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
+            ties.settle(unfilled)
+            return loaded
+
+        if not alone and any(m.tied for m in manifests.values()):  # raised on every member
+            done: list[Any] = []
+            protocol.agree(group, "restore ties", lambda: done.append(fill()))
+            loaded = done[0]
+        else:
+            loaded = fill()
         result = assemble(self.common, loaded, tree, nonpersistent)
         if return_mismatch_keys or (return_mismatch_keys is None and policy.returns):
             return result, *mismatch

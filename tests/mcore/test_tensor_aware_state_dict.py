@@ -516,3 +516,93 @@ def test_restore_fills_parameters_in_place(pool, exchange_algo):
     template = _param_state(0, False)
     assert torch.equal(state.to_state_dict(template)["w"], L.full("w"))
     assert torch.equal(template["w"].data, L.full("w"))
+
+
+# -- tied template keys ------------------------------------------------------------------------
+
+
+def _ab_state(a: float, b: float, replica_id: int = 0) -> dict:
+    """Two keys 'a' and 'b' of 4 elements, filled with ``a`` and ``b``."""
+    return {
+        k: db.ShardedTensor.from_box(k, torch.full((4,), v), (4,), (0,), replica_id=replica_id)
+        for k, v in (("a", a), ("b", b))
+    }
+
+
+def _tied_template(p: torch.nn.Parameter) -> dict:
+    """'a' and 'b' asked into one memory (tied weights)."""
+    return {k: db.ShardedTensor.from_box(k, p.data, (4,), (0,)) for k in ("a", "b")}
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_tied_template_keys_kept_with_different_values_raise_naming_both(algo):
+    """Each key was copied into the shared memory, the last one silently winning; as
+    ``load`` does, tied keys kept with different values raise ``TiedTensorsError``."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, 2.0), algo=algo)
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(db.TiedTensorsError) as e:
+        state.to_state_dict(_tied_template(p))
+    assert "'a' and 'b' share one tensor's memory" in str(e.value)
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_tied_template_keys_kept_alike_fill_their_one_memory(algo):
+    state, _ = TASD.from_state_dict(_ab_state(3.0, 3.0), algo=algo)
+    p = torch.nn.Parameter(torch.zeros(4))
+    out = state.to_state_dict(_tied_template(p))
+    assert torch.equal(p.data, torch.full((4,), 3.0))
+    assert out["a"].data_ptr() == out["b"].data_ptr() == p.data_ptr()
+
+
+def tied_restore(r: Rank, exchange_algo: str, b: float) -> str:
+    """Both ranks hold 'a' (1.0) and 'b' (``b``) as replicas; rank 1 asks them tied (each
+    received into its template where the other rank kept it), rank 0 untied."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, b, r.rank), parallelization_group=r.group)
+    p = torch.nn.Parameter(torch.zeros(4))
+    template = _tied_template(p) if r.rank == 1 else _ab_state(0.0, 0.0, r.rank)
+    try:
+        out = state.to_state_dict(
+            template, exchange_algo=exchange_algo, parallelization_group=r.group
+        )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    assert torch.equal(out["a"], torch.full((4,), 1.0))
+    assert torch.equal(out["b"], torch.full((4,), b))
+    return "restored"
+
+
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
+def test_a_conflicting_tie_on_one_rank_raises_on_every_rank(pool, exchange_algo):
+    """Rank 1's tied keys, kept with different values (one received from rank 0), silently
+    took the last one's; now every rank raises naming both, and alike values restore."""
+    got = pool.run(tied_restore, 2, exchange_algo, 2.0, timeout=60, grace=5)
+    assert (
+        got
+        == [
+            "TiedTensorsError: rank 1: 'a' and 'b' share one tensor's memory in the load "
+            "template (tied weights), but the checkpoint holds different values for them: give "
+            "each its own tensor to load both"
+        ]
+        * 2
+    )
+    assert pool.run(tied_restore, 2, exchange_algo, 1.0, timeout=60) == ["restored"] * 2
+
+
+def tied_atomic_alone(r: Rank) -> str:
+    """``atomic`` without validation runs no collective: rank 1's conflicting tie raises
+    there alone (as any of its failures does), rank 0 restores."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, 2.0), algo="atomic")
+    template = _tied_template(torch.nn.Parameter(torch.zeros(4))) if r.rank else _ab_state(0.0, 0.0)
+    try:
+        state.to_state_dict(
+            template, validate_access_integrity=False, parallelization_group=r.group
+        )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return "restored"
+
+
+def test_a_tie_restored_alone_raises_alone(pool):
+    got = pool.run(tied_atomic_alone, 2, timeout=30, grace=5)
+    assert got[0] == "restored"
+    assert got[1].startswith("TiedTensorsError: 'a' and 'b' share one tensor's memory")
