@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,12 @@ from dcpbridge.engine.cache import structure_of
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import shard_id
 from dcpbridge.engine.save import split_for_save
-from dcpbridge.errors import HollowStateError, InvalidArgumentError, InvalidShardError
+from dcpbridge.errors import (
+    HollowStateError,
+    InvalidArgumentError,
+    InvalidShardError,
+    StagingError,
+)
 from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
 from dcpbridge.model.mapping import (
     ShardedObject,
@@ -399,7 +404,12 @@ class TensorAwareStateDict:
     def _sources(
         self, group: Group, plan: RestorePlan, requests: list[Any], exchange_algo: str
     ) -> dict[ShardId, torch.Tensor]:
-        """Every shard this rank needs: its own kept tensors, and the ones sent to it."""
+        """Every shard this rank needs: its own kept tensors, and the ones sent to it.
+
+        The buffers the exchange needs are made inside a collective step (the plan is the
+        same on every member, so all take it or none): a member that cannot allocate one
+        raises ``StagingError`` on every member instead of leaving them in the exchange.
+        """
         sources: dict[ShardId, torch.Tensor] = {}
         for s in self._tensor_shards():
             assert s.data is not None
@@ -414,21 +424,28 @@ class TensorAwareStateDict:
         }
         sends: list[tuple[torch.Tensor, int, int]] = []
         recvs: list[tuple[torch.Tensor, int, int]] = []
-        for tag, t in enumerate(plan.transfers):
-            shard = t.meta.shard
-            if t.src == group.rank:
-                data = as_shown(sources[shard].detach().to(device)).contiguous()
-                sends += [(data, dst, tag) for dst in t.dsts]
-            elif group.rank in t.dsts:
-                buf = into.get(shard)
-                if buf is None:
-                    buf = torch.empty(t.meta.local_shape, dtype=t.meta.dtype, device=device)
-                sources[shard] = buf
-                recvs.append((buf.detach(), t.src, tag))  # a Parameter receives in place
+        scratch: list[torch.Tensor] = []
+
+        def allocate() -> None:
+            for tag, t in enumerate(plan.transfers):
+                shard = t.meta.shard
+                if t.src == group.rank:
+                    data = _allocated("send buffer", t.meta, device, _sent(sources[shard], device))
+                    sends.extend((data, dst, tag) for dst in t.dsts)
+                elif group.rank in t.dsts:
+                    buf = into.get(shard)
+                    if buf is None:
+                        buf = _allocated("receive buffer", t.meta, device, _empty(t.meta, device))
+                    sources[shard] = buf
+                    recvs.append((buf.detach(), t.src, tag))  # a Parameter receives in place
+            if exchange_algo == "broadcast":
+                scratch.extend(_scratch(group.rank, plan, device))
+
+        protocol.agree(group, "restore buffers", allocate)
         if exchange_algo == "p2p":
             group.exchange(sends, recvs)
         else:
-            _broadcast_all(group, plan, sends, recvs, device)
+            _broadcast_all(group, plan, sends, recvs, scratch)
         return sources
 
 
@@ -437,15 +454,53 @@ def _broadcast_all(
     plan: RestorePlan,
     sends: list[tuple[torch.Tensor, int, int]],
     recvs: list[tuple[torch.Tensor, int, int]],
-    device: torch.device,
+    scratch: list[torch.Tensor],
 ) -> None:
-    """One broadcast per transfer, from its keeper to the whole group (bystanders use scratch)."""
+    """One broadcast per transfer, from its keeper to the whole group (bystanders use
+    ``scratch``, the one buffer ``_scratch`` made)."""
     mine = {tag: t for t, _, tag in sends} | {tag: t for t, _, tag in recvs}
-    spare = [t.meta.nbytes for i, t in enumerate(plan.transfers) if i not in mine]
-    scratch = torch.empty(max(spare, default=0), dtype=torch.uint8, device=device)
     for tag, t in enumerate(plan.transfers):
         buf = mine.get(tag)
-        group.broadcast_tensor(buf if buf is not None else scratch[: t.meta.nbytes], src=t.src)
+        group.broadcast_tensor(buf if buf is not None else scratch[0][: t.meta.nbytes], src=t.src)
+
+
+def _scratch(rank: int, plan: RestorePlan, device: torch.device) -> list[torch.Tensor]:
+    """The buffer (none or one) the broadcasts that ``rank`` neither sends nor receives land in:
+    the size of the largest."""
+    spare = [t.meta for t in plan.transfers if t.src != rank and rank not in t.dsts]
+    if not spare:
+        return []
+    largest = max(spare, key=lambda m: m.nbytes)
+    try:
+        return [torch.empty(largest.nbytes, dtype=torch.uint8, device=device)]
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise StagingError(
+            f"to_state_dict: cannot allocate the broadcast scratch buffer ({largest.nbytes} "
+            f"bytes, for {largest.key!r} at offset {largest.offset}) on {device}: {e}"
+        ) from e
+
+
+def _empty(meta: ShardMeta, device: torch.device) -> Callable[[], torch.Tensor]:
+    """A receive buffer for ``meta``, made when called."""
+    return lambda: torch.empty(meta.local_shape, dtype=meta.dtype, device=device)
+
+
+def _sent(src: torch.Tensor, device: torch.device) -> Callable[[], torch.Tensor]:
+    """What travels of kept tensor ``src`` (on ``device``, contiguous, its shown values)."""
+    return lambda: as_shown(src.detach().to(device)).contiguous()
+
+
+def _allocated(
+    what: str, meta: ShardMeta, device: torch.device, make: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``make()``, or ``StagingError`` naming the shard where it cannot be allocated."""
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise StagingError(
+            f"to_state_dict: cannot allocate the {what} of {meta.key!r} (offset {meta.offset}, "
+            f"{meta.local_shape} {meta.dtype}, {meta.nbytes} bytes) on {device}: {e}"
+        ) from e
 
 
 def _check_algo(algo: str) -> str:

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
+import dcpbridge.mcore.tensor_aware_state_dict as tasd_module
 from dcpbridge.engine.ownership import shard_id
 from dcpbridge.mcore.restore_plan import Manifest, ShardMeta, plan_restore
 from dcpbridge.planners.distribution import Holding, distribute
 from tests.e2e.test_errors import _expect
-from tests.engine.test_fully_parallel import _model, _replicas
+from tests.engine.test_fully_parallel import _model, _OutOfMemory, _replicas
 from tests.support import layouts as L
 from tests.support.collective_counts import count_collectives
 from tests.support.dist_pool import Rank
@@ -281,7 +282,7 @@ def test_data_parallel_round_trip_keeps_each_shard_once(pool, tmp_path, exchange
     for rank, res in enumerate(results):
         assert res["keepers"] == expected
         assert set(res["kept"]) == {s for s, k in expected.items() if k == rank}
-        restore = {"all_gather": 1}
+        restore = {"all_gather": 2}  # the manifests, then the exchange's buffers
         if exchange_algo == "p2p":
             restore["p2p"] = 1
         else:
@@ -606,3 +607,61 @@ def test_a_tie_restored_alone_raises_alone(pool):
     got = pool.run(tied_atomic_alone, 2, timeout=30, grace=5)
     assert got[0] == "restored"
     assert got[1].startswith("TiedTensorsError: 'a' and 'b' share one tensor's memory")
+
+
+# -- buffers that cannot be allocated ----------------------------------------------------------
+
+
+def out_of_memory_restore(r: Rank, exchange_algo: str, failing: int) -> str:
+    """Rank 0 alone keeps 'vec'; rank 1 asks it into a strided view (received through a
+    buffer); rank 2, if any, asks nothing (a bystander of the broadcast, through scratch).
+    Rank ``failing`` cannot allocate."""
+    vec = L.full("vec").clone() if r.rank == 0 else None
+    kept = {"vec": db.ShardedTensor.from_box("vec", vec, (10,), (0,))} if vec is not None else {}
+    state, _ = TASD.from_state_dict(kept, parallelization_group=r.group)
+    into = {0: torch.zeros(10), 1: torch.zeros(10, 2)[:, 0]}
+    template = {}
+    if r.rank in into:
+        template["vec"] = db.ShardedTensor.from_box("vec", into[r.rank], (10,), (0,))
+    if r.rank == failing:
+        tasd_module.torch = _OutOfMemory("torch")
+    try:
+        out = state.to_state_dict(
+            template, exchange_algo=exchange_algo, parallelization_group=r.group
+        )
+    except db.CheckpointError as e:  # carried to every rank as the protocol does
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    finally:
+        tasd_module.torch = torch
+    assert all(torch.equal(t, L.full("vec")) for t in out.values())
+    return "restored"
+
+
+@pytest.mark.parametrize(
+    ("exchange_algo", "ranks", "what"),
+    [
+        ("p2p", 2, "receive buffer of 'vec' (offset (0,), (10,) torch.float32, 40 bytes)"),
+        ("broadcast", 2, "receive buffer of 'vec' (offset (0,), (10,) torch.float32, 40 bytes)"),
+        ("broadcast", 3, "broadcast scratch buffer (40 bytes, for 'vec' at offset (0,))"),
+    ],
+)
+def test_a_restore_buffer_that_cannot_be_allocated_fails_every_rank(
+    pool, exchange_algo, ranks, what
+):
+    """A rank that could not allocate its receive or scratch buffer (made after the plan was
+    agreed) raised a bare RuntimeError alone, leaving the others waiting in the exchange.
+    Buffers are now made inside a collective step: every rank raises StagingError."""
+    failing = ranks - 1
+    got = pool.run(out_of_memory_restore, ranks, exchange_algo, failing, timeout=30, grace=5)
+    assert (
+        got
+        == [
+            f"StagingError: rank {failing}: to_state_dict: cannot allocate the {what} on cpu: "
+            "DefaultCPUAllocator: can't allocate memory"
+        ]
+        * ranks
+    )
+    assert (
+        pool.run(out_of_memory_restore, ranks, exchange_algo, -1, timeout=30)
+        == ["restored"] * ranks
+    )
