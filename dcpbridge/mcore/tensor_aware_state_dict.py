@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import structure_of
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.ownership import shard_id
+from dcpbridge.engine.ownership import WriteId, shard_id, write_id
 from dcpbridge.engine.save import split_for_save
 from dcpbridge.errors import (
     HollowStateError,
@@ -33,7 +33,7 @@ from dcpbridge.errors import (
     InvalidShardError,
     StagingError,
 )
-from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
+from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardMeta, plan_restore
 from dcpbridge.model.mapping import (
     ShardedObject,
     ShardedStateDict,
@@ -70,14 +70,16 @@ KEPT_BY_EACH = "the state each rank kept itself (algo='atomic' restores only tha
 class ShardDistribution:
     """Which member of the parallelization group keeps each shard (``from_state_dict``'s cache).
 
-    ``keepers`` maps a shard id ``(key, global_offset)`` to a group rank; ``structure``
+    ``keepers`` maps a shard id ``(key, global_offset, box size)`` (``ownership.write_id``:
+    a replica sharded otherwise than its main, at its offset, is another shard) to a group
+    rank; ``structure``
     fingerprints the shards and group of the rank that computed it, so reusing it for another
     structure is refused instead of silently keeping the wrong shards. Per rank, in memory.
     """
 
-    keepers: dict[ShardId, int]
+    keepers: dict[WriteId, int]
     structure: int
-    mains: frozenset[ShardId] | None = None
+    mains: frozenset[WriteId] | None = None
     """The shards some member holds as a main replica: the kept copies a save writes (None:
     every kept shard, as before this field existed)."""
 
@@ -94,7 +96,7 @@ class TensorAwareStateDict:
         shards: list[Any],
         algo: str,
         empty: list[Any] = (),
-        mains: frozenset[ShardId] | None = None,
+        mains: frozenset[WriteId] | None = None,
     ) -> None:
         self.common = common
         self.shards = shards  # kept ShardedTensors and ShardedObjects, in state-dict order
@@ -271,9 +273,7 @@ class TensorAwareStateDict:
         def marked(s: Any) -> Any:
             if not fully_parallel or not isinstance(s, ShardedTensor):
                 return s
-            return dataclasses.replace(
-                s, replica_id=0 if mains is None or shard_id(s) in mains else 1
-            )
+            return dataclasses.replace(s, replica_id=0 if mains is None or _in(mains, s) else 1)
 
         shards = [marked(s) for s in self.shards] + getattr(self, "empty", [])
         common = self.common if isinstance(self.common, Mapping) else {"common": self.common}
@@ -295,7 +295,8 @@ class TensorAwareStateDict:
     ) -> StateDict | tuple[StateDict, set[str], set[str]]:
         """The state dict ``sharded_state_dict`` asks for, like ``load`` does from dcpbridge.storage.
 
-        Each requested ShardedTensor gets the kept tensor of the same key and global offset:
+        Each requested ShardedTensor gets the kept tensor of the same key, global offset and
+        size:
         this rank's own, or (``fully_parallel``, the default for a state built with it) the
         one another member of ``parallelization_group`` kept, sent by ``exchange_algo``:
         ``"broadcast"`` (one broadcast per shard to the group) or ``"p2p"`` (point-to-point,
@@ -372,7 +373,7 @@ class TensorAwareStateDict:
             if x.numel == 0:
                 x.init_data()
                 return x.data
-            src = sources.get(shard_id(x))
+            src = sources.get(write_id(x))
             if src is None:
                 unfilled.add(x.key)
                 return HOLE  # missing, with strict="return_all"
@@ -403,22 +404,22 @@ class TensorAwareStateDict:
 
     def _sources(
         self, group: Group, plan: RestorePlan, requests: list[Any], exchange_algo: str
-    ) -> dict[ShardId, torch.Tensor]:
+    ) -> dict[WriteId, torch.Tensor]:
         """Every shard this rank needs: its own kept tensors, and the ones sent to it.
 
         The buffers the exchange needs are made inside a collective step (the plan is the
         same on every member, so all take it or none): a member that cannot allocate one
         raises ``StagingError`` on every member instead of leaving them in the exchange.
         """
-        sources: dict[ShardId, torch.Tensor] = {}
+        sources: dict[WriteId, torch.Tensor] = {}
         for s in self._tensor_shards():
             assert s.data is not None
-            sources.setdefault(shard_id(s), s.data)
+            sources.setdefault(write_id(s), s.data)
         if not plan.transfers:
             return sources
         device = group.tensor_device
         into = {
-            shard_id(s): s.data
+            write_id(s): s.data
             for s in requests
             if isinstance(s, ShardedTensor) and _receivable(s.data, device)
         }
@@ -533,7 +534,7 @@ def _held(error: BaseException | None, shards: list[Any]) -> list[Holding]:
     if error is not None:
         raise error
     return [
-        Holding(shard_id(s), s.numel * s.dtype.itemsize, is_main_replica(s.replica_id))
+        Holding(write_id(s), s.numel * s.dtype.itemsize, is_main_replica(s.replica_id))
         for s in shards
         if isinstance(s, ShardedTensor) and s.numel > 0
     ]
@@ -545,11 +546,17 @@ def _mine(manifest: Manifest | BaseException) -> Manifest:
     return manifest
 
 
-def _keeps(s: Any, keepers: dict[ShardId, int], rank: int) -> bool:
+def _keeps(s: Any, keepers: dict[WriteId, int], rank: int) -> bool:
     """Whether this rank keeps ``s`` (objects always; empty tensors never: nothing to keep)."""
     if not isinstance(s, ShardedTensor):
         return True
-    return s.numel > 0 and keepers.get(shard_id(s)) == rank
+    return s.numel > 0 and keepers.get(write_id(s)) == rank
+
+
+def _in(mains: frozenset[Any], s: ShardedTensor) -> bool:
+    """Whether ``s`` is one of ``mains`` (a state pickled when shards were named by key and
+    offset only holds those)."""
+    return write_id(s) in mains or shard_id(s) in mains
 
 
 def _receivable(t: torch.Tensor | None, device: torch.device) -> bool:

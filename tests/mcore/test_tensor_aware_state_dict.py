@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import dcpbridge as db
 import dcpbridge.mcore.tensor_aware_state_dict as tasd_module
-from dcpbridge.engine.ownership import shard_id
+from dcpbridge.engine.ownership import write_id
 from dcpbridge.mcore.restore_plan import Manifest, ShardMeta, plan_restore
 from dcpbridge.planners.distribution import Holding, distribute
 from tests.e2e.test_errors import _expect
@@ -92,7 +92,11 @@ def _check_sample(out: dict) -> None:
 def test_pop_insert_round_trip_and_holes():
     state, distribution = TASD.from_state_dict(_sample())
     assert distribution is not None
-    assert set(distribution.keepers) == {("w", (0, 0)), ("fused.a", (0, 0)), ("fused.b", (0, 0))}
+    assert set(distribution.keepers) == {  # key, offset and size
+        ("w", (0, 0), (12, 8)),
+        ("fused.a", (0, 0), (6, 6)),
+        ("fused.b", (0, 0), (6, 6)),
+    }
     before = list(state.tensors)
     popped = state.pop_tensors()
     assert state.is_hollow
@@ -213,6 +217,12 @@ def test_plan_restore_sources_and_problems():
     ]
     with pytest.raises(db.ShapeMismatchError):
         wrong.check(validate=False)
+    alone = plan_restore({0: Manifest(kept=(a,), wanted=(_meta("a", 5),))}, local_only=True)
+    assert alone.shape_mismatches == [
+        "'a' at offset (0,): rank 0 requests local shape (5,) of (5,), torch.float32, "
+        "rank 0 kept local shape (4,) of (4,), torch.float32"
+    ]
+    assert alone.missing == [] and alone.transfers == []
 
 
 @pytest.mark.gpu
@@ -247,14 +257,14 @@ def dp_round_trip(r: Rank, root: str, exchange_algo: str) -> dict:
             _dp_state(r.rank, True), parallelization_group=r.group
         )
     calls["build"] = dict(counted)
-    kept = {shard_id(s): s.numel * 4 for s in state.shards if isinstance(s, db.ShardedTensor)}
+    kept = {write_id(s): s.numel * 4 for s in state.shards if isinstance(s, db.ShardedTensor)}
     with count_collectives() as counted:
         again, same = TASD.from_state_dict(
             _dp_state(r.rank, True), parallelization_group=r.group, cached_metadata=distribution
         )
     calls["cached"] = dict(counted)
     assert same is distribution
-    assert [shard_id(s) for s in again.shards if isinstance(s, db.ShardedTensor)] == list(kept)
+    assert [write_id(s) for s in again.shards if isinstance(s, db.ShardedTensor)] == list(kept)
     LocalManager(root, r.rank).save(state)
     del state, again
     gc.collect()
@@ -276,7 +286,7 @@ def dp_round_trip(r: Rank, root: str, exchange_algo: str) -> dict:
 @pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
 def test_data_parallel_round_trip_keeps_each_shard_once(pool, tmp_path, exchange_algo):
     results = pool.run(dp_round_trip, 4, str(tmp_path), exchange_algo)
-    sizes = {(k, (0,) * t.ndim): t.numel() * 4 for k, t in _model().items()}
+    sizes = {(k, (0,) * t.ndim, tuple(t.shape)): t.numel() * 4 for k, t in _model().items()}
     expected = distribute([[Holding(s, n) for s, n in sizes.items()]] * 4, only_main=False)
     assert len(expected) == len(sizes)
     for rank, res in enumerate(results):
@@ -317,7 +327,7 @@ def tp_dp_round_trip(r: Rank, root: str) -> dict:
     state, distribution = TASD.from_state_dict(
         _tp_dp_state(tp, dp, True), parallelization_group=group
     )
-    kept = sorted(shard_id(s) for s in state.shards)
+    kept = sorted(write_id(s) for s in state.shards)
     LocalManager(root, r.rank).save(state)
     del state
     restored = LocalManager(root, r.rank).load()
@@ -333,7 +343,7 @@ def tp_dp_round_trip(r: Rank, root: str) -> dict:
 def test_tensor_and_data_parallel_groups_restore_alone(pool, tmp_path):
     results = pool.run(tp_dp_round_trip, 4, str(tmp_path), default_group=True)
     for tp in range(2):
-        w_shard, vec = ("w", (6 * tp, 0)), ("vec", (0,))
+        w_shard, vec = ("w", (6 * tp, 0), (6, 8)), ("vec", (0,), (10,))
         # w (192 B) goes first to group rank 0, vec (40 B) to the less-loaded group rank 1 —
         # in the tp=1 group too, where no member holds vec as a main replica
         assert results[tp]["keepers"] == results[2 + tp]["keepers"] == {w_shard: 0, vec: 1}
@@ -665,3 +675,45 @@ def test_a_restore_buffer_that_cannot_be_allocated_fails_every_rank(
         pool.run(out_of_memory_restore, ranks, exchange_algo, -1, timeout=30)
         == ["restored"] * ranks
     )
+
+
+# -- a replica sharded otherwise than its main replica -------------------------------------------
+
+
+def _vec_split(rank: int, fill: bool, busy: bool = False) -> dict:
+    """Rank 0 holds 'vec' whole (main replica); ranks 1 and 2 hold its halves as replicas:
+    rank 1's half starts at rank 0's offset, with another size. ``busy``: rank 0 also keeps
+    'w' (so the keeper of the least loaded member is another rank)."""
+    vec = L.full("vec").clone() if fill else torch.zeros(10)
+    if rank == 0:
+        out = {"vec": db.ShardedTensor.from_box("vec", vec, (10,), (0,))}
+        if busy:
+            w = L.full("w").clone() if fill else torch.zeros(12, 8)
+            out["w"] = db.ShardedTensor.from_box("w", w, (12, 8), (0, 0))
+        return out
+    half = vec[5 * (rank - 1) : 5 * rank].clone()
+    return {"vec": db.ShardedTensor.from_box("vec", half, (10,), (5 * (rank - 1),), replica_id=1)}
+
+
+def vec_split_round_trip(r: Rank, path: str, exchange_algo: str, busy: bool) -> bool:
+    sd = _vec_split(r.rank, True, busy)
+    state, _ = TASD.from_state_dict(sd, parallelization_group=r.group)
+    db.save(state, path, process_group=r.group)
+    template = _vec_split(r.rank, False, busy)
+    out = state.to_state_dict(template, exchange_algo=exchange_algo, parallelization_group=r.group)
+    return all(torch.equal(out[k], sd[k].data) for k in sd)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
+def test_a_replica_sharded_otherwise_than_its_main_is_kept_apart(
+    pool, tmp_path, exchange_algo, busy
+):
+    """A shard was named by key and offset only: rank 1's half and rank 0's whole 'vec' (both
+    at offset 0) were one shard, kept once, so the save raised ShardingValidationError and
+    the restore ShapeMismatchError (or lost the other's bytes); each is now kept (key,
+    offset and size, as db.save names shards)."""
+    path = str(tmp_path / "ck")
+    got = pool.run(vec_split_round_trip, 3, path, exchange_algo, busy, timeout=60)
+    assert got == [True] * 3
+    assert torch.equal(db.load({"vec": torch.zeros(10)}, path)["vec"], L.full("vec"))
