@@ -51,7 +51,7 @@ from dcpbridge.model.state import (
     leaves,
     map_leaves,
 )
-from dcpbridge.model.ties import Ties, untie
+from dcpbridge.model.ties import Ties, check_overlaps, untie
 from dcpbridge.planners import StrictMode
 from dcpbridge.planners.distribution import Holding, distribute
 from dcpbridge.planners.strict import Policy, decide, parse_strict
@@ -303,7 +303,8 @@ class TensorAwareStateDict:
         only to the members that need it). Template tensors are filled in place; where a
         template has no data the result holds the kept or received tensor; keys tied in the
         template (one memory) must have been kept alike, else every member raises
-        ``TiedTensorsError`` naming both, as ``load`` does. ShardedObjects
+        ``TiedTensorsError`` naming both, as ``load`` does (keys sharing only part of one
+        memory, or in another dtype or shape, raise ``InvalidRequestError``). ShardedObjects
         come from this rank's kept ones, factories are merged, the common state and the
         template's non-persistent objects are added. ``validate_access_integrity`` checks
         first, on every member, that no shard was kept twice in the group; shape or dtype
@@ -340,6 +341,7 @@ class TensorAwareStateDict:
             sharded, _ = extract(apply_factories(tree), is_sharded)
             asked = leaves(sharded) if sharded is not HOLE else []
             requests, ties = untie(asked)  # tied keys' shards are filled into scratch
+            check_overlaps(asked)  # other memory shared by two requests: refused, as by load
             scratch = {id(s): u for s, u in zip(asked, requests) if u is not s}
             mine = Manifest(
                 kept=tuple(ShardMeta.of(s) for s in shards if s.numel > 0),

@@ -717,3 +717,19 @@ def test_a_replica_sharded_otherwise_than_its_main_is_kept_apart(
     got = pool.run(vec_split_round_trip, 3, path, exchange_algo, busy, timeout=60)
     assert got == [True] * 3
     assert torch.equal(db.load({"vec": torch.zeros(10)}, path)["vec"], L.full("vec"))
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_template_keys_sharing_part_of_one_memory_are_refused(algo):
+    """'a' and 'b' asked into overlapping slices of one tensor were each copied into the
+    shared elements, one silently taking the other's values; as ``load`` does, refused."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, 2.0), algo=algo)
+    t = torch.zeros(6)
+    template = {
+        "a": db.ShardedTensor.from_box("a", t[0:4], (4,), (0,)),
+        "b": db.ShardedTensor.from_box("b", t[2:6], (4,), (0,)),
+    }
+    with pytest.raises(db.InvalidRequestError) as e:
+        state.to_state_dict(template)
+    assert "'a' and 'b' share part of one tensor's memory" in str(e.value)
+    assert torch.equal(t, torch.zeros(6))  # nothing filled
