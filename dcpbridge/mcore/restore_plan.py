@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcpbridge.engine.ownership import ShardId
+from dcpbridge.engine.ownership import ShardId, WriteId
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.planners import DTypeMismatchError, ShapeMismatchError, ShardingValidationError
 from dcpbridge.planners.errors import key_list
@@ -34,7 +34,15 @@ class ShardMeta:
         return ShardMeta(sh.key, sh.global_offset, sh.local_shape, sh.global_shape, sh.dtype)
 
     @property
-    def shard(self) -> ShardId:
+    def shard(self) -> WriteId:
+        """Its identity: key, global offset and box size (``ownership.write_id``'s): a replica
+        sharded otherwise than its main replica, at the same offset, is another shard."""
+        ndim = len(self.local_shape)
+        return self.key, self.offset, (1,) * (len(self.offset) - ndim) + self.local_shape
+
+    @property
+    def place(self) -> ShardId:
+        """Its key and global offset (where a shard of another size is a shape mismatch)."""
         return self.key, self.offset
 
     @property
@@ -53,6 +61,7 @@ class Manifest:
     wanted: tuple[ShardMeta, ...] = ()
     kept_objects: tuple[str, ...] = ()  # ShardedObject unique keys
     wanted_objects: tuple[str, ...] = ()
+    tied: bool = False  # its template asks keys tied (one memory): checked after the fill
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,25 +139,30 @@ def plan_restore(manifests: Mapping[int, Manifest], *, local_only: bool) -> Rest
     ShardedObjects it kept itself.
     """
     plan = RestorePlan(local_only)
-    keepers: dict[ShardId, dict[int, ShardMeta]] = {}
+    keepers: dict[WriteId, dict[int, ShardMeta]] = {}
+    places: dict[ShardId, dict[int, ShardMeta]] = {}  # of another size: a shape mismatch
     for rank, m in manifests.items():
         for meta in m.kept:
             keepers.setdefault(meta.shard, {}).setdefault(rank, meta)
+            places.setdefault(meta.place, {}).setdefault(rank, meta)
         plan.kept_keys.update(meta.key for meta in m.kept)
         plan.wanted_keys.update(meta.key for meta in m.wanted)
         plan.kept_keys.update(map(object_key, m.kept_objects))
         plan.wanted_keys.update(map(object_key, m.wanted_objects))
-    receivers: dict[ShardId, list[int]] = {}
-    missing: dict[ShardId, list[int]] = {}
-    wanted_by: dict[ShardId, set[int]] = {}
+    receivers: dict[WriteId, list[int]] = {}
+    missing: dict[WriteId, list[int]] = {}
     for rank, m in manifests.items():
         for need in dict.fromkeys(m.wanted):
-            wanted_by.setdefault(need.shard, set()).add(rank)
             held = keepers.get(need.shard, {})
             if rank in held:
                 src = rank
             elif local_only or not held:
-                _add(missing, need.shard, rank)
+                at = places.get(need.place, {})
+                if rank in at or (at and not local_only):  # kept there in another size
+                    src = rank if rank in at else _sender(at)
+                    _compare(plan, need, rank, at[src], src)
+                else:
+                    _add(missing, need.shard, rank)
                 continue
             else:
                 src = _sender(held)
@@ -157,9 +171,9 @@ def plan_restore(manifests: Mapping[int, Manifest], *, local_only: bool) -> Rest
     for shard in sorted(receivers):
         src = _sender(keepers[shard])
         plan.transfers.append(Transfer(keepers[shard][src], src, tuple(receivers[shard])))
-    plan.missing = [Gap(k, f" at offset {o}", tuple(r)) for (k, o), r in sorted(missing.items())]
+    plan.missing = [Gap(k, f" at offset {o}", tuple(r)) for (k, o, _), r in sorted(missing.items())]
     for shard, held in sorted(keepers.items()):
-        key, offset = shard
+        key, offset, _ = shard
         if len(held) > 1:
             plan.duplicates.append(Gap(key, f" at offset {offset}", tuple(sorted(held))))
     _plan_objects(plan, manifests)
@@ -171,7 +185,7 @@ def _sender(held: dict[int, ShardMeta]) -> int:
     return min(held)
 
 
-def _add(index: dict[ShardId, list[int]], shard: ShardId, rank: int) -> None:
+def _add(index: dict[WriteId, list[int]], shard: WriteId, rank: int) -> None:
     ranks = index.setdefault(shard, [])
     if rank not in ranks:
         ranks.append(rank)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,15 @@ import torch.distributed as dist
 from dcpbridge.engine import protocol
 from dcpbridge.engine.cache import structure_of
 from dcpbridge.engine.collectives import Group
-from dcpbridge.engine.ownership import shard_id
+from dcpbridge.engine.ownership import WriteId, shard_id, write_id
 from dcpbridge.engine.save import split_for_save
-from dcpbridge.errors import HollowStateError, InvalidArgumentError, InvalidShardError
-from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardId, ShardMeta, plan_restore
+from dcpbridge.errors import (
+    HollowStateError,
+    InvalidArgumentError,
+    InvalidShardError,
+    StagingError,
+)
+from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardMeta, plan_restore
 from dcpbridge.model.mapping import (
     ShardedObject,
     ShardedStateDict,
@@ -46,6 +51,7 @@ from dcpbridge.model.state import (
     leaves,
     map_leaves,
 )
+from dcpbridge.model.ties import Ties, check_overlaps, untie
 from dcpbridge.planners import StrictMode
 from dcpbridge.planners.distribution import Holding, distribute
 from dcpbridge.planners.strict import Policy, decide, parse_strict
@@ -64,14 +70,16 @@ KEPT_BY_EACH = "the state each rank kept itself (algo='atomic' restores only tha
 class ShardDistribution:
     """Which member of the parallelization group keeps each shard (``from_state_dict``'s cache).
 
-    ``keepers`` maps a shard id ``(key, global_offset)`` to a group rank; ``structure``
+    ``keepers`` maps a shard id ``(key, global_offset, box size)`` (``ownership.write_id``:
+    a replica sharded otherwise than its main, at its offset, is another shard) to a group
+    rank; ``structure``
     fingerprints the shards and group of the rank that computed it, so reusing it for another
     structure is refused instead of silently keeping the wrong shards. Per rank, in memory.
     """
 
-    keepers: dict[ShardId, int]
+    keepers: dict[WriteId, int]
     structure: int
-    mains: frozenset[ShardId] | None = None
+    mains: frozenset[WriteId] | None = None
     """The shards some member holds as a main replica: the kept copies a save writes (None:
     every kept shard, as before this field existed)."""
 
@@ -88,7 +96,7 @@ class TensorAwareStateDict:
         shards: list[Any],
         algo: str,
         empty: list[Any] = (),
-        mains: frozenset[ShardId] | None = None,
+        mains: frozenset[WriteId] | None = None,
     ) -> None:
         self.common = common
         self.shards = shards  # kept ShardedTensors and ShardedObjects, in state-dict order
@@ -265,9 +273,7 @@ class TensorAwareStateDict:
         def marked(s: Any) -> Any:
             if not fully_parallel or not isinstance(s, ShardedTensor):
                 return s
-            return dataclasses.replace(
-                s, replica_id=0 if mains is None or shard_id(s) in mains else 1
-            )
+            return dataclasses.replace(s, replica_id=0 if mains is None or _in(mains, s) else 1)
 
         shards = [marked(s) for s in self.shards] + getattr(self, "empty", [])
         common = self.common if isinstance(self.common, Mapping) else {"common": self.common}
@@ -289,12 +295,16 @@ class TensorAwareStateDict:
     ) -> StateDict | tuple[StateDict, set[str], set[str]]:
         """The state dict ``sharded_state_dict`` asks for, like ``load`` does from dcpbridge.storage.
 
-        Each requested ShardedTensor gets the kept tensor of the same key and global offset:
+        Each requested ShardedTensor gets the kept tensor of the same key, global offset and
+        size:
         this rank's own, or (``fully_parallel``, the default for a state built with it) the
         one another member of ``parallelization_group`` kept, sent by ``exchange_algo``:
         ``"broadcast"`` (one broadcast per shard to the group) or ``"p2p"`` (point-to-point,
         only to the members that need it). Template tensors are filled in place; where a
-        template has no data the result holds the kept or received tensor. ShardedObjects
+        template has no data the result holds the kept or received tensor; keys tied in the
+        template (one memory) must have been kept alike, else every member raises
+        ``TiedTensorsError`` naming both, as ``load`` does (keys sharing only part of one
+        memory, or in another dtype or shape, raise ``InvalidRequestError``). ShardedObjects
         come from this rank's kept ones, factories are merged, the common state and the
         template's non-persistent objects are added. ``validate_access_integrity`` checks
         first, on every member, that no shard was kept twice in the group; shape or dtype
@@ -323,11 +333,16 @@ class TensorAwareStateDict:
         nonpersistent, tree = extract(sharded_state_dict, is_nonpersistent)
         sharded: Any = HOLE
         requests: list[Any] = []
+        ties = Ties()
+        scratch: dict[int, ShardedTensor] = {}  # tied shard -> its copy filled into scratch
         mine: Manifest | BaseException
         try:
             shards = self._need_tensors("to_state_dict")
             sharded, _ = extract(apply_factories(tree), is_sharded)
-            requests = leaves(sharded) if sharded is not HOLE else []
+            asked = leaves(sharded) if sharded is not HOLE else []
+            requests, ties = untie(asked)  # tied keys' shards are filled into scratch
+            check_overlaps(asked)  # other memory shared by two requests: refused, as by load
+            scratch = {id(s): u for s, u in zip(asked, requests) if u is not s}
             mine = Manifest(
                 kept=tuple(ShardMeta.of(s) for s in shards if s.numel > 0),
                 wanted=tuple(
@@ -335,10 +350,12 @@ class TensorAwareStateDict:
                 ),
                 kept_objects=tuple(s.unique_key for s in self.shards if _is_object(s)),
                 wanted_objects=tuple(s.unique_key for s in requests if _is_object(s)),
+                tied=bool(ties.pairs),
             )
         except Exception as e:  # raised on every member by the exchange below
             mine = e
-        if local_only and not validate_access_integrity and not policy.needs_stored:
+        alone = local_only and not validate_access_integrity and not policy.needs_stored
+        if alone:  # no collective: this rank's failures raise here alone
             if isinstance(mine, BaseException):
                 raise mine
             manifests = {group.rank: mine}
@@ -350,6 +367,7 @@ class TensorAwareStateDict:
         mismatch = _judge(policy, plan, group.rank, KEPT_BY_EACH if local_only else KEPT_BY_GROUP)
         sources = self._sources(group, plan, requests, exchange_algo)
         objects = {s.unique_key: s.data for s in self.shards if _is_object(s)}
+        unfilled: set[str] = set()  # keys of shards missing (strict="return_all")
 
         def value(x: Any) -> Any:
             if isinstance(x, ShardedObject):
@@ -357,17 +375,30 @@ class TensorAwareStateDict:
             if x.numel == 0:
                 x.init_data()
                 return x.data
-            src = sources.get(shard_id(x))
+            src = sources.get(write_id(x))
             if src is None:
+                unfilled.add(x.key)
                 return HOLE  # missing, with strict="return_all"
-            if x.data is None:
-                x.data = src
-            elif x.data is not src:
+            into = scratch.get(id(x), x)  # a tied key's shard: its scratch, checked below
+            if into.data is None:
+                into.data = src
+            elif into.data is not src:
                 with torch.no_grad():  # a template Parameter is filled like a load fills it
-                    x.data.copy_(src)
+                    into.data.copy_(src)
             return x.data
 
-        loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
+        def fill() -> Any:
+            """The requested values, tied keys checked to be kept alike (``TiedTensorsError``)."""
+            loaded = map_leaves(sharded, value) if sharded is not HOLE else HOLE
+            ties.settle(unfilled)
+            return loaded
+
+        if not alone and any(m.tied for m in manifests.values()):  # raised on every member
+            done: list[Any] = []
+            protocol.agree(group, "restore ties", lambda: done.append(fill()))
+            loaded = done[0]
+        else:
+            loaded = fill()
         result = assemble(self.common, loaded, tree, nonpersistent)
         if return_mismatch_keys or (return_mismatch_keys is None and policy.returns):
             return result, *mismatch
@@ -375,37 +406,49 @@ class TensorAwareStateDict:
 
     def _sources(
         self, group: Group, plan: RestorePlan, requests: list[Any], exchange_algo: str
-    ) -> dict[ShardId, torch.Tensor]:
-        """Every shard this rank needs: its own kept tensors, and the ones sent to it."""
-        sources: dict[ShardId, torch.Tensor] = {}
+    ) -> dict[WriteId, torch.Tensor]:
+        """Every shard this rank needs: its own kept tensors, and the ones sent to it.
+
+        The buffers the exchange needs are made inside a collective step (the plan is the
+        same on every member, so all take it or none): a member that cannot allocate one
+        raises ``StagingError`` on every member instead of leaving them in the exchange.
+        """
+        sources: dict[WriteId, torch.Tensor] = {}
         for s in self._tensor_shards():
             assert s.data is not None
-            sources.setdefault(shard_id(s), s.data)
+            sources.setdefault(write_id(s), s.data)
         if not plan.transfers:
             return sources
         device = group.tensor_device
         into = {
-            shard_id(s): s.data
+            write_id(s): s.data
             for s in requests
             if isinstance(s, ShardedTensor) and _receivable(s.data, device)
         }
         sends: list[tuple[torch.Tensor, int, int]] = []
         recvs: list[tuple[torch.Tensor, int, int]] = []
-        for tag, t in enumerate(plan.transfers):
-            shard = t.meta.shard
-            if t.src == group.rank:
-                data = as_shown(sources[shard].detach().to(device)).contiguous()
-                sends += [(data, dst, tag) for dst in t.dsts]
-            elif group.rank in t.dsts:
-                buf = into.get(shard)
-                if buf is None:
-                    buf = torch.empty(t.meta.local_shape, dtype=t.meta.dtype, device=device)
-                sources[shard] = buf
-                recvs.append((buf.detach(), t.src, tag))  # a Parameter receives in place
+        scratch: list[torch.Tensor] = []
+
+        def allocate() -> None:
+            for tag, t in enumerate(plan.transfers):
+                shard = t.meta.shard
+                if t.src == group.rank:
+                    data = _allocated("send buffer", t.meta, device, _sent(sources[shard], device))
+                    sends.extend((data, dst, tag) for dst in t.dsts)
+                elif group.rank in t.dsts:
+                    buf = into.get(shard)
+                    if buf is None:
+                        buf = _allocated("receive buffer", t.meta, device, _empty(t.meta, device))
+                    sources[shard] = buf
+                    recvs.append((buf.detach(), t.src, tag))  # a Parameter receives in place
+            if exchange_algo == "broadcast":
+                scratch.extend(_scratch(group.rank, plan, device))
+
+        protocol.agree(group, "restore buffers", allocate)
         if exchange_algo == "p2p":
             group.exchange(sends, recvs)
         else:
-            _broadcast_all(group, plan, sends, recvs, device)
+            _broadcast_all(group, plan, sends, recvs, scratch)
         return sources
 
 
@@ -414,15 +457,53 @@ def _broadcast_all(
     plan: RestorePlan,
     sends: list[tuple[torch.Tensor, int, int]],
     recvs: list[tuple[torch.Tensor, int, int]],
-    device: torch.device,
+    scratch: list[torch.Tensor],
 ) -> None:
-    """One broadcast per transfer, from its keeper to the whole group (bystanders use scratch)."""
+    """One broadcast per transfer, from its keeper to the whole group (bystanders use
+    ``scratch``, the one buffer ``_scratch`` made)."""
     mine = {tag: t for t, _, tag in sends} | {tag: t for t, _, tag in recvs}
-    spare = [t.meta.nbytes for i, t in enumerate(plan.transfers) if i not in mine]
-    scratch = torch.empty(max(spare, default=0), dtype=torch.uint8, device=device)
     for tag, t in enumerate(plan.transfers):
         buf = mine.get(tag)
-        group.broadcast_tensor(buf if buf is not None else scratch[: t.meta.nbytes], src=t.src)
+        group.broadcast_tensor(buf if buf is not None else scratch[0][: t.meta.nbytes], src=t.src)
+
+
+def _scratch(rank: int, plan: RestorePlan, device: torch.device) -> list[torch.Tensor]:
+    """The buffer (none or one) the broadcasts that ``rank`` neither sends nor receives land in:
+    the size of the largest."""
+    spare = [t.meta for t in plan.transfers if t.src != rank and rank not in t.dsts]
+    if not spare:
+        return []
+    largest = max(spare, key=lambda m: m.nbytes)
+    try:
+        return [torch.empty(largest.nbytes, dtype=torch.uint8, device=device)]
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise StagingError(
+            f"to_state_dict: cannot allocate the broadcast scratch buffer ({largest.nbytes} "
+            f"bytes, for {largest.key!r} at offset {largest.offset}) on {device}: {e}"
+        ) from e
+
+
+def _empty(meta: ShardMeta, device: torch.device) -> Callable[[], torch.Tensor]:
+    """A receive buffer for ``meta``, made when called."""
+    return lambda: torch.empty(meta.local_shape, dtype=meta.dtype, device=device)
+
+
+def _sent(src: torch.Tensor, device: torch.device) -> Callable[[], torch.Tensor]:
+    """What travels of kept tensor ``src`` (on ``device``, contiguous, its shown values)."""
+    return lambda: as_shown(src.detach().to(device)).contiguous()
+
+
+def _allocated(
+    what: str, meta: ShardMeta, device: torch.device, make: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``make()``, or ``StagingError`` naming the shard where it cannot be allocated."""
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise StagingError(
+            f"to_state_dict: cannot allocate the {what} of {meta.key!r} (offset {meta.offset}, "
+            f"{meta.local_shape} {meta.dtype}, {meta.nbytes} bytes) on {device}: {e}"
+        ) from e
 
 
 def _check_algo(algo: str) -> str:
@@ -455,7 +536,7 @@ def _held(error: BaseException | None, shards: list[Any]) -> list[Holding]:
     if error is not None:
         raise error
     return [
-        Holding(shard_id(s), s.numel * s.dtype.itemsize, is_main_replica(s.replica_id))
+        Holding(write_id(s), s.numel * s.dtype.itemsize, is_main_replica(s.replica_id))
         for s in shards
         if isinstance(s, ShardedTensor) and s.numel > 0
     ]
@@ -467,11 +548,17 @@ def _mine(manifest: Manifest | BaseException) -> Manifest:
     return manifest
 
 
-def _keeps(s: Any, keepers: dict[ShardId, int], rank: int) -> bool:
+def _keeps(s: Any, keepers: dict[WriteId, int], rank: int) -> bool:
     """Whether this rank keeps ``s`` (objects always; empty tensors never: nothing to keep)."""
     if not isinstance(s, ShardedTensor):
         return True
-    return s.numel > 0 and keepers.get(shard_id(s)) == rank
+    return s.numel > 0 and keepers.get(write_id(s)) == rank
+
+
+def _in(mains: frozenset[Any], s: ShardedTensor) -> bool:
+    """Whether ``s`` is one of ``mains`` (a state pickled when shards were named by key and
+    offset only holds those)."""
+    return write_id(s) in mains or shard_id(s) in mains
 
 
 def _receivable(t: torch.Tensor | None, device: torch.device) -> bool:

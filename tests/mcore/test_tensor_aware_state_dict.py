@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 import dcpbridge as db
-from dcpbridge.engine.ownership import shard_id
+import dcpbridge.mcore.tensor_aware_state_dict as tasd_module
+from dcpbridge.engine.ownership import write_id
 from dcpbridge.mcore.restore_plan import Manifest, ShardMeta, plan_restore
 from dcpbridge.planners.distribution import Holding, distribute
 from tests.e2e.test_errors import _expect
-from tests.engine.test_fully_parallel import _model, _replicas
+from tests.engine.test_fully_parallel import _model, _OutOfMemory, _replicas
 from tests.support import layouts as L
 from tests.support.collective_counts import count_collectives
 from tests.support.dist_pool import Rank
@@ -91,7 +92,11 @@ def _check_sample(out: dict) -> None:
 def test_pop_insert_round_trip_and_holes():
     state, distribution = TASD.from_state_dict(_sample())
     assert distribution is not None
-    assert set(distribution.keepers) == {("w", (0, 0)), ("fused.a", (0, 0)), ("fused.b", (0, 0))}
+    assert set(distribution.keepers) == {  # key, offset and size
+        ("w", (0, 0), (12, 8)),
+        ("fused.a", (0, 0), (6, 6)),
+        ("fused.b", (0, 0), (6, 6)),
+    }
     before = list(state.tensors)
     popped = state.pop_tensors()
     assert state.is_hollow
@@ -212,6 +217,12 @@ def test_plan_restore_sources_and_problems():
     ]
     with pytest.raises(db.ShapeMismatchError):
         wrong.check(validate=False)
+    alone = plan_restore({0: Manifest(kept=(a,), wanted=(_meta("a", 5),))}, local_only=True)
+    assert alone.shape_mismatches == [
+        "'a' at offset (0,): rank 0 requests local shape (5,) of (5,), torch.float32, "
+        "rank 0 kept local shape (4,) of (4,), torch.float32"
+    ]
+    assert alone.missing == [] and alone.transfers == []
 
 
 @pytest.mark.gpu
@@ -246,14 +257,14 @@ def dp_round_trip(r: Rank, root: str, exchange_algo: str) -> dict:
             _dp_state(r.rank, True), parallelization_group=r.group
         )
     calls["build"] = dict(counted)
-    kept = {shard_id(s): s.numel * 4 for s in state.shards if isinstance(s, db.ShardedTensor)}
+    kept = {write_id(s): s.numel * 4 for s in state.shards if isinstance(s, db.ShardedTensor)}
     with count_collectives() as counted:
         again, same = TASD.from_state_dict(
             _dp_state(r.rank, True), parallelization_group=r.group, cached_metadata=distribution
         )
     calls["cached"] = dict(counted)
     assert same is distribution
-    assert [shard_id(s) for s in again.shards if isinstance(s, db.ShardedTensor)] == list(kept)
+    assert [write_id(s) for s in again.shards if isinstance(s, db.ShardedTensor)] == list(kept)
     LocalManager(root, r.rank).save(state)
     del state, again
     gc.collect()
@@ -275,13 +286,13 @@ def dp_round_trip(r: Rank, root: str, exchange_algo: str) -> dict:
 @pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
 def test_data_parallel_round_trip_keeps_each_shard_once(pool, tmp_path, exchange_algo):
     results = pool.run(dp_round_trip, 4, str(tmp_path), exchange_algo)
-    sizes = {(k, (0,) * t.ndim): t.numel() * 4 for k, t in _model().items()}
+    sizes = {(k, (0,) * t.ndim, tuple(t.shape)): t.numel() * 4 for k, t in _model().items()}
     expected = distribute([[Holding(s, n) for s, n in sizes.items()]] * 4, only_main=False)
     assert len(expected) == len(sizes)
     for rank, res in enumerate(results):
         assert res["keepers"] == expected
         assert set(res["kept"]) == {s for s, k in expected.items() if k == rank}
-        restore = {"all_gather": 1}
+        restore = {"all_gather": 2}  # the manifests, then the exchange's buffers
         if exchange_algo == "p2p":
             restore["p2p"] = 1
         else:
@@ -316,7 +327,7 @@ def tp_dp_round_trip(r: Rank, root: str) -> dict:
     state, distribution = TASD.from_state_dict(
         _tp_dp_state(tp, dp, True), parallelization_group=group
     )
-    kept = sorted(shard_id(s) for s in state.shards)
+    kept = sorted(write_id(s) for s in state.shards)
     LocalManager(root, r.rank).save(state)
     del state
     restored = LocalManager(root, r.rank).load()
@@ -332,7 +343,7 @@ def tp_dp_round_trip(r: Rank, root: str) -> dict:
 def test_tensor_and_data_parallel_groups_restore_alone(pool, tmp_path):
     results = pool.run(tp_dp_round_trip, 4, str(tmp_path), default_group=True)
     for tp in range(2):
-        w_shard, vec = ("w", (6 * tp, 0)), ("vec", (0,))
+        w_shard, vec = ("w", (6 * tp, 0), (6, 8)), ("vec", (0,), (10,))
         # w (192 B) goes first to group rank 0, vec (40 B) to the less-loaded group rank 1 —
         # in the tp=1 group too, where no member holds vec as a main replica
         assert results[tp]["keepers"] == results[2 + tp]["keepers"] == {w_shard: 0, vec: 1}
@@ -516,3 +527,209 @@ def test_restore_fills_parameters_in_place(pool, exchange_algo):
     template = _param_state(0, False)
     assert torch.equal(state.to_state_dict(template)["w"], L.full("w"))
     assert torch.equal(template["w"].data, L.full("w"))
+
+
+# -- tied template keys ------------------------------------------------------------------------
+
+
+def _ab_state(a: float, b: float, replica_id: int = 0) -> dict:
+    """Two keys 'a' and 'b' of 4 elements, filled with ``a`` and ``b``."""
+    return {
+        k: db.ShardedTensor.from_box(k, torch.full((4,), v), (4,), (0,), replica_id=replica_id)
+        for k, v in (("a", a), ("b", b))
+    }
+
+
+def _tied_template(p: torch.nn.Parameter) -> dict:
+    """'a' and 'b' asked into one memory (tied weights)."""
+    return {k: db.ShardedTensor.from_box(k, p.data, (4,), (0,)) for k in ("a", "b")}
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_tied_template_keys_kept_with_different_values_raise_naming_both(algo):
+    """Each key was copied into the shared memory, the last one silently winning; as
+    ``load`` does, tied keys kept with different values raise ``TiedTensorsError``."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, 2.0), algo=algo)
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(db.TiedTensorsError) as e:
+        state.to_state_dict(_tied_template(p))
+    assert "'a' and 'b' share one tensor's memory" in str(e.value)
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_tied_template_keys_kept_alike_fill_their_one_memory(algo):
+    state, _ = TASD.from_state_dict(_ab_state(3.0, 3.0), algo=algo)
+    p = torch.nn.Parameter(torch.zeros(4))
+    out = state.to_state_dict(_tied_template(p))
+    assert torch.equal(p.data, torch.full((4,), 3.0))
+    assert out["a"].data_ptr() == out["b"].data_ptr() == p.data_ptr()
+
+
+def tied_restore(r: Rank, exchange_algo: str, b: float) -> str:
+    """Both ranks hold 'a' (1.0) and 'b' (``b``) as replicas; rank 1 asks them tied (each
+    received into its template where the other rank kept it), rank 0 untied."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, b, r.rank), parallelization_group=r.group)
+    p = torch.nn.Parameter(torch.zeros(4))
+    template = _tied_template(p) if r.rank == 1 else _ab_state(0.0, 0.0, r.rank)
+    try:
+        out = state.to_state_dict(
+            template, exchange_algo=exchange_algo, parallelization_group=r.group
+        )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    assert torch.equal(out["a"], torch.full((4,), 1.0))
+    assert torch.equal(out["b"], torch.full((4,), b))
+    return "restored"
+
+
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
+def test_a_conflicting_tie_on_one_rank_raises_on_every_rank(pool, exchange_algo):
+    """Rank 1's tied keys, kept with different values (one received from rank 0), silently
+    took the last one's; now every rank raises naming both, and alike values restore."""
+    got = pool.run(tied_restore, 2, exchange_algo, 2.0, timeout=60, grace=5)
+    assert (
+        got
+        == [
+            "TiedTensorsError: rank 1: 'a' and 'b' share one tensor's memory in the load "
+            "template (tied weights), but the checkpoint holds different values for them: give "
+            "each its own tensor to load both"
+        ]
+        * 2
+    )
+    assert pool.run(tied_restore, 2, exchange_algo, 1.0, timeout=60) == ["restored"] * 2
+
+
+def tied_atomic_alone(r: Rank) -> str:
+    """``atomic`` without validation runs no collective: rank 1's conflicting tie raises
+    there alone (as any of its failures does), rank 0 restores."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, 2.0), algo="atomic")
+    template = _tied_template(torch.nn.Parameter(torch.zeros(4))) if r.rank else _ab_state(0.0, 0.0)
+    try:
+        state.to_state_dict(
+            template, validate_access_integrity=False, parallelization_group=r.group
+        )
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return "restored"
+
+
+def test_a_tie_restored_alone_raises_alone(pool):
+    got = pool.run(tied_atomic_alone, 2, timeout=30, grace=5)
+    assert got[0] == "restored"
+    assert got[1].startswith("TiedTensorsError: 'a' and 'b' share one tensor's memory")
+
+
+# -- buffers that cannot be allocated ----------------------------------------------------------
+
+
+def out_of_memory_restore(r: Rank, exchange_algo: str, failing: int) -> str:
+    """Rank 0 alone keeps 'vec'; rank 1 asks it into a strided view (received through a
+    buffer); rank 2, if any, asks nothing (a bystander of the broadcast, through scratch).
+    Rank ``failing`` cannot allocate."""
+    vec = L.full("vec").clone() if r.rank == 0 else None
+    kept = {"vec": db.ShardedTensor.from_box("vec", vec, (10,), (0,))} if vec is not None else {}
+    state, _ = TASD.from_state_dict(kept, parallelization_group=r.group)
+    into = {0: torch.zeros(10), 1: torch.zeros(10, 2)[:, 0]}
+    template = {}
+    if r.rank in into:
+        template["vec"] = db.ShardedTensor.from_box("vec", into[r.rank], (10,), (0,))
+    if r.rank == failing:
+        tasd_module.torch = _OutOfMemory("torch")
+    try:
+        out = state.to_state_dict(
+            template, exchange_algo=exchange_algo, parallelization_group=r.group
+        )
+    except db.CheckpointError as e:  # carried to every rank as the protocol does
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    finally:
+        tasd_module.torch = torch
+    assert all(torch.equal(t, L.full("vec")) for t in out.values())
+    return "restored"
+
+
+@pytest.mark.parametrize(
+    ("exchange_algo", "ranks", "what"),
+    [
+        ("p2p", 2, "receive buffer of 'vec' (offset (0,), (10,) torch.float32, 40 bytes)"),
+        ("broadcast", 2, "receive buffer of 'vec' (offset (0,), (10,) torch.float32, 40 bytes)"),
+        ("broadcast", 3, "broadcast scratch buffer (40 bytes, for 'vec' at offset (0,))"),
+    ],
+)
+def test_a_restore_buffer_that_cannot_be_allocated_fails_every_rank(
+    pool, exchange_algo, ranks, what
+):
+    """A rank that could not allocate its receive or scratch buffer (made after the plan was
+    agreed) raised a bare RuntimeError alone, leaving the others waiting in the exchange.
+    Buffers are now made inside a collective step: every rank raises StagingError."""
+    failing = ranks - 1
+    got = pool.run(out_of_memory_restore, ranks, exchange_algo, failing, timeout=30, grace=5)
+    assert (
+        got
+        == [
+            f"StagingError: rank {failing}: to_state_dict: cannot allocate the {what} on cpu: "
+            "DefaultCPUAllocator: can't allocate memory"
+        ]
+        * ranks
+    )
+    assert (
+        pool.run(out_of_memory_restore, ranks, exchange_algo, -1, timeout=30)
+        == ["restored"] * ranks
+    )
+
+
+# -- a replica sharded otherwise than its main replica -------------------------------------------
+
+
+def _vec_split(rank: int, fill: bool, busy: bool = False) -> dict:
+    """Rank 0 holds 'vec' whole (main replica); ranks 1 and 2 hold its halves as replicas:
+    rank 1's half starts at rank 0's offset, with another size. ``busy``: rank 0 also keeps
+    'w' (so the keeper of the least loaded member is another rank)."""
+    vec = L.full("vec").clone() if fill else torch.zeros(10)
+    if rank == 0:
+        out = {"vec": db.ShardedTensor.from_box("vec", vec, (10,), (0,))}
+        if busy:
+            w = L.full("w").clone() if fill else torch.zeros(12, 8)
+            out["w"] = db.ShardedTensor.from_box("w", w, (12, 8), (0, 0))
+        return out
+    half = vec[5 * (rank - 1) : 5 * rank].clone()
+    return {"vec": db.ShardedTensor.from_box("vec", half, (10,), (5 * (rank - 1),), replica_id=1)}
+
+
+def vec_split_round_trip(r: Rank, path: str, exchange_algo: str, busy: bool) -> bool:
+    sd = _vec_split(r.rank, True, busy)
+    state, _ = TASD.from_state_dict(sd, parallelization_group=r.group)
+    db.save(state, path, process_group=r.group)
+    template = _vec_split(r.rank, False, busy)
+    out = state.to_state_dict(template, exchange_algo=exchange_algo, parallelization_group=r.group)
+    return all(torch.equal(out[k], sd[k].data) for k in sd)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "p2p"])
+def test_a_replica_sharded_otherwise_than_its_main_is_kept_apart(
+    pool, tmp_path, exchange_algo, busy
+):
+    """A shard was named by key and offset only: rank 1's half and rank 0's whole 'vec' (both
+    at offset 0) were one shard, kept once, so the save raised ShardingValidationError and
+    the restore ShapeMismatchError (or lost the other's bytes); each is now kept (key,
+    offset and size, as db.save names shards)."""
+    path = str(tmp_path / "ck")
+    got = pool.run(vec_split_round_trip, 3, path, exchange_algo, busy, timeout=60)
+    assert got == [True] * 3
+    assert torch.equal(db.load({"vec": torch.zeros(10)}, path)["vec"], L.full("vec"))
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_template_keys_sharing_part_of_one_memory_are_refused(algo):
+    """'a' and 'b' asked into overlapping slices of one tensor were each copied into the
+    shared elements, one silently taking the other's values; as ``load`` does, refused."""
+    state, _ = TASD.from_state_dict(_ab_state(1.0, 2.0), algo=algo)
+    t = torch.zeros(6)
+    template = {
+        "a": db.ShardedTensor.from_box("a", t[0:4], (4,), (0,)),
+        "b": db.ShardedTensor.from_box("b", t[2:6], (4,), (0,)),
+    }
+    with pytest.raises(db.InvalidRequestError) as e:
+        state.to_state_dict(template)
+    assert "'a' and 'b' share part of one tensor's memory" in str(e.value)
+    assert torch.equal(t, torch.zeros(6))  # nothing filled
