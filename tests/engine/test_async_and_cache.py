@@ -18,7 +18,7 @@ from dcpbridge.engine.collectives import Group
 from dcpbridge.storage import read_checkpoint_metadata, resolve
 from tests.support import layouts as L
 from tests.support.collective_counts import count_collectives
-from tests.support.dist_pool import Rank
+from tests.support.dist_pool import Rank, run_scripts
 from tests.support.s3_server import free_port
 
 
@@ -450,18 +450,7 @@ def test_a_destroyed_groups_async_saver_is_closed_and_a_new_group_saves(tmp_path
     ends (committed bit-exact, or failed), then the rest is freed."""
     ports = [str(free_port()), str(free_port())]
     mode = "held" if held else "free"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", REINIT, str(r), str(tmp_path), mode, *ports],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=150)[0] for p in ranks]
-    results = [line for out in outs for line in out.splitlines() if line.startswith("RESULT")]
-    assert [p.returncode for p in ranks] == [0, 0], outs
+    results = run_scripts(REINIT, str(tmp_path), mode, *ports, timeout=150)
     # with the group held, the saver closes at the next async_save, not at destroy
     expected = f"RESULT {not held} True True ['dcpb-async-save'] True True"
-    assert results == [expected] * 2, outs
+    assert results == [expected] * 2

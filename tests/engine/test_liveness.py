@@ -11,8 +11,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -28,7 +26,7 @@ from dcpbridge.engine.collectives import Group, StoreGroup
 from dcpbridge.engine.liveness import Heartbeat, PeerWatch, get_all, peer_timeout
 from dcpbridge.storage import FsspecCheckpointWriter
 from tests.e2e import test_local_tier as T
-from tests.support.dist_pool import Rank, RankFailure
+from tests.support.dist_pool import Rank, RankFailure, run_scripts
 from tests.support.s3_server import free_port
 
 # -- one process, a real TCPStore ---------------------------------------------------------------
@@ -360,17 +358,5 @@ print("RESULT", beating, free, flush=True)
 def test_a_destroyed_process_group_takes_its_heartbeat_and_store_along(tmp_path):
     """After destroy_process_group the heartbeat held the job's store: rank 0's store server
     kept its port (a re-init on MASTER_PORT failed) and the thread beat into it forever."""
-    port = free_port()
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", DESTROYED_GROUP, str(r), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=60)[0] for p in ranks]
-    results = [line for out in outs for line in out.splitlines() if line.startswith("RESULT")]
-    assert [p.returncode for p in ranks] == [0, 0], outs
-    assert results == ["RESULT [] True"] * 2, outs
+    results = run_scripts(DESTROYED_GROUP, str(free_port()), timeout=60)
+    assert results == ["RESULT [] True"] * 2

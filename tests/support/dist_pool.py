@@ -21,6 +21,8 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -355,3 +357,21 @@ class WorkerPool:
             p.join(timeout=10)
         self.kill()
         shutil.rmtree(self._logdir, ignore_errors=True)
+
+
+def run_scripts(script: str, *args: str, ranks: int = 2, timeout: float = 60) -> list[str]:
+    """Run ``python -c script RANK *args`` as ``ranks`` fresh processes (for what a reused pool
+    worker cannot do: a process group destroyed and made again, the interpreter's exit);
+    asserts each exits 0 and returns the lines each printed that start with ``RESULT``."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(r), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(ranks)
+    ]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * ranks, outs
+    return [line for out in outs for line in out.splitlines() if line.startswith("RESULT")]
