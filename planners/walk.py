@@ -132,11 +132,12 @@ class Walker:
                 yield Leaf(key, node, parent, slot, path)
                 continue
             dot = f"{key}." if path else ""
-            # (slot, path item, key part, value) per child: a mapping's by its keys' strings
+            # (slot, path item, key part, value) per child, a mapping's by its keys' strings;
+            # over a snapshot of the children, as the tree may change between two leaves
             entries: Iterator[tuple[Any, Any, str, Any]] = (
-                ((k, s, s, v) for k, v in node.items() for s in (str(k),))
+                ((k, s, s, v) for k, v in list(node.items()) for s in (str(k),))
                 if isinstance(node, Mapping)
-                else ((i, i, str(i), v) for i, v in enumerate(node))
+                else ((i, i, str(i), v) for i, v in enumerate(list(node)))
             )
             known = _PLAIN.get
             for slot, item, s, v in entries:
