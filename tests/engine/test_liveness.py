@@ -117,9 +117,9 @@ def test_a_long_wait_costs_the_store_few_requests_and_wakes_at_once(store, fast)
     beat = Heartbeat(store, 2)
     counting = _Counting(store)
     set_at = []
-    timer = threading.Timer(
-        2, lambda: (store.clone().set("slow", b"1"), set_at.append(time.monotonic()))
-    )
+    other = store.clone()
+    # the time taken before the set: after it, the woken waiter could read set_at first
+    timer = threading.Timer(2, lambda: (set_at.append(time.monotonic()), other.set("slow", b"1")))
     timer.start()
     try:
         started = time.monotonic()
