@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import BoxId, ReadOwners, box_id
-from dcpbridge.errors import StagingError
+from dcpbridge.engine.staging import allocated
 from dcpbridge.model.mapping import ShardedTensor
 from dcpbridge.model.ties import untie
 from dcpbridge.storage.read.delivery import holds_its_values
@@ -124,14 +124,12 @@ def _buffer(shard: ShardedTensor, device: torch.device) -> torch.Tensor | None:
     assert t is not None
     if t.device == device and t.is_contiguous() and holds_its_values(t):
         return None
-    try:
-        return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
-    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        raise StagingError(
-            f"fully-parallel load: cannot allocate the exchange buffer of "
-            f"{shard.key!r} (offset {tuple(shard.global_offset)}, {tuple(t.shape)} {t.dtype}, "
-            f"{t.nelement() * t.element_size()} bytes) on {device}: {e}"
-        ) from e
+    return allocated(
+        lambda: torch.empty(tuple(t.shape), dtype=t.dtype, device=device),
+        "fully-parallel load",
+        f"the exchange buffer of {shard.key!r} (offset {tuple(shard.global_offset)}, "
+        f"{tuple(t.shape)} {t.dtype}, {t.nelement() * t.element_size()} bytes) on {device}",
+    )
 
 
 def hand_off(group: Group, share: LoadShare) -> None:

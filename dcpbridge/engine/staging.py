@@ -27,6 +27,16 @@ from dcpbridge.storage.backends.device_copy import host_target
 _ALIGN = 64
 
 
+def allocated(make: Callable[[], torch.Tensor], where: str, what: str) -> torch.Tensor:
+    """``make()``, a new buffer; where it cannot be allocated (out of memory: torch's
+    ``OutOfMemoryError`` is a ``RuntimeError``), ``StagingError`` "``where``: cannot allocate
+    ``what``", the allocator's error as its cause."""
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as e:
+        raise StagingError(f"{where}: cannot allocate {what}: {e}") from e
+
+
 @dataclass(eq=False)
 class BufferSet:
     """One save's staging memory; ``ready`` is set once its CUDA copies have landed. Sets

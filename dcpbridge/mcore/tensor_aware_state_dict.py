@@ -27,11 +27,11 @@ from dcpbridge.engine.cache import structure_of
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.ownership import WriteId, shard_id, write_id
 from dcpbridge.engine.save import split_for_save
+from dcpbridge.engine.staging import allocated
 from dcpbridge.errors import (
     HollowStateError,
     InvalidArgumentError,
     InvalidShardError,
-    StagingError,
 )
 from dcpbridge.mcore.restore_plan import Manifest, RestorePlan, ShardMeta, plan_restore
 from dcpbridge.model.mapping import (
@@ -474,13 +474,14 @@ def _scratch(rank: int, plan: RestorePlan, device: torch.device) -> list[torch.T
     if not spare:
         return []
     largest = max(spare, key=lambda m: m.nbytes)
-    try:
-        return [torch.empty(largest.nbytes, dtype=torch.uint8, device=device)]
-    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        raise StagingError(
-            f"to_state_dict: cannot allocate the broadcast scratch buffer ({largest.nbytes} "
-            f"bytes, for {largest.key!r} at offset {largest.offset}) on {device}: {e}"
-        ) from e
+    return [
+        allocated(
+            lambda: torch.empty(largest.nbytes, dtype=torch.uint8, device=device),
+            "to_state_dict",
+            f"the broadcast scratch buffer ({largest.nbytes} bytes, for {largest.key!r} at "
+            f"offset {largest.offset}) on {device}",
+        )
+    ]
 
 
 def _empty(meta: ShardMeta, device: torch.device) -> Callable[[], torch.Tensor]:
@@ -497,13 +498,12 @@ def _allocated(
     what: str, meta: ShardMeta, device: torch.device, make: Callable[[], torch.Tensor]
 ) -> torch.Tensor:
     """``make()``, or ``StagingError`` naming the shard where it cannot be allocated."""
-    try:
-        return make()
-    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        raise StagingError(
-            f"to_state_dict: cannot allocate the {what} of {meta.key!r} (offset {meta.offset}, "
-            f"{meta.local_shape} {meta.dtype}, {meta.nbytes} bytes) on {device}: {e}"
-        ) from e
+    return allocated(
+        make,
+        "to_state_dict",
+        f"the {what} of {meta.key!r} (offset {meta.offset}, {meta.local_shape} {meta.dtype}, "
+        f"{meta.nbytes} bytes) on {device}",
+    )
 
 
 def _check_algo(algo: str) -> str:
