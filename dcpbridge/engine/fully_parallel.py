@@ -51,13 +51,14 @@ def exchangeable(shards: list[Any]) -> list[Any]:
     return [s for s in candidates if id(s) not in tied]
 
 
-def share_load(rank: int, owners: ReadOwners, shards: list[Any]) -> LoadShare:
-    """Split this rank's load template between reading and receiving, as ``owners`` say
-    (``owners`` of the ``exchangeable`` shards: any other is read by this rank)."""
+def share_load(rank: int, owners: ReadOwners, shards: list[Any], exchanged: list[Any]) -> LoadShare:
+    """Split this rank's load template ``shards`` between reading and receiving, as
+    ``owners`` (of every rank's ``exchangeable`` shards; this rank's: ``exchanged``) say: any
+    shard not exchanged is read by this rank."""
     tags = {box: i for i, box in enumerate(sorted(owners.reader, key=repr))}
     share = LoadShare()
     first: dict[BoxId, ShardedTensor] = {}
-    exchanged_here = {id(s) for s in exchangeable(shards)}
+    exchanged_here = {id(s) for s in exchanged}
     for s in shards:
         if id(s) not in exchanged_here:
             share.read.append(s)

@@ -167,9 +167,15 @@ def _load(
         error = e
     share = None
     if parallel is not None:
+        exchanged: list[Any] = []  # this rank's exchangeable shards, found once
+
+        def boxes() -> list[Any]:
+            exchanged[:] = fp.exchangeable(_or_raise(error, parts.shards))
+            return exchanged
+
         try:
-            owners = read_owners(parallel, lambda: fp.exchangeable(_or_raise(error, parts.shards)))
-            share = fp.share_load(parallel.rank, owners, parts.shards)
+            owners = read_owners(parallel, boxes)
+            share = fp.share_load(parallel.rank, owners, parts.shards, exchanged)
         except Exception as e:  # raised on ``parallel`` only: carried to the whole group
             error = error or e
 
