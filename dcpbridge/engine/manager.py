@@ -60,7 +60,7 @@ from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.write.reuse import Previous
-from dcpbridge.storage.write.writer import committed_save_id
+from dcpbridge.storage.write.writer import committed_save_id, json_object
 
 log = logging.getLogger("dcpbridge")
 
@@ -447,10 +447,14 @@ class CheckpointManager:
                 kept = _read_sidecar(store, location)
                 self._resaved[step] = kept
                 # while the commit it replaces stays (a killed save), its metrics hold
-                doc["over"] = {"save_id": committed_save_id(store), "metrics": _metrics_of(kept)}
+                over = json_object(kept)
+                doc["over"] = {
+                    "save_id": committed_save_id(store),
+                    "metrics": over.get("metrics") if over is not None else None,
+                }
             else:  # a new step: its sidecar goes if the save fails (rule 3)
-                if store.list_names():
-                    self._clear_leftovers(step)
+                if names := store.list_names():
+                    self._clear_leftovers(step, names)
                 self._resaved[step] = None
             store.makedirs()
             raw = json.dumps(doc, sort_keys=True).encode()
@@ -465,11 +469,11 @@ class CheckpointManager:
         checked = protocol.on_coordinator(self._group, "prepare", check)
         return (lambda: run(*checked)) if checked is not None else (lambda: None)
 
-    def _clear_leftovers(self, step: int) -> None:
-        """Rank 0: remove what a killed save left in new step ``step``'s folder, keeping what
-        the complete steps reference; where their documents cannot tell, nothing is removed
-        (the leftovers' own save id keeps them apart from this save's files)."""
-        foreign = _foreign(storage_for(self._location(step)).list_names())
+    def _clear_leftovers(self, step: int, names: list[str]) -> None:
+        """Rank 0: remove what a killed save left in new step ``step``'s folder (``names``),
+        keeping what the complete steps reference; where their documents cannot tell, nothing
+        is removed (the leftovers' own save id keeps them apart from this save's files)."""
+        foreign = _foreign(names)
         if foreign:
             raise InvalidArgumentError(
                 f"{self.step_url(step)} holds files no save of a manager writes "
@@ -616,10 +620,9 @@ class CheckpointManager:
             location = self._location(step)
             store = storage_for(location)
             try:
-                raw = _read_sidecar(store, location)
-                doc = json.loads(raw) if raw is not None else None
-            except (IsADirectoryError, ValueError, RecursionError):
-                doc = None  # no JSON document
+                doc = json_object(_read_sidecar(store, location))
+            except IsADirectoryError:
+                doc = None
             over = doc.get("over") if isinstance(doc, dict) else None
             if isinstance(over, dict) and over.get("save_id") == committed_save_id(store):
                 doc = over  # the re-save that wrote this sidecar never committed
@@ -944,15 +947,6 @@ def _metric_in(doc: Any, name: str | None) -> float | None:
     except (KeyError, TypeError, IndexError, OverflowError):
         pass
     return None
-
-
-def _metrics_of(sidecar: bytes | None) -> Any:
-    """The ``metrics`` a sidecar's bytes hold (None where absent or unreadable)."""
-    try:
-        doc = json.loads(sidecar) if sidecar is not None else None
-    except (ValueError, RecursionError):
-        return None
-    return doc.get("metrics") if isinstance(doc, dict) else None
 
 
 def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:

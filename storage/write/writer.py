@@ -790,7 +790,7 @@ def publish(
     if makedirs:
         store.makedirs()
     current = store.read_committed(METADATA_FILE)
-    replaced = files_of(_document(current.data))
+    replaced = files_of(json_object(current.data))
     # Conditional: if another save committed since ``current`` was read, this one raises
     # (and its caller removes its files) instead of replacing a commit it never saw.
     store.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
@@ -808,7 +808,7 @@ def _referenced_here(root: str, files: Iterable[str]) -> set[str]:
     return {f.rsplit("/", 1)[-1] for f in files if is_reference(f) and reference_dir(f) == here}
 
 
-def _document(raw: bytes | None) -> dict[str, Any] | None:
+def json_object(raw: bytes | None) -> dict[str, Any] | None:
     """``raw`` as a JSON object, or None if absent or unreadable."""
     if raw is None:
         return None
@@ -872,7 +872,7 @@ def _committed_document(store: Storage) -> dict[str, Any] | None:
     """The JSON of the commit file at ``store``'s location, or None if absent or not a JSON
     object; a failure to read it raises (the caller cannot tell whether a save committed)."""
     try:
-        return _document(store.read_file(store.location.path(METADATA_FILE)))
+        return json_object(store.read_file(store.location.path(METADATA_FILE)))
     except FileNotFoundError:
         return None
 
