@@ -243,7 +243,7 @@ class AsyncSaver:
             finally:
                 if buffers is not None:
                     self.area.release(buffers)
-                handle._buffers = None  # the area holds them; a handle kept by the caller not
+                handle._buffers = None  # back in the area: a handle the caller keeps holds none
                 handle._finish(error)
 
     def _release(self) -> None:

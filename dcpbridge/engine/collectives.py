@@ -345,9 +345,9 @@ class SideGroup(StoreGroup):
 
     The local tier's copies and peer fetches travel here, never on the training group, from
     a background thread too: like every ``StoreGroup`` it has its own store client (a
-    blocking ``get`` holds the client it runs on, so sharing async_save's would deadlock). The backend is made
-    directly (not with ``new_group``, whose names depend on how many groups each rank created
-    before), rendezvousing under the group's own store prefix.
+    blocking ``get`` holds the client it runs on, so sharing async_save's would deadlock).
+    The backend is made directly (not with ``new_group``, whose names depend on how many
+    groups each rank created before), rendezvousing under the group's own store prefix.
     """
 
     def __init__(
