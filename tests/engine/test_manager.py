@@ -488,6 +488,19 @@ def test_a_metric_that_is_no_number_raises_invalid_argument(tmp_path, keep_best,
     assert mgr.all_steps() == [1]
 
 
+_BEST_OPTS = {"keep_best": 1, "best_metric": "loss", "async_save": False, "every": 1}
+
+
+def _best_of_two(root: os.PathLike[str], loss1: float, loss2: float) -> db.CheckpointManager:
+    """A keep_best=1 manager on ``root`` that saved steps 1 and 2 with those losses (both kept:
+    the newest complete step always is)."""
+    mgr = db.CheckpointManager(str(root), **_BEST_OPTS)
+    for step, loss in [(1, loss1), (2, loss2)]:
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
+    assert mgr.all_steps() == [1, 2]
+    return mgr
+
+
 def test_a_sidecar_that_cannot_be_read_now_deletes_nothing(tmp_path, caplog, monkeypatch):
     """A storage fault reading the best step's manager.json counted as "no metric" (like a
     hostile one), so retention deleted the best checkpoint. A fault now fails that
@@ -495,11 +508,7 @@ def test_a_sidecar_that_cannot_be_read_now_deletes_nothing(tmp_path, caplog, mon
     from dcpbridge.storage.backends.store import LocalStorage
 
     root = tmp_path / "run"
-    opts = {"keep_best": 1, "best_metric": "loss", "async_save": False, "every": 1}
-    mgr = db.CheckpointManager(str(root), **opts)
-    for step, loss in [(1, 1.0), (2, 5.0)]:
-        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
-    assert mgr.all_steps() == [1, 2]
+    mgr = _best_of_two(root, 1.0, 5.0)
     read = LocalStorage.read_file
 
     def flaky(self, path: str) -> bytes:
@@ -508,7 +517,7 @@ def test_a_sidecar_that_cannot_be_read_now_deletes_nothing(tmp_path, caplog, mon
         return read(self, path)
 
     monkeypatch.setattr(LocalStorage, "read_file", flaky)
-    mgr = db.CheckpointManager(str(root), **opts)  # reads the sidecars afresh
+    mgr = db.CheckpointManager(str(root), **_BEST_OPTS)  # reads the sidecars afresh
     with caplog.at_level(logging.WARNING, logger="dcpbridge"):
         mgr.save(3, {"w": torch.full((2,), 3.0)}, metrics={"loss": 3.0})
     assert mgr.all_steps() == [1, 2, 3]
@@ -593,11 +602,7 @@ def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
     from dcpbridge.storage.backends.store import LocalStorage
 
     root = tmp_path / "run"
-    opts = {"keep_best": 1, "best_metric": "loss", "async_save": False, "every": 1}
-    mgr = db.CheckpointManager(str(root), **opts)
-    for step, loss in [(1, 0.5), (2, 1.0)]:
-        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
-    assert mgr.all_steps() == [1, 2]
+    mgr = _best_of_two(root, 0.5, 1.0)
     pad = "x" * (manager_mod.MAX_SIDECAR_BYTES + 1)
     (root / "step_00000001" / SIDECAR).write_text(f'{{"metrics": {{"loss": 0.5}}, "p": "{pad}"}}')
     read = LocalStorage.read_file
@@ -608,7 +613,7 @@ def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
         return read(self, path)
 
     monkeypatch.setattr(LocalStorage, "read_file", counted)
-    mgr = db.CheckpointManager(str(root), **opts)  # reads the sidecars afresh
+    mgr = db.CheckpointManager(str(root), **_BEST_OPTS)  # reads the sidecars afresh
     mgr.save(3, {"w": torch.full((2,), 3.0)}, metrics={"loss": 9.0})
     assert not [p for p in reads if p.endswith(f"step_00000001/{SIDECAR}")]
     assert mgr.all_steps() == [2, 3]  # step 1 has no metric: the best is step 2
