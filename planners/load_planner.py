@@ -465,6 +465,7 @@ def _take_plain_wholes(
     rest: list[Any] = []
     picked: list[Any] = []
     ts: list[int] = []
+    keys: list[tuple[str, Shape]] = []
     tensor, meta, get = torch.Tensor, TensorStorageMetadata, stored.get
     for sh in shards:
         data = sh.data
@@ -488,9 +489,9 @@ def _take_plain_wholes(
             table = chunks.table
         picked.append(sh)
         ts.append(chunks.t)
+        keys.append((sh.key, o if type(o := sh.global_offset) is tuple else tuple(o)))
     if not picked:
         return rest
-    keys = [(sh.key, o if type(o := sh.global_offset) is tuple else tuple(o)) for sh in picked]
     if out.whole_at or out.dests:  # asked for before: the general path reads once and copies
         before = [i for i, k in enumerate(keys) if _planned(out, k)]
         if before:

@@ -114,8 +114,10 @@ class Walker:
             for v in items
         )
 
-    def leaves(self, tree: Any, prefix: ObjPath = ()) -> Iterator[Leaf]:
-        """Every leaf of ``tree`` in DCP's order, with its dotted key; duplicate keys raise."""
+    def leaves(self, tree: Any, prefix: ObjPath = (), bare: type | None = None) -> Iterator[Any]:
+        """Every leaf of ``tree`` in DCP's order, with its dotted key; duplicate keys raise.
+        A leaf of exactly type ``bare`` comes as itself, not as a ``Leaf`` (for a caller that
+        needs only its value: no path tuple and object per leaf)."""
         seen: set[str] = set()
         # each entry carries its dotted key, built once from its parent's (not re-joined)
         stack: list[tuple[ObjPath, str, Any, Any, Any]] = [
@@ -129,7 +131,7 @@ class Walker:
                         f"two entries of the state dict flatten to the same key {key!r}"
                     )
                 seen.add(key)
-                yield Leaf(key, node, parent, slot, path)
+                yield node if type(node) is bare else Leaf(key, node, parent, slot, path)
                 continue
             dot = f"{key}." if path else ""
             # (slot, path item, key part, value) per child, a mapping's by its keys' strings;
@@ -152,7 +154,7 @@ class Walker:
                         f"two entries of the state dict flatten to the same key {child!r}"
                     )
                 seen.add(child)
-                yield Leaf(child, v, node, slot, (*path, item))
+                yield v if type(v) is bare else Leaf(child, v, node, slot, (*path, item))
 
     def rebuild(
         self,

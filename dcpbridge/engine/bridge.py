@@ -25,7 +25,7 @@ from dcpbridge.errors import CorruptCheckpointError, InvalidRequestError
 from dcpbridge.model.intake import MISSING, LoadParts, Shard
 from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
-from dcpbridge.model.ties import check_overlaps, same_bytes, tied_conflict, untie
+from dcpbridge.model.ties import check_overlaps, same_bytes, tied_conflict, untie, untie_checked
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.errors import key_list
@@ -197,8 +197,12 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
     ) -> None:
         super().__init__(**kwargs)
         self.parts = parts
-        self.shards, self.ties = untie(shards)  # tied keys' shards read into scratch
-        check_overlaps(parts.shards)  # other memory shared by two requests: refused
+        # tied keys' shards read into scratch; other memory shared by two requests: refused
+        if shards is parts.shards:  # (not a fully-parallel share): one pass finds both
+            self.shards, self.ties = untie_checked(shards)
+        else:
+            self.shards, self.ties = untie(shards)
+            check_overlaps(parts.shards)
         self.legacy_common = legacy_common  # the common state is one blob (torch_dist)
         # that blob, where it was read before planning (torch_dist's common.pt): a value it
         # holds is the one loaded, as Megatron-Core loads it, even where a shard has its key

@@ -51,7 +51,7 @@ from dcpbridge.model.state import (
     leaves,
     map_leaves,
 )
-from dcpbridge.model.ties import Ties, check_overlaps, untie
+from dcpbridge.model.ties import Ties, untie_checked
 from dcpbridge.planners import StrictMode
 from dcpbridge.planners.distribution import Holding, distribute
 from dcpbridge.planners.strict import Policy, decide, parse_strict
@@ -340,8 +340,8 @@ class TensorAwareStateDict:
             shards = self._need_tensors("to_state_dict")
             sharded, _ = extract(apply_factories(tree), is_sharded)
             asked = leaves(sharded) if sharded is not HOLE else []
-            requests, ties = untie(asked)  # tied keys' shards are filled into scratch
-            check_overlaps(asked)  # other memory shared by two requests: refused, as by load
+            # tied keys' shards are filled into scratch; other memory shared by two requests:
+            requests, ties = untie_checked(asked)  # refused, as by load
             scratch = {id(s): u for s, u in zip(asked, requests) if u is not s}
             mine = Manifest(
                 kept=tuple(ShardMeta.of(s) for s in shards if s.numel > 0),

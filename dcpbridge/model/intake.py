@@ -312,9 +312,9 @@ def for_load(tree: Any) -> LoadParts:
         raise SerializationError(f"a load template must be a mapping, got {type(tree).__name__}")
     parts = LoadParts(tree)
     all_shards, slots = parts.shards, parts._slots
-    for leaf in STATE_WALKER.leaves(tree):
-        value = leaf.value
-        if type(value) is ShardedTensor:  # the commonest leaf: own_tensor's and init_data's
+    for leaf in STATE_WALKER.leaves(tree, bare=ShardedTensor):
+        if type(leaf) is ShardedTensor:  # the commonest leaf: own_tensor's and init_data's
+            value = leaf
             if value.flattened_range is not None:  # checks, without their calls
                 check_not_flattened(value)
             data = value.data
@@ -325,6 +325,7 @@ def for_load(tree: Any) -> LoadParts:
             all_shards.append(value)
             slots[id(value)] = value
             continue
+        value = leaf.value
         kind = leaf_kind(value)
         if kind == "nonpersistent":
             continue

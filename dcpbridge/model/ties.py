@@ -56,24 +56,7 @@ def untie(shards: list[Any]) -> tuple[list[Any], Ties]:
     """``shards`` with each tensor shard that is the very memory of an earlier one of another
     key (same address, dtype, shape and strides) replaced by a copy reading into scratch (the
     same list where nothing is tied), and the pairs ``Ties.settle`` checks after the reads."""
-    ties = Ties()
-    seen: dict[int, ShardedTensor] = {}
-    at = seen.setdefault
-    out: list[Any] | None = None
-    for i, shard in enumerate(shards):
-        if type(shard) is not ShardedTensor and not isinstance(shard, ShardedTensor):
-            continue
-        data = shard.data
-        if data is None or (first := at(data.data_ptr(), shard)) is shard:
-            continue
-        if not _tied(first, shard):
-            continue
-        if out is None:
-            out = list(shards)
-        scratch = dataclasses.replace(shard, data=torch.empty_like(data))
-        out[i] = scratch
-        ties.pairs.append((first, scratch))
-    return (shards if out is None else out), ties
+    return _untie(shards, _shared(shards))
 
 
 def check_overlaps(shards: list[Any]) -> None:
@@ -82,8 +65,21 @@ def check_overlaps(shards: list[Any]) -> None:
     key's tensor, the same memory in another dtype or shape): each would be read into the
     shared bytes, one silently taking the other's values. Views that interleave without
     sharing an element (a fused tensor's parts) are told apart element by element."""
-    by_address: dict[int, list[ShardedTensor]] = {}
-    for shard in shards:  # the fewest calls per tensor: most are alone in their storage
+    _check_shared(shards, _shared(shards))
+
+
+def untie_checked(shards: list[Any]) -> tuple[list[Any], Ties]:
+    """``check_overlaps`` and ``untie`` of ``shards`` with one pass over their addresses."""
+    shared = _shared(shards)
+    _check_shared(shards, shared)
+    return _untie(shards, shared)
+
+
+def _shared(shards: list[Any]) -> list[list[int]]:
+    """Positions of the tensor shards in ``shards`` that share a storage with another, by
+    storage, in order (ties and overlaps lie only among them; most shards are alone)."""
+    by_address: dict[int, list[int]] = {}
+    for i, shard in enumerate(shards):  # the fewest calls per tensor
         if type(shard) is not ShardedTensor and not isinstance(shard, ShardedTensor):
             continue
         data = shard.data
@@ -96,20 +92,44 @@ def check_overlaps(shards: list[Any]) -> None:
             continue
         alone = by_address.get(base)
         if alone is None:
-            by_address[base] = [shard]
+            by_address[base] = [i]
         else:
-            alone.append(shard)
-    for shared in by_address.values():
-        if len(shared) < 2:
-            continue
+            alone.append(i)
+    return [at for at in by_address.values() if len(at) > 1]
+
+
+def _untie(shards: list[Any], shared: list[list[int]]) -> tuple[list[Any], Ties]:
+    """``untie`` over the groups of ``_shared``: a tie is one address, so one storage."""
+    ties = Ties()
+    out: list[Any] | None = None
+    tied: list[tuple[int, ShardedTensor, ShardedTensor]] = []  # (position, first, shard)
+    for group in shared:
+        seen: dict[int, ShardedTensor] = {}
+        for i in group:
+            shard = shards[i]
+            first = seen.setdefault(shard.data.data_ptr(), shard)
+            if first is not shard and _tied(first, shard):
+                tied.append((i, first, shard))
+    for i, first, shard in sorted(tied, key=lambda t: t[0]):  # in the shards' order
+        if out is None:
+            out = list(shards)
+        scratch = dataclasses.replace(shard, data=torch.empty_like(shard.data))
+        out[i] = scratch
+        ties.pairs.append((first, scratch))
+    return (shards if out is None else out), ties
+
+
+def _check_shared(shards: list[Any], shared: list[list[int]]) -> None:
+    """``check_overlaps`` over the groups of ``_shared``."""
+    for group in shared:
         by_device: dict[torch.device, list[ShardedTensor]] = {}
-        for shard in shared:  # meta and empty tensors share no bytes
+        for i in group:  # meta and empty tensors share no bytes
+            shard = shards[i]
             data = shard.data
-            assert data is not None
             if not data.is_meta and data.numel():
                 by_device.setdefault(data.device, []).append(shard)
-        for group in by_device.values():
-            _check_group(group)
+        for on_device in by_device.values():
+            _check_group(on_device)
 
 
 def _check_group(group: list[ShardedTensor]) -> None:

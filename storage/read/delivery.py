@@ -44,10 +44,11 @@ Slot = tuple["Job", int, memoryview]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def holds_its_values(t: torch.Tensor) -> bool:
+def holds_its_values(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether ``t``'s memory holds the values it shows: not a conjugate or negative view,
-    whose memory holds them unconjugated or unnegated (its bytes are not its values)."""
-    return not (t.is_conj() or t.is_neg())
+    whose memory holds them unconjugated or unnegated (its bytes are not its values).
+    ``dtype``: ``t``'s, where the caller has it (only a complex tensor has a conjugate bit)."""
+    return not (t.is_neg() or ((dtype or t.dtype).is_complex and t.is_conj()))
 
 
 def as_shown(t: torch.Tensor) -> torch.Tensor:
@@ -55,15 +56,15 @@ def as_shown(t: torch.Tensor) -> torch.Tensor:
     return t if holds_its_values(t) else t.resolve_conj().resolve_neg()
 
 
-def is_plain(t: torch.Tensor) -> bool:
+def is_plain(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether ``t`` is a plain, dense, contiguous CPU tensor whose memory holds the values it
-    shows (a meta tensor is not is_cpu)."""
+    shows (a meta tensor is not is_cpu); ``dtype``: ``t``'s, where the caller has it."""
     return (
         type(t) in _PLAIN
         and t.is_cpu
-        and t.layout == torch.strided
+        and t.layout is torch.strided
         and t.is_contiguous()
-        and holds_its_values(t)
+        and holds_its_values(t, dtype)
     )
 
 

@@ -66,7 +66,8 @@ class WholeReads:
             return list(range(len(keys)))
         only, bounds, dtypes, names = table.only_boxes(), table.bounds, table.dtypes, table.tensors
         found: list[int | None] = []  # each entry's row, None where refused
-        note = found.append
+        addresses: list[int] = []  # of each entry found, in order
+        note, located = found.append, addresses.append
         for t, key, target in zip(ts, keys, targets):
             box = only[t]
             if box is not None:  # a one-chunk tensor (most): its chunk is the box, or none is
@@ -77,16 +78,17 @@ class WholeReads:
                 row = table.chunk_row(t, key[1], target.shape)
                 if row is not None and not target.numel():
                     row = None
-            if row is not None and (
-                target.dtype != dtypes[t] or names[t] != key[0] or not is_plain(target)
-            ):
-                row = None
+            if row is not None:
+                dtype = target.dtype
+                if dtype != dtypes[t] or names[t] != key[0] or not is_plain(target, dtype):
+                    row = None
+                else:
+                    located(target.data_ptr())
             note(row)
-        rows = [r for r in found if r is not None]
-        if len(rows) != len(found) or len(set(rows)) != len(rows):  # refusals or repeats
+        if len(addresses) != len(found) or len(set(found)) != len(found):  # refused, repeated
             return self._record_some(table, keys, targets, found)
-        if rows:
-            self._record(table, keys, targets, rows)
+        if found:
+            self._record(table, keys, targets, found, addresses)  # type: ignore[arg-type]
         return []
 
     def _record_some(
@@ -122,13 +124,15 @@ class WholeReads:
         keys: Sequence[ItemKey],
         targets: Sequence[torch.Tensor],
         rows: Sequence[int],
+        addresses: Sequence[int] | None = None,
     ) -> None:
-        """Append entries checked against ``table`` with their rows and target addresses."""
+        """Append entries checked against ``table`` with their rows and target addresses
+        (``addresses``: where the caller has them)."""
         self.table = table
         self.keys.extend(keys)
         self.targets.extend(targets)
         self.rows.extend(rows)
-        self._addresses.extend([t.data_ptr() for t in targets])
+        self._addresses.extend(addresses or [t.data_ptr() for t in targets])
 
     def checked(self, table: ItemTable) -> tuple[list[int], list[int]] | None:
         """(rows, target addresses) of every entry if ``add`` recorded each against ``table``

@@ -234,6 +234,21 @@ def test_leaves_refuse_two_entries_of_one_key_wherever_they_meet():
             list(STATE_WALKER.leaves(tree))
 
 
+def test_leaves_of_the_bare_type_come_as_themselves_in_the_same_order():
+    tree, t, u = _mixed_tree()
+    full = list(STATE_WALKER.leaves(tree))
+    bare = list(STATE_WALKER.leaves(tree, bare=torch.Tensor))
+    assert len(bare) == len(full) == 10
+    for leaf, got in zip(full, bare):
+        if type(leaf.value) is torch.Tensor:  # in a mapping, a list, after a container
+            assert got is leaf.value
+        else:
+            assert (got.path, got.obj_path, got.value) == (leaf.path, leaf.obj_path, leaf.value)
+    assert [type(g) is torch.Tensor for g in bare].count(True) == 4  # t twice, u twice
+    with pytest.raises(db.SerializationError, match="flatten to the same key"):
+        list(STATE_WALKER.leaves({"a": [1, torch.zeros(1)], "a.1": 3}, bare=torch.Tensor))
+
+
 def test_rebuild_takes_known_values_by_id_and_asks_for_the_others():
     tree, _, u = _mixed_tree()
     marker = object()
