@@ -6,16 +6,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dcpbridge.errors import DataStateError
+from dcpbridge.model.mapping import ShardedTensor
+
+_NEVER = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, type(None)})
 
 
 def is_stateful(value: Any) -> bool:
-    """DCP's ``isinstance(value, Stateful)``, answered by two ``hasattr`` first: a Protocol
-    check costs about 5 us, a state dict has a value per tensor at its top level."""
+    """DCP's ``isinstance(value, Stateful)``, answered by the value's type or two ``hasattr``
+    first: a Protocol check costs about 5 us, a state dict has a value per tensor at its top
+    level (a ShardedTensor's ``hasattr`` misses cost ~0.2 us: its type is looked up first)."""
     return (
-        hasattr(value, "state_dict")
+        type(value) not in _NEVER
+        and type(value) is not ShardedTensor
+        and hasattr(value, "state_dict")
         and hasattr(value, "load_state_dict")
         and isinstance(value, Stateful)
     )
