@@ -894,3 +894,111 @@ def test_a_step_whose_folder_could_not_be_found_again_is_refused(tmp_path, step)
     mgr.save(10**18 - 1, {"w": torch.ones(2)})  # the largest: found again
     assert mgr.all_steps() == [10**18 - 1]
     mgr.close()
+
+
+class _StaleView:
+    """A store as a stale listing (NFS attribute cache) shows it: the step folders named in
+    ``hidden`` are not there (not listed, no commit file)."""
+
+    def __init__(self, store: object, hidden: frozenset[str], whole: bool) -> None:
+        self._store, self._hidden, self._whole = store, hidden, whole
+
+    def list_names(self) -> list[str]:
+        names = self._store.list_names()  # type: ignore[attr-defined]
+        return [] if self._whole else [n for n in names if n not in self._hidden]
+
+    def exists(self, name: str) -> bool:
+        return not self._whole and self._store.exists(name)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+def _stale(hidden: set[str]):
+    """Patch the manager's storage so this rank does not see the step folders ``hidden``."""
+    from unittest import mock
+
+    from dcpbridge.engine import manager as manager_mod
+
+    real = manager_mod.storage_for
+
+    def storage_for(location):
+        store = real(location)
+        folder = location.url.rstrip("/").rsplit("/", 1)[-1]
+        return _StaleView(store, frozenset(hidden), folder in hidden)
+
+    return mock.patch.object(manager_mod, "storage_for", storage_for)
+
+
+def stale_listing(r: Rank, root: str, hidden: list[list[str]]) -> dict:
+    """Steps 2 and 4 saved; then rank ``i`` misses the step folders ``hidden[i]``."""
+    mgr = db.CheckpointManager(root, every=2, process_group=r.group, async_save=False)
+    for step in (2, 4):
+        mgr.save(step, state(rows(weights(step), r.rank, r.size), r.rank, r.size, step))
+    out: dict = {}
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dcpbridge").addHandler(handler)
+    try:
+        with _stale(set(hidden[r.rank])):
+            out["latest"] = mgr.latest_step()
+            loaded = mgr.load(template(r.rank, r.size))
+            out["loaded"] = loaded["step"]
+            assert torch.equal(loaded["w"], rows(weights(loaded["step"]), r.rank, r.size))
+    except db.CheckpointError as e:
+        out["error"] = (type(e).__name__, str(e))
+    finally:
+        logging.getLogger("dcpbridge").removeHandler(handler)
+    mgr.close()
+    out["warned"] = [w for w in warned if "stale listing?" in w][:1]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_ranks_agree_on_the_newest_step_every_rank_sees_committed(pool, tmp_path):
+    """Without a local tier, ``latest_step`` was each rank's own listing: where one rank's
+    listing was stale (NFS), ranks resumed from different steps (rank 0: 4, rank 1: 2) and a
+    ``load(step=mgr.latest_step())`` mixed them. Now every rank gets the newest step that every
+    rank sees committed, and ``load`` loads that step."""
+    root = str(tmp_path / "run")
+    out = pool.run(stale_listing, 2, root, [[], ["step_00000004"]])
+    warned = f"dcpbridge: ranks [1] do not see step 4 of {root} committed"
+    assert [(o["latest"], o["loaded"]) for o in out] == [(2, 2)] * 2
+    assert all(len(o["warned"]) == 1 and o["warned"][0].startswith(warned) for o in out)
+    out = pool.run(stale_listing, 2, root + "2", [["step_00000004"], []])  # rank 0 is stale
+    assert out == [{"latest": 2, "loaded": 2, "warned": []}] * 2
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_see_no_common_committed_step_raise_naming_both(pool, tmp_path):
+    """Rank 0 sees only step 4 committed, rank 1 only step 2: no step is safe to resume from
+    on both, so ``latest_step`` and ``load`` raise on every rank, naming both steps."""
+    out = pool.run(stale_listing, 2, str(tmp_path / "run"), [["step_00000002"], ["step_00000004"]])
+    assert out[0] == out[1] and set(out[0]) == {"error", "warned"}
+    name, message = out[0]["error"]
+    assert name == "DistributedCheckpointError"
+    assert "rank 0" in message and "step 4" in message
+    assert "rank 1" in message and "step 2" in message
+
+
+def asked_different_steps(r: Rank, root: str) -> tuple[str, str]:
+    """Steps 2 and 4 saved; rank 0 loads step 2, rank 1 step 4."""
+    mgr = db.CheckpointManager(root, every=2, process_group=r.group, async_save=False)
+    for step in (2, 4):
+        mgr.save(step, state(rows(weights(step), r.rank, r.size), r.rank, r.size, step))
+    with pytest.raises(db.CheckpointError) as info:
+        mgr.load(template(r.rank, r.size), step=4 if r.rank else 2)
+    mgr.close()
+    return type(info.value).__name__, str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_ask_for_different_steps_raise(pool, tmp_path):
+    """``load(step=...)`` with another step on each rank loaded rank 0's step on every rank
+    (rank 1 got step 2 for its step 4); now it raises on every rank, naming each one's."""
+    out = pool.run(asked_different_steps, 2, str(tmp_path / "run"))
+    assert out[0] == out[1]
+    name, message = out[0]
+    assert name == "InvalidArgumentError"
+    assert "different steps" in message and "rank 0: 2" in message and "rank 1: 4" in message
