@@ -3,8 +3,9 @@
 Checkpoints live in ``root/step_00000100`` style directories (local disk, S3 or any fsspec URL).
 A step is complete only once its commit file (``dcpbridge.json``, written last by the storage
 layer) exists: ``latest_step`` / ``all_steps`` see complete steps only, and the directories of
-saves that never committed (holding only what a save writes) are removed after the next
-successful save. Retention runs only
+saves that never committed (holding only what a save writes) are removed once a newer step
+commits (a newer one may be another job's save in flight) or their step is saved again.
+Retention runs only
 after a commit and never removes the newest complete checkpoint. Deleting a checkpoint removes
 its commit file first, so a half-deleted directory never looks complete.
 """
@@ -488,7 +489,7 @@ class CheckpointManager:
                 "move them away or save under another step"
             )
         try:
-            self._remove_steps([step], self._scan()[0])
+            self._remove_steps([step], self._scan()[0], [step])
         except CorruptCheckpointError as e:
             log.warning(
                 "dcpbridge: leaving what a killed save left in %s: %s", self.step_url(step), e
@@ -554,26 +555,34 @@ class CheckpointManager:
         self._group.broadcast(None)
 
     def _after_commit(self) -> None:
-        """Rank 0: apply retention and remove uncommitted step directories."""
+        """Rank 0: apply retention and remove the uncommitted step directories older than the
+        newest complete step (a newer one may be another job's save in flight: an old job
+        still running beside its restart is ahead of it)."""
         if not self._group.is_coordinator:
             return
         try:
             complete, partial = self._scan()
             metric = {s: self._stored_metric(s) for s in complete} if self.best_metric else {}
             keep = self.retention.keep(complete, metric)
-            doomed = [s for s in complete if s not in keep] + partial
-            self._remove_steps(doomed, [s for s in complete if s in keep])
+            dead = [s for s in partial if complete and s < complete[-1]]
+            doomed = [s for s in complete if s not in keep] + dead
+            self._remove_steps(doomed, [s for s in complete if s in keep], dead)
             for step in doomed:
                 self._metrics.pop(step, None)
         except Exception as e:  # the new checkpoint is committed: leftovers only waste space
             log.warning("dcpbridge: retention in %s failed: %s", self.root, e)
 
-    def _remove_steps(self, doomed: list[int], kept: list[int]) -> None:
+    def _remove_steps(self, doomed: list[int], kept: list[int], uncommitted: list[int]) -> None:
         """Delete steps ``doomed``, keeping the files the committed steps ``kept`` and the
         other checkpoints under the root reference (read from their commit files: incremental
-        saves share files between steps)."""
+        saves share files between steps); one of ``uncommitted`` committed since is kept."""
         names = [step_dir_name(s) for s in kept] + self._others()
-        remove_checkpoints(self._location(), [step_dir_name(s) for s in doomed], names)
+        remove_checkpoints(
+            self._location(),
+            [step_dir_name(s) for s in doomed],
+            names,
+            uncommitted=[step_dir_name(s) for s in uncommitted],
+        )
 
     def _others(self) -> list[str]:
         """Committed checkpoints under the root that are not steps (a ``db.save`` beside them
