@@ -119,17 +119,24 @@ def _remove_folder(location: Location) -> None:
         storage_for(location).remove_folder()
 
 
-def remove_checkpoints(root: Location, doomed: Iterable[str], kept: Iterable[str]) -> None:
+def remove_checkpoints(
+    root: Location, doomed: Iterable[str], kept: Iterable[str], *, uncommitted: Iterable[str] = ()
+) -> None:
     """Delete checkpoint folders ``doomed`` under ``root`` except the files the committed
-    checkpoints ``kept`` need: all doomed commit files first, then the rest."""
-    doomed = list(doomed)
+    checkpoints ``kept`` need: all doomed commit files first, then the rest. A folder of
+    ``uncommitted`` (doomed as a killed save's) that holds a commit file now is another
+    save's that committed since: it stays whole."""
+    doomed, uncommitted = list(doomed), set(uncommitted)
     if not doomed:
         return
     needed = needed_files(root, kept)  # raises before anything is deleted
-    for name in doomed:
+    for name in list(doomed):
         location = child(root, name)
         store = storage_for(location)
         if not is_link(location) and store.exists(METADATA_FILE):
+            if name in uncommitted:
+                doomed.remove(name)
+                continue
             store.remove([METADATA_FILE])
     for name in doomed:
         location = child(root, name)

@@ -25,7 +25,7 @@ from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.format.paths import spread_dir
-from dcpbridge.storage.write.writer import committed_save_id
+from dcpbridge.storage.write.writer import check_present, committed_save_id
 
 log = logging.getLogger("dcpbridge")
 _PIECE = 8 << 20  # bytes per read while uploading a data file
@@ -61,18 +61,19 @@ def upload(group: Group, job: PersistJob, local: Location, raw: bytes, index: St
         protocol.agree(
             group, "persist behind: upload", lambda: _upload_mine(group, job, local, index)
         )
-        protocol.on_coordinator(
-            group,
-            "persist behind: commit",
-            lambda: storage_for(job.location).commit_file(
-                METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True
-            ),
-        )
+        protocol.on_coordinator(group, "persist behind: commit", lambda: _commit(job, raw, index))
     except Exception as e:  # raised alike on every rank: reported at the next save/wait
         error = e
         if group.is_coordinator:  # every rank is done with it: nothing half-written stays
             _remove(job.location, index)
     job.handle._finish(error)
+
+
+def _commit(job: PersistJob, raw: bytes, index: StorageIndex) -> None:
+    """Publish the document ``raw`` at ``job.location`` once every file it names is there."""
+    store = storage_for(job.location)
+    check_present(store, index.files, index.prefixes)
+    store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True)
 
 
 def _remove(location: Location, index: StorageIndex) -> None:

@@ -3,8 +3,9 @@
 Checkpoints live in ``root/step_00000100`` style directories (local disk, S3 or any fsspec URL).
 A step is complete only once its commit file (``dcpbridge.json``, written last by the storage
 layer) exists: ``latest_step`` / ``all_steps`` see complete steps only, and the directories of
-saves that never committed (holding only what a save writes) are removed after the next
-successful save. Retention runs only
+saves that never committed (holding only what a save writes) are removed once a newer step
+commits (a newer one may be another job's save in flight) or their step is saved again.
+Retention runs only
 after a commit and never removes the newest complete checkpoint. Deleting a checkpoint removes
 its commit file first, so a half-deleted directory never looks complete.
 """
@@ -12,6 +13,7 @@ its commit file first, so a half-deleted directory never looks complete.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -49,6 +51,7 @@ from dcpbridge.engine.writer_process import check_writer
 from dcpbridge.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
     UnsafePathError,
@@ -127,8 +130,8 @@ class Retention:
 class CheckpointManager:
     """Save every ``every`` steps under ``root``, keep some, resume from the newest complete one.
 
-    Every rank of ``process_group`` makes the same calls (``save``, ``load``, ``wait``,
-    ``close``, ``should_stop``). Arguments left as None take the configuration file's
+    Every rank of ``process_group`` makes the same calls (``save``, ``load``,
+    ``latest_step``, ``wait``, ``close``, ``should_stop``). Arguments left as None take the configuration file's
     ``checkpoint:`` defaults (``dcpbridge.formats.config.CheckpointDefaults``); storage options
     come from ``storage_options`` over ``profile`` (or the file's default profile).
 
@@ -279,11 +282,16 @@ class CheckpointManager:
         return self._scan()[0]
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint, or None; with a local tier, the newer of the
-        persistent one and the newest local step the ranks can recover (collective)."""
+        """The newest complete checkpoint that every rank sees committed, or None (collective
+        in a group); with a local tier, the newer of the persistent one and the newest local
+        step the ranks can recover."""
         if self._local is None:
-            steps = self.all_steps()
-            return steps[-1] if steps else None
+            if self._pending is not None:
+                self._pending[1]._done.wait()
+            if self._group.size == 1:
+                steps = self._scan()[0]
+                return steps[-1] if steps else None
+            return self._agreed_newest(self._agree(lambda: self._scan()[0]))
         complete, local = self._survey(None)
         persistent = complete[-1] if complete else None
         return local.step if local is not None else persistent
@@ -481,7 +489,7 @@ class CheckpointManager:
                 "move them away or save under another step"
             )
         try:
-            self._remove_steps([step], self._scan()[0])
+            self._remove_steps([step], self._scan()[0], [step])
         except CorruptCheckpointError as e:
             log.warning(
                 "dcpbridge: leaving what a killed save left in %s: %s", self.step_url(step), e
@@ -547,26 +555,34 @@ class CheckpointManager:
         self._group.broadcast(None)
 
     def _after_commit(self) -> None:
-        """Rank 0: apply retention and remove uncommitted step directories."""
+        """Rank 0: apply retention and remove the uncommitted step directories older than the
+        newest complete step (a newer one may be another job's save in flight: an old job
+        still running beside its restart is ahead of it)."""
         if not self._group.is_coordinator:
             return
         try:
             complete, partial = self._scan()
             metric = {s: self._stored_metric(s) for s in complete} if self.best_metric else {}
             keep = self.retention.keep(complete, metric)
-            doomed = [s for s in complete if s not in keep] + partial
-            self._remove_steps(doomed, [s for s in complete if s in keep])
+            dead = [s for s in partial if complete and s < complete[-1]]
+            doomed = [s for s in complete if s not in keep] + dead
+            self._remove_steps(doomed, [s for s in complete if s in keep], dead)
             for step in doomed:
                 self._metrics.pop(step, None)
         except Exception as e:  # the new checkpoint is committed: leftovers only waste space
             log.warning("dcpbridge: retention in %s failed: %s", self.root, e)
 
-    def _remove_steps(self, doomed: list[int], kept: list[int]) -> None:
+    def _remove_steps(self, doomed: list[int], kept: list[int], uncommitted: list[int]) -> None:
         """Delete steps ``doomed``, keeping the files the committed steps ``kept`` and the
         other checkpoints under the root reference (read from their commit files: incremental
-        saves share files between steps)."""
+        saves share files between steps); one of ``uncommitted`` committed since is kept."""
         names = [step_dir_name(s) for s in kept] + self._others()
-        remove_checkpoints(self._location(), [step_dir_name(s) for s in doomed], names)
+        remove_checkpoints(
+            self._location(),
+            [step_dir_name(s) for s in doomed],
+            names,
+            uncommitted=[step_dir_name(s) for s in uncommitted],
+        )
 
     def _others(self) -> list[str]:
         """Committed checkpoints under the root that are not steps (a ``db.save`` beside them
@@ -640,7 +656,7 @@ class CheckpointManager:
     # -- loading ------------------------------------------------------------------------------
 
     def load(self, template: Any, step: int | None = None, **kwargs: Any) -> Any:
-        """Load ``step`` (default: the newest complete one, as rank 0 sees it) into
+        """Load ``step`` (default: the newest complete one every rank sees committed) into
         ``template``, in any layout or world size; ``kwargs`` go to ``dcpbridge.load``."""
         _check_load_options(kwargs)
         if step is not None:
@@ -785,7 +801,15 @@ class CheckpointManager:
         )
 
     def _agree_on_step(self, step: int | None) -> int:
-        def choose() -> int:
+        """The step a load takes on every rank: ``step`` (the same on every rank), else the
+        newest complete one that every rank sees committed."""
+
+        def choose(asked: list[int | None]) -> list[list[int]]:
+            if any(a != step for a in asked):
+                raise InvalidArgumentError(
+                    "CheckpointManager.load() was asked for different steps: "
+                    + ", ".join(f"rank {r}: {a}" for r, a in enumerate(asked))
+                )
             complete = self._scan()[0]
             if step is None and not complete:
                 raise NotACheckpointError(f"{self.root}: no complete checkpoint (step_*) to load")
@@ -794,12 +818,62 @@ class CheckpointManager:
                     f"{self.step_url(step)}: no complete checkpoint of step {step} "
                     f"(complete steps: {complete[-5:]})"
                 )
-            return complete[-1] if step is None else step
+            return [complete if step is None else [step]] * len(asked)
 
-        size = self._group.size
-        return protocol.decide(
-            self._group, "choose step", lambda: None, lambda _: [choose()] * size
-        )
+        chosen = protocol.decide(self._group, "choose step", lambda: step, choose)
+        if step is not None:
+            return step
+        newest = self._agreed_newest(chosen)
+        assert newest is not None  # rank 0 saw a complete step: agreed on one, or raised
+        return newest
+
+    def _agreed_newest(self, complete: list[int]) -> int | None:
+        """The newest of rank 0's complete steps ``complete`` that every rank sees committed,
+        alike on every rank (each rank looks for commit files newest first: one lookup and one
+        all-gather where all see rank 0's newest; a stale listing must not make ranks resume
+        from different steps); raises where some rank sees none of them."""
+        if self._group.size == 1 or not complete:
+            return complete[-1] if complete else None
+        candidates, first = complete, None
+        while True:
+            seen = protocol.agree(
+                self._group, "newest step", functools.partial(self._newest_seen, candidates)
+            )
+            steps = [s for s, _ in seen]
+            first = first or steps
+            if None in steps:
+                r = steps.index(None)
+                own = "none" if seen[r][1] is None else f"step {seen[r][1]}"
+                raise DistributedCheckpointError(
+                    f"{self.root}: no complete checkpoint that every rank sees: rank 0 sees "
+                    f"step {complete[-1]} as the newest, rank {r} none of steps "
+                    f"{candidates[-5:]} (its newest: {own}); a stale listing (NFS), or ranks "
+                    "that see different storage?"
+                )
+            low = min(s for s in steps if s is not None)
+            if all(s == low for s in steps):
+                if low != complete[-1]:
+                    log.warning(
+                        "dcpbridge: ranks %s do not see step %d of %s committed (a stale "
+                        "listing?): the ranks take step %d, the newest all of them see",
+                        [r for r, s in enumerate(first) if s != complete[-1]],
+                        complete[-1],
+                        self.root,
+                        low,
+                    )
+                return low
+            candidates = [s for s in candidates if s <= low]
+
+    def _newest_seen(self, candidates: list[int]) -> tuple[int | None, int | None]:
+        """The newest of rank 0's ``candidates`` whose commit file this rank sees (rank 0:
+        the newest, which it listed), and, where none, this rank's own newest complete step."""
+        if self._group.is_coordinator:
+            return candidates[-1], None
+        for step in reversed(candidates):
+            if storage_for(self._location(step)).exists(METADATA_FILE):
+                return step, None
+        own = self._scan()[0]
+        return None, own[-1] if own else None
 
     # -- preemption ---------------------------------------------------------------------------
 

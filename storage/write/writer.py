@@ -27,8 +27,13 @@ from torch.futures import Future
 
 from dcpbridge.storage.backends import device_copy
 from dcpbridge.storage.backends.location_mixin import LocationMixin
+from dcpbridge.storage.backends.referenced import sizes_with_references
 from dcpbridge.storage.backends.store import Storage
-from dcpbridge.storage.errors import InvalidArgumentError, storage_faults
+from dcpbridge.storage.errors import (
+    InvalidArgumentError,
+    StorageFileNotFoundError,
+    storage_faults,
+)
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import (
     DATA_FILE_RE,
@@ -335,6 +340,9 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self.checksums = checksums
         self.checksum_block_size = checksum_block_size
         self.columns = False  # the document's items as packed columns however few
+        # every data file the document names is checked to be there before the commit; off
+        # where they stay with the ranks that wrote them (the local tier's node directories)
+        self.check_files = True
         # The coordinator's own local files synced on a thread while ``finish`` encodes the
         # commit (joined before it); only for a caller whose ``finish`` runs on this object
         # after its ``write_data`` (dcpbridge's engine without a writer process)
@@ -447,6 +455,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
                 sync=self.sync_files,
                 columns=self.columns,
                 synced=None if late is None else late.wait,
+                check_files=self.check_files,
             )
         finally:
             self._drop_late()  # also when the encoding failed before the wait
@@ -771,10 +780,12 @@ def publish(
     makedirs: bool = False,
     columns: bool = False,
     synced: Callable[[], None] | None = None,
+    check_files: bool = True,
 ) -> None:
     """Index ``items`` into ``metadata``, commit ``dcpbridge.json`` last, then drop the files of
     the checkpoint it replaced (``columns``: as ``encode_index``; ``synced``: waits until the
-    data files are durable, called once the document is encoded, before it is committed)."""
+    data files are durable, called once the document is encoded, before it is committed;
+    ``check_files``: ``check_present`` first)."""
     raw = encode_index(
         metadata,
         items,
@@ -789,15 +800,48 @@ def publish(
         synced()
     if makedirs:
         store.makedirs()
+    index = metadata.storage_data
+    assert isinstance(index, StorageIndex)
+    if check_files:
+        check_present(store, index.files, index.prefixes)
     current = store.read_committed(METADATA_FILE)
     replaced = files_of(json_object(current.data))
     # Conditional: if another save committed since ``current`` was read, this one raises
     # (and its caller removes its files) instead of replacing a commit it never saw.
     store.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
-    index = metadata.storage_data
-    assert isinstance(index, StorageIndex)
     own = _referenced_here(store.location.root, index.files)
     remove_replaced_files(store, [n for n in replaced if n not in own], save_id)
+
+
+def check_present(store: Storage, files: Iterable[str], prefixes: int) -> None:
+    """Raise ``StorageFileNotFoundError`` naming the data files among ``files`` (a commit
+    document's, references included) that are not there: a commit never names missing data
+    (another job's cleanup of the same root may remove a save's files while it writes). One
+    listing of the location and of each referenced folder; a file a listing lacks is looked
+    up once more (a store whose listings lag behind its writes)."""
+    files = list(files)
+    store.fs.invalidate_cache(store.location.root.rstrip("/"))
+    present = sizes_with_references(store, files)
+    missing = [f for f in files if f not in present and not _found(store, f, prefixes)]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise StorageFileNotFoundError(
+            f"{store.location.url}: data files of this save are missing at its commit "
+            f"({', '.join(missing[:5])}{more}; removed by another job's cleanup of the same "
+            "root?): it did not commit"
+        )
+
+
+def _found(store: Storage, name: str, prefixes: int) -> bool:
+    """Whether data file (or reference) ``name`` is there, looked up by its own path (not
+    answered from a cached listing of its folder)."""
+    path = store.location.data_path(name, prefixes)
+    store.fs.invalidate_cache(path.rsplit("/", 1)[0])
+    try:
+        store.info(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _referenced_here(root: str, files: Iterable[str]) -> set[str]:

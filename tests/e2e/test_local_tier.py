@@ -687,3 +687,28 @@ def test_a_resave_over_a_committed_step_and_its_older_set_aside_copy_commits(tmp
     restarted = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
     assert torch.equal(restarted.load({"w": torch.zeros(4)})["w"], torch.full((4,), 7.0))
     restarted.close()
+
+
+def test_a_local_step_folder_spelt_otherwise_is_no_local_step(tmp_path):
+    """``step_3`` (or ``step_`` with non-ASCII digits, or ``step_3.previous``) beside
+    ``step_00000003`` is no local step, as in the persistent tier: it was read as step 3, so
+    retention deleted such a folder and a re-save of step 3 took it for its own uncommitted
+    directory. Only ``step_url``'s spelling is a local step; other folders stay untouched."""
+    local = _single_process_steps(tmp_path)
+    step3 = os.path.join(local, "step_00000003")
+    others = ["step_3", "step_3.previous", "step_\u0663"]  # U+0663: Arabic-Indic digit 3
+    before = sorted(os.listdir(step3))
+    shutil.copytree(step3, os.path.join(local, "step_3"))
+    shutil.copytree(step3, os.path.join(local, "step_3.previous"))
+    os.mkdir(os.path.join(local, "step_\u0663"))
+    mgr = db.CheckpointManager(str(tmp_path / "run"), local_dir=local, **_ONE_PROCESS)
+    assert sorted(os.listdir(local)) == sorted(["step_00000003", *others])
+    mgr.save(3, {"w": torch.full((4,), 7.0)})  # a re-save of committed local step 3
+    mgr.wait()
+    assert mgr.latest_step() == 3
+    assert torch.equal(mgr.load({"w": torch.zeros(4)})["w"], torch.full((4,), 7.0))
+    mgr.save(5, {"w": torch.full((4,), 5.0)})  # retention keeps local step 5 alone
+    mgr.close()
+    assert sorted(os.listdir(local)) == sorted(["step_00000005", *others])
+    for name in others[:2]:
+        assert sorted(os.listdir(os.path.join(local, name))) == before

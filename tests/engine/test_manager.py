@@ -365,6 +365,8 @@ def test_save_on_signal_refuses_what_it_cannot_install_with_invalid_argument(tmp
 
 
 def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
+    """A killed save's folder is no step; it is removed once a newer step commits (before,
+    it may be another job's save in flight), or cleared by a save of its own step."""
     root = tmp_path / "run"
     mgr = db.CheckpointManager(str(root), every=1, async_save=False)
     assert mgr.latest_step() is None and mgr.all_steps() == []
@@ -376,9 +378,16 @@ def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
     (root / "notes").mkdir()  # not a step: left alone
     assert mgr.all_steps() == [3]
     mgr.save(4, {"w": torch.ones(2)})
-    assert sorted(os.listdir(root)) == ["notes", "step_00000003", "step_00000004"]
+    assert sorted(os.listdir(root)) == ["notes", "step_00000003", "step_00000004", "step_00000007"]
     with pytest.raises(db.NotACheckpointError, match="step 7"):
         mgr.load({}, step=7)
+    mgr.save(8, {"w": torch.ones(2)})
+    assert sorted(os.listdir(root)) == ["notes", "step_00000003", "step_00000004", "step_00000008"]
+    (root / "step_00000009").mkdir()
+    (root / "step_00000009" / "__0_0.ab12.bin").write_bytes(b"x" * 10)
+    mgr.save(9, {"w": torch.full((2,), 9.0)})
+    assert "__0_0.ab12.bin" not in os.listdir(root / "step_00000009")  # cleared first
+    assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 9.0))
 
 
 def test_a_damaged_older_step_does_not_stop_the_save_over_a_killed_ones_leftovers(tmp_path, caplog):
@@ -420,10 +429,10 @@ def test_a_checkpoint_of_another_format_in_a_step_folder_is_never_removed(tmp_pa
     for name in ("__0_0.0123456789abcdef.bin", SIDECAR, "dcpbridge.json.tmp.12-ab"):
         (root / "step_00000005" / name).write_bytes(b"x")
     mgr = db.CheckpointManager(str(root), every=1, keep_last=1, async_save=False)
-    for step in (1, 2):
+    for step in (1, 2, 6):  # step 6's commit removes the killed save's folder 5
         mgr.save(step, {"w": torch.full((4,), float(step))})
-    assert mgr.all_steps() == [2]
-    assert sorted(os.listdir(root)) == ["step_00000000", "step_00000002"]
+    assert mgr.all_steps() == [6]
+    assert sorted(os.listdir(root)) == ["step_00000000", "step_00000006"]
     assert sorted(os.listdir(root / "step_00000000")) == before
     with pytest.raises(db.InvalidArgumentError, match=r"step_00000000.*'\.metadata'"):
         mgr.save(0, {"w": torch.zeros(4)})
@@ -894,3 +903,265 @@ def test_a_step_whose_folder_could_not_be_found_again_is_refused(tmp_path, step)
     mgr.save(10**18 - 1, {"w": torch.ones(2)})  # the largest: found again
     assert mgr.all_steps() == [10**18 - 1]
     mgr.close()
+
+
+class _StaleView:
+    """A store as a stale listing (NFS attribute cache) shows it: the step folders named in
+    ``hidden`` are not there (not listed, no commit file)."""
+
+    def __init__(self, store: object, hidden: frozenset[str], whole: bool) -> None:
+        self._store, self._hidden, self._whole = store, hidden, whole
+
+    def list_names(self) -> list[str]:
+        names = self._store.list_names()  # type: ignore[attr-defined]
+        return [] if self._whole else [n for n in names if n not in self._hidden]
+
+    def exists(self, name: str) -> bool:
+        return not self._whole and self._store.exists(name)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+def _stale(hidden: set[str]):
+    """Patch the manager's storage so this rank does not see the step folders ``hidden``."""
+    from unittest import mock
+
+    from dcpbridge.engine import manager as manager_mod
+
+    real = manager_mod.storage_for
+
+    def storage_for(location):
+        store = real(location)
+        folder = location.url.rstrip("/").rsplit("/", 1)[-1]
+        return _StaleView(store, frozenset(hidden), folder in hidden)
+
+    return mock.patch.object(manager_mod, "storage_for", storage_for)
+
+
+def stale_listing(r: Rank, root: str, hidden: list[list[str]]) -> dict:
+    """Steps 2 and 4 saved; then rank ``i`` misses the step folders ``hidden[i]``."""
+    mgr = db.CheckpointManager(root, every=2, process_group=r.group, async_save=False)
+    for step in (2, 4):
+        mgr.save(step, state(rows(weights(step), r.rank, r.size), r.rank, r.size, step))
+    out: dict = {}
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dcpbridge").addHandler(handler)
+    try:
+        with _stale(set(hidden[r.rank])):
+            out["latest"] = mgr.latest_step()
+            loaded = mgr.load(template(r.rank, r.size))
+            out["loaded"] = loaded["step"]
+            assert torch.equal(loaded["w"], rows(weights(loaded["step"]), r.rank, r.size))
+    except db.CheckpointError as e:
+        out["error"] = (type(e).__name__, str(e))
+    finally:
+        logging.getLogger("dcpbridge").removeHandler(handler)
+    mgr.close()
+    out["warned"] = [w for w in warned if "stale listing?" in w][:1]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_ranks_agree_on_the_newest_step_every_rank_sees_committed(pool, tmp_path):
+    """Without a local tier, ``latest_step`` was each rank's own listing: where one rank's
+    listing was stale (NFS), ranks resumed from different steps (rank 0: 4, rank 1: 2) and a
+    ``load(step=mgr.latest_step())`` mixed them. Now every rank gets the newest step that every
+    rank sees committed, and ``load`` loads that step."""
+    root = str(tmp_path / "run")
+    out = pool.run(stale_listing, 2, root, [[], ["step_00000004"]])
+    warned = f"dcpbridge: ranks [1] do not see step 4 of {root} committed"
+    assert [(o["latest"], o["loaded"]) for o in out] == [(2, 2)] * 2
+    assert all(len(o["warned"]) == 1 and o["warned"][0].startswith(warned) for o in out)
+    out = pool.run(stale_listing, 2, root + "2", [["step_00000004"], []])  # rank 0 is stale
+    assert out == [{"latest": 2, "loaded": 2, "warned": []}] * 2
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_see_no_common_committed_step_raise_naming_both(pool, tmp_path):
+    """Rank 0 sees only step 4 committed, rank 1 only step 2: no step is safe to resume from
+    on both, so ``latest_step`` and ``load`` raise on every rank, naming both steps."""
+    out = pool.run(stale_listing, 2, str(tmp_path / "run"), [["step_00000002"], ["step_00000004"]])
+    assert out[0] == out[1] and set(out[0]) == {"error", "warned"}
+    name, message = out[0]["error"]
+    assert name == "DistributedCheckpointError"
+    assert "rank 0" in message and "step 4" in message
+    assert "rank 1" in message and "step 2" in message
+
+
+def asked_different_steps(r: Rank, root: str) -> tuple[str, str]:
+    """Steps 2 and 4 saved; rank 0 loads step 2, rank 1 step 4."""
+    mgr = db.CheckpointManager(root, every=2, process_group=r.group, async_save=False)
+    for step in (2, 4):
+        mgr.save(step, state(rows(weights(step), r.rank, r.size), r.rank, r.size, step))
+    with pytest.raises(db.CheckpointError) as info:
+        mgr.load(template(r.rank, r.size), step=4 if r.rank else 2)
+    mgr.close()
+    return type(info.value).__name__, str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_ask_for_different_steps_raise(pool, tmp_path):
+    """``load(step=...)`` with another step on each rank loaded rank 0's step on every rank
+    (rank 1 got step 2 for its step 4); now it raises on every rank, naming each one's."""
+    out = pool.run(asked_different_steps, 2, str(tmp_path / "run"))
+    assert out[0] == out[1]
+    name, message = out[0]
+    assert name == "InvalidArgumentError"
+    assert "different steps" in message and "rank 0: 2" in message and "rank 1: 4" in message
+
+
+def _held_before_commit(monkeypatch, step_dir: str):
+    """Hold the commit of the save into ``step_dir`` (its data files written) until the
+    returned gate is set; ``reached`` is set once it waits there."""
+    import threading
+
+    reached, gate = threading.Event(), threading.Event()
+    finish = FsspecCheckpointWriter.finish
+
+    def held(self, metadata, results):
+        if self._loc.url.rstrip("/").endswith(step_dir) and not gate.is_set():
+            reached.set()
+            assert gate.wait(30)
+        return finish(self, metadata, results)
+
+    monkeypatch.setattr(FsspecCheckpointWriter, "finish", held)
+    return reached, gate
+
+
+def _two_managers(tmp_path, monkeypatch, scheme: str, other_step: int):
+    """Manager A saves step 6 (async), held before its commit; manager B, on the same root
+    (a restarted job beside the old one still running), commits ``other_step`` meanwhile."""
+    root = str(tmp_path / "run") if scheme == "local" else f"memory://{tmp_path.name}/run"
+    first = db.CheckpointManager(root, every=1, async_save=True, writer="thread")
+    second = db.CheckpointManager(root, every=1, async_save=False)
+    first.save(4, {"w": torch.full((64,), 4.0)})
+    first.wait()
+    reached, gate = _held_before_commit(monkeypatch, "step_00000006")
+    first.save(6, {"w": torch.full((64,), 6.0)})
+    assert reached.wait(30)
+    second.save(other_step, {"w": torch.full((64,), float(other_step))})
+    gate.set()
+    return first, second
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_another_managers_commit_leaves_a_newer_save_in_flight_alone(tmp_path, monkeypatch, scheme):
+    """Manager B's cleanup after its commit of step 5 removed every uncommitted step folder,
+    so manager A's step 6, being written, lost its data files: on an object store A then
+    committed a step whose data was gone (it could not load), on local disk A's commit
+    failed. Only uncommitted folders older than the newest committed step are removed now
+    (an old job still running beside its restart is ahead of it)."""
+    first, second = _two_managers(tmp_path, monkeypatch, scheme, 5)
+    first.wait()
+    first.close()
+    assert second.all_steps() == [4, 5, 6]
+    for step in (4, 5, 6):
+        out = second.load({"w": torch.zeros(64)}, step=step)
+        assert torch.equal(out["w"], torch.full((64,), float(step)))
+    second.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_a_save_whose_data_files_were_removed_never_commits(tmp_path, monkeypatch, scheme):
+    """Where manager B's commit of a newer step (8) removed manager A's step 6 while A wrote
+    it, A's commit found its data files gone and raised ``StorageFileNotFoundError`` naming
+    them: no commit file names missing data (on an object store A committed step 6 anyway,
+    a complete step that could not load)."""
+    first, second = _two_managers(tmp_path, monkeypatch, scheme, 8)
+    with pytest.raises(db.StorageFileNotFoundError, match=r"step_00000006.*__0_0\.") as info:
+        first.wait()
+    assert "missing" in str(info.value)
+    first.close()
+    assert second.all_steps() == [4, 8]
+    assert torch.equal(second.load({"w": torch.zeros(64)})["w"], torch.full((64,), 8.0))
+    second.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_a_step_committed_while_cleanup_runs_stays_whole(tmp_path, monkeypatch, scheme):
+    """Manager B's cleanup listed manager A's step 3 uncommitted, then A committed it before
+    B deleted it: B removed A's commit file first, then the folder, so a step A had reported
+    committed vanished. A folder doomed as uncommitted that holds a commit file when its
+    deletion starts is left whole now."""
+    from dcpbridge.engine import incremental
+
+    root = str(tmp_path / "run") if scheme == "local" else f"memory://{tmp_path.name}/run"
+    first = db.CheckpointManager(root, every=1, async_save=True, writer="thread")
+    second = db.CheckpointManager(root, every=1, async_save=False)
+    reached, gate = _held_before_commit(monkeypatch, "step_00000003")
+    first.save(3, {"w": torch.full((64,), 3.0)})
+    assert reached.wait(30)
+    needed_files = incremental.needed_files
+
+    def commit_first(*args):
+        gate.set()  # A commits step 3 after B listed it as uncommitted
+        assert first._pending is not None and first._pending[1]._done.wait(30)
+        return needed_files(*args)
+
+    monkeypatch.setattr(incremental, "needed_files", commit_first)
+    second.save(5, {"w": torch.full((64,), 5.0)})
+    first.close()
+    assert second.all_steps() == [3, 5]
+    assert torch.equal(second.load({"w": torch.zeros(64)}, step=3)["w"], torch.full((64,), 3.0))
+    second.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_behind_whose_files_were_removed_never_commits(tmp_path, monkeypatch):
+    """With ``persist_behind``, the upload of a local step committed its document even where
+    the uploaded data files were gone by then (another job's cleanup of the same root): on
+    an object store a complete step that could not load. Now its commit raises, naming them."""
+    from dcpbridge.engine import local_persist
+
+    root = f"memory://{tmp_path.name}/run"
+    upload_mine = local_persist._upload_mine
+
+    def removed_after(group, job, local, index):
+        upload_mine(group, job, local, index)
+        if job.url.endswith("step_00000004"):
+            job.location.fs.rm(job.location.data_path(index.files[0], index.prefixes))
+
+    monkeypatch.setattr(local_persist, "_upload_mine", removed_after)
+    mgr = db.CheckpointManager(
+        root, every=2, local_dir=str(tmp_path / "shm"), replicas=0, persist_behind=True
+    )
+    for step in (1, 2, 3, 4):
+        mgr.save(step, {"w": torch.full((8,), float(step))})
+    with pytest.raises(db.StorageFileNotFoundError, match=r"step_00000004.*missing at its commit"):
+        mgr.wait()
+    assert mgr.all_steps() == [2]
+    assert torch.equal(mgr.load({"w": torch.zeros(8)}, step=2)["w"], torch.full((8,), 2.0))
+    mgr.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_an_incremental_save_whose_referenced_files_were_removed_never_commits(
+    tmp_path, monkeypatch, scheme
+):
+    """Manager A's incremental step 6 references step 4's data file; manager B's retention
+    (keep_last=1 after its step 5) removed step 4 while A wrote, A's step 6 being no commit
+    whose references retention keeps. A's commit raises naming the reference; nothing of
+    step 6 commits."""
+    root = str(tmp_path / "run") if scheme == "local" else f"memory://{tmp_path.name}/run"
+    first = db.CheckpointManager(root, every=1, async_save=True, writer="thread", incremental=True)
+    second = db.CheckpointManager(root, every=1, keep_last=1, async_save=False)
+    same = torch.arange(64.0)
+    first.save(4, {"w": same, "v": torch.full((64,), 4.0)})
+    first.wait()
+    reached, gate = _held_before_commit(monkeypatch, "step_00000006")
+    first.save(6, {"w": same, "v": torch.full((64,), 6.0)})  # "w" references step 4's file
+    assert reached.wait(30)
+    second.save(5, {"w": same, "v": torch.full((64,), 5.0)})  # retention removes step 4
+    gate.set()
+    with pytest.raises(db.StorageFileNotFoundError, match=r"step_00000006.*\.\./step_00000004/"):
+        first.wait()
+    first.close()
+    assert second.all_steps() == [5]
+    second.close()
