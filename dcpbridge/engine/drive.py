@@ -143,10 +143,13 @@ def abort_save(writer: StorageWriter | None) -> None:
         log.warning("cleaning up after a failed save failed: %s", e)
 
 
-def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, StorageReader]:
+def run_load(
+    prepare: LoadPrepare, group: Group, then: Callable[[], None] | None = None
+) -> tuple[Any, LoadPlanner, StorageReader]:
     """Read metadata, plan reads (with the coordinator's global step), read, confirm on all.
 
-    Returns what ``prepare`` built (state dict, planner, reader), now filled.
+    Returns what ``prepare`` built (state dict, planner, reader), now filled. ``then`` runs
+    once the reads are done, inside the read step (see ``read_planned``).
     """
     prepared: tuple[Any, LoadPlanner, StorageReader]
     local: LoadPlan
@@ -174,7 +177,7 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
     _, planner, reader = prepared
-    read_planned(planner, reader, plan, group, metadata=reader_metadata, started=started)
+    read_planned(planner, reader, plan, group, metadata=reader_metadata, started=started, then=then)
     return prepared
 
 
@@ -186,9 +189,14 @@ def read_planned(
     *,
     metadata: Metadata | None,
     started: float | None = None,
+    then: Callable[[], None] | None = None,
 ) -> None:
     """Finish ``plan`` (the global step's, or one every rank made and checked in an earlier
-    collective step) and read it, confirmed on all (one all-gather); then report the load."""
+    collective step) and read it, confirmed on all (one all-gather); then report the load.
+
+    ``then`` (the caller's hand-back of what was read: factories' ``merge_fn``s) runs after the
+    reads inside the same step: its failure on one rank raises on every rank, as a read's does.
+    """
     final = plan
 
     def read() -> None:
@@ -201,6 +209,8 @@ def read_planned(
         after = getattr(planner, "after_reads", None)  # dcpbridge's checks of what was read
         if after is not None:
             after()
+        if then is not None:
+            then()
 
     planned = time.perf_counter()
     protocol.agree(group, "read", read)
