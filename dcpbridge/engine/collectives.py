@@ -32,6 +32,13 @@ def _exchanging(group: Group, op: str) -> Iterator[None]:
             f"rank {group.rank} of {group.size}: {op} with the other ranks failed (a rank "
             f"died, hung past the process group's timeout or left): {type(e).__name__}: {e}"
         ) from e
+    except ValueError as e:  # torch's answer for a group destroyed meanwhile
+        if group.pg is None or not Group.destroyed(group.pg):
+            raise
+        raise CollectiveError(
+            f"rank {group.rank} of {group.size}: {op} with the other ranks failed: the "
+            f"process group was destroyed: {e}"
+        ) from e
 
 
 def collective(op: str) -> Callable[[F], F]:

@@ -114,13 +114,14 @@ def run_save(
 
     try:
         protocol.commit(group, "write", write, finish)
-    except CollectiveError:
+    except CollectiveError as e:
         # A rank is gone. The coordinator knows it did not commit; any other rank cannot tell
         # (a slow coordinator may still commit with its files), so it keeps what it wrote
         # unless its own write failed, which no commit can include.
         if (group.is_coordinator and not committed) or not wrote:
             abort_save(writer)
-        raise
+            raise
+        raise CollectiveError(_commit_state(e, writer, committed)) from e
     except BaseException:  # an interrupted save removes its files too
         abort_save(writer)
         raise
@@ -130,6 +131,21 @@ def run_save(
         writes = getattr(planner, "tensor_writes", None)
         cache.entry = CacheEntry(structure, reply[1], metadata, owners, writes)
     return metadata
+
+
+def _commit_state(error: CollectiveError, writer: StorageWriter | None, committed: bool) -> str:
+    """``error``'s message with what it means for the checkpoint: the exchange that reports the
+    commit failed, so the ranks cannot agree on it; each says what it knows."""
+    url = str(getattr(writer, "checkpoint_id", "?"))
+    if committed:
+        return (
+            f"{error}; the checkpoint {url} was committed before that: it is complete, though "
+            "the other ranks may report this save as failed"
+        )
+    return (
+        f"{error}; the coordinator may have committed the checkpoint {url} before that (then "
+        "it is complete): check it before relying on it or saving it again"
+    )
 
 
 def abort_save(writer: StorageWriter | None) -> None:
