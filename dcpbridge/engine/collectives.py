@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from dcpbridge.engine.liveness import Heartbeat, get_all, loads
+from dcpbridge.engine.liveness import DEAD, Heartbeat, get_all, loads
 from dcpbridge.errors import CheckpointError, CollectiveError, InvalidArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,6 +31,13 @@ def _exchanging(group: Group, op: str) -> Iterator[None]:
         raise CollectiveError(
             f"rank {group.rank} of {group.size}: {op} with the other ranks failed (a rank "
             f"died, hung past the process group's timeout or left): {type(e).__name__}: {e}"
+        ) from e
+    except ValueError as e:  # torch's answer for a group destroyed meanwhile
+        if group.pg is None or not Group.destroyed(group.pg):
+            raise
+        raise CollectiveError(
+            f"rank {group.rank} of {group.size}: {op} with the other ranks failed: the "
+            f"process group was destroyed: {e}"
         ) from e
 
 
@@ -254,11 +261,14 @@ class StoreGroup(Group):
     def _get(self, keys: list[str], owners: list[int], op: str) -> list[Any]:
         """The values group ranks ``owners`` set at ``keys``, waiting for them; raises
         ``CollectiveError`` where one of them stopped beating (see ``liveness``)."""
-        beat = self._beat if self._beat is not None and self._beat.alive else None
         what = self._what(op)
+        return [loads(v, what) for v in self._wait(keys, owners, op)]
+
+    def _wait(self, keys: list[str], owners: list[int], op: str) -> list[bytes]:
+        """``_get``'s raw values: each a pickle or a ``DEAD`` mark (read with ``loads``)."""
+        beat = self._beat if self._beat is not None and self._beat.alive else None
         members = [self._members[r] for r in owners]
-        raw = get_all(self._store, keys, members, beat=beat, view=self._view, what=what)
-        return [loads(v, what) for v in raw]
+        return get_all(self._store, keys, members, beat=beat, view=self._view, what=self._what(op))
 
     def _what(self, op: str) -> str:
         return f"rank {self.rank} of {self.size}: {op}"
@@ -272,11 +282,38 @@ class StoreGroup(Group):
             except Exception:
                 return
 
-    def _done(self, key: str, names: list[str]) -> None:
-        """Count this rank out of ``key``; the last one deletes the op's keys."""
-        if self._store.add(f"{key}/readers", 1) == self.size:
-            for n in [*names, f"{key}/readers"]:
-                self._store.delete_key(n)
+    def _publish(self, key: str, obj: Any, op: str) -> None:
+        """Set this rank's ``key`` to ``obj`` unless a peer's heartbeat thread already marked it
+        ``DEAD`` (this rank was silent too long): then raise, as every reader of the mark does.
+
+        Set only where unset, never over a mark: every reader of a broadcast or all-gather
+        sees the same value at each key (which ``_count_out`` relies on), and a slow rank its
+        peers gave up on fails with them instead of carrying on alone.
+        """
+        raw = pickle.dumps(obj)
+        got = self._store.compare_set(key, "", raw)
+        if got != raw:
+            why = got[len(DEAD) :].decode(errors="replace") if got.startswith(DEAD) else "set"
+            raise CollectiveError(
+                f"{self._what(op)}: the other ranks gave up on this rank before it answered ({why})"
+            )
+
+    def _count_out(self, key: str, names: list[str], readers: int, failed: bool) -> None:
+        """Count this rank out of ``key``'s values ``names``, read by ``readers`` ranks: the last
+        one deletes them, so a rank never waits for a key another rank already deleted.
+
+        A failed exchange counts out as well (its keys would stay in the job's store for good
+        otherwise): every reader saw the same ``DEAD`` marks (``_publish``), so the readers
+        that count out are the same on every rank. ``failed``: best effort, the store may be
+        gone, and the exchange's own error is the one to raise.
+        """
+        try:
+            if self._store.add(f"{key}/readers", 1) == readers:
+                for n in [*names, f"{key}/readers"]:
+                    self._store.delete_key(n)
+        except Exception:
+            if not failed:
+                raise
 
     @collective("gather")
     def gather(self, obj: Any) -> list[Any] | None:
@@ -312,13 +349,15 @@ class StoreGroup(Group):
 
     @collective("broadcast")
     def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank; the other ranks read it and count out."""
         key = self._next("broadcast")
+        value = f"{key}/value"
         if self.is_coordinator:
-            self._store.set(f"{key}/value", pickle.dumps(obj))
-        else:
-            (obj,) = self._get([f"{key}/value"], [0], "broadcast")
-        self._done(key, [f"{key}/value"])
-        return obj
+            self._publish(value, obj, "broadcast")
+            return obj
+        (raw,) = self._wait([value], [0], "broadcast")
+        self._count_out(key, [value], self.size - 1, failed=raw.startswith(DEAD))
+        return loads(raw, self._what("broadcast"))
 
     @collective("broadcast_tensor")
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -328,12 +367,15 @@ class StoreGroup(Group):
 
     @collective("all_gather")
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank; a rank marked dead never counts out of it."""
         key = self._next("all_gather")
-        self._store.set(f"{key}/{self.rank}", pickle.dumps(obj))
         keys = [f"{key}/{r}" for r in range(self.size)]
-        out = self._get(keys, list(range(self.size)), "all_gather")
-        self._done(key, keys)
-        return out
+        self._publish(keys[self.rank], obj, "all_gather")
+        raw = self._wait(keys, list(range(self.size)), "all_gather")
+        dead = sum(v.startswith(DEAD) for v in raw)
+        self._count_out(key, keys, self.size - dead, failed=dead > 0)
+        what = self._what("all_gather")
+        return [loads(v, what) for v in raw]
 
 
 SIDE_TIMEOUT = timedelta(minutes=5)

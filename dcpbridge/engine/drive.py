@@ -114,13 +114,14 @@ def run_save(
 
     try:
         protocol.commit(group, "write", write, finish)
-    except CollectiveError:
+    except CollectiveError as e:
         # A rank is gone. The coordinator knows it did not commit; any other rank cannot tell
         # (a slow coordinator may still commit with its files), so it keeps what it wrote
         # unless its own write failed, which no commit can include.
         if (group.is_coordinator and not committed) or not wrote:
             abort_save(writer)
-        raise
+            raise
+        raise CollectiveError(_commit_state(e, writer, committed)) from e
     except BaseException:  # an interrupted save removes its files too
         abort_save(writer)
         raise
@@ -130,6 +131,21 @@ def run_save(
         writes = getattr(planner, "tensor_writes", None)
         cache.entry = CacheEntry(structure, reply[1], metadata, owners, writes)
     return metadata
+
+
+def _commit_state(error: CollectiveError, writer: StorageWriter | None, committed: bool) -> str:
+    """``error``'s message with what it means for the checkpoint: the exchange that reports the
+    commit failed, so the ranks cannot agree on it; each says what it knows."""
+    url = str(getattr(writer, "checkpoint_id", "?"))
+    if committed:
+        return (
+            f"{error}; the checkpoint {url} was committed before that: it is complete, though "
+            "the other ranks may report this save as failed"
+        )
+    return (
+        f"{error}; the coordinator may have committed the checkpoint {url} before that (then "
+        "it is complete): check it before relying on it or saving it again"
+    )
 
 
 def abort_save(writer: StorageWriter | None) -> None:
@@ -143,10 +159,13 @@ def abort_save(writer: StorageWriter | None) -> None:
         log.warning("cleaning up after a failed save failed: %s", e)
 
 
-def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, StorageReader]:
+def run_load(
+    prepare: LoadPrepare, group: Group, then: Callable[[], None] | None = None
+) -> tuple[Any, LoadPlanner, StorageReader]:
     """Read metadata, plan reads (with the coordinator's global step), read, confirm on all.
 
-    Returns what ``prepare`` built (state dict, planner, reader), now filled.
+    Returns what ``prepare`` built (state dict, planner, reader), now filled. ``then`` runs
+    once the reads are done, inside the read step (see ``read_planned``).
     """
     prepared: tuple[Any, LoadPlanner, StorageReader]
     local: LoadPlan
@@ -174,7 +193,7 @@ def run_load(prepare: LoadPrepare, group: Group) -> tuple[Any, LoadPlanner, Stor
     plan = dataclasses.replace(local, storage_data=storage_data, planner_data=planner_data)
 
     _, planner, reader = prepared
-    read_planned(planner, reader, plan, group, metadata=reader_metadata, started=started)
+    read_planned(planner, reader, plan, group, metadata=reader_metadata, started=started, then=then)
     return prepared
 
 
@@ -186,9 +205,14 @@ def read_planned(
     *,
     metadata: Metadata | None,
     started: float | None = None,
+    then: Callable[[], None] | None = None,
 ) -> None:
     """Finish ``plan`` (the global step's, or one every rank made and checked in an earlier
-    collective step) and read it, confirmed on all (one all-gather); then report the load."""
+    collective step) and read it, confirmed on all (one all-gather); then report the load.
+
+    ``then`` (the caller's hand-back of what was read: factories' ``merge_fn``s) runs after the
+    reads inside the same step: its failure on one rank raises on every rank, as a read's does.
+    """
     final = plan
 
     def read() -> None:
@@ -201,6 +225,8 @@ def read_planned(
         after = getattr(planner, "after_reads", None)  # dcpbridge's checks of what was read
         if after is not None:
             after()
+        if then is not None:
+            then()
 
     planned = time.perf_counter()
     protocol.agree(group, "read", read)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcpbridge.engine import fully_parallel as fp
+from dcpbridge.engine import protocol
 from dcpbridge.engine.bridge import BridgeLoadPlanner
 from dcpbridge.engine.collectives import Group
 from dcpbridge.engine.drive import read_planned, run_load
@@ -180,9 +181,10 @@ def _load(
             error = error or e
 
     checkpoint: Checkpoint | None = None
+    planner: BridgeLoadPlanner | None = None
 
     def prepare() -> tuple[Any, BridgeLoadPlanner, StorageReader]:
-        nonlocal checkpoint
+        nonlocal checkpoint, planner
         _or_raise(error, None)
         if isinstance(checkpoint_dir, Checkpoint):  # already opened by the caller
             checkpoint = checkpoint_dir
@@ -208,11 +210,22 @@ def _load(
         )
         return None, planner, reader
 
-    _, planner, _ = run_load(prepare, group)
-    assert isinstance(planner, BridgeLoadPlanner) and checkpoint is not None
-    if share is not None and parallel is not None:
+    result: list[Any] = []
+
+    def deliver() -> None:
+        assert isinstance(planner, BridgeLoadPlanner) and checkpoint is not None
+        result.append(_deliver(stateful, planner, checkpoint))
+
+    if share is None:  # handed back inside the read step: a merge_fn failure fails every rank
+        run_load(prepare, group, then=deliver)
+    else:  # boxes arrive after the read step: one more vote carries a failure to every rank
+        run_load(prepare, group)
+        assert parallel is not None
         fp.hand_off(parallel, share)
-    return _deliver(stateful, planner, checkpoint, warned)
+        protocol.agree(group, "hand back", deliver)
+    for message in warned:
+        warnings.warn(message, DataStateDroppedWarning, stacklevel=2)
+    return result[0]
 
 
 def load_planned(
@@ -226,14 +239,19 @@ def load_planned(
     """``load`` of a plan the caller made with ``planner`` and ``reader`` (set up for
     ``checkpoint``) and checked on every rank in an earlier collective step (the local
     tier's): no planning step, one read step."""
-    read_planned(planner, reader, plan, group, metadata=reader.read_metadata())
-    return _deliver(template, planner, checkpoint, [])
+    result: list[Any] = []
+
+    def deliver() -> None:
+        result.append(_deliver(template, planner, checkpoint))
+
+    read_planned(planner, reader, plan, group, metadata=reader.read_metadata(), then=deliver)
+    return result[0]
 
 
-def _deliver(
-    stateful: Any, planner: BridgeLoadPlanner, checkpoint: Checkpoint, warned: list[str]
-) -> Any:
-    """The loaded values handed back in ``stateful``'s structure (after the read step)."""
+def _deliver(stateful: Any, planner: BridgeLoadPlanner, checkpoint: Checkpoint) -> Any:
+    """The loaded values handed back in ``stateful``'s structure (once every read is done,
+    inside a collective step: a ``merge_fn`` or ``load_state_dict`` failing on one rank fails
+    the load on every rank instead of leaving the others training on)."""
     blob = planner.common  # torch_dist's common.pt, read before planning
     if blob is None:
         blob = checkpoint.common_state(planner.values)  # older checkpoints' one common object
@@ -244,8 +262,6 @@ def _deliver(
         late_error = decide(planner.policy, late, ()).error
         if late_error is not None:
             raise late_error
-    for message in warned:
-        warnings.warn(message, DataStateDroppedWarning, stacklevel=3)
     return load_result(planner, load_into(stateful, result))
 
 

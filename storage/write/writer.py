@@ -457,8 +457,28 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
                 synced=None if late is None else late.wait,
                 check_files=self.check_files,
             )
+        except BaseException:
+            self._remove_save()
+            raise
         finally:
             self._drop_late()  # also when the encoding failed before the wait
+
+    def _remove_save(self) -> None:
+        """After a failed commit (``finish`` raised, on the coordinator): remove every rank's
+        data files of this save (best effort).
+
+        Plain ``dcp.save`` calls no abort step: without this the other ranks' files stayed.
+        ``finish`` runs once every rank's ``write_data`` returned, so no rank still writes
+        them; nothing is removed if the commit did land (or cannot be read).
+        """
+        self._written = set()
+        try:
+            if committed_save_id(self._store) == self._save_id:
+                return
+            names = [n for n in self._store.list_names() if _save_id_of(n) == self._save_id]
+            self._store.remove(sorted(names))
+        except Exception as e:  # cleanup must not hide the failure being reported
+            log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
 
     def abort(self) -> None:
         """Remove the data files this rank wrote for a save that failed (best effort).

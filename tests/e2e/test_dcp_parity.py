@@ -279,3 +279,47 @@ def test_plain_dcp_save_failing_in_write_data_leaves_no_data_files(tmp_path):
         dcp.save(state, storage_writer=db.FsspecCheckpointWriter(path), no_dist=True)
     assert sorted(os.listdir(path)) == before
     assert torch.equal(db.load({"w": torch.zeros(3)}, path)["w"], torch.ones(3))
+
+
+def _plain_dcp_save_failing_to_commit(r, path: str) -> str:
+    """Two plain ``dcp.save``s over dcpbridge's writer; the coordinator's commit of the second
+    fails (a storage fault while publishing its commit file); what each rank raised."""
+    import torch.distributed as dist
+
+    import dcpbridge.storage.write.writer as W
+
+    def state(value: float) -> dict:
+        return {f"w{r.rank}": torch.full((1 << 16,), value), "b": torch.full((4,), value)}
+
+    dcp.save(state(1.0), storage_writer=db.FsspecCheckpointWriter(path), process_group=r.group)
+    dist.barrier(group=r.group)
+    original = W.publish
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full while publishing")
+
+    W.publish = fail if r.rank == 0 else original
+    try:
+        writer = db.FsspecCheckpointWriter(path)
+        dcp.save(state(2.0), storage_writer=writer, process_group=r.group)
+    except CheckpointException as e:
+        return str(e)
+    finally:
+        W.publish = original
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_plain_dcp_save_whose_commit_fails_leaves_no_rank_s_data_files(pool, tmp_path):
+    """DCP calls no abort step: when the coordinator's ``finish`` (the commit) failed, every
+    rank raised but the data files each rank had written for the failed save stayed. The
+    coordinator's writer now removes every rank's files of that save (all writes are done
+    by then); the previous checkpoint is left as it was."""
+    path = str(tmp_path / "ck")
+    os.makedirs(path)
+    errors = pool.run(_plain_dcp_save_failing_to_commit, 2, path, timeout=90)
+    assert all("disk full while publishing" in e for e in errors), errors
+    doc = json.loads((tmp_path / "ck" / "dcpbridge.json").read_text())
+    assert sorted(os.listdir(path)) == sorted(["dcpbridge.json", *doc["files"]])
+    out = db.load({"w1": torch.zeros(1 << 16), "b": torch.zeros(4)}, path)
+    assert torch.equal(out["w1"], torch.full((1 << 16,), 1.0))

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import dcpbridge as db
-from tests.support.dist_pool import Rank
+from tests.support.dist_pool import Rank, run_scripts
 from tests.support.limits import file_size_limit
+from tests.support.s3_server import free_port
 
 ROWS = 1 << 17  # 512 KiB of float32 per rank: written in one large write
 META = "dcpbridge.json"
@@ -351,3 +352,58 @@ def test_a_killed_torch_dist_save_leaves_no_older_metadata_over_its_new_data(tmp
         dcp.load({"w": torch.zeros(4)}, checkpoint_id=path, no_dist=True)
     with pytest.raises(db.IncompleteCheckpointError):
         db.load({"w": torch.zeros(4)}, path)
+
+
+DESTROYED_MID_COMMIT = """
+import os, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import dcpbridge as db
+from dcpbridge.storage import FsspecCheckpointWriter
+rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=10))
+def state(value):
+    local = torch.full((1024,), value)
+    return {"a": db.ShardedTensor.from_box("a", local, (2048,), (rank * 1024,)), "step": value}
+db.save(state(1.0), path)
+original = FsspecCheckpointWriter.finish
+def finish_then_destroy(self, metadata, results):
+    original(self, metadata, results)
+    dist.destroy_process_group()  # the job tears its group down while rank 1 waits to hear
+if rank == 0:
+    FsspecCheckpointWriter.finish = finish_then_destroy
+try:
+    db.save(state(2.0), path)
+    print("RESULT saved", flush=True)
+except Exception as e:
+    print("RESULT", type(e).__name__, str(e).splitlines()[0], flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_group_destroyed_mid_commit_says_the_checkpoint_may_be_committed(tmp_path):
+    """The job destroyed its process group after the coordinator committed, before it told
+    rank 1: the coordinator raised torch's ValueError (not a CheckpointError) and rank 1 a
+    CollectiveError saying nothing of the commit, though the checkpoint was complete. Every
+    rank now raises CollectiveError saying what it knows of the commit, naming the URL."""
+    path = str(tmp_path / "ck")
+    got = run_scripts(DESTROYED_MID_COMMIT, str(free_port()), path, timeout=90)
+    coordinator, other = (g.split(" ", 2) for g in got)
+    assert coordinator[:2] == other[:2] == ["RESULT", "CollectiveError"], got
+    assert coordinator[2].startswith("rank 0 of 2: broadcast with the other ranks failed: the ")
+    assert "process group was destroyed" in coordinator[2]
+    assert coordinator[2].endswith(
+        f"; the checkpoint {path} was committed before that: it is complete, though the "
+        "other ranks may report this save as failed"
+    )
+    assert other[2].startswith("rank 1 of 2: broadcast with the other ranks failed")
+    assert other[2].endswith(
+        f"; the coordinator may have committed the checkpoint {path} before that (then it is "
+        "complete): check it before relying on it or saving it again"
+    )
+    template = {"a": db.ShardedTensor.from_box("a", torch.zeros(2048), (2048,), (0,))}
+    out = db.load(template, path)
+    assert out["step"] == 2.0 and torch.equal(out["a"], torch.full((2048,), 2.0))

@@ -298,6 +298,36 @@ def test_a_failing_merge_fn_raises_invalid_shard_error_naming_the_factory(pool, 
     assert isinstance(e.value.__cause__, ValueError)
 
 
+def load_with_failing_merge(r: Rank, path: str, fully_parallel: bool) -> tuple[str, ...]:
+    """Rank 1's merge_fn raises (a user's bug) after its reads; what each rank raises."""
+    f = _swiglu_factory("mlp.fc1", r.size, r.rank, False)
+    if r.rank == 1:
+        f.merge_fn = _failing("cannot merge")
+    try:
+        db.load({"fc1": f}, path, process_group=r.group, fully_parallel=fully_parallel)
+    except db.CheckpointError as e:
+        return type(e).__name__, str(e).splitlines()[0], type(e.__cause__).__name__
+    return ("loaded",)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_a_merge_fn_failing_on_one_rank_fails_the_load_on_every_rank(
+    pool, tmp_path, fully_parallel
+):
+    """The merge ran after the load's last collective step: rank 1 raised while rank 0's load
+    returned and its training went on, to hang at its next collective. The merge now runs
+    inside the read step (a fully-parallel load: in one vote after the hand-off)."""
+    path = str(tmp_path / "swiglu")
+    pool.run(save_swiglu, 2, path)
+    got = pool.run(load_with_failing_merge, 2, path, fully_parallel, timeout=90)
+    line = "rank 1: factory 'mlp.fc1': merge_fn failed: ValueError('cannot merge')"
+    assert got == [
+        ("InvalidShardError", line, "InvalidShardError"),
+        ("InvalidShardError", line, "InvalidShardError"),
+    ]
+
+
 # -- allow_shape_mismatch --------------------------------------------------------------------
 
 

@@ -360,3 +360,75 @@ def test_a_destroyed_process_group_takes_its_heartbeat_and_store_along(tmp_path)
     kept its port (a re-init on MASTER_PORT failed) and the thread beat into it forever."""
     results = run_scripts(DESTROYED_GROUP, str(free_port()), timeout=60)
     assert results == ["RESULT [] True"] * 2
+
+
+# -- a failed broadcast or all-gather between real ranks -----------------------------------------
+
+
+def _keys_left(group: StoreGroup, ops: list[str]) -> list[str]:
+    """The keys of the group's first exchanges (``ops``, in order) still in the job's store."""
+    names = ["value", "readers", "0", "1", "2"]
+    keys = [f"{seq}/{op}/{n}" for seq, op in enumerate(ops) for n in names]
+    return [k for k in keys if group._store.check([k])]
+
+
+def failed_store_exchange(r: Rank, op: str, phantom: int, name: str) -> tuple[str | None, list]:
+    """Pool ranks 0-2 as a three-rank store group whose group rank ``phantom`` is global rank
+    99 to its peers, which never beats: one exchange succeeds, then that rank stays away from
+    the next one, which fails on the others."""
+    previous = os.environ.get(liveness.PEER_TIMEOUT_ENV)
+    os.environ[liveness.PEER_TIMEOUT_ENV] = PEER_TIMEOUT
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        beat = Heartbeat.ensure(store, dist.get_rank())
+        members = tuple(99 if g == phantom else g for g in range(3))
+        group = StoreGroup(Group(None, r.rank, 3, 0), store, name, members, beat)
+        assert getattr(group, op)(r.rank) == ([0, 1, 2] if op == "all_gather" else 0)
+        dist.barrier(group=r.group)
+        error = None
+        if r.rank != phantom:
+            try:
+                getattr(group, op)(r.rank)
+            except db.CollectiveError as e:
+                error = str(e)
+        dist.barrier(group=r.group)
+        return error, _keys_left(group, [op, op])
+    finally:
+        if previous is None:
+            os.environ.pop(liveness.PEER_TIMEOUT_ENV, None)
+        else:
+            os.environ[liveness.PEER_TIMEOUT_ENV] = previous
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("op", "phantom"), [("broadcast", 0), ("all_gather", 2)])
+def test_a_failed_broadcast_or_all_gather_leaves_no_keys_in_the_store(pool, op, phantom):
+    """A broadcast or all-gather that failed (a rank counted dead) left its values, the dead
+    mark and the reader count in the job's store for the life of the job, one set per failed
+    save or vote: only a success counted the readers out. Every reader now counts out of a
+    failed exchange too (each saw the same dead ranks), and the last one deletes its keys."""
+    name = f"leak-{op}-{time.monotonic_ns()}"
+    results = pool.run(failed_store_exchange, 3, op, phantom, name, timeout=90)
+    for rank, (error, left) in enumerate(results):
+        assert left == [], (rank, left)
+        if rank == phantom:
+            assert error is None
+        else:
+            assert f"rank {rank} of 3: {op}: rank(s) [99] stopped answering" in error, error
+
+
+@pytest.mark.parametrize(("op", "rank", "key"), [("broadcast", 0, "value"), ("all_gather", 1, "1")])
+def test_a_rank_counted_dead_fails_instead_of_answering_over_the_mark(store, op, rank, key):
+    """A slow rank whose peers marked its key dead wrote its value over the mark and carried
+    on alone (its broadcast or all-gather succeeded where every other rank's failed); now the
+    mark stays, and the slow rank raises as its peers did."""
+    group = StoreGroup(Group(None, rank, 2, 0), store, "late", (0, 1), None)
+    mark = liveness.DEAD + b"rank(s) [7] stopped answering"
+    group._store.set(f"0/{op}/{key}", mark)
+    with pytest.raises(db.CollectiveError) as caught:
+        getattr(group, op)("late")
+    assert str(caught.value) == (
+        f"rank {rank} of 2: {op}: the other ranks gave up on this rank before it answered "
+        "(rank(s) [7] stopped answering)"
+    )
+    assert group._store.get(f"0/{op}/{key}") == mark
