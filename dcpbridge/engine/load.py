@@ -214,7 +214,7 @@ def _load(
 
     def deliver() -> None:
         assert isinstance(planner, BridgeLoadPlanner) and checkpoint is not None
-        result.append(_deliver(stateful, planner, checkpoint))
+        result.append(_deliver(planner, checkpoint))
 
     if share is None:  # handed back inside the read step: a merge_fn failure fails every rank
         run_load(prepare, group, then=deliver)
@@ -225,7 +225,8 @@ def _load(
         protocol.agree(group, "hand back", deliver)
     for message in warned:
         warnings.warn(message, DataStateDroppedWarning, stacklevel=2)
-    return result[0]
+    assert planner is not None
+    return load_result(planner, load_into(stateful, result[0]))
 
 
 def load_planned(
@@ -242,16 +243,17 @@ def load_planned(
     result: list[Any] = []
 
     def deliver() -> None:
-        result.append(_deliver(template, planner, checkpoint))
+        result.append(_deliver(planner, checkpoint))
 
     read_planned(planner, reader, plan, group, metadata=reader.read_metadata(), then=deliver)
-    return result[0]
+    return load_result(planner, load_into(template, result[0]))
 
 
-def _deliver(stateful: Any, planner: BridgeLoadPlanner, checkpoint: Checkpoint) -> Any:
-    """The loaded values handed back in ``stateful``'s structure (once every read is done,
-    inside a collective step: a ``merge_fn`` or ``load_state_dict`` failing on one rank fails
-    the load on every rank instead of leaving the others training on)."""
+def _deliver(planner: BridgeLoadPlanner, checkpoint: Checkpoint) -> Any:
+    """The loaded values in the template's structure, run once every read is done inside a
+    collective step: a ``merge_fn`` failing on one rank fails the load on every rank instead
+    of leaving the others training on. Stateful values get their ``load_state_dict`` after
+    that step, as in DCP (user code, which may run collectives of its own)."""
     blob = planner.common  # torch_dist's common.pt, read before planning
     if blob is None:
         blob = checkpoint.common_state(planner.values)  # older checkpoints' one common object
@@ -262,7 +264,7 @@ def _deliver(stateful: Any, planner: BridgeLoadPlanner, checkpoint: Checkpoint) 
         late_error = decide(planner.policy, late, ()).error
         if late_error is not None:
             raise late_error
-    return load_result(planner, load_into(stateful, result))
+    return result
 
 
 def _per_rank_layout(
