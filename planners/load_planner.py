@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import functools
 import io
 import math
 import pickle
@@ -378,11 +379,18 @@ def _plan_box(
             )
         out.missing.append(fqn)
         return
-    if md.properties.dtype != view.dtype and not allow_dtype_cast:
-        raise DTypeMismatchError(
-            f"{fqn!r}: stored as {md.properties.dtype}, requested as {view.dtype} "
-            "(pass allow_dtype_cast=True to convert)"
-        )
+    stored_dtype = md.properties.dtype
+    if stored_dtype != view.dtype:
+        if not allow_dtype_cast:
+            raise DTypeMismatchError(
+                f"{fqn!r}: stored as {stored_dtype}, requested as {view.dtype} "
+                "(pass allow_dtype_cast=True to convert)"
+            )
+        why = _cast_refusal(stored_dtype, view.dtype)
+        if why is not None:
+            raise DTypeMismatchError(
+                f"{fqn!r}: stored as {stored_dtype}, which cannot be cast to {view.dtype} ({why})"
+            )
     stored_shape = tuple(md.size)
     if stored_shape != shape:
         allow_mismatch = sh.allow_shape_mismatch
@@ -403,7 +411,7 @@ def _plan_box(
             raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
         dest.views.append(view)
         return
-    out.dests[dest_key] = _Dest([view], md.properties.dtype)
+    out.dests[dest_key] = _Dest([view], stored_dtype)
     chunks = md.chunks
     if isinstance(chunks, ChunkList) and chunks.holds(offsets, sizes):
         # The request is a stored chunk (the same layout as at save): read it whole; stored
@@ -428,6 +436,19 @@ def _plan_box(
             f"at {fmt_box(offsets, sizes)}; the checkpoint is missing part of this tensor"
         )
     out.items.extend(items)
+
+
+@functools.cache
+def _cast_refusal(stored: torch.dtype, requested: torch.dtype) -> str | None:
+    """Why ``allow_dtype_cast`` cannot convert ``stored`` values to ``requested`` (None: it
+    can): torch has no conversion (bits, float4), or it would drop imaginary parts."""
+    if stored.is_complex and not requested.is_complex:
+        return "its imaginary parts would be dropped"
+    try:
+        torch.empty(1, dtype=requested).copy_(torch.empty(1, dtype=stored))
+    except RuntimeError:  # NotImplementedError included: no copy kernel for the pair
+        return "torch has no conversion between them"
+    return None
 
 
 def _shares_elements(t: torch.Tensor) -> bool:
