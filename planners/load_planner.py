@@ -44,6 +44,7 @@ from dcpbridge.planners.strict import decide, parse_strict, requested_keys, stor
 from dcpbridge.planners.walk import Leaf, iter_leaves
 from dcpbridge.storage.backends.regions import narrow_box
 from dcpbridge.storage.errors import CorruptCheckpointError
+from dcpbridge.storage.format.fields import QUANTIZED_DTYPES
 from dcpbridge.storage.format.table import ChunkList, ItemTable
 from dcpbridge.storage.format.tiling import distinct
 from dcpbridge.storage.read.whole_reads import WholeReads
@@ -380,6 +381,11 @@ def _plan_box(
         out.missing.append(fqn)
         return
     stored_dtype = md.properties.dtype
+    if stored_dtype in QUANTIZED_DTYPES:
+        raise DTypeMismatchError(
+            f"{fqn!r}: stored as a quantized {stored_dtype} tensor, whose scale and zero "
+            "point a load cannot restore (dequantize it before saving)"
+        )
     if stored_dtype != view.dtype:
         if not allow_dtype_cast:
             raise DTypeMismatchError(

@@ -1,12 +1,16 @@
-"""Loads across dtypes: casts torch cannot make or that drop data, refused naming the key before
-anything is read (one process, real files)."""
+"""Loads across dtypes: casts torch cannot make or that drop data, and quantized stored tensors,
+refused naming the key before anything is read (one process, real files)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import dcpbridge as db
+from dcpbridge.storage.format import sign_document
 
 
 def _bytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -52,3 +56,48 @@ def test_a_real_checkpoint_still_casts_into_a_complex_template(tmp_path):
         {"x": _st(torch.zeros(3, 4, dtype=torch.complex64))}, str(tmp_path), allow_dtype_cast=True
     )["x"]
     assert torch.equal(out.real, w) and not out.imag.any()
+
+
+def test_a_quantized_tensor_of_a_dcp_checkpoint_is_refused_by_key(tmp_path):
+    """torch's ``dcp.save`` stores a quantized tensor (its scale inside the chunk's pickle);
+    its dtype in ``.metadata`` made a load, a cast or a source read fail inside torch
+    (``INTERNAL ASSERT FAILED ... UnknownQuantizer``). Each raises ``DTypeMismatchError``
+    naming the key; the checkpoint's other tensors load bit-exact."""
+    w = torch.randn(4, 4)
+    q = torch.quantize_per_tensor(torch.randn(4, 4), 0.1, 3, torch.qint8)
+    path = str(tmp_path)
+    dcp.save({"q": q, "w": w}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    match = "'q': stored as a quantized torch.qint8 tensor"
+    with pytest.raises(db.DTypeMismatchError, match=match):
+        db.load({"q": torch.zeros(4, 4)}, path)
+    with pytest.raises(db.DTypeMismatchError, match=match):
+        db.load(
+            {"q": db.ShardedTensor.from_box("q", torch.zeros(4, 4), (4, 4), (0, 0))},
+            path,
+            allow_dtype_cast=True,
+        )
+    with pytest.raises(db.DTypeMismatchError, match=match):
+        db.open_source(path).read("q", (0, 0), (4, 4))
+    assert torch.equal(db.load({"w": torch.zeros(4, 4)}, path)["w"], w)
+
+
+@pytest.mark.parametrize(
+    ("saved", "name"),
+    [
+        (torch.float32, "qint32"),
+        (torch.uint8, "qint8"),
+        (torch.uint8, "quint8"),
+        (torch.uint8, "quint4x2"),
+        (torch.uint8, "quint2x4"),
+    ],
+)
+def test_a_dcpbridge_document_naming_a_quantized_dtype_is_refused(tmp_path, saved, name):
+    """dcpbridge never writes a quantized dtype; a (re-signed) document naming one of the
+    same element size loaded ``qint32`` as a quantized tensor without its scale. The document
+    is refused as corrupt, naming the dtype."""
+    db.save({"x": _bytes_of(saved, (3, 4))}, str(tmp_path))
+    doc = json.loads((tmp_path / "dcpbridge.json").read_text())
+    doc["tensors"]["x"]["dtype"] = name
+    (tmp_path / "dcpbridge.json").write_bytes(sign_document(doc))
+    with pytest.raises(db.CorruptCheckpointError, match=f"unknown dtype '{name}'"):
+        db.load({"x": torch.zeros(3, 4, dtype=saved)}, str(tmp_path))
