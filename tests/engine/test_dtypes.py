@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpbridge as db
 from dcpbridge.storage.format import sign_document
@@ -101,3 +102,19 @@ def test_a_dcpbridge_document_naming_a_quantized_dtype_is_refused(tmp_path, save
     (tmp_path / "dcpbridge.json").write_bytes(sign_document(doc))
     with pytest.raises(db.CorruptCheckpointError, match=f"unknown dtype '{name}'"):
         db.load({"x": torch.zeros(3, 4, dtype=saved)}, str(tmp_path))
+
+
+def test_plain_dcp_load_of_another_dtype_through_the_reader_raises_a_checkpoint_error(tmp_path):
+    """``dcp.load`` with DCP's default planner asks dcpbridge's reader for the template's
+    dtype; the reader reads the stored dtype only and raised a bare ``RuntimeError`` (inside
+    DCP's ``CheckpointException``). It raises ``InvalidArgumentError`` naming the key, both
+    dtypes and the way to convert; the template is left as it was."""
+    db.save({"x": torch.arange(12.0).reshape(3, 4)}, str(tmp_path))
+    template = {"x": torch.zeros(3, 4, dtype=torch.bfloat16)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(template, storage_reader=db.FsspecCheckpointReader(str(tmp_path)), no_dist=True)
+    ((error, _),) = e.value.failures.values()
+    assert isinstance(error, db.InvalidArgumentError), error
+    assert "'x': planner resolved a torch.bfloat16 tensor" in str(error)
+    assert "allow_dtype_cast=True" in str(error)
+    assert not template["x"].any()
