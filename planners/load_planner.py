@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import functools
 import io
 import math
 import pickle
@@ -43,6 +44,7 @@ from dcpbridge.planners.strict import decide, parse_strict, requested_keys, stor
 from dcpbridge.planners.walk import Leaf, iter_leaves
 from dcpbridge.storage.backends.regions import narrow_box
 from dcpbridge.storage.errors import CorruptCheckpointError
+from dcpbridge.storage.format.fields import QUANTIZED_DTYPES
 from dcpbridge.storage.format.table import ChunkList, ItemTable
 from dcpbridge.storage.format.tiling import distinct
 from dcpbridge.storage.read.whole_reads import WholeReads
@@ -378,11 +380,23 @@ def _plan_box(
             )
         out.missing.append(fqn)
         return
-    if md.properties.dtype != view.dtype and not allow_dtype_cast:
+    stored_dtype = md.properties.dtype
+    if stored_dtype in QUANTIZED_DTYPES:
         raise DTypeMismatchError(
-            f"{fqn!r}: stored as {md.properties.dtype}, requested as {view.dtype} "
-            "(pass allow_dtype_cast=True to convert)"
+            f"{fqn!r}: stored as a quantized {stored_dtype} tensor, whose scale and zero "
+            "point a load cannot restore (dequantize it before saving)"
         )
+    if stored_dtype != view.dtype:
+        if not allow_dtype_cast:
+            raise DTypeMismatchError(
+                f"{fqn!r}: stored as {stored_dtype}, requested as {view.dtype} "
+                "(pass allow_dtype_cast=True to convert)"
+            )
+        why = _cast_refusal(stored_dtype, view.dtype)
+        if why is not None:
+            raise DTypeMismatchError(
+                f"{fqn!r}: stored as {stored_dtype}, which cannot be cast to {view.dtype} ({why})"
+            )
     stored_shape = tuple(md.size)
     if stored_shape != shape:
         allow_mismatch = sh.allow_shape_mismatch
@@ -403,7 +417,7 @@ def _plan_box(
             raise ShapeMismatchError(f"{fqn!r}: two shards at offset {offsets} differ in size")
         dest.views.append(view)
         return
-    out.dests[dest_key] = _Dest([view], md.properties.dtype)
+    out.dests[dest_key] = _Dest([view], stored_dtype)
     chunks = md.chunks
     if isinstance(chunks, ChunkList) and chunks.holds(offsets, sizes):
         # The request is a stored chunk (the same layout as at save): read it whole; stored
@@ -428,6 +442,19 @@ def _plan_box(
             f"at {fmt_box(offsets, sizes)}; the checkpoint is missing part of this tensor"
         )
     out.items.extend(items)
+
+
+@functools.cache
+def _cast_refusal(stored: torch.dtype, requested: torch.dtype) -> str | None:
+    """Why ``allow_dtype_cast`` cannot convert ``stored`` values to ``requested`` (None: it
+    can): torch has no conversion (bits, float4), or it would drop imaginary parts."""
+    if stored.is_complex and not requested.is_complex:
+        return "its imaginary parts would be dropped"
+    try:
+        torch.empty(1, dtype=requested).copy_(torch.empty(1, dtype=stored))
+    except RuntimeError:  # NotImplementedError included: no copy kernel for the pair
+        return "torch has no conversion between them"
+    return None
 
 
 def _shares_elements(t: torch.Tensor) -> bool:

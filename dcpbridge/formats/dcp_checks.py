@@ -5,7 +5,8 @@ another type, sizes absurd, chunks outside their tensor, byte ranges outside the
 ``check_metadata`` refuses all of that with a ``CorruptCheckpointError`` naming the key, and
 bounds what a load can be made to allocate by the bytes really stored: each tensor's chunks
 add up to its element count without overlapping (so they tile the tensor), each chunk fits in
-its stored bytes, and each stored byte range lies inside its file.
+its stored bytes (or in what they can decode to, through DCP's stream extensions), and each
+stored byte range lies inside its file.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from dcpbridge.errors import CorruptCheckpointError, UnsafePathError
+from dcpbridge.formats.dcp_transforms import most_decoded
 from dcpbridge.planners.boxes import Placed, find_overlaps, fmt_box
 from dcpbridge.storage.format.paths import check_file_name
 from dcpbridge.storage.format.table import MAX_NDIM, MAX_SIZE
@@ -220,10 +222,16 @@ def _tensor(key: str, md: Any, places: Mapping[Any, _StorageInfo], seen: set[int
             raise CorruptCheckpointError(
                 f"{key!r}: no stored bytes for the chunk at {tuple(offsets)}"
             )
-        if not info.transform_descriptors and volume * itemsize > info.length:
+        stages = len(info.transform_descriptors or ())
+        if volume * itemsize > most_decoded(info.length, stages):
+            stored = (
+                f"its {info.length} stored bytes decode to at most "
+                f"{most_decoded(info.length, stages)} ({', '.join(info.transform_descriptors)})"
+                if stages
+                else f"{info.length} are stored"
+            )
             raise CorruptCheckpointError(
-                f"{key!r}: the chunk at {tuple(offsets)} needs {volume * itemsize} bytes, "
-                f"{info.length} are stored"
+                f"{key!r}: the chunk at {tuple(offsets)} needs {volume * itemsize} bytes, {stored}"
             )
     _check_tiling(key, size, placed, covered)
 

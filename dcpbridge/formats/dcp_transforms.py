@@ -36,6 +36,12 @@ def object_limit(stored: int) -> int:
     return max(_OBJECT_FLOOR, stored * 1024)
 
 
+def most_decoded(stored: int, stages: int) -> int:
+    """The most bytes ``stored`` bytes can decode to through ``stages`` transforms: zstd's
+    bound per stage (an extension dcpbridge cannot undo is refused when read)."""
+    return stored * _RATIO**stages
+
+
 def descriptors_of(info: Any, what: str) -> tuple[str, ...]:
     """The transform descriptors DCP recorded for an item (``()``: stored as is), checked."""
     found = getattr(info, "transform_descriptors", None)

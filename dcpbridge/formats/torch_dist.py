@@ -71,6 +71,28 @@ class TorchDistSavePlanner(ShardedSavePlanner):
 
     list_wrapped_objects = True
 
+    def create_local_plan(self) -> SavePlan:
+        """The plan, refusing tensors torch's writer cannot size: while planning, before the
+        directory's older checkpoint is unpublished."""
+        plan = super().create_local_plan()
+        for item in plan.items:
+            if item.tensor_data is not None:
+                _check_writable(item.index.fqn, item.tensor_data.properties.dtype)
+        return plan
+
+
+def _check_writable(key: str, dtype: torch.dtype) -> None:
+    """Raise ``SerializationError`` naming ``key`` unless torch's DCP writer can size elements
+    of ``dtype`` (it cannot for bits, uint1..7 and int1..7: its ``_element_size`` raises)."""
+    try:
+        torch._utils._element_size(dtype)
+    except (TypeError, RuntimeError) as e:
+        raise SerializationError(
+            f"{key!r}: torch's DCP writer cannot store {dtype} elements (format "
+            "'torch_dist'); save with format='dcpbridge', or view the tensor as an integer "
+            "dtype of the same size"
+        ) from e
+
 
 def sharded_part(parts: SaveParts) -> list[Any]:
     """The shards a torch_dist save writes to its DCP files: all but the boxes of the common

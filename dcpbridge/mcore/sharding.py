@@ -44,9 +44,11 @@ from dcpbridge.errors import (
 from dcpbridge.formats.checkpoint import load_torch_file
 from dcpbridge.model.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from dcpbridge.model.state import HOLE, fill_holes, map_leaves
-from dcpbridge.planners.errors import key_list
+from dcpbridge.planners.errors import SerializationError, key_list
+from dcpbridge.planners.leaves import not_dense
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage.errors import storage_error
+from dcpbridge.storage.read.delivery import as_shown
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -171,10 +173,20 @@ def _shard(leaf: Any, full: torch.Tensor) -> Any:
 
 
 def _header(state_dict: Mapping[str, Any]) -> dict[str, TensorInfo | Any]:
-    return {
-        str(k): TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
-        for k, v in state_dict.items()
-    }
+    """Rank 0's entries: each tensor's shape and dtype (refused by key unless it has dense
+    bytes to broadcast), other values as they are."""
+    out: dict[str, TensorInfo | Any] = {}
+    for k, v in state_dict.items():
+        if isinstance(v, torch.Tensor):
+            if (what := not_dense(v)) is not None:
+                meta = "meta " if v.is_meta else ""
+                raise SerializationError(
+                    f"{str(k)!r}: rank 0's state dict holds a {what} {meta}tensor, which has "
+                    "no dense data to broadcast"
+                )
+            v = TensorInfo(tuple(v.shape), v.dtype)
+        out[str(k)] = v
+    return out
 
 
 def _distribute(
@@ -210,7 +222,8 @@ def _distribute(
     for key in plan.order:
         info = header[key]
         if state_dict is not None:
-            full = state_dict[key].detach().to(device).contiguous()
+            # a conjugate or negative view's memory holds other values than it shows
+            full = as_shown(state_dict[key].detach()).to(device).contiguous()
         else:
             full = torch.empty(info.shape, dtype=info.dtype, device=device)
         group.broadcast_tensor(full)

@@ -107,7 +107,7 @@ def safetensors_header(
             raise SerializationError(f"tensor {t.key!r}: safetensors reserves that name")
         name = _SAFETENSORS_NAMES.get(t.dtype)
         if name is None:
-            raise CheckpointError(f"tensor {t.key!r}: safetensors cannot store dtype {t.dtype}")
+            raise SerializationError(f"tensor {t.key!r}: safetensors cannot store dtype {t.dtype}")
         header[t.key] = {
             "dtype": name,
             "shape": list(t.shape),

@@ -34,6 +34,7 @@ from dcpbridge.planners.boxes import Placed, Shape, coverage_problems
 from dcpbridge.planners.distribution import is_main_replica
 from dcpbridge.planners.errors import SerializationError, ShardingValidationError
 from dcpbridge.planners.protocol import chunk_sizes, chunk_view
+from dcpbridge.planners.save_planner import check_data
 from dcpbridge.storage import resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.regions import narrow_box, plan_extents
@@ -170,6 +171,8 @@ def _holdings(state_dict: Any) -> tuple[list[Held], dict[tuple[str, Shape], Shar
             raise SerializationError(
                 f"save_hf stores tensors only; {s.key!r} is a ShardedObject (leave it out)"
             )
+        if is_main_replica(s.replica_id):  # its data is written: checked as db.save does
+            check_data(s)
         offsets, sizes = tuple(s.global_offset), chunk_sizes(s)
         plain = s.key in parts.plain
         if plain:  # a plain tensor is one shard: another under its key is a second value

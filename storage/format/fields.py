@@ -13,7 +13,11 @@ from dcpbridge.storage.errors import CorruptCheckpointError
 from dcpbridge.storage.format.table import MAX_NDIM, MAX_SIZE, TensorHeader
 
 _DTYPES: dict[str, torch.dtype] = {}
-
+# Tensors of these dtypes are only meaningful with their scale and zero point, which no stored
+# tensor entry records: dcpbridge refuses to save them, and a document naming one is corrupt.
+QUANTIZED_DTYPES = frozenset(
+    {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+)
 
 _NAMES: dict[torch.dtype, str] = {}
 
@@ -31,7 +35,12 @@ def parse_dtype(name: str) -> torch.dtype:
     if dtype is not None:
         return dtype
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or dtype_name(dtype) != name or dtype.itemsize < 1:
+    if (
+        not isinstance(dtype, torch.dtype)
+        or dtype_name(dtype) != name
+        or dtype.itemsize < 1
+        or dtype in QUANTIZED_DTYPES
+    ):
         raise CorruptCheckpointError(f"unknown dtype {_show(name)}")
     _DTYPES[name] = dtype
     return dtype

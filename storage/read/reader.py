@@ -23,7 +23,11 @@ from torch.futures import Future
 from dcpbridge.storage.backends import device_copy, storage_for
 from dcpbridge.storage.backends.location_mixin import LocationMixin
 from dcpbridge.storage.backends.referenced import sizes_with_references
-from dcpbridge.storage.errors import CorruptCheckpointError, MissingEntryError
+from dcpbridge.storage.errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    MissingEntryError,
+)
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import (
     ItemKey,
@@ -306,9 +310,11 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             raise CorruptCheckpointError(f"{item.storage_index.fqn!r} is stored as an object")
         dest = planner.resolve_tensor(item)
         if dest.shape != item.lengths or dest.dtype != dtype:
-            raise RuntimeError(
+            raise InvalidArgumentError(
                 f"{item.dest_index.fqn!r}: planner resolved a {dest.dtype} tensor of shape "
-                f"{tuple(dest.shape)} for a read of {tuple(item.lengths)} {dtype}"
+                f"{tuple(dest.shape)} for a read of {tuple(item.lengths)} {dtype}; this reader "
+                "reads the stored dtype and shape (to convert, load with "
+                "planner=db.ShardedLoadPlanner(allow_dtype_cast=True))"
             )
         block = self._block(stored, index)
         grid = chunk_grid(sizes, dtype.itemsize, block, tiled=index.tiled_checksums)

@@ -439,6 +439,28 @@ def test_zstd_decoding_is_bounded_and_complete():
         descriptors_of(Info(), "x")
 
 
+def test_a_transformed_chunk_larger_than_its_stream_can_decode_to_is_refused(tmp_path):
+    """A zstd block of at least 4 bytes decodes to at most 128 KiB; a ``.metadata`` naming a
+    tensor far larger than its compressed chunk can decode to made a load into a plain
+    template allocate it (torch's ``RuntimeError``: cannot allocate 1 PiB). It is refused as
+    corrupt when the checkpoint is opened, naming the key, before anything is allocated."""
+    path = tmp_path / "ck"
+    dcp.save(
+        {"w": torch.zeros(4, 4), "b": torch.ones(3)},
+        storage_writer=dcp.FileSystemWriter(str(path), _extensions=[ZStandard()]),
+        no_dist=True,
+    )
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    md = metadata.state_dict_metadata["w"]
+    md.size = md.chunks[0].sizes = torch.Size([1 << 24, 1 << 24])
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    match = r"'w': the chunk at \(0, 0\) needs 1125899906842624 bytes, its \d+ stored bytes"
+    with pytest.raises(db.CorruptCheckpointError, match=match):
+        db.load({"w": torch.zeros(4, 4)}, str(path))
+    with pytest.raises(db.CorruptCheckpointError, match=match):
+        db.open_source(str(path))
+
+
 BLOCK_ZSTD = """
 import sys
 sys.modules["zstandard"] = None  # not installed, as far as this process can tell

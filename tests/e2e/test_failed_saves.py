@@ -407,3 +407,34 @@ def test_a_group_destroyed_mid_commit_says_the_checkpoint_may_be_committed(tmp_p
     template = {"a": db.ShardedTensor.from_box("a", torch.zeros(2048), (2048,), (0,))}
     out = db.load(template, path)
     assert out["step"] == 2.0 and torch.equal(out["a"], torch.full((2048,), 2.0))
+
+
+def save_bits_torch_dist(r: Rank, path: str) -> str:
+    """A torch_dist save over a good one: ``b``'s only writer (rank 1) holds it as bits16."""
+    raw = torch.arange(8, dtype=torch.int16).view(torch.bits16)
+    sd = {
+        "w": db.ShardedTensor.from_box("w", torch.full((2,), 9.0), (4,), (2 * r.rank,)),
+        "b": db.ShardedTensor.from_box("b", raw, (8,), (0,), replica_id=1 - r.rank),
+    }
+    try:
+        db.save(sd, path, process_group=r.group, format="torch_dist")
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def test_a_torch_dist_save_of_a_dtype_torch_cannot_write_keeps_the_older_checkpoint(pool, tmp_path):
+    """torch's DCP writer cannot size bits (and uint1..7, int1..7) elements: a torch_dist save
+    of such a tensor raised torch's ``TypeError`` from the write, after the checkpoint the
+    directory held had been unpublished (its ``.metadata`` and ``common.pt`` removed). It is
+    refused while planning, on every rank, naming the key, and the older checkpoint loads."""
+    path = str(tmp_path / "ck")
+    w = torch.arange(4, dtype=torch.float32)
+    db.save({"w": db.ShardedTensor.from_box("w", w, (4,), (0,))}, path, format="torch_dist")
+    before = sorted(os.listdir(path))
+    for text in pool.run(save_bits_torch_dist, 2, path):
+        assert text.startswith("SerializationError: ") and "'b'" in text, text
+        assert "torch.bits16" in text and "torch_dist" in text, text
+    assert sorted(os.listdir(path)) == before
+    out = db.load({"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}, path)
+    assert torch.equal(out["w"], w)

@@ -659,6 +659,26 @@ def test_save_hf_writes_the_main_replica_and_refuses_a_plain_tensor_under_a_shar
         assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("data", "error", "what"),
+    [
+        (lambda: torch.arange(4.0).to(torch.complex64).conj(), db.SerializationError, "conjugate"),
+        (lambda: torch.arange(4.0)._neg_view(), db.SerializationError, "negative view"),
+        (lambda: torch.arange(4.0).to_sparse(), db.ShardingValidationError, "sparse_coo"),
+    ],
+    ids=["conjugate", "negative", "sparse"],
+)
+def test_save_hf_refuses_sharded_tensor_data_db_save_refuses(tmp_path, data, error, what):
+    """A ShardedTensor over a conjugate or negative view (whose memory holds other values than
+    it shows) or over sparse data made ``save_hf`` fail in its write with torch's
+    ``RuntimeError``; ``db.save`` refuses them by key. ``save_hf`` now runs the same checks
+    before anything is written."""
+    out = tmp_path / "hf"
+    with pytest.raises(error, match=f"ShardedTensor 'w': .*{what}"):
+        db.save_hf({"w": db.ShardedTensor.from_rank_offsets("w", data())}, str(out))
+    assert not out.exists()
+
+
 def test_export_keeps_conjugate_and_negative_views_of_one_storage_apart(tmp_path):
     """A torch.save file keeps a conjugate (or negative) view on its base's storage, with the
     same offset, shape and stride: export took it for a tied weight, wrote the base's values

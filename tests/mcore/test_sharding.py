@@ -418,3 +418,66 @@ def test_index_shards_read_with_allow_pickle(tmp_path):
     for trusted in (tmp_path / "m.index.json", tmp_path / "a.bin"):
         got = db.load_state_dict(trusted, allow_pickle=True)
         assert torch.equal(got["w"], torch.ones(2)) and isinstance(got["note"], _Note)
+
+
+C = torch.tensor([1 + 2j, -3 + 0.5j, 4 - 1j, 0.25 + 8j], dtype=torch.complex64)
+N = torch.tensor([1.5, -2.0, 0.0, 7.25])
+
+
+def views_from_a_torch_file(r: Rank, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0 reads a torch.save file whose tensors are a conjugate and a negative view
+    (torch.save keeps both bits); each rank keeps its half of each."""
+    sd = db.load_state_dict(path, process_group=r.group)
+    meta = {
+        k: db.ShardedTensor.from_rank_offsets(k, torch.empty(2, dtype=t.dtype), (0, r.rank, 2))
+        for k, t in (("c", C), ("n", N))
+    }
+    out: dict = {}
+    if r.rank == 0:
+        assert sd["c"].is_conj() and sd["n"].is_neg()
+        db.broadcast_and_shard_state_dict(sd, meta, out, process_group=r.group)
+    else:
+        db.shard_broadcasted_state_dict(meta, out, process_group=r.group)
+    return out["c"].data, out["n"].data
+
+
+def test_conjugate_and_negative_views_are_broadcast_as_the_values_they_show(pool, tmp_path):
+    """A conjugate or negative view's memory holds other values than it shows: rank 0 raised
+    torch's ``RuntimeError`` (``view`` to bytes is not supported for them) while the other
+    ranks waited in the broadcast. Every rank now gets the shown values of its half."""
+    path = str(tmp_path / "views.pt")
+    torch.save({"c": C.clone().conj(), "n": N.clone()._neg_view()}, path)
+    for rank, (c, n) in enumerate(pool.run(views_from_a_torch_file, 2, path)):
+        assert torch.equal(c, C.conj()[2 * rank : 2 * rank + 2])
+        assert torch.equal(n, -N[2 * rank : 2 * rank + 2])
+
+
+def _share(r: Rank, state: dict, meta: dict) -> db.DistributedKeys:
+    """Rank 0 broadcasts ``state``; every rank keeps its shards of ``meta``'s tensors."""
+    if r.rank == 0:
+        return db.broadcast_and_shard_state_dict(state, meta, {}, process_group=r.group)
+    return db.shard_broadcasted_state_dict(meta, {}, process_group=r.group)
+
+
+def broadcast_kind(r: Rank, kind: str) -> str:
+    """Rank 0 holds ``s`` as a tensor with no dense bytes to broadcast."""
+    meta = {"s": db.ShardedTensor.from_rank_offsets("s", torch.empty(2), (0, r.rank, 2))}
+    t = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    bad = {
+        "sparse": t.to_sparse,
+        "quantized": lambda: torch.quantize_per_tensor(t, 0.1, 0, torch.qint8),
+        "meta": lambda: t.to("meta"),
+    }[kind]()
+    with pytest.raises(db.SerializationError) as e:
+        _share(r, {"s": bad}, meta)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "quantized", "meta"])
+def test_a_tensor_without_dense_bytes_is_refused_on_every_rank(pool, kind):
+    """Rank 0 failed in the broadcast (a sparse or meta tensor's bytes; a quantized one's
+    garbage on the others, as ``CollectiveError``) while the other ranks waited in it until
+    the process group's timeout. It is refused by key on every rank before any broadcast."""
+    messages = pool.run(broadcast_kind, 2, kind)
+    assert messages[0] == messages[1] and "'s': rank 0's state dict holds a" in messages[0]
+    assert "no dense data to broadcast" in messages[0]

@@ -279,7 +279,8 @@ def test_safetensors_c64_and_other_float8_dtypes_load_and_export_bit_exact(tmp_p
 
 def test_a_safetensors_dtype_without_a_whole_byte_torch_dtype_is_refused_by_name(tmp_path):
     """F4 (two elements a byte) has no torch dtype element by element: loading it raises a
-    ``CheckpointError`` naming the tensor and the dtype, and so does exporting one."""
+    ``CheckpointError`` naming the tensor and the dtype; exporting or ``save_hf`` of a dtype
+    safetensors has no name for raises ``SerializationError`` (it raised the base class)."""
     packed = torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -287,8 +288,13 @@ def test_a_safetensors_dtype_without_a_whole_byte_torch_dtype_is_refused_by_name
     with pytest.raises(db.CorruptCheckpointError, match="tensor 'x' has unsupported dtype 'F4'"):
         open_source(str(hf))
     db.save({"x": packed}, str(tmp_path / "ck"))
-    with pytest.raises(db.CheckpointError, match="tensor 'x': safetensors cannot store dtype"):
+    with pytest.raises(db.SerializationError, match="tensor 'x': safetensors cannot store dtype"):
         db.export_safetensors(open_source(str(tmp_path / "ck")), str(tmp_path / "out"))
+    bits = torch.zeros(2, dtype=torch.int16).view(torch.bits16)
+    with pytest.raises(db.SerializationError, match="'x': safetensors cannot store dtype") as e:
+        db.save_hf({"x": bits}, str(tmp_path / "hf_out"))
+    assert str(e.value).endswith("torch.bits16")
+    assert not (tmp_path / "hf_out").exists()
 
 
 def test_a_torch_dist_save_of_common_state_only_validates_and_converts(tmp_path, capsys):
