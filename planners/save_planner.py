@@ -268,7 +268,8 @@ def check_data(sh: TensorShard) -> None:
     data = sh.data
     if not isinstance(data, torch.Tensor):
         raise ShardingValidationError(f"ShardedTensor {sh.key!r} has no data to save")
-    if tuple(data.shape) != tuple(sh.local_shape) or data.dtype != sh.dtype:
+    dtype = data.dtype
+    if data.shape != tuple(sh.local_shape) or dtype != sh.dtype:
         raise ShardingValidationError(
             f"ShardedTensor {sh.key!r}: data is {data.dtype} of shape {tuple(data.shape)}, "
             f"declared {sh.dtype} of local shape {tuple(sh.local_shape)}"
@@ -280,7 +281,7 @@ def check_data(sh: TensorShard) -> None:
         )
     if not storage_holds(data):  # read unchecked: a segfault, or bytes past its end
         raise freed_storage(f"ShardedTensor {sh.key!r}", data, save=True)
-    if not holds_its_values(data):
+    if not holds_its_values(data, dtype):
         raise SerializationError(
             f"ShardedTensor {sh.key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"
             " view; pass data.resolve_conj().resolve_neg()"
