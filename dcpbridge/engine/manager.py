@@ -541,6 +541,13 @@ class CheckpointManager:
         self._metrics.pop(step, None)  # read again from the sidecar when retention needs it
         try:
             store = storage_for(self._location(step))
+            if _committed_anyway(store, self._location(step), kept):
+                log.warning(
+                    "dcpbridge: the save of step %d committed before it failed (its answer "
+                    "was lost): the step is complete, its metrics stay with it",
+                    step,
+                )
+                return
             if kept is None:
                 store.remove([SIDECAR])
                 if not store.list_names():  # a new step's folder, nothing else written there
@@ -998,6 +1005,18 @@ def _foreign(names: Iterable[str]) -> list[str]:
     return sorted(
         n for n in names if not (DATA_FILE_RE.match(n) or n == SIDECAR or n.startswith(temp))
     )
+
+
+def _committed_anyway(store: Storage, location: Location, kept: bytes | None) -> bool:
+    """Whether a save that raised committed all the same (its commit landed, the exchange
+    after it failed): ``kept``, the sidecar before it (None: a new step), tells whether the
+    step's commit is the one this save wrote, not the one it was replacing."""
+    if kept is None:
+        return store.exists(METADATA_FILE)
+    doc = json_object(_read_sidecar(store, location))
+    over = doc.get("over") if doc is not None else None
+    replaced = over.get("save_id") if isinstance(over, dict) else None
+    return replaced is not None and committed_save_id(store) not in (None, replaced)
 
 
 def _read_sidecar(store: Storage, location: Location) -> bytes | None:

@@ -409,6 +409,54 @@ def test_a_group_destroyed_mid_commit_says_the_checkpoint_may_be_committed(tmp_p
     assert out["step"] == 2.0 and torch.equal(out["a"], torch.full((2048,), 2.0))
 
 
+MANAGER_DESTROYED_MID_COMMIT = """
+import json, os, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import dcpbridge as db
+from dcpbridge.storage import FsspecCheckpointWriter
+rank, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=10))
+def state(value):
+    local = torch.full((1024,), value)
+    return {"a": db.ShardedTensor.from_box("a", local, (2048,), (rank * 1024,))}
+mgr = db.CheckpointManager(root, every=1, keep_best=1, best_metric="loss", async_save=False)
+mgr.save(1, state(1.0), metrics={"loss": 1.0})
+mgr.wait()
+original = FsspecCheckpointWriter.finish
+def finish_then_destroy(self, metadata, results):
+    original(self, metadata, results)
+    dist.destroy_process_group()  # the job tears its group down while rank 1 waits to hear
+if rank == 0:
+    FsspecCheckpointWriter.finish = finish_then_destroy
+try:
+    mgr.save(2, state(2.0), metrics={"loss": 0.5})
+    mgr.wait()
+except db.CheckpointError as e:
+    print("RESULT", type(e).__name__, flush=True)
+if rank == 0:
+    with open(os.path.join(mgr.step_url(2), "manager.json")) as f:
+        print("RESULT metrics", json.dumps(json.load(f)["metrics"]), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_manager_save_committed_before_its_group_went_keeps_its_metrics(tmp_path):
+    """A manager's save whose commit landed before the exchange after it failed: rank 0
+    treated the committed step as a failed save and removed its metrics sidecar (a new step;
+    a re-save got the replaced save's back), so ``keep_best`` ranked the step having none.
+    Its metrics now stay with the committed step."""
+    root = str(tmp_path / "run")
+    got = run_scripts(MANAGER_DESTROYED_MID_COMMIT, str(free_port()), root, timeout=90)
+    assert sorted(got) == ["RESULT CollectiveError"] * 2 + ['RESULT metrics {"loss": 0.5}'], got
+    template = {"a": db.ShardedTensor.from_box("a", torch.zeros(2048), (2048,), (0,))}
+    out = db.load(template, os.path.join(root, "step_00000002"))
+    assert torch.equal(out["a"], torch.full((2048,), 2.0))
+
+
 def save_bits_torch_dist(r: Rank, path: str) -> str:
     """A torch_dist save over a good one: ``b``'s only writer (rank 1) holds it as bits16."""
     raw = torch.arange(8, dtype=torch.int16).view(torch.bits16)
