@@ -554,6 +554,8 @@ class CheckpointManager:
                     store.remove_folder()
             else:
                 store.commit_file(SIDECAR, kept, f"{SIDECAR}.tmp", sync=True)
+        except FileNotFoundError:  # the folder is gone (another manager's cleanup): nothing left
+            pass
         except Exception as e:
             log.warning("dcpbridge: restoring %s of step %d failed: %s", SIDECAR, step, e)
 
