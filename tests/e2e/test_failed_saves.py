@@ -354,8 +354,9 @@ def test_a_killed_torch_dist_save_leaves_no_older_metadata_over_its_new_data(tmp
         db.load({"w": torch.zeros(4)}, path)
 
 
-DESTROYED_MID_COMMIT = """
-import os, sys
+# Two fresh ranks (a destroyed group cannot be reused in the pool), saving ``state(value)``
+_TWO_RANKS = """
+import json, os, sys
 from datetime import timedelta
 import torch
 import torch.distributed as dist
@@ -367,13 +368,22 @@ dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(secon
 def state(value):
     local = torch.full((1024,), value)
     return {"a": db.ShardedTensor.from_box("a", local, (2048,), (rank * 1024,)), "step": value}
-db.save(state(1.0), path)
+"""
+# then the coordinator's next commit destroys the group before rank 1 hears of it
+_DESTROY_AFTER_COMMIT = """
 original = FsspecCheckpointWriter.finish
 def finish_then_destroy(self, metadata, results):
     original(self, metadata, results)
     dist.destroy_process_group()  # the job tears its group down while rank 1 waits to hear
 if rank == 0:
     FsspecCheckpointWriter.finish = finish_then_destroy
+"""
+
+DESTROYED_MID_COMMIT = (
+    _TWO_RANKS
+    + "db.save(state(1.0), path)"
+    + _DESTROY_AFTER_COMMIT
+    + """
 try:
     db.save(state(2.0), path)
     print("RESULT saved", flush=True)
@@ -381,6 +391,7 @@ except Exception as e:
     print("RESULT", type(e).__name__, str(e).splitlines()[0], flush=True)
 os._exit(0)
 """
+)
 
 
 @pytest.mark.timeout(120)
@@ -409,28 +420,15 @@ def test_a_group_destroyed_mid_commit_says_the_checkpoint_may_be_committed(tmp_p
     assert out["step"] == 2.0 and torch.equal(out["a"], torch.full((2048,), 2.0))
 
 
-MANAGER_DESTROYED_MID_COMMIT = """
-import json, os, sys
-from datetime import timedelta
-import torch
-import torch.distributed as dist
-import dcpbridge as db
-from dcpbridge.storage import FsspecCheckpointWriter
-rank, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=10))
-def state(value):
-    local = torch.full((1024,), value)
-    return {"a": db.ShardedTensor.from_box("a", local, (2048,), (rank * 1024,))}
-mgr = db.CheckpointManager(root, every=1, keep_best=1, best_metric="loss", async_save=False)
+MANAGER_DESTROYED_MID_COMMIT = (
+    _TWO_RANKS
+    + """
+mgr = db.CheckpointManager(path, every=1, keep_best=1, best_metric="loss", async_save=False)
 mgr.save(1, state(1.0), metrics={"loss": 1.0})
 mgr.wait()
-original = FsspecCheckpointWriter.finish
-def finish_then_destroy(self, metadata, results):
-    original(self, metadata, results)
-    dist.destroy_process_group()  # the job tears its group down while rank 1 waits to hear
-if rank == 0:
-    FsspecCheckpointWriter.finish = finish_then_destroy
+"""
+    + _DESTROY_AFTER_COMMIT
+    + """
 try:
     mgr.save(2, state(2.0), metrics={"loss": 0.5})
     mgr.wait()
@@ -441,6 +439,7 @@ if rank == 0:
         print("RESULT metrics", json.dumps(json.load(f)["metrics"]), flush=True)
 os._exit(0)
 """
+)
 
 
 @pytest.mark.timeout(120)
