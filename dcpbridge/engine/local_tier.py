@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import queue
-import re
 import shutil
 import threading
 import time
@@ -48,6 +47,7 @@ from dcpbridge.engine.local_plan import (
 )
 from dcpbridge.engine.save import _Staging
 from dcpbridge.engine.staging import BufferSet, StagingArea
+from dcpbridge.engine.step_names import ASIDE, step_dir_name, step_of
 from dcpbridge.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -73,27 +73,8 @@ T = TypeVar("T")
 
 MARKER = "local.json"
 """A local step's commit marker, published atomically in a node's step directory last."""
-_STEP_DIR = re.compile(r"^step_([0-9]{1,18})\Z")
-_ASIDE = ".previous"  # a committed step set aside while the same step is saved again
-_ASIDE_DIR = re.compile(r"^step_([0-9]{1,18})\.previous\Z")
 StepKey = tuple[int, str, str]  # (step, save id, document digest)
 _SLACK = 1 << 20  # bytes per rank beyond its tensors: objects, common state, alignment
-
-
-def _step_dir(step: int) -> str:
-    """``step_00000100``: a local step's folder name, spelt as the persistent tier's."""
-    return f"step_{step:08d}"
-
-
-def _step_of(name: str, *, aside: bool = False) -> int | None:
-    """The step whose folder (with ``aside``: set-aside folder) is ``name``, or None: only
-    ``_step_dir``'s spelling is a step, as in the persistent tier (``step_3`` beside
-    ``step_00000003`` is another folder, never removed, renamed or read as step 3)."""
-    m = (_ASIDE_DIR if aside else _STEP_DIR).match(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if name == _step_dir(step) + (_ASIDE if aside else "") else None
 
 
 def free_bytes(path: str) -> int | None:
@@ -187,7 +168,7 @@ class LocalTier:
     def step_url(self, step: int, node: int | None = None) -> str:
         """Where ``node``'s (default: this rank's) part of local step ``step`` lives."""
         base = self.node_dir(self.node if node is None else node).rstrip("/")
-        return f"{base}/{_step_dir(step)}"
+        return f"{base}/{step_dir_name(step)}"
 
     def _location(self, step: int | None = None) -> Location:
         url = self.node_dir(self.node) if step is None else self.step_url(step)
@@ -501,17 +482,17 @@ class LocalTier:
         the new one commits (``_put_back`` if it fails)."""
         names = storage_for(self._location()).list_names()
         for name in names:  # first: a step is never set aside onto an older copy's folder
-            if _step_of(name, aside=True) is not None:
+            if step_of(name, aside=True) is not None:
                 remove_step(resolve(self._entry_url(name), self.storage_options))
         for name in names:
-            s = _step_of(name)
+            s = step_of(name)
             if s is None:
                 continue
             location = resolve(self.step_url(s), self.storage_options)
             if not storage_for(location).exists(MARKER):
                 remove_step(location)
             elif s == step:
-                self._rename(name, name + _ASIDE)
+                self._rename(name, name + ASIDE)
 
     def _recover_set_aside(self) -> None:
         """Lead, at start: return each committed step that a killed save of the same step had
@@ -519,11 +500,11 @@ class LocalTier:
         try:
             names = storage_for(self._location()).list_names()
             for name in names:
-                aside = _step_of(name, aside=True)
+                aside = step_of(name, aside=True)
                 if aside is None:
                     continue
                 location = resolve(self.step_url(aside), self.storage_options)
-                step_dir = _step_dir(aside)
+                step_dir = step_dir_name(aside)
                 if step_dir in names:
                     if storage_for(location).exists(MARKER):
                         continue  # the new one committed: the next retention removes the old
@@ -542,8 +523,8 @@ class LocalTier:
         name = os.path.basename(self.step_url(step))
         try:
             names = storage_for(self._location()).list_names()
-            if name + _ASIDE in names and name not in names:
-                self._rename(name + _ASIDE, name)
+            if name + ASIDE in names and name not in names:
+                self._rename(name + ASIDE, name)
         except (CheckpointError, OSError) as e:
             log.warning(
                 "dcpbridge: restoring committed local step %s failed: %s", self.step_url(step), e
@@ -563,8 +544,8 @@ class LocalTier:
         """Lead: keep only committed step ``step`` in this node's directory (best effort)."""
         try:
             for name in storage_for(self._location()).list_names():
-                s = _step_of(name)
-                if (s is not None and s != step) or _step_of(name, aside=True) is not None:
+                s = step_of(name)
+                if (s is not None and s != step) or step_of(name, aside=True) is not None:
                     remove_step(resolve(self._entry_url(name), self.storage_options))
         except (CheckpointError, OSError) as e:
             log.warning(
@@ -584,7 +565,7 @@ class LocalTier:
             return []
         out = []
         for name in names:
-            step = _step_of(name)
+            step = step_of(name)
             if step is None:
                 continue
             try:

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -46,6 +45,7 @@ from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step, planning_ahead
 from dcpbridge.engine.local_tier import LocalTier, check_local_args, run_of
 from dcpbridge.engine.step_guard import StepGuard
+from dcpbridge.engine.step_names import step_dir_name, step_of
 from dcpbridge.engine.strict import Policy, parse_strict
 from dcpbridge.engine.writer_process import check_writer
 from dcpbridge.errors import (
@@ -67,7 +67,6 @@ from dcpbridge.storage.write.writer import committed_save_id, json_object
 
 log = logging.getLogger("dcpbridge")
 
-_STEP_DIR = re.compile(r"^step_([0-9]{1,18})\Z")
 MAX_STEP = 10**18 - 1
 """The largest step a manager saves: its folder name must read back (at most 18 digits)."""
 _NEEDS_OPTIMIZERS = (
@@ -78,20 +77,6 @@ SIDECAR = "manager.json"
 """Per-step file of the manager (the step's metrics), written before the save commits."""
 MAX_SIDECAR_BYTES = 1 << 20
 """A larger sidecar is not read (it counts as no metric): a few metrics take bytes."""
-
-
-def step_dir_name(step: int) -> str:
-    """``step_00000100``: zero-padded so that names sort like steps."""
-    return f"step_{step:08d}"
-
-
-def _step_of(name: str) -> int | None:
-    """The step whose folder is ``name``, or None: only the name ``step_dir_name`` gives is a
-    step (``step_2`` beside ``step_00000002`` is another checkpoint, not a second step 2)."""
-    m = _STEP_DIR.match(name)
-    if m is None or step_dir_name(int(m.group(1))) != name:
-        return None
-    return int(m.group(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +248,7 @@ class CheckpointManager:
     def _scan(self) -> tuple[list[int], list[int]]:
         """(complete steps, steps without a commit), ascending; a storage fault raises."""
         names = storage_for(self._location()).list_names()
-        steps = sorted(s for n in names if (s := _step_of(n)) is not None)
+        steps = sorted(s for n in names if (s := step_of(n)) is not None)
         complete, partial = [], []
         for step in steps:
             store = storage_for(self._location(step))
@@ -599,7 +584,7 @@ class CheckpointManager:
         out = []
         root = self._location()
         for name in storage_for(root).list_names():
-            if _step_of(name) is not None:
+            if step_of(name) is not None:
                 continue
             try:
                 location = child(root, name)

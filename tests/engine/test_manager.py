@@ -745,7 +745,7 @@ def test_a_step_folder_name_with_a_trailing_newline_is_not_a_step(tmp_path):
     """A folder ``step_00000002\\n`` beside step 2 is no step: the step-folder pattern ended
     in ``$`` (which matches before a trailing newline), so it counted as a second step 2 and
     ``all_steps`` listed 2 twice. The local tier's step folders are parsed alike."""
-    from dcpbridge.engine import local_tier
+    from dcpbridge.engine import step_names
 
     root = tmp_path / "run"
     mgr = db.CheckpointManager(str(root), async_save=False)
@@ -753,8 +753,8 @@ def test_a_step_folder_name_with_a_trailing_newline_is_not_a_step(tmp_path):
     os.mkdir(root / "step_00000002\n")
     assert mgr.all_steps() == [2] and mgr.latest_step() == 2
     mgr.close()
-    for pattern in (local_tier._STEP_DIR, local_tier._ASIDE_DIR):
-        name = "step_00000002" + (".previous" if pattern is local_tier._ASIDE_DIR else "")
+    for pattern in (step_names.STEP_DIR, step_names.ASIDE_DIR):
+        name = "step_00000002" + (".previous" if pattern is step_names.ASIDE_DIR else "")
         assert pattern.match(name) and pattern.match(name + "\n") is None
 
 
