@@ -48,6 +48,11 @@ class AsyncSaveHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def wait_done(self) -> None:
+        """Wait until the save ended, committed or failed; its failure is neither raised nor
+        reported here (``result()`` still raises it)."""
+        self._done.wait()
+
     @property
     def staged(self) -> bool:
         """Whether the save is done reading the caller's tensors (they may change now)."""
@@ -169,7 +174,7 @@ class AsyncSaver:
         """
         while len(self._inflight) >= self.max_in_flight:
             oldest = self._inflight.popleft()
-            oldest._done.wait()
+            oldest.wait_done()
             if oldest._error is not None and not oldest._reported:
                 oldest._reported = True
                 raise oldest._error

@@ -340,7 +340,7 @@ class LocalTier:
         """Until the background write, copies, commit (and upload) of the last local step
         are done."""
         if self._handle is not None:
-            self._handle._done.wait()
+            self._handle.wait_done()
         self._handle = None
 
     @staticmethod

@@ -259,11 +259,16 @@ class CheckpointManager:
             # else another format's checkpoint or others' files: never the manager's to remove
         return complete, partial
 
+    def _wait_pending(self) -> None:
+        """Wait for this manager's save in flight, if any (its failure is raised later, by the
+        next ``save``/``wait``/``close``)."""
+        if self._pending is not None:
+            self._pending[1].wait_done()
+
     def all_steps(self) -> list[int]:
         """The complete checkpoints, ascending (a save of this manager in flight is waited for
         first; its failure is raised by the next ``save``/``wait``/``close``)."""
-        if self._pending is not None:
-            self._pending[1]._done.wait()
+        self._wait_pending()
         return self._scan()[0]
 
     def latest_step(self) -> int | None:
@@ -271,8 +276,7 @@ class CheckpointManager:
         in a group); with a local tier, the newer of the persistent one and the newest local
         step the ranks can recover."""
         if self._local is None:
-            if self._pending is not None:
-                self._pending[1]._done.wait()
+            self._wait_pending()
             if self._group.size == 1:
                 steps = self._scan()[0]
                 return steps[-1] if steps else None
@@ -496,7 +500,7 @@ class CheckpointManager:
         if self._pending is None:
             return False
         step, handle = self._pending
-        handle._done.wait()  # interrupted (Ctrl-C): the save is still pending, not failed
+        handle.wait_done()  # interrupted (Ctrl-C): the save is still pending, not failed
         self._pending = None
         with self._unprepared_on_failure(step):
             handle.result()
@@ -725,8 +729,7 @@ class CheckpointManager:
         (exactly ``step`` if given and not persistent): one all-gather in all (``ahead``: a
         load's planning, run before it, as ``LocalTier.survey`` runs it)."""
         assert self._local is not None
-        if self._pending is not None:
-            self._pending[1]._done.wait()
+        self._wait_pending()
         reports, complete = self._local.survey(lambda: self._scan()[0], ahead)
         if step is not None and step in complete:
             return complete, None
