@@ -472,13 +472,9 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         them; nothing is removed if the commit did land (or cannot be read).
         """
         self._written = set()
-        try:
-            if committed_save_id(self._store) == self._save_id:
-                return
-            names = [n for n in self._store.list_names() if _save_id_of(n) == self._save_id]
-            self._store.remove(sorted(names))
-        except Exception as e:  # cleanup must not hide the failure being reported
-            log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
+        self._remove_uncommitted(
+            lambda present: [n for n in present if _save_id_of(n) == self._save_id]
+        )
 
     def abort(self) -> None:
         """Remove the data files this rank wrote for a save that failed (best effort).
@@ -489,14 +485,17 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         """
         self._drop_late()
         names, self._written = sorted(self._written), set()
-        if not names:
-            return
+        if names:
+            self._remove_uncommitted(lambda present: [n for n in names if n in present])
+
+    def _remove_uncommitted(self, pick: Callable[[set[str]], list[str]]) -> None:
+        """Remove ``pick(the names present)`` unless this save's commit landed (best effort:
+        cleanup must not hide the failure being reported)."""
         try:
             if committed_save_id(self._store) == self._save_id:
                 return
-            present = set(self._store.list_names())
-            self._store.remove([n for n in names if n in present])
-        except Exception as e:  # cleanup must not hide the failure being reported
+            self._store.remove(sorted(pick(set(self._store.list_names()))))
+        except Exception as e:
             log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
 
     # -- helpers --------------------------------------------------------------------------
