@@ -115,8 +115,8 @@ class Retention:
 class CheckpointManager:
     """Save every ``every`` steps under ``root``, keep some, resume from the newest complete one.
 
-    Every rank of ``process_group`` makes the same calls (``save``, ``load``,
-    ``latest_step``, ``wait``, ``close``, ``should_stop``). Arguments left as None take the configuration file's
+    Every rank of ``process_group`` makes the same calls (``save``, ``load``, ``latest_step``,
+    ``wait``, ``close``, ``should_stop``). Arguments left as None take the configuration file's
     ``checkpoint:`` defaults (``dcpbridge.formats.config.CheckpointDefaults``); storage options
     come from ``storage_options`` over ``profile`` (or the file's default profile).
 
@@ -277,9 +277,6 @@ class CheckpointManager:
         step the ranks can recover."""
         if self._local is None:
             self._wait_pending()
-            if self._group.size == 1:
-                steps = self._scan()[0]
-                return steps[-1] if steps else None
             return self._agreed_newest(self._agree(lambda: self._scan()[0]))
         complete, local = self._survey(None)
         persistent = complete[-1] if complete else None

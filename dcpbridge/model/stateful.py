@@ -12,7 +12,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dcpbridge.errors import DataStateError
 from dcpbridge.model.mapping import ShardedTensor
 
-_NEVER = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, type(None)})
+_NEVER = frozenset(
+    {ShardedTensor, torch.Tensor, torch.nn.Parameter, int, float, str, bool, type(None)}
+)
 
 
 def is_stateful(value: Any) -> bool:
@@ -21,7 +23,6 @@ def is_stateful(value: Any) -> bool:
     level (a ShardedTensor's ``hasattr`` misses cost ~0.2 us: its type is looked up first)."""
     return (
         type(value) not in _NEVER
-        and type(value) is not ShardedTensor
         and hasattr(value, "state_dict")
         and hasattr(value, "load_state_dict")
         and isinstance(value, Stateful)
