@@ -130,15 +130,16 @@ def remove_checkpoints(
     if not doomed:
         return
     needed = needed_files(root, kept)  # raises before anything is deleted
-    for name in list(doomed):
+    spared = set()  # uncommitted when doomed, committed now
+    for name in doomed:
         location = child(root, name)
         store = storage_for(location)
         if not is_link(location) and store.exists(METADATA_FILE):
             if name in uncommitted:
-                doomed.remove(name)
-                continue
-            store.remove([METADATA_FILE])
-    for name in doomed:
+                spared.add(name)
+            else:
+                store.remove([METADATA_FILE])
+    for name in (n for n in doomed if n not in spared):
         location = child(root, name)
         keep = {p for d, p in needed if d == name}
         if is_link(location):  # another place's checkpoint, linked in: never changed here
