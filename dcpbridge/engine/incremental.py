@@ -130,7 +130,7 @@ def remove_checkpoints(
     if not doomed:
         return
     needed = needed_files(root, kept)  # raises before anything is deleted
-    spared = set()  # uncommitted when doomed, committed now
+    spared: set[str] = set()  # uncommitted when doomed, committed now
     for name in doomed:
         location = child(root, name)
         store = storage_for(location)
