@@ -686,7 +686,8 @@ class ShardedSavePlanner(SavePlanner):
 
     list_wrapped_objects = False  # ShardedObjects stored as ``[data]`` (torch_dist's way)
     # Send the plan's chunks as columns too: they save the coordinator a walk over every
-    # rank's items (a group of one gains nothing from them, and may turn them off).
+    # rank's items, and the writers report by their positions (the commit's item table is
+    # then joined from arrays).
     columns = True
     # The coordinator adds a whole empty chunk of each 0-element tensor held only as shards
     # to the plan of its lowest holder (``plan_empty_chunks``): DCP's writers write only the

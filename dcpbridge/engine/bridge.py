@@ -8,6 +8,7 @@ every common entry the checkpoint recorded, and the common blob of older checkpo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from dcpbridge.model.mapping import COMMON_KEY, ShardedObject, ShardedTensor
 from dcpbridge.model.state import merge
 from dcpbridge.model.ties import check_overlaps, same_bytes, tied_conflict, untie, untie_checked
 from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
+from dcpbridge.planners.columns import PlanColumns
 from dcpbridge.planners.distribution import WhoWrites
 from dcpbridge.planners.errors import key_list
 from dcpbridge.planners.save_planner import LocalSummary, check_data, plan_local_writes
@@ -39,10 +41,26 @@ OBJECT_TABLE = "objects"  # the ShardedObjects' table (ShardedSavePlanner's)
 @dataclass(frozen=True, slots=True)
 class TensorWrites:
     """A local plan's tensor items and, for each, the position of its shard in the planner's
-    shard list: what a save of the same structure writes again, with new data."""
+    shard list: what a save of the same structure writes again, with new data (``at``: the
+    items' places in that plan of ``size`` items, whose ``columns`` a re-plan keeps)."""
 
     positions: list[int]
     items: list[WriteItem]
+    at: list[int]
+    size: int
+    columns: PlanColumns | None
+
+
+def _in_places(previous: TensorWrites, objects: list[WriteItem]) -> list[WriteItem] | None:
+    """The previous plan's item list again: its tensor items at their places, ``objects``
+    in the other places in order; None if they are not as many as the places left."""
+    if len(previous.items) + len(objects) != previous.size:
+        return None
+    items: list[WriteItem | None] = [None] * previous.size
+    for place, item in zip(previous.at, previous.items):
+        items[place] = item
+    left = iter(objects)
+    return [next(left) if item is None else item for item in items]
 
 
 class BridgeSavePlanner(ShardedSavePlanner):
@@ -85,15 +103,16 @@ class BridgeSavePlanner(ShardedSavePlanner):
             return self._replan(previous)
         plan = super().create_local_plan()
         at = {id(s): i for i, s in enumerate(self._shards)}
-        positions, items = [], []
-        for item in plan.items:
+        positions, items, places = [], [], []
+        for place, item in enumerate(plan.items):
             if item.tensor_data is not None:
                 pos = at.get(id(self._sources[item.index]))
                 if pos is None:  # not one of the shards as given: nothing to reuse
                     return plan
                 positions.append(pos)
                 items.append(item)
-        self.tensor_writes = TensorWrites(positions, items)
+                places.append(place)
+        self.tensor_writes = TensorWrites(positions, items, places, len(plan.items), self._columns)
         return plan
 
     def _matches(self, previous: TensorWrites) -> bool:
@@ -123,7 +142,13 @@ class BridgeSavePlanner(ShardedSavePlanner):
         sources.update(objects.sources)
         self._sources = sources
         self.tensor_writes = previous
-        return SavePlan([*previous.items, *objects.items], planner_data=LocalSummary())
+        items = _in_places(previous, objects.items)
+        if items is None or previous.columns is None:
+            items, self._columns = [*previous.items, *objects.items], None
+        else:  # the tensor items where the columns place them: the writer reports by them
+            self._columns = dataclasses.replace(previous.columns, items=items)
+        self._planned = tuple(items)
+        return SavePlan(items, planner_data=LocalSummary())
 
     def _object_leaves(self) -> Iterator[Leaf]:
         for shard in self._shards:

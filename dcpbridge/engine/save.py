@@ -250,7 +250,6 @@ def write_planned(
 
     def prepare() -> tuple[Any, SavePlanner, StorageWriter]:
         state, planner, writer = _planner_and_writer(planned, checkpoint_dir, options)
-        planner.columns = group.size > 1  # type: ignore[attr-defined]  # see ShardedSavePlanner
         if wrap is not None:
             return state, planner, wrap(writer)
         if isinstance(writer, FsspecCheckpointWriter):  # its finish runs here, on this object

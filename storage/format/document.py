@@ -38,6 +38,7 @@ from dcpbridge.storage.format.fields import (
     _list,
     _show,
     check_names,
+    check_tensor_headers,
     dtype_name,
     tensor_headers,
 )
@@ -228,7 +229,7 @@ def encode_metadata(metadata: Metadata, *, columns: bool = False) -> bytes:
         _check_header(_decode_header(doc), table)
         shapes = [list(shape) for shape in table.shapes]
         dtypes = [dtype_name(d) for d in table.dtypes]
-        tensor_headers(table.tensors, dtypes, shapes)
+        check_tensor_headers(table.tensors, dtypes, shapes)
         check_names(table.tensors, table.objects)
         check_values(table)
         check_table(table, world_size=index.world_size, block=block, covered=covered)

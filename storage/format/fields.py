@@ -3,7 +3,9 @@ raises ``CorruptCheckpointError`` naming the field (shared by the packed and row
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,22 +104,65 @@ def tensor_headers(
     names: Sequence[Any], dtypes: Sequence[Any], shapes: Sequence[Any]
 ) -> list[TensorHeader]:
     """Validated tensor headers: string names, known dtypes, shapes of at most 2**62 bytes."""
-    out = []
-    for name, dtype_text, shape in zip(names, dtypes, shapes):
-        if type(name) is not str:
-            raise CorruptCheckpointError(f"tensor name {_show(name)} is not a string")
-        dtype = parse_dtype(dtype_text)
-        if not _plain_shape(shape):  # checked again, naming the tensor on failure
-            what = f"tensor {name!r}"
-            if type(shape) is not list or len(shape) > MAX_NDIM:
-                shape = _ints(shape, f"{what} shape")
-            if not all(type(v) is int and 0 <= v <= MAX_SIZE for v in shape):
-                _ints(shape, f"{what} shape")
-        n = math.prod(shape)
-        if n > MAX_SIZE or n * dtype.itemsize > MAX_SIZE:
-            raise CorruptCheckpointError(f"tensor {name!r} shape: {shape} elements are too many")
-        out.append(TensorHeader(name, dtype, tuple(shape)))
-    return out
+    parsed = check_tensor_headers(names, dtypes, shapes)
+    return list(map(TensorHeader, names, parsed, map(tuple, shapes)))
+
+
+def check_tensor_headers(
+    names: Sequence[Any], dtypes: Sequence[Any], shapes: Sequence[Any]
+) -> list[torch.dtype]:
+    """Check what ``tensor_headers`` checks; returns the parsed dtypes. Well-formed headers
+    are checked a column at a time, anything else one by one (naming the bad tensor)."""
+    if len(names) == len(dtypes) == len(shapes) and _plain_columns(names, dtypes, shapes):
+        by_name = {text: _parsed_or_none(text) for text in set(dtypes)}  # refused below
+        parsed = list(map(by_name.__getitem__, dtypes))
+        counts = list(map(math.prod, shapes))
+        widths = map(operator.attrgetter("itemsize"), parsed)
+        if (
+            None not in by_name.values()
+            and max(counts, default=0) <= MAX_SIZE
+            and all(n * w <= MAX_SIZE for n, w in zip(counts, widths))
+        ):
+            return parsed
+    return [_checked_header(*h) for h in zip(names, dtypes, shapes)]
+
+
+def _plain_columns(names: Sequence[Any], dtypes: Sequence[Any], shapes: Sequence[Any]) -> bool:
+    """String names and dtypes, and shapes that are lists of at most MAX_NDIM ints in
+    [0, MAX_SIZE] (each column's element types gathered in one C-level pass)."""
+    if not set(map(type, names)) <= _STR or not set(map(type, dtypes)) <= _STR:
+        return False
+    if not set(map(type, shapes)) <= _LIST or max(map(len, shapes), default=0) > MAX_NDIM:
+        return False
+    flat = list(itertools.chain.from_iterable(shapes))
+    return set(map(type, flat)) <= _INT and (not flat or (min(flat) >= 0 and max(flat) <= MAX_SIZE))
+
+
+def _parsed_or_none(text: str) -> torch.dtype | None:
+    try:
+        return parse_dtype(text)
+    except CorruptCheckpointError:
+        return None
+
+
+_STR, _LIST, _INT = frozenset({str}), frozenset({list}), frozenset({int})
+
+
+def _checked_header(name: Any, dtype_text: Any, shape: Any) -> torch.dtype:
+    """One tensor's header checked, its problem worded; returns its dtype."""
+    if type(name) is not str:
+        raise CorruptCheckpointError(f"tensor name {_show(name)} is not a string")
+    dtype = parse_dtype(dtype_text)
+    if not _plain_shape(shape):  # checked again, naming the tensor on failure
+        what = f"tensor {name!r}"
+        if type(shape) is not list or len(shape) > MAX_NDIM:
+            shape = _ints(shape, f"{what} shape")
+        if not all(type(v) is int and 0 <= v <= MAX_SIZE for v in shape):
+            _ints(shape, f"{what} shape")
+    n = math.prod(shape)
+    if n > MAX_SIZE or n * dtype.itemsize > MAX_SIZE:
+        raise CorruptCheckpointError(f"tensor {name!r} shape: {shape} elements are too many")
+    return dtype
 
 
 def check_names(tensors: Sequence[str], objects: Sequence[str]) -> None:

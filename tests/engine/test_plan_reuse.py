@@ -68,6 +68,30 @@ def test_the_second_save_reuses_the_items_and_writes_the_new_data(tmp_path):
     assert torch.equal(old["a"], first["a"].data) and old["step"] == 1
 
 
+def test_a_reused_plan_keeps_its_columns_so_the_commit_joins_the_written_arrays(
+    tmp_path, monkeypatch
+):
+    """The re-plan puts its tensor items back where the first plan had them (objects between
+    them): the writer reports by those places and the commit's table is joined from arrays,
+    not rebuilt from every ``WriteResult``; the bytes load back exact."""
+    import dcpbridge.storage.write.written as written
+
+    SAVE_CACHES.clear()
+    db.save(_state(1), str(tmp_path / "one"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the table was rebuilt from the WriteResult objects")
+
+    monkeypatch.setattr(written, "table_from_written", refuse)
+    second = _state(2)
+    db.save(second, str(tmp_path / "two"))
+    out = db.load(_template(), str(tmp_path / "two"))
+    assert torch.equal(out["m"], torch.cat([second["top"].data, second["bottom"].data]))
+    assert torch.equal(out["s"], torch.cat([second["rest"].data, second["more"].data]))
+    assert out["rng"] == {"seed": 2} and out["step"] == 2
+    assert torch.equal(out["plain"], torch.full((2,), 2.0))
+
+
 def test_data_swapped_after_the_structure_vote_is_refused_on_the_reused_plan(tmp_path):
     SAVE_CACHES.clear()
     db.save(_state(1), str(tmp_path / "one"))

@@ -373,3 +373,30 @@ def test_a_rows_document_refuses_checksums_that_are_not_lowercase_hex(tmp_path, 
     doc["tensors"]["w"]["chunks"][1]["checksums"][0] = digest
     with pytest.raises(db.CorruptCheckpointError, match="checksums must be 16 hex digits each"):
         fmt.decode_metadata(fmt.sign_document(doc), where="ck")
+
+
+@pytest.mark.parametrize(
+    ("names", "dtypes", "shapes", "needle"),
+    [
+        (["a", "b", "c"], ["float32", "Tensor", "nope"], [[1], [2], [3]], "'Tensor'"),
+        (["a", "b"], ["float32", "float32"], [[1], [True]], "tensor 'b' shape"),
+        (["a", "b"], ["float32", "int8"], [[2], [-1]], "tensor 'b' shape"),
+        (["a", 3], ["float32", "float32"], [[1], [1]], "tensor name 3"),
+        (["a", "b"], ["float32", "float64"], [[1], [2**61]], "tensor 'b' shape"),
+        (["a", "b"], ["float32", "float32"], [[1], [2] * 65], "tensor 'b' shape"),
+    ],
+)
+def test_tensor_headers_checked_as_columns_refuse_the_first_bad_tensor(
+    names, dtypes, shapes, needle
+):
+    """The column-at-a-time check of well-formed headers hands anything else to the
+    tensor-by-tensor one, which names the first bad tensor as before."""
+    from dcpbridge.storage.format.fields import tensor_headers
+
+    with pytest.raises(db.CorruptCheckpointError, match=needle):
+        tensor_headers(names, dtypes, shapes)
+    good = tensor_headers(["a", "b"], ["float32", "bfloat16"], [[2, 3], []])
+    assert [(h.name, h.dtype, h.shape) for h in good] == [
+        ("a", torch.float32, (2, 3)),
+        ("b", torch.bfloat16, ()),
+    ]
