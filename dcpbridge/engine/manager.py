@@ -17,12 +17,10 @@ import functools
 import inspect
 import json
 import logging
-import math
 import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +42,15 @@ from dcpbridge.engine.local_persist import PersistJob
 from dcpbridge.engine.local_plan import Recoverable, newest_recoverable
 from dcpbridge.engine.local_restore import open_local_step, planning_ahead
 from dcpbridge.engine.local_tier import LocalTier, check_local_args, run_of
+from dcpbridge.engine.retention import (
+    SIDECAR,
+    Retention,
+    committed_anyway,
+    plain_metrics,
+    read_sidecar,
+    replaced,
+    stored_metric,
+)
 from dcpbridge.engine.step_guard import StepGuard
 from dcpbridge.engine.step_names import step_dir_name, step_of
 from dcpbridge.engine.strict import Policy, parse_strict
@@ -60,10 +67,8 @@ from dcpbridge.formats.config import Config, load_config, resolve_storage_option
 from dcpbridge.planners import StrictMode
 from dcpbridge.storage import METADATA_FILE, Location, resolve
 from dcpbridge.storage.backends import storage_for
-from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.write.reuse import Previous
-from dcpbridge.storage.write.writer import committed_save_id, json_object
 
 log = logging.getLogger("dcpbridge")
 
@@ -73,43 +78,6 @@ _NEEDS_OPTIMIZERS = (
     "background_staging needs the optimizers that change the saved state: "
     "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
 )
-SIDECAR = "manager.json"
-"""Per-step file of the manager (the step's metrics), written before the save commits."""
-MAX_SIDECAR_BYTES = 1 << 20
-"""A larger sidecar is not read (it counts as no metric): a few metrics take bytes."""
-
-
-@dataclass(frozen=True, slots=True)
-class Retention:
-    """Which complete checkpoints survive: the newest ``keep_last`` (None: all), multiples of
-    ``keep_every``, the ``keep_best`` best by ``best_metric``, and always the newest one."""
-
-    keep_last: int | None = None
-    keep_every: int | None = None
-    keep_best: int | None = None
-    best_mode: str = "min"
-
-    def keep(self, steps: Iterable[int], metric: Mapping[int, float | None]) -> set[int]:
-        """The steps to keep among the complete ``steps`` (``metric``: step -> value)."""
-        ordered = sorted(set(steps))
-        if not ordered:
-            return set()
-        if self.keep_last is None and self.keep_best is None:
-            return set(ordered)
-        kept = {ordered[-1]}
-        if self.keep_last is not None:
-            kept.update(ordered[-self.keep_last :] if self.keep_last else [])
-        if self.keep_every is not None:
-            kept.update(s for s in ordered if s % self.keep_every == 0)
-        if self.keep_best is not None:
-            sign = 1.0 if self.best_mode == "min" else -1.0
-            ranked = [
-                (sign * v, -s)
-                for s in ordered
-                if (v := metric.get(s)) is not None and not math.isnan(v)
-            ]
-            kept.update(-s for _, s in sorted(ranked)[: self.keep_best])
-        return kept
 
 
 class CheckpointManager:
@@ -423,7 +391,7 @@ class CheckpointManager:
         checked here; the rest is returned, for the background save to run first."""
 
         def check() -> tuple[float | None, dict[str, float]]:
-            plain = _plain_metrics(metrics)  # raises for a value that is no number
+            plain = plain_metrics(metrics)  # raises for a value that is no number
             return self._metric(plain), plain
 
         def run(value: float | None, plain: dict[str, float]) -> None:
@@ -438,14 +406,9 @@ class CheckpointManager:
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
                 names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
-                kept = _read_sidecar(store, location)
+                kept = read_sidecar(store, location)
                 self._resaved[step] = kept
-                # while the commit it replaces stays (a killed save), its metrics hold
-                over = json_object(kept)
-                doc["over"] = {
-                    "save_id": committed_save_id(store),
-                    "metrics": over.get("metrics") if over is not None else None,
-                }
+                doc["over"] = replaced(store, kept)
             else:  # a new step: its sidecar goes if the save fails (rule 3)
                 if names := store.list_names():
                     self._clear_leftovers(step, names)
@@ -527,7 +490,7 @@ class CheckpointManager:
         self._metrics.pop(step, None)  # read again from the sidecar when retention needs it
         try:
             store = storage_for(self._location(step))
-            if _committed_anyway(store, self._location(step), kept):
+            if committed_anyway(store, self._location(step), kept):
                 log.warning(
                     "dcpbridge: the save of step %d committed before it failed (its answer "
                     "was lost): the step is complete, its metrics stay with it",
@@ -628,16 +591,7 @@ class CheckpointManager:
         storage fault raises: retention then deletes nothing rather than rank ``step`` as
         having no metric."""
         if step not in self._metrics:
-            location = self._location(step)
-            store = storage_for(location)
-            try:
-                doc = json_object(_read_sidecar(store, location))
-            except IsADirectoryError:
-                doc = None
-            over = doc.get("over") if isinstance(doc, dict) else None
-            if isinstance(over, dict) and over.get("save_id") == committed_save_id(store):
-                doc = over  # the re-save that wrote this sidecar never committed
-            self._metrics[step] = _metric_in(doc, self.best_metric)
+            self._metrics[step] = stored_metric(self._location(step), self.best_metric)
         return self._metrics[step]
 
     def wait(self) -> None:
@@ -992,51 +946,3 @@ def _foreign(names: Iterable[str]) -> list[str]:
     return sorted(
         n for n in names if not (DATA_FILE_RE.match(n) or n == SIDECAR or n.startswith(temp))
     )
-
-
-def _committed_anyway(store: Storage, location: Location, kept: bytes | None) -> bool:
-    """Whether a save that raised committed all the same (its commit landed, the exchange
-    after it failed): ``kept``, the sidecar before it (None: a new step), tells whether the
-    step's commit is the one this save wrote, not the one it was replacing."""
-    if kept is None:
-        return store.exists(METADATA_FILE)
-    doc = json_object(_read_sidecar(store, location))
-    over = doc.get("over") if doc is not None else None
-    replaced = over.get("save_id") if isinstance(over, dict) else None
-    return replaced is not None and committed_save_id(store) not in (None, replaced)
-
-
-def _read_sidecar(store: Storage, location: Location) -> bytes | None:
-    """The sidecar's bytes at ``location`` (None: absent, or larger than one can be, unread);
-    a storage fault raises."""
-    path = location.path(SIDECAR)
-    try:
-        if store.file_size(path) > MAX_SIDECAR_BYTES:  # checked before it is read whole
-            return None
-        return store.read_file(path)
-    except FileNotFoundError:
-        return None
-
-
-def _metric_in(doc: Any, name: str | None) -> float | None:
-    """Metric ``name`` of a parsed sidecar (untrusted: anything but a number is None)."""
-    try:
-        raw = doc["metrics"][name]
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-    except (KeyError, TypeError, IndexError, OverflowError):
-        pass
-    return None
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    out = {}
-    for name, value in (metrics or {}).items():
-        try:
-            out[str(name)] = float(value)
-        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
-            raise InvalidArgumentError(
-                f"metric {name!r} must be a number (or a one-element tensor), got "
-                f"{type(value).__name__}"
-            ) from e
-    return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dcpbridge as db
-from dcpbridge.engine.manager import SIDECAR, Retention
+from dcpbridge.engine.retention import SIDECAR, Retention
 from dcpbridge.storage import FsspecCheckpointWriter
 from tests.support import layouts as L
 from tests.support.backends import Backend, local_backend, s3_backend
@@ -607,12 +607,12 @@ def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
     """Rule 4: a manager.json of any size was read whole (a planted one of gigabytes: that
     much memory) to rank its step. One larger than a sidecar can be counts as no metric,
     unread."""
-    from dcpbridge.engine import manager as manager_mod
+    from dcpbridge.engine import retention
     from dcpbridge.storage.backends.store import LocalStorage
 
     root = tmp_path / "run"
     mgr = _best_of_two(root, 0.5, 1.0)
-    pad = "x" * (manager_mod.MAX_SIDECAR_BYTES + 1)
+    pad = "x" * (retention.MAX_SIDECAR_BYTES + 1)
     (root / "step_00000001" / SIDECAR).write_text(f'{{"metrics": {{"loss": 0.5}}, "p": "{pad}"}}')
     read = LocalStorage.read_file
     reads: list[str] = []
