@@ -27,7 +27,7 @@ from dcpbridge.formats.config import (
     resolve_storage_options,
 )
 from dcpbridge.formats.layout import Layout, LayoutError, load_layout, whole_tensors
-from dcpbridge.tools.report import human_bytes
+from dcpbridge.tools.report import human_bytes, shown
 
 log = logging.getLogger("dcpbridge")
 
@@ -352,13 +352,14 @@ def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
     finally:
         source.close()
     for note in found.notes:
-        print(f"note: {note}")
+        print(f"note: {shown(note)}")
+    url = shown(source.location.url)
     if found.problems:
-        print(f"INVALID: {source.location.url} ({line}): {len(found.problems)} problem(s)")
+        print(f"INVALID: {url} ({line}): {len(found.problems)} problem(s)")
         for p in found.problems:
-            print(f"  - {p}")
+            print(f"  - {shown(p)}")
         return 1
-    print(f"OK: {source.location.url} ({line})")
+    print(f"OK: {url} ({line})")
     return 0
 
 
@@ -367,11 +368,11 @@ def cmd_fsck(args: argparse.Namespace, cfg: Config) -> int:
 
     found = fsck(args.root, _options(cfg, args.root, args.profile), fix=args.fix)
     for line in found.unreadable:
-        print(f"unreadable: {line}")
+        print(f"unreadable: {shown(line)}")
     for line in found.missing:
-        print(f"missing: {line}")
+        print(f"missing: {shown(line)}")
     for line in found.orphans:
-        print(f"{'removed' if args.fix and not found.unreadable else 'orphan'}: {line}")
+        print(f"{'removed' if args.fix and not found.unreadable else 'orphan'}: {shown(line)}")
     print(
         f"{len(found.checkpoints)} checkpoint(s), {len(found.orphans)} orphaned file(s), "
         f"{len(found.missing)} missing file(s)"
@@ -526,12 +527,12 @@ def cmd_convert(args: argparse.Namespace, cfg: Config) -> int:
         f"{human_bytes(result.bytes_written)} in {len(result.files)} file(s)"
     )
     if result.aliases:
-        tied = ", ".join(f"{a} -> {k}" for a, k in sorted(result.aliases.items())[:5])
+        tied = ", ".join(f"{shown(a)} -> {shown(k)}" for a, k in sorted(result.aliases.items())[:5])
         print(f"note: tied weights written once: {tied}")
     if result.skipped:
         print(
             f"note: safetensors holds tensors only; skipped {len(result.skipped)} object(s): "
-            f"{', '.join(result.skipped[:5])}{' ...' if len(result.skipped) > 5 else ''}"
+            f"{shown(', '.join(result.skipped[:5]))}{' ...' if len(result.skipped) > 5 else ''}"
         )
     return 0
 
@@ -588,7 +589,7 @@ def _report(args: argparse.Namespace, e: BaseException, code: int) -> None:
         doc = {"error": message, "type": type(e).__name__, "exit_status": code}
         print(json.dumps(doc))
     else:
-        print(f"dcpbridge {args.command}: error: {message}", file=sys.stderr)
+        print(f"dcpbridge {args.command}: error: {shown(message, keep=chr(10))}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

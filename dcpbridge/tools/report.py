@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,20 @@ from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.referenced import sizes_with_references
 from dcpbridge.storage.format.references import is_reference
 from dcpbridge.storage.read.delivery import verify_stored_items
+
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def shown(text: object, keep: str = "") -> str:
+    """``text`` (a name or message out of a checkpoint or a listing: untrusted) with its
+    control and bidirectional-override characters escaped but those in ``keep``, so that
+    printing it cannot move the cursor, recolour or rewrite the terminal, or fake a line."""
+    return _CONTROL.sub(
+        lambda m: m.group() if m.group() in keep else m.group().encode("unicode_escape").decode(),
+        str(text),
+    )
 
 
 def human_bytes(n: float) -> str:
@@ -212,7 +227,7 @@ def format_text(doc: dict[str, Any], *, max_chunks: int = 8) -> str:
     status = "complete" if doc["complete"] else "INCOMPLETE"
     version = f" version {doc['format_version']}" if doc["format_version"] is not None else ""
     lines = [
-        f"{doc['url']}",
+        shown(doc["url"]),
         f"  format      {doc['format']}{version}, {status}",
     ]
     if doc["save_id"]:
@@ -232,7 +247,8 @@ def format_text(doc: dict[str, Any], *, max_chunks: int = 8) -> str:
             f"  incremental {human_bytes(doc['bytes_written'])} written, "
             f"{human_bytes(doc['bytes_reused'])} reused from earlier checkpoint(s)"
         )
-    width = max([len(k) for k in doc["tensors"]] + [3])
+    keys = {k: shown(k) for k in doc["tensors"]}
+    width = max([len(k) for k in keys.values()] + [3])
     rw = max([len(_ranks(t["chunks"])) for t in doc["tensors"].values()] + [5])
     lines.append("")
     lines.append(
@@ -241,11 +257,11 @@ def format_text(doc: dict[str, Any], *, max_chunks: int = 8) -> str:
     for key, t in doc["tensors"].items():
         shape = "x".join(map(str, t["shape"])) or "()"
         lines.append(
-            f"  {key:<{width}}  {t['dtype']:<9} {shape:<18} {len(t['chunks']):>6}  "
+            f"  {keys[key]:<{width}}  {t['dtype']:<9} {shape:<18} {len(t['chunks']):>6}  "
             f"{_ranks(t['chunks']):<{rw}}  {human_bytes(t['bytes'])}"
         )
         for c in t["chunks"][:max_chunks]:
-            where = f"{c['file']}@{c['offset']}" if c["file"] else "-"
+            where = f"{shown(c['file'])}@{c['offset']}" if c["file"] else "-"
             rank = "?" if c["rank"] is None else c["rank"]
             lines.append(
                 f"  {'':<{width}}    rank {rank}: {fmt_box(c['offsets'], c['sizes'])} {where}"
@@ -258,16 +274,16 @@ def format_text(doc: dict[str, Any], *, max_chunks: int = 8) -> str:
         for key, o in doc["objects"].items():
             size = human_bytes(o["bytes"]) if o["bytes"] is not None else "?"
             rank = f"rank {o['rank']}, " if o["rank"] is not None else ""
-            lines.append(f"    {key}  ({rank}{size}, {o['file'] or '-'})")
+            lines.append(f"    {shown(key)}  ({rank}{size}, {shown(o['file'] or '-')})")
     lines.append("")
     lines.append("  files")
     for f in doc["files"]:
-        lines.append(f"    {f['name']:<40} {human_bytes(f['bytes']):>10}")
+        lines.append(f"    {shown(f['name']):<40} {human_bytes(f['bytes']):>10}")
     for title, items in (("problems", doc["problems"]), ("notes", doc["notes"])):
         if items:
             lines.append("")
             lines.append(f"  {title}")
-            lines.extend(f"    - {p}" for p in items)
+            lines.extend(f"    - {shown(p)}" for p in items)
     return "\n".join(lines)
 
 

@@ -553,3 +553,26 @@ def test_a_torch_export_that_cannot_write_raises_a_storage_error(tmp_path):
     finally:
         source.close()
     assert sorted(os.listdir(tmp_path)) == ["dir", "file", "m.pt"]  # no partial file left
+
+
+def test_names_out_of_a_checkpoint_cannot_drive_the_terminal(tmp_path, capsys):
+    """Keys are untrusted text: a plain DCP checkpoint may name a tensor or an object with
+    escape sequences, a newline or a right-to-left override. ``inspect``, ``validate`` and
+    the error line print them escaped, never raw (no recolouring, no faked lines)."""
+    import torch.distributed.checkpoint as dcp
+
+    evil = "w\x1b[31mRED\x1b[0m\nOK: fake\u202e"
+    ck = str(tmp_path / "ck")
+    dcp.save({evil: torch.zeros(2), f"obj{evil}": {"a": 1}}, checkpoint_id=ck, no_dist=True)
+    code, out, _ = in_process(capsys, "inspect", ck)
+    assert code == 0
+    os.remove(os.path.join(ck, "__0_0.distcp"))  # validate's problems name the keys
+    code, out2, err2 = in_process(capsys, "validate", ck)
+    assert code == 1
+    code, _, err = in_process(capsys, "inspect", str(tmp_path / "no\x1b[2Jne"))
+    assert code == 1
+    for text in (out, out2, err2, err):
+        assert not any(c in text for c in "\x1b\u202e"), text
+    assert "w\\x1b[31mRED\\x1b[0m\\nOK: fake\\u202e" in out
+    assert "\nOK: fake" not in out
+    assert "no\\x1b[2Jne" in err
