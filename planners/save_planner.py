@@ -68,6 +68,7 @@ from dcpbridge.planners.protocol import (
     leaf_kind,
 )
 from dcpbridge.planners.walk import Leaf, ObjPath, iter_leaves
+from dcpbridge.planners.wire import ReceivedItems, WireItems
 from dcpbridge.storage.format.fields import dtype_name, parse_dtype
 from dcpbridge.storage.format.table import ChunkList, PlannedBoxes, Sources
 from dcpbridge.storage.read.delivery import holds_its_values
@@ -738,11 +739,12 @@ class ShardedSavePlanner(SavePlanner):
             owners=self.owners,
         )
         self._sources = local.sources
+        items = WireItems(local.items)  # pickled compactly on its way to the coordinator
         if self.columns:
-            describe_plan(local.items, local.summary)
+            describe_plan(items, local.summary)
         self._columns = local.summary.columns
-        self._planned = tuple(local.items)
-        return SavePlan(local.items, planner_data=local.summary)
+        self._planned = tuple(items)
+        return SavePlan(items, planner_data=local.summary)
 
     def plan_digest(self, plan: SavePlan) -> bytes | None:
         """The fingerprint of ``plan``'s columns if its items are still exactly the ones this
@@ -760,17 +762,22 @@ class ShardedSavePlanner(SavePlanner):
         return [dataclasses.replace(p, planner_data=None) for p in all_plans], metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        if len(new_plan.items) != len(self._planned):  # the coordinator added empty chunks
-            sources = self._sources
-            for item in new_plan.items:
-                data = item.tensor_data
-                if item.index not in sources and data is not None and not data.size.numel():
-                    empty = torch.empty(data.size, dtype=data.properties.dtype)
-                    shape = tuple(data.size)
-                    sources[item.index] = LocalBox(
-                        item.index.fqn, empty, empty.dtype, shape, shape, (0,) * len(shape)
-                    )
-        return new_plan
+        if len(new_plan.items) == len(self._planned):  # this rank's own items came back
+            if isinstance(new_plan.items, ReceivedItems):  # through DCP's scatter: its list
+                own = self._columns.items if self._columns is not None else list(self._planned)
+                new_plan = dataclasses.replace(new_plan, items=own)
+            return new_plan
+        # the coordinator added empty chunks
+        sources = self._sources
+        for item in new_plan.items:
+            data = item.tensor_data
+            if item.index not in sources and data is not None and not data.size.numel():
+                empty = torch.empty(data.size, dtype=data.properties.dtype)
+                shape = tuple(data.size)
+                sources[item.index] = LocalBox(
+                    item.index.fqn, empty, empty.dtype, shape, shape, (0,) * len(shape)
+                )
+        return dataclasses.replace(new_plan, items=list(new_plan.items))
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         source = self._sources[write_item.index]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import numpy as np
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcpbridge.storage.errors import InvalidArgumentError
@@ -32,6 +33,9 @@ from dcpbridge.storage.format.table import (
 )
 
 _STORED = operator.attrgetter("storage_data")
+_INDEX, _SIZE = operator.attrgetter("index"), operator.attrgetter("size_in_bytes")
+_FQN, _OFFSET, _HINT = (operator.attrgetter(n) for n in ("fqn", "offset", "index"))
+_FIELDS = operator.attrgetter("file", "offset", "nbytes", "rank", "checksums", "sizes", "dtype")
 _FILE, _PLACE = operator.attrgetter("file"), operator.attrgetter("offset", "nbytes", "rank")
 _CHECKSUMS = operator.attrgetter("checksums")
 
@@ -52,9 +56,71 @@ class WrittenColumns:
 
 
 class WrittenResults(list):  # type: ignore[type-arg]
-    """A rank's ``WriteResult`` list that also carries them as ``columns`` (or None)."""
+    """A rank's ``WriteResult`` list that also carries them as ``columns`` (or None).
+
+    It pickles (gathered to the coordinator) as a ``PackedResults``: DCP's ``MetadataIndex``
+    and its ``torch.Size`` cost ~50 us a result to pickle and unpickle, so a rank of 20,000
+    tensors spent a second on objects the coordinator then reads only as columns."""
 
     columns: WrittenColumns | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PackedResults, _packed(self, self.columns))
+
+
+class PackedResults(Sequence[WriteResult]):
+    """A rank's write results as received by the coordinator: their fields as parallel lists
+    of plain values (and the ``columns``); the ``WriteResult`` at a position is made when it
+    is asked for (the item-by-item path, an object's name), never all of them up front."""
+
+    __slots__ = ("_fields", "columns")
+
+    def __init__(self, columns: WrittenColumns | None, *fields: list[Any]) -> None:
+        self.columns = columns
+        self._fields = fields
+        if len({len(f) for f in fields}) > 1:
+            raise InvalidArgumentError("packed write results: fields of different lengths")
+
+    def __len__(self) -> int:
+        return len(self._fields[0])
+
+    @overload
+    def __getitem__(self, i: int) -> WriteResult: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WriteResult]: ...
+    def __getitem__(self, i: int | slice) -> WriteResult | list[WriteResult]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        fqn, offset, hint, size, file, start, nbytes, rank, sums, sizes, dtype = (
+            f[i] for f in self._fields
+        )
+        return WriteResult(
+            index=MetadataIndex(fqn, offset, hint),
+            size_in_bytes=size,
+            storage_data=StoredItem(file, start, nbytes, rank, sums, sizes, dtype),
+        )
+
+    def __iter__(self) -> Iterator[WriteResult]:
+        return map(self.__getitem__, range(len(self)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PackedResults, (self.columns, *self._fields))
+
+
+def _packed(results: Sequence[WriteResult], columns: WrittenColumns | None) -> tuple[Any, ...]:
+    """``PackedResults``' arguments for ``results`` (each one's storage data a ``StoredItem``)."""
+    indexes = list(map(_INDEX, results))
+    offsets = [None if o is None else tuple(o) for o in map(_OFFSET, indexes)]
+    fields = list(map(_FIELDS, map(_STORED, results)))
+    stored = [list(f) for f in zip(*fields)] if fields else [[] for _ in range(7)]
+    return (
+        columns,
+        list(map(_FQN, indexes)),
+        offsets,
+        list(map(_HINT, indexes)),
+        list(map(_SIZE, results)),
+        *stored,
+    )
 
 
 def written_columns(

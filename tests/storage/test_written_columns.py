@@ -270,3 +270,85 @@ def test_an_empty_checksums_column_where_items_hold_bytes_is_refused(tmp_path, w
         db.load({"w": torch.zeros(3, 4)}, path)
     with pytest.raises(db.CorruptCheckpointError, match="checksum"):
         db.load({"w": torch.zeros(3, 4)}, path, verify_checksums=False)
+
+
+def test_plans_and_results_travel_as_plain_columns_and_come_back_equal(tmp_path):
+    """A local plan's items and a rank's write results pickle (on their way to the
+    coordinator) as parallel lists of plain values: the received items and results equal the
+    sent ones field for field, the plan's columns still describe the received list, and the
+    table joined from received results is the one the objects give."""
+    from dcpbridge.planners.wire import ReceivedItems, WireItems
+    from dcpbridge.storage.write.written import PackedResults
+
+    sd = _state()
+    planner = ShardedSavePlanner()
+    planner.set_up_planner(sd, is_coordinator=True)
+    plan = planner.create_local_plan()
+    assert isinstance(plan.items, WireItems)
+    got = pickle.loads(pickle.dumps(plan))
+    assert isinstance(got.items, ReceivedItems) and len(got.items) == len(plan.items)
+    assert list(got.items) == list(plan.items)
+    assert got.items[0] is got.items[0] and got.items[-1] == plan.items[-1]
+    assert got.planner_data.columns.describes(got)  # columns and plan share the list
+    assert list(pickle.loads(pickle.dumps(got.items))) == list(plan.items)
+    back = planner.finish_plan(dataclasses.replace(got, planner_data=None))
+    assert back.items is plan.items  # this rank's own list: its results go by position
+
+    _, metadata, results = _write(str(tmp_path), sd)
+    received = pickle.loads(pickle.dumps(results))
+    assert isinstance(received, PackedResults) and list(received) == list(results)
+    assert received.columns.digest == results.columns.digest
+    _same_tables(
+        results_table(metadata, [received], checksums=True),
+        results_table(metadata, [list(results)], checksums=True),
+    )
+    foreign = pickle.loads(pickle.dumps(WrittenResults(results)))  # no columns: item by item
+    assert foreign.columns is None
+    _same_tables(
+        results_table(metadata, [foreign], checksums=True),
+        results_table(metadata, [list(results)], checksums=True),
+    )
+
+
+def _dcp_save_sharded(r: Rank, path: str) -> dict:
+    """Plain ``dcp.save`` with our planner and writer on every rank, counting on the
+    coordinator which way the commit's table was made; loads back bit-exact."""
+    made = {"columns": 0, "objects": 0}
+    real = written.columns_table
+
+    def counted(*args, **kwargs):
+        table = real(*args, **kwargs)
+        made["columns" if table is not None else "objects"] += 1
+        return table
+
+    written.columns_table = counted
+    try:
+        sd = {
+            key: [L.shard(key, box) for box in L.boxes("grid4", key, r.rank)]
+            for key in ("w", "w_bf16", "idx", "vec")
+        }
+        dcp.save(
+            sd,
+            storage_writer=FsspecCheckpointWriter(path, thread_count=2),
+            planner=ShardedSavePlanner(),
+            process_group=r.group,
+        )
+    finally:
+        written.columns_table = real
+    template = {
+        key: [L.template(key, box) for box in L.boxes("rows4", key, r.rank)]
+        for key in ("w", "w_bf16", "idx", "vec")
+    }
+    loaded = db.load(template, path, process_group=r.group)
+    for key in ("w", "w_bf16", "idx", "vec"):
+        for box, got in zip(L.boxes("rows4", key, r.rank), loaded[key]):
+            assert torch.equal(got.data, L.expected(key, box)), key
+    return made
+
+
+@pytest.mark.timeout(180)
+def test_a_multi_rank_plain_dcp_save_indexes_its_results_as_columns(pool, tmp_path):
+    """DCP scatters each rank's items back to it: the planner hands the writer its own list
+    again, so results go by position there too."""
+    made = pool.run(_dcp_save_sharded, 4, str(tmp_path / "ckpt"))
+    assert made[0] == {"columns": 1, "objects": 0}

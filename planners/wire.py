@@ -1,0 +1,116 @@
+"""A save plan's items as they travel to the coordinator: ``WireItems`` is the plan's own
+list (a plain ``list`` where it is made), pickled as parallel lists of plain values; the
+receiver gets ``ReceivedItems``, which makes the ``WriteItem`` at a position only when it is
+asked for (the plan's columns carry what the coordinator validates).
+
+DCP's ``WriteItem`` holds a ``MetadataIndex`` and three ``torch.Size``: pickling and
+unpickling one took ~70 us, seconds per rank of 20,000 tensors at a first save, and the
+coordinator unpickled every rank's in turn.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+_INDEX, _TENSOR, _BYTES = (
+    operator.attrgetter(n) for n in ("index", "tensor_data", "bytes_io_data")
+)
+_FQN, _OFFSET, _HINT = (operator.attrgetter(n) for n in ("fqn", "offset", "index"))
+_KINDS = {kind.value: kind for kind in WriteItemType}
+
+
+class WireItems(list):  # type: ignore[type-arg]
+    """A local plan's ``WriteItem`` list; pickled, it travels as ``ReceivedItems``."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ReceivedItems, packed(self))
+
+
+class ReceivedItems(Sequence[WriteItem]):
+    """A plan's items as received: their fields as parallel lists; each ``WriteItem`` is made
+    the first time it is asked for and kept (the same object for the same position)."""
+
+    __slots__ = ("_fields", "_made")
+
+    def __init__(self, *fields: list[Any]) -> None:
+        if len(fields) != 9 or len({len(f) for f in fields}) != 1:
+            raise ValueError("packed plan items: 9 fields of one length expected")
+        self._fields = fields
+        self._made: dict[int, WriteItem] = {}
+
+    def __len__(self) -> int:
+        return len(self._fields[0])
+
+    @overload
+    def __getitem__(self, i: int) -> WriteItem: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WriteItem]: ...
+    def __getitem__(self, i: int | slice) -> WriteItem | list[WriteItem]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        i %= n
+        item = self._made.get(i)
+        if item is None:
+            item = self._made[i] = _item(*(f[i] for f in self._fields))
+        return item
+
+    def __iter__(self) -> Iterator[WriteItem]:
+        return map(self.__getitem__, range(len(self)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ReceivedItems, self._fields)
+
+
+def packed(items: Sequence[WriteItem]) -> tuple[list[Any], ...]:
+    """The fields of ``items`` as parallel lists of plain values (``ReceivedItems``' own)."""
+    indexes = list(map(_INDEX, items))
+    tensors = list(map(_TENSOR, items))
+    chunks = [None if t is None else t.chunk for t in tensors]
+    return (
+        list(map(_FQN, indexes)),
+        [None if o is None else tuple(o) for o in map(_OFFSET, indexes)],
+        list(map(_HINT, indexes)),
+        [item.type.value for item in items],
+        [None if b is None else b.nbytes for b in map(_BYTES, items)],
+        [None if c is None else tuple(c.offsets) for c in chunks],
+        [None if c is None else tuple(c.sizes) for c in chunks],
+        [None if t is None else t.properties for t in tensors],
+        [None if t is None else tuple(t.size) for t in tensors],
+    )
+
+
+def _item(
+    fqn: str,
+    offset: tuple[int, ...] | None,
+    hint: int | None,
+    kind: int,
+    nbytes: int | None,
+    chunk_offsets: tuple[int, ...] | None,
+    chunk_sizes: tuple[int, ...] | None,
+    properties: Any,
+    size: tuple[int, ...] | None,
+) -> WriteItem:
+    tensor = None
+    if chunk_offsets is not None and chunk_sizes is not None and size is not None:
+        chunk = ChunkStorageMetadata(torch.Size(chunk_offsets), torch.Size(chunk_sizes))
+        tensor = TensorWriteData(chunk=chunk, properties=properties, size=torch.Size(size))
+    return WriteItem(
+        index=MetadataIndex(fqn, offset, hint),
+        type=_KINDS[kind],
+        bytes_io_data=None if nbytes is None else BytesIOWriteData(nbytes),
+        tensor_data=tensor,
+    )
