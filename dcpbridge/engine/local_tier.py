@@ -144,6 +144,7 @@ class LocalTier:
         self.node = self.nodes.node_of(group.rank)
         self.is_lead = group.rank == self.nodes.lead(self.node)
         self._held: int | None = None  # this node's directory, locked while the tier lives
+        self._created: str | None = None
         claim = self._claim() if self.is_lead else None
         if self.is_lead and (claim is None or claim.locked):  # before the side group's
             self._recover_set_aside()  # rendezvous: no rank of the node surveys yet
@@ -171,10 +172,12 @@ class LocalTier:
         if not location.is_local:
             return None
         try:
+            created = not os.path.isdir(location.root)
             os.makedirs(location.root, exist_ok=True)
             fd = os.open(location.root, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             return None  # the first save names what is wrong with it
+        self._created = location.root if created else None  # removed by ``close`` if empty
         claim = Claim(location.root, self.node, os.fstat(fd).st_ino, True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -687,6 +690,9 @@ class LocalTier:
                 self.group.close()
             if self._held is not None:
                 self._held = None
+                if self._created is not None:  # a manager that wrote nothing leaves nothing
+                    with contextlib.suppress(OSError):
+                        os.rmdir(self._created)
                 self._release()  # another job may use the directory from here on
 
 
