@@ -282,7 +282,14 @@ def check_data(sh: TensorShard) -> None:
         )
     if not storage_holds(data):  # read unchecked: a segfault, or bytes past its end
         raise freed_storage(f"ShardedTensor {sh.key!r}", data, save=True)
-    if not holds_its_values(data, dtype):
+    check_shows_its_values(sh)
+
+
+def check_shows_its_values(sh: TensorShard) -> None:
+    """Refuse a shard whose data is a conjugate or negative view (its memory holds other
+    values than it shows): every save path (sync, staged, fully parallel) refuses it alike."""
+    data = sh.data
+    if isinstance(data, torch.Tensor) and not holds_its_values(data, data.dtype):
         raise SerializationError(
             f"ShardedTensor {sh.key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"
             " view; pass data.resolve_conj().resolve_neg()"

@@ -14,6 +14,8 @@ step and the one being written.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -22,6 +24,7 @@ import queue
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -140,9 +143,17 @@ class LocalTier:
         self.training = group
         self.node = self.nodes.node_of(group.rank)
         self.is_lead = group.rank == self.nodes.lead(self.node)
-        if self.is_lead:  # before the side group's rendezvous: no rank of the node surveys yet
-            self._recover_set_aside()
+        self._held: int | None = None  # this node's directory, locked while the tier lives
+        self._created: str | None = None
+        claim = self._claim() if self.is_lead else None
+        if self.is_lead and (claim is None or claim.locked):  # before the side group's
+            self._recover_set_aside()  # rendezvous: no rank of the node surveys yet
         self.group = SideGroup.for_group(group, "local-tier")
+        try:  # a directory another live job holds is refused on every rank, untouched
+            _check_claims(self.group.all_gather(claim))
+        except BaseException:
+            self.close()
+            raise
         if replicas > self.nodes.count - 1 and self.group.is_coordinator:
             log.warning(
                 "dcpbridge: local tier: replicas=%d but only %d other node(s): %d copies of each "
@@ -151,6 +162,31 @@ class LocalTier:
                 self.nodes.count - 1,
                 min(replicas, self.nodes.count - 1),
             )
+
+    def _claim(self) -> Claim | None:
+        """Lead: lock this node's directory (``flock``, released when this process ends,
+        however it ends) for the tier's life, so that another job's manager on the same node
+        cannot clear, retain or recover its steps while they are written; what it found (None
+        where no lock can be taken: a URL, a file system without ``flock``)."""
+        location = self._location()
+        if not location.is_local:
+            return None
+        try:
+            created = not os.path.isdir(location.root)
+            os.makedirs(location.root, exist_ok=True)
+            fd = os.open(location.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return None  # the first save names what is wrong with it
+        self._created = location.root if created else None  # removed by ``close`` if empty
+        claim = Claim(location.root, self.node, os.fstat(fd).st_ino, True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            return dataclasses.replace(claim, locked=False) if _held(e) else None
+        self._held = fd
+        self._release = weakref.finalize(self, _unlock, fd)  # a manager dropped unclosed
+        return claim
 
     @property
     def reader_threads(self) -> int:
@@ -652,6 +688,50 @@ class LocalTier:
                 worker.join()
             if isinstance(self.group, SideGroup):
                 self.group.close()
+            if self._held is not None:
+                self._held = None
+                if self._created is not None:  # a manager that wrote nothing leaves nothing
+                    with contextlib.suppress(OSError):
+                        os.rmdir(self._created)
+                self._release()  # another job may use the directory from here on
+
+
+def _unlock(fd: int) -> None:
+    """Release a directory lock and its descriptor: unlocked first, since a forked child (a
+    DataLoader worker) shares the locked descriptor and would keep holding it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A lead's attempt to lock its node's directory: which directory, and whether it got it."""
+
+    root: str
+    node: int
+    inode: int
+    locked: bool
+
+
+def _held(error: OSError) -> bool:
+    """Whether ``flock`` failed because another open description holds the lock."""
+    return isinstance(error, BlockingIOError)
+
+
+def _check_claims(claims: list[Claim | None]) -> None:
+    """Raise, on every rank alike, where a lead could not lock its node's directory and no
+    lead of this job holds that directory (nodes sharing one folder, on one machine or a
+    shared mount: the first lead got it)."""
+    ours = {(c.root, c.inode) for c in claims if c is not None and c.locked}
+    for c in claims:
+        if c is not None and not c.locked and (c.root, c.inode) not in ours:
+            raise InvalidArgumentError(
+                f"local_dir {c.root} (node {c.node}) is in use by another live "
+                "CheckpointManager (another job on this node, or a manager not closed): jobs "
+                "that share a node at the same time need their own local_dir"
+            )
 
 
 def _columns(writer: StorageWriter) -> StorageWriter:

@@ -71,6 +71,7 @@ from dcpbridge.model.state import (
 from dcpbridge.model.stateful import state_dicts
 from dcpbridge.planners.leaves import refuse
 from dcpbridge.planners.protocol import leaf_kind
+from dcpbridge.planners.save_planner import check_shows_its_values
 from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import FsspecCheckpointWriter
 
@@ -317,6 +318,8 @@ class _Staging:
         planned = self.planned
         assert planned.owners is not None
         writes = tensor_writes(planned.shards, planned.owners)
+        for shard in writes:  # as the planner refuses it in a sync save: staging resolves it
+            check_shows_its_values(shard)
         self.live = mark_live(writes) if self.verify else []
         self.marks = mark_streams(writes)
         planned.parts = planned.parts.staged(copy_objects(planned.shards, planned.owners))

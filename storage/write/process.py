@@ -224,7 +224,14 @@ class WriterProcess:
         with mine, theirs:
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", BOOT, self.child_module, str(theirs.fileno())],
+                [
+                    sys.executable,
+                    "-c",
+                    BOOT,
+                    self.child_module,
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],
                 pass_fds=(theirs.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -3,7 +3,8 @@ shared segments it is sent, run each write job with ``FsspecCheckpointWriter``, 
 
 It ends when its parent closes the socket (or exits), never in the middle of a job: it ignores
 SIGINT and SIGTERM, which a terminal or a scheduler sends to the trainer's processes too. A
-parent killed outright ends it at once, mid-job: nothing it writes would be committed.
+parent killed outright ends it at once, mid-job: nothing it writes would be committed; it exits
+with status 1 and prints nothing (the socket broken under a message is no error of its own).
 """
 
 from __future__ import annotations
@@ -101,9 +102,15 @@ def main(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
-    threading.Thread(target=_end_with, args=(os.getppid(),), daemon=True).start()
+    # the trainer that started it (it may have died while this process imported torch: then
+    # this process's parent is already another, which must not be watched instead)
+    parent = int(argv[2]) if len(argv) > 2 else os.getppid()
+    threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
     with Connection(int(argv[1])) as conn:
-        serve(conn)
+        try:
+            serve(conn)
+        except (ConnectionError, EOFError):  # the trainer died mid-message: nothing to answer
+            return 1
     return 0
 
 

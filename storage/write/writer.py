@@ -30,6 +30,7 @@ from dcpbridge.storage.backends.location_mixin import LocationMixin
 from dcpbridge.storage.backends.referenced import sizes_with_references
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import (
+    ConcurrentSaveError,
     InvalidArgumentError,
     StorageFileNotFoundError,
     storage_faults,
@@ -64,6 +65,25 @@ _COALESCE_BYTES = 8 << 20
 _WRITE_PIECE = 1 << 20
 ALIGN = ITEM_ALIGN
 _PADDING = memoryview(bytes(ALIGN))
+
+
+_UNFINISHED: dict[str, set[str]] = {}
+"""Per location URL, the ids of the saves this process coordinated whose ``write_data`` ran
+but whose ``finish`` has not started. DCP calls no writer hook when a rank's ``write_data``
+fails (it skips ``finish``): the other ranks' data files of that save stay, and the next save
+this process coordinates at that location removes them (``_remove_unfinished``)."""
+_UNFINISHED_LOCK = threading.Lock()  # a save's removal of such files and their ``finish``
+
+
+def _forget_unfinished(url: str, save_id: str) -> bool:
+    """Drop ``save_id`` from ``_UNFINISHED`` (caller holds its lock); whether it was there."""
+    pending = _UNFINISHED.get(url)
+    if pending is None or save_id not in pending:
+        return False
+    pending.discard(save_id)
+    if not pending:
+        del _UNFINISHED[url]
+    return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -351,6 +371,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._save_id = ""
         self._is_coordinator = False
         self._written: set[str] = set()
+        self._registered: str | None = None  # the save whose write this coordinator counted
         # incremental: chunks equal to this sibling checkpoint's are referenced (write/reuse.py)
         self.reuse_from = None if reuse_from is None else os.fspath(reuse_from)
         if path is not None:
@@ -400,6 +421,9 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._save_id = target.save_id
         self._written = set()
         self._drop_late()
+        if self._is_coordinator:
+            self._remove_unfinished(target.save_id)
+            self._registered = target.save_id
         late = (
             _LateSyncs(self._store, self._loc.url)
             if self.sync_in_finish
@@ -427,7 +451,8 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             if late is not None:
                 late.close()
             # plain ``dcp.save`` has no abort step: a failed write removes its own files here
-            self.abort()
+            # (the others' stay until the next save this coordinator makes here)
+            self._remove_written()
             raise
         if late is not None:
             self._late = late.start()
@@ -444,6 +469,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         late = self._late
         try:
+            self._claim_finish()
             publish(
                 self._store,
                 metadata,
@@ -483,6 +509,12 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         files named with this save's id are touched, so the previous checkpoint at the same
         location stays intact; nothing is removed if the commit did land.
         """
+        with _UNFINISHED_LOCK:  # every rank removes its own: nothing left for a later save
+            _forget_unfinished(self._loc.url, self._save_id)
+        self._remove_written()
+
+    def _remove_written(self) -> None:
+        """Remove the data files this rank wrote for the failed save (best effort)."""
         self._drop_late()
         names, self._written = sorted(self._written), set()
         if names:
@@ -497,6 +529,42 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             self._store.remove(sorted(pick(set(self._store.list_names()))))
         except Exception as e:
             log.warning("could not remove data files of failed save in %s: %s", self._loc.url, e)
+
+    def _remove_unfinished(self, save_id: str) -> None:
+        """Coordinator, as save ``save_id`` starts its write: remove the data files of the
+        earlier saves here that this process coordinated and whose ``finish`` never started
+        (DCP skipped it: a rank's ``write_data`` failed, and every rank's write had returned
+        before that save raised), then count ``save_id`` as such until its ``finish``. Only
+        files of those save ids go, which no commit names; best effort (logged)."""
+        url = self._loc.url
+        with _UNFINISHED_LOCK:  # a ``finish`` of one of them waits, then refuses to commit
+            dead = _UNFINISHED.pop(url, set()) - {save_id}
+            _UNFINISHED[url] = {save_id}  # (one entry per location with a save in flight)
+            if not dead:
+                return
+            try:
+                if committed_save_id(self._store) in dead:  # cannot be: no finish ran
+                    return
+                names = [n for n in self._store.list_names() if _save_id_of(n) in dead]
+                self._store.remove(sorted(names))
+            except Exception as e:
+                log.warning(
+                    "could not remove data files of failed saves in %s: %s", self._loc.url, e
+                )
+
+    def _claim_finish(self) -> None:
+        """Coordinator: this save's ``finish`` starts, so a later save here must not remove
+        its files; ``ConcurrentSaveError`` where one already did (a save started here before
+        this one's commit: its data files are gone, it must not commit)."""
+        if self._registered != self._save_id:  # its write ran elsewhere (a writer process)
+            return
+        with _UNFINISHED_LOCK:
+            if not _forget_unfinished(self._loc.url, self._save_id):
+                raise ConcurrentSaveError(
+                    f"{self._loc.url}: a later save to this location started before this one "
+                    "committed and removed its data files as those of a failed save: it did "
+                    "not commit"
+                )
 
     # -- helpers --------------------------------------------------------------------------
 

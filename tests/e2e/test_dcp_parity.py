@@ -323,3 +323,86 @@ def test_plain_dcp_save_whose_commit_fails_leaves_no_rank_s_data_files(pool, tmp
     assert sorted(os.listdir(path)) == sorted(["dcpbridge.json", *doc["files"]])
     out = db.load({"w1": torch.zeros(1 << 16), "b": torch.zeros(4)}, path)
     assert torch.equal(out["w1"], torch.full((1 << 16,), 1.0))
+
+
+def _plain_dcp_save_failing_on_rank_1(r, path: str) -> dict:
+    """Plain ``dcp.save``s over dcpbridge's writer: the first commits; rank 1's write of the
+    second fails (DCP then skips ``finish``: no writer learns of it on rank 0); the third
+    commits. The names in the folder after the second and third, and what each raised."""
+    import torch.distributed as dist
+
+    import dcpbridge.storage.write.writer as W
+
+    def state(value: float) -> dict:
+        return {f"w{r.rank}": torch.full((1 << 16,), value), "b": torch.full((4,), value)}
+
+    out: dict = {}
+    dcp.save(state(1.0), storage_writer=db.FsspecCheckpointWriter(path), process_group=r.group)
+    dist.barrier(group=r.group)
+    out["first"] = sorted(os.listdir(path))
+    original = W.FsspecCheckpointWriter._write_file
+
+    def fail(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full while writing")
+
+    if r.rank == 1:
+        W.FsspecCheckpointWriter._write_file = fail  # type: ignore[method-assign]
+    try:
+        writer = db.FsspecCheckpointWriter(path)
+        dcp.save(state(2.0), storage_writer=writer, process_group=r.group)
+    except CheckpointException as e:
+        out["error"] = str(e)
+    finally:
+        W.FsspecCheckpointWriter._write_file = original  # type: ignore[method-assign]
+    dist.barrier(group=r.group)
+    out["after_failure"] = sorted(os.listdir(path))
+    dist.barrier(group=r.group)
+    dcp.save(state(3.0), storage_writer=db.FsspecCheckpointWriter(path), process_group=r.group)
+    dist.barrier(group=r.group)
+    out["after_next"] = sorted(os.listdir(path))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_write_s_other_data_files_go_with_the_next_plain_dcp_save(pool, tmp_path):
+    """DCP skips ``finish`` when one rank's ``write_data`` fails and calls no abort step: the
+    other ranks' data files of that save stayed for good (a later save there left them, as
+    possibly another save's). The coordinator counts the saves whose ``finish`` never
+    started; the next save it coordinates there removes their files (every write of such a
+    save had returned before it raised), never a committed checkpoint's."""
+    path = str(tmp_path / "ck")
+    os.makedirs(path)
+    out = pool.run(_plain_dcp_save_failing_on_rank_1, 2, path, timeout=90)
+    assert all("disk full while writing" in o["error"] for o in out), out
+    left = [n for n in out[0]["after_failure"] if n not in out[0]["first"]]
+    assert left and all(n.startswith("__0_") for n in left), out[0]  # rank 0's, uncommitted
+    doc = json.loads((tmp_path / "ck" / "dcpbridge.json").read_text())
+    assert sorted(os.listdir(path)) == sorted(["dcpbridge.json", *doc["files"]])
+    assert out[0]["after_next"] == out[1]["after_next"] == sorted(os.listdir(path))
+    assert not set(left) & set(out[0]["after_next"])
+    out3 = db.load({"w0": torch.zeros(1 << 16), "w1": torch.zeros(1 << 16)}, path)
+    assert torch.equal(out3["w0"], torch.full((1 << 16,), 3.0))
+    assert torch.equal(out3["w1"], torch.full((1 << 16,), 3.0))
+
+
+def test_a_save_whose_files_a_later_save_removed_does_not_commit(tmp_path):
+    """A save here whose ``finish`` had not started when a later save here began its write
+    (a failed save, to the later one) lost its data files to it: its ``finish`` refuses to
+    commit (``ConcurrentSaveError``) instead of naming missing files; the later one stays."""
+    path = str(tmp_path)
+    early = {"w": torch.full((64,), 1.0)}
+    planner, writer = db.ShardedSavePlanner(), db.FsspecCheckpointWriter(path)
+    planner.set_up_planner(early, writer.storage_meta(), True)
+    writer.set_up_storage_writer(True)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    plans, metadata = planner.create_global_plan([local])
+    plan = planner.finish_plan(writer.prepare_global_plan(plans)[0])
+    results = writer.write_data(plan, planner).wait()
+    assert len(os.listdir(path)) == 1  # its data file
+    later = {"w": torch.full((64,), 2.0)}
+    dcp.save(later, storage_writer=db.FsspecCheckpointWriter(path), no_dist=True)
+    with pytest.raises(db.ConcurrentSaveError, match="removed its data files"):
+        writer.finish(metadata, [results])
+    doc = json.loads((tmp_path / "dcpbridge.json").read_text())
+    assert sorted(os.listdir(path)) == sorted(["dcpbridge.json", *doc["files"]])
+    assert torch.equal(db.load({"w": torch.zeros(64)}, path)["w"], later["w"])

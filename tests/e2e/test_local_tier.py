@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -712,3 +714,62 @@ def test_a_local_step_folder_spelt_otherwise_is_no_local_step(tmp_path):
     assert sorted(os.listdir(local)) == sorted(["step_00000005", *others])
     for name in others[:2]:
         assert sorted(os.listdir(os.path.join(local, name))) == before
+
+
+_HOLDER = """
+import sys, time, torch
+import dcpbridge as db
+mgr = db.CheckpointManager(sys.argv[1], local_dir=sys.argv[2], every=2, local_every=1, replicas=0)
+mgr.save(1, {"w": torch.ones(4)})
+mgr.wait()
+print("saved", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_local_dir_another_live_manager_uses_is_refused_untouched(tmp_path):
+    """Two jobs on one node with the same ``local_dir``: the second manager raises before it
+    touches the directory, while the first one lives (was: accepted, and its clearing and
+    retention removed the first job's local steps, even one being written). A closed or
+    killed manager leaves the directory to the next job, whose first commit removes the
+    older run's steps."""
+    local = str(tmp_path / "shm")
+    a = db.CheckpointManager(str(tmp_path / "runA"), local_dir=local, **_ONE_PROCESS)
+    for step in (1, 2, 3):
+        a.save(step, {"w": torch.full((4,), float(step))})
+    with pytest.raises(db.InvalidArgumentError) as refused:
+        db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
+    assert str(refused.value).startswith(f"local_dir {local} (node 0) is in use by another live")
+    assert "need their own local_dir" in str(refused.value)
+    a.save(4, {"w": torch.full((4,), 4.0)})
+    a.save(5, {"w": torch.full((4,), 5.0)})
+    a.wait()
+    assert sorted(os.listdir(local)) == ["step_00000005"]
+    assert a.latest_step() == 5
+    assert torch.equal(a.load({"w": torch.zeros(4)})["w"], torch.full((4,), 5.0))
+    a.close()
+    b = db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
+    assert b.latest_step() is None  # another run's step: never resumed from
+    b.save(1, {"w": torch.full((4,), -1.0)})
+    b.close()  # waits for the local commit
+    assert sorted(os.listdir(local)) == ["step_00000001"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path / "runC"), local],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": path},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "saved\n"
+        with pytest.raises(db.InvalidArgumentError, match="in use by another live"):
+            db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
+        assert sorted(os.listdir(local)) == ["step_00000001"]  # run C's local step 1
+    finally:
+        holder.kill()
+        holder.wait(10)
+    b = db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
+    b.close()  # a killed job's lock went with it

@@ -170,14 +170,23 @@ def test_verify_staging_catches_a_loop_that_mutates_before_staging_is_done(pool,
 
 @pytest.mark.parametrize("background", [False, True])
 def test_verify_staging_passes_an_unchanged_conjugate_view(tmp_path, background):
-    """A conjugate view (staged resolved, as the save writes it) is not a mutation."""
+    """A plain tensor's conjugate view (staged resolved, as the save writes it) is not a
+    mutation; a ShardedTensor over one is refused by name, as ``save`` refuses it."""
     x = torch.randn(6, 5, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
     live = x.conj()
-    state = {"c": db.ShardedTensor.from_box("c", live, (6, 5), (0, 0))}
-    handle = db.async_save(state, str(tmp_path), background_staging=background, verify_staging=True)
+    handle = db.async_save(
+        {"c": live}, str(tmp_path), background_staging=background, verify_staging=True
+    )
     handle.result(60)  # it failed: StagingError, the live view could not be hashed
     tmpl = {"c": db.ShardedTensor.from_box("c", torch.zeros(6, 5, dtype=x.dtype), (6, 5), (0, 0))}
     assert torch.equal(db.load(tmpl, str(tmp_path))["c"], x.conj().resolve_conj())
+    state = {"c": db.ShardedTensor.from_box("c", live, (6, 5), (0, 0))}
+    handle = db.async_save(
+        state, str(tmp_path / "st"), background_staging=background, verify_staging=True
+    )
+    with pytest.raises(db.SerializationError, match=r"^ShardedTensor 'c': data is a conjugate"):
+        handle.result(60)
+    assert not (tmp_path / "st").exists()
 
 
 def failing_staging(r: Rank, root: str) -> tuple[str, str, bool]:

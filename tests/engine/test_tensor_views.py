@@ -3,8 +3,11 @@ stored as the values they show, and filled as such on load; nested tensors are r
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -141,3 +144,80 @@ def dtensor_conj(r: Rank, path: str) -> list[bool]:
 def test_a_dtensor_conjugate_view_is_stored_as_shown(pool, tmp_path):
     got = pool.run(dtensor_conj, 2, str(tmp_path / "ck"), timeout=60)
     assert got == [[True, True], [True, True]]
+
+
+def view_refusals(r: Rank, root: str) -> list[tuple[str, str, bool]]:
+    """Rank 1's ShardedTensor is a conjugate view (``"conj"``) or a negative view (``"neg"``):
+    each save path's (error class, message, whether anything was written) on this rank."""
+    from dcpbridge.engine.async_save import AsyncSaver
+
+    data = {"conj": C.conj(), "neg": torch._neg_view(C.real.clone())}
+    out = []
+    for kind, view in data.items():
+        local = view if r.rank == 1 else _shown(view)
+        how_saved = {
+            "save": lambda sd, p: db.save(sd, p, process_group=r.group),
+            "async": lambda sd, p: db.async_save(
+                sd, p, process_group=r.group, writer="thread"
+            ).result(60),
+            "background": lambda sd, p: db.async_save(
+                sd, p, process_group=r.group, writer="thread", background_staging=True
+            ).result(60),
+            "process": lambda sd, p: db.async_save(
+                sd, p, process_group=r.group, writer="process"
+            ).result(60),
+            "fully_parallel": lambda sd, p: db.async_save(
+                sd, p, process_group=r.group, fully_parallel=True
+            ).result(60),
+            "torch_dist": lambda sd, p: db.async_save(
+                sd, p, process_group=r.group, format="torch_dist"
+            ).result(60),
+            "manager": _manager_save(r),
+        }
+        for how, save in how_saved.items():
+            path = os.path.join(root, f"{kind}-{how}")
+            sd = {"w": db.ShardedTensor.from_rank_offsets("w", local, (0, r.rank, r.size))}
+            try:
+                save(sd, path)
+                out.append((how, "saved", False))
+            except db.CheckpointError as e:
+                out.append((f"{kind} {how} {type(e).__name__}", str(e), _files_in(path)))
+    AsyncSaver.close_orphans()
+    return out
+
+
+def _files_in(path: str) -> bool:
+    """Whether a save wrote data or commit files under ``path`` (a manager's step record,
+    written before the save and removed with the failed step, aside)."""
+    return any(f != "manager.json" for _, _, files in os.walk(path) for f in files)
+
+
+def _manager_save(r: Rank) -> Any:
+    def save(sd: dict, path: str) -> None:
+        mgr = db.CheckpointManager(path, every=1, process_group=r.group)
+        try:
+            mgr.save(1, sd)
+            mgr.wait()
+        finally:
+            with contextlib.suppress(db.CheckpointError):
+                mgr.close()
+
+    return save
+
+
+def test_every_save_path_refuses_a_sharded_tensor_over_a_view_as_save_does(pool, tmp_path):
+    """A ShardedTensor over a conjugate or negative view on one rank is refused by name on
+    every rank by every save path, sync or staged, with the same error and nothing written
+    (was: async saves, whose staging copy resolves the view, stored it where save refuses)."""
+    got = pool.run(view_refusals, 2, str(tmp_path), timeout=240)
+    assert got[0] == got[1]
+    for what, message, wrote in got[0]:
+        kind = what.split()[0]
+        assert what.endswith(" SerializationError"), (what, message)
+        view = "conjugate" if kind == "conj" else "negative"
+        assert message.endswith(
+            f"ShardedTensor 'w': data is a {view} view; pass data.resolve_conj().resolve_neg()"
+        ), (what, message)
+        assert not wrote, what
+    assert len(got[0]) == 14
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]

@@ -325,3 +325,57 @@ def test_a_writer_process_whose_trainer_was_killed_ends_without_writing(tmp_path
         trainer.kill()
         if child is not None and not _gone(child):
             os.kill(child, signal.SIGKILL)
+
+
+_DYING_TRAINER = """
+import os, signal, sys, torch
+import dcpbridge as db
+from dcpbridge.storage.write.process import WriterProcess
+when, pidfile = sys.argv[2], sys.argv[3]
+sent, started = WriterProcess._send, WriterProcess._receive_start
+
+def send(self, job, segments):  # the job is in the socket; the child may still be importing
+    sent(self, job, segments)
+    with open(pidfile, "w") as f:
+        f.write(str(self.pid))
+    if when == "start":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def receive_start(self):  # the child took the job and writes it
+    started(self)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+WriterProcess._send, WriterProcess._receive_start = send, receive_start
+t = torch.randn(256, 1024)
+db.async_save({"t": db.ShardedTensor.from_box("t", t, (256, 1024), (0, 0))}, sys.argv[1],
+              writer="process").result(120)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("when", ["start", "mid"])
+def test_a_writer_process_whose_trainer_dies_exits_quietly(tmp_path, when):
+    """The trainer killed right after handing its writer process a save (while the child
+    still imports, or once it writes): the child ends without a traceback on the job's
+    stderr (was: a ``BrokenPipeError`` or ``ConnectionResetError`` traceback, answering
+    a parent that was gone)."""
+    pidfile, err = tmp_path / "child.pid", tmp_path / "stderr"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    with open(err, "wb") as stderr:  # the child inherits it: it outlives the trainer
+        trainer = subprocess.run(
+            [sys.executable, "-c", _DYING_TRAINER, str(tmp_path / "ck"), when, str(pidfile)],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": path},
+            stderr=stderr,
+            timeout=120,
+        )
+    assert trainer.returncode == -signal.SIGKILL, err.read_text()
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 20
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _gone(child):
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the writer process outlived its trainer")
+    assert "Traceback" not in err.read_text() and "Error" not in err.read_text(), err.read_text()
