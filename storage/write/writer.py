@@ -22,6 +22,7 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -335,7 +336,13 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     by its bytes and cores, see ``data_files``), records
     block checksums, and syncs its files; the coordinator then publishes ``dcpbridge.json``
     atomically. Until that file exists the directory is not a loadable checkpoint.
+
+    It is also DCP's ``AsyncStager`` for ``dcp.async_save`` (as torch's ``FileSystemWriter``
+    is): torch's ``DefaultStager``, used for writers that are not one, drops a conjugate or
+    negative view's flag and stores the memory, not the values the tensor shows.
     """
+
+    _synchronize_after_execute = False  # staging blocks: nothing to wait for afterwards
 
     def __init__(
         self,
@@ -394,6 +401,21 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._loc.url) if self.location else None
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A CPU copy of ``state_dict`` holding the values every tensor shows, for
+        ``dcp.async_save`` to write while training goes on (``BlockingAsyncStager``'s copy)."""
+        return BlockingAsyncStager().stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once the copy is made."""
+
+    def close(self) -> None:
+        """Nothing held between saves (``AsyncStager``'s last call)."""
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._store.makedirs()

@@ -41,7 +41,16 @@ def _assert_shown(out: dict, sd: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", ["save", "async_thread", "background_staging", "torch_dist", "plain_dcp"]
+    "how",
+    [
+        "save",
+        "async_thread",
+        "background_staging",
+        "torch_dist",
+        "plain_dcp",
+        "plain_dcp_async",
+        "plain_dcp_async_default_planner",
+    ],
 )
 def test_views_are_stored_as_the_values_they_show(tmp_path, how):
     sd, path = _views(), str(tmp_path / "ck")
@@ -54,13 +63,17 @@ def test_views_are_stored_as_the_values_they_show(tmp_path, how):
         db.async_save(sd, path, writer="thread", background_staging=True).result()
     elif how == "torch_dist":
         db.save(sd, path, format="torch_dist")
-    else:
+    elif how == "plain_dcp":
         dcp.save(
             sd,
             storage_writer=db.FsspecCheckpointWriter(path),
             planner=db.ShardedSavePlanner(),
             no_dist=True,
         )
+    else:  # the writer is DCP's stager (torch's default one stored the unconjugated memory)
+        planner = db.ShardedSavePlanner() if how == "plain_dcp_async" else None
+        writer = db.FsspecCheckpointWriter(path)
+        dcp.async_save(sd, storage_writer=writer, planner=planner, no_dist=True).result()
     _assert_shown(db.load(_template(), path), sd)
     assert C.conj().is_conj() and torch.equal(_shown(sd["conj"]), torch.conj_physical(C))
 
