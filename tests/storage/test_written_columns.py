@@ -4,9 +4,11 @@ that do not belong to the validated plan are read item by item (with the same er
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pickle
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -137,8 +139,9 @@ def _indexed(metadata, results):
     return metadata
 
 
-def _save_sharded(r: Rank, path: str) -> dict:
-    """``db.save`` on every rank, counting on the coordinator which way the table was made."""
+@contextlib.contextmanager
+def _counting_tables() -> Iterator[dict[str, int]]:
+    """Count, on the coordinator, which way each commit's item table is made."""
     made = {"columns": 0, "objects": 0}
     real = written.columns_table
 
@@ -149,14 +152,20 @@ def _save_sharded(r: Rank, path: str) -> dict:
 
     written.columns_table = counted
     try:
-        sd = {
-            key: [L.shard(key, box) for box in L.boxes("grid4", key, r.rank)]
-            for key in ("w", "w_bf16", "idx", "vec")
-        }
-        sd["step"] = 5
-        db.save(sd, path, process_group=r.group, thread_count=2)
+        yield made
     finally:
         written.columns_table = real
+
+
+def _grid4(r: Rank) -> dict:
+    return {
+        key: [L.shard(key, box) for box in L.boxes("grid4", key, r.rank)]
+        for key in ("w", "w_bf16", "idx", "vec")
+    }
+
+
+def _loads_rows4(r: Rank, path: str) -> None:
+    """The grid4 save loads bit-exact as rows4 shards."""
     template = {
         key: [L.template(key, box) for box in L.boxes("rows4", key, r.rank)]
         for key in ("w", "w_bf16", "idx", "vec")
@@ -165,6 +174,13 @@ def _save_sharded(r: Rank, path: str) -> dict:
     for key in ("w", "w_bf16", "idx", "vec"):
         for box, got in zip(L.boxes("rows4", key, r.rank), loaded[key]):
             assert torch.equal(got.data, L.expected(key, box)), key
+
+
+def _save_sharded(r: Rank, path: str) -> dict:
+    """``db.save`` on every rank, counting on the coordinator which way the table was made."""
+    with _counting_tables() as made:
+        db.save({**_grid4(r), "step": 5}, path, process_group=r.group, thread_count=2)
+    _loads_rows4(r, path)
     return made
 
 
@@ -312,37 +328,15 @@ def test_plans_and_results_travel_as_plain_columns_and_come_back_equal(tmp_path)
 
 def _dcp_save_sharded(r: Rank, path: str) -> dict:
     """Plain ``dcp.save`` with our planner and writer on every rank, counting on the
-    coordinator which way the commit's table was made; loads back bit-exact."""
-    made = {"columns": 0, "objects": 0}
-    real = written.columns_table
-
-    def counted(*args, **kwargs):
-        table = real(*args, **kwargs)
-        made["columns" if table is not None else "objects"] += 1
-        return table
-
-    written.columns_table = counted
-    try:
-        sd = {
-            key: [L.shard(key, box) for box in L.boxes("grid4", key, r.rank)]
-            for key in ("w", "w_bf16", "idx", "vec")
-        }
+    coordinator which way the commit's table was made."""
+    with _counting_tables() as made:
         dcp.save(
-            sd,
+            _grid4(r),
             storage_writer=FsspecCheckpointWriter(path, thread_count=2),
             planner=ShardedSavePlanner(),
             process_group=r.group,
         )
-    finally:
-        written.columns_table = real
-    template = {
-        key: [L.template(key, box) for box in L.boxes("rows4", key, r.rank)]
-        for key in ("w", "w_bf16", "idx", "vec")
-    }
-    loaded = db.load(template, path, process_group=r.group)
-    for key in ("w", "w_bf16", "idx", "vec"):
-        for box, got in zip(L.boxes("rows4", key, r.rank), loaded[key]):
-            assert torch.equal(got.data, L.expected(key, box)), key
+    _loads_rows4(r, path)
     return made
 
 
