@@ -4,13 +4,15 @@
 rank, as FSDP does): seconds to build and validate the global metadata and encode the commit
 document from every rank's plan and write results, its size, and the seconds a load takes to
 decode and validate it. (e) 4096 ranks Megatron-style (TP 8 x PP 8 x DP 64, DP replicas not
-written): seconds of the coordinator's global plan.
+written): seconds of the coordinator's global plan. (f) what carrying plans and write results
+to the coordinator costs: pickled as columns, and as DCP's objects.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import pickle
 import time
 
 import torch
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from benchmarks.common import table
 from dcpbridge.planners import build_metadata
 from dcpbridge.planners.save_planner import LocalSummary, describe_plan
+from dcpbridge.planners.wire import WireItems
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import (
     ITEM_ALIGN,
@@ -39,6 +42,7 @@ from dcpbridge.storage.write.written import written_columns
 
 DTYPE = torch.bfloat16
 BLOCK = checksum.DEFAULT_BLOCK_SIZE
+PROPERTIES = torch.distributed.checkpoint.metadata.TensorProperties(dtype=DTYPE)
 
 
 def _clock() -> float:
@@ -53,7 +57,7 @@ def _item(key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tup
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-            properties=torch.distributed.checkpoint.metadata.TensorProperties(dtype=DTYPE),
+            properties=PROPERTIES,  # one object per dtype, as the planner shares them
             size=torch.Size(shape),
         ),
     )
@@ -71,6 +75,7 @@ def _plans(ranks: int, boxes) -> list[SavePlan]:
             summary.tensors[key] = (shape, dtype_name(DTYPE))
             if written:
                 items.append(_item(key, offsets, sizes, shape))
+        items = WireItems(items)  # as the planner's own list: pickled compactly
         describe_plan(items, summary)
         plans.append(SavePlan(items, planner_data=summary))
     return plans
@@ -139,6 +144,24 @@ def million_chunks() -> tuple[float, float, float, int]:
     return t1 - t0, t2 - t1, t3 - t2, len(raw)
 
 
+def transport(ranks: int = 256) -> tuple[float, float, int]:
+    """CPU seconds to pickle and unpickle ``ranks`` ranks' plans and write results (256
+    shards each) as they travel to the coordinator, and the same as plain lists of DCP's
+    objects (what they cost before they travelled as columns); and the items moved."""
+    plans = _plans(ranks, _fsdp(ranks, 256, 8, 1024))
+    results = _results(plans, new_save_id())
+    gc.collect()
+    t0 = _clock()
+    for plan, written in zip(plans, results):
+        pickle.loads(pickle.dumps(plan)).planner_data.columns.describes(plan)
+        len(pickle.loads(pickle.dumps(written)))
+    t1 = _clock()
+    for plan, written in zip(plans, results):
+        pickle.loads(pickle.dumps(list(plan.items)))
+        pickle.loads(pickle.dumps(list(written)))
+    return t1 - t0, _clock() - t1, sum(len(p.items) for p in plans)
+
+
 def megatron_plan() -> float:
     plans = _plans(4096, _megatron(8, 8, 64, 16, 1024))
     gc.collect()
@@ -153,6 +176,7 @@ def main(root: str, repeats: int, quick: bool) -> list[str]:
     try:
         runs = [million_chunks() for _ in range(1 if quick else repeats)]
         mega = sorted(megatron_plan() for _ in range(1 if quick else repeats))
+        moved = [transport(32 if quick else 256) for _ in range(1 if quick else repeats)]
     finally:
         if gc_was:
             gc.enable()
@@ -177,8 +201,17 @@ def main(root: str, repeats: int, quick: bool) -> list[str]:
         ],
         ("case", "global plan", "encode", "decode", "metadata"),
     )
+    packed, plain = (sorted(m[i] for m in moved)[len(moved) // 2] for i in range(2))
+    items = moved[0][2]
+    table(
+        "(f) plans and write results pickled to the coordinator and back (CPU seconds)",
+        [(f"{items:,} items", f"{packed:.2f}s", f"{plain:.2f}s", f"{plain / packed:.1f}x")],
+        ("case", "as columns", "as DCP objects", "ratio"),
+    )
     return [
         f"(d) 1M chunks: plan {plan + enc:.2f}s (validate {plan:.2f}s + encode {enc:.2f}s), "
         f"metadata {size / 2**20:.1f} MiB, decode {dec:.2f}s",
         f"(e) Megatron-style 4096 ranks: global plan {mega[len(mega) // 2]:.2f}s",
+        f"(f) {items:,} plan items and write results to the coordinator: {packed:.2f}s as "
+        f"columns, {plain:.2f}s as DCP objects ({plain / packed:.1f}x)",
     ]
