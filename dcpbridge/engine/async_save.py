@@ -103,6 +103,7 @@ class AsyncSaver:
 
     _by_group: PerGroup[AsyncSaver] = PerGroup()  # forgotten with their process group
     _every: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # drained at exit
+    _inherited: list[AsyncSaver] = []  # a forked child's copies of its parent's savers
 
     def __init__(self, group: Group, max_in_flight: int) -> None:
         self.group = StoreGroup.for_group(group, "async-save")
@@ -128,6 +129,10 @@ class AsyncSaver:
             raise InvalidArgumentError(f"max_in_flight must be >= 1, got {max_in_flight}")
         cls.close_orphans()
         saver = cls._by_group.get(group, "async-save", lambda: AsyncSaver(group, max_in_flight))
+        if saver._pid != os.getpid():  # a forked child: the parent's saver has no threads here
+            cls._by_group.discard(saver)
+            cls._inherited.append(saver)  # the parent's: never torn down by the child
+            saver = cls._by_group.get(group, "async-save", lambda: AsyncSaver(group, max_in_flight))
         saver.area.max_sets = max(saver.area.max_sets, max_in_flight)
         saver.max_in_flight = max_in_flight
         return saver
@@ -267,6 +272,8 @@ def _wait_for_saves_at_exit() -> None:
     """Finish outstanding saves before the interpreter exits, so the last checkpoint lands;
     a closing saver's thread ends first too (its teardown must not race the interpreter's)."""
     for saver in list(AsyncSaver._every):
+        if saver._pid != os.getpid():  # a forked child's copy: the parent's saves, not its own
+            continue
         saver.drain()
         if saver._closing and saver._pid == os.getpid():
             saver._thread.join()

@@ -454,3 +454,61 @@ def test_a_destroyed_groups_async_saver_is_closed_and_a_new_group_saves(tmp_path
     # with the group held, the saver closes at the next async_save, not at destroy
     expected = f"RESULT {not held} True True ['dcpb-async-save'] True True"
     assert results == [expected] * 2
+
+
+FORK_DURING_SAVE = """
+import os, sys, threading, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root = sys.argv[1]
+gate, inner = threading.Event(), W.FsspecCheckpointWriter.write_data
+
+def held(self, plan, planner):  # the parent's write waits until the child was forked
+    gate.wait(30)
+    return inner(self, plan, planner)
+
+W.FsspecCheckpointWriter.write_data = held
+w = torch.arange(64, dtype=torch.float32)
+tmpl = lambda: {"w": db.ShardedTensor.from_box("w", torch.zeros(64), (64,), (0,))}
+handle = db.async_save({"w": db.ShardedTensor.from_box("w", w, (64,), (0,))},
+                       os.path.join(root, "parent"), writer="thread")
+pid = os.fork()
+if pid == 0:  # as a forked worker: its own async save, then an ordinary exit (atexit runs)
+    W.FsspecCheckpointWriter.write_data = inner
+    mine = {"w": db.ShardedTensor.from_box("w", w * 2, (64,), (0,))}
+    try:
+        db.async_save(mine, os.path.join(root, "child"), writer="thread").result(20)
+        print("CHILD", torch.equal(db.load(tmpl(), os.path.join(root, "child"))["w"], w * 2),
+              flush=True)
+    except TimeoutError:
+        print("CHILD hung", flush=True)
+    sys.exit(0)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0]:
+    time.sleep(0.05)
+else:
+    if time.monotonic() >= deadline:
+        print("EXIT hung", flush=True)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+gate.set()
+handle.result(30)
+print("PARENT", torch.equal(db.load(tmpl(), os.path.join(root, "parent"))["w"], w), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_forked_during_an_async_save_saves_and_exits(tmp_path):
+    """A child forked while an async save is in flight (``os.fork``, as some data workers do)
+    inherited the parent's saver, whose writer thread it does not have: its own ``async_save``
+    waited forever, and so did its exit (the at-exit drain waited for the parent's save). The
+    child now gets a saver of its own and leaves the parent's saves to the parent, which
+    commits its save bit-exact."""
+    run = subprocess.run(
+        [sys.executable, "-c", FORK_DURING_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["CHILD True", "PARENT True"], run.stdout + run.stderr[-2000:]
