@@ -13,6 +13,8 @@ still holds it, at the next ``async_save`` of this process.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  # its exit hook first: the drain runs before it
+import contextlib
 import logging
 import os
 import queue
@@ -267,13 +269,21 @@ class AsyncSaver:
         self.area.clear()
 
 
-@atexit.register
 def _wait_for_saves_at_exit() -> None:
     """Finish outstanding saves before the interpreter exits, so the last checkpoint lands;
-    a closing saver's thread ends first too (its teardown must not race the interpreter's)."""
+    a closing saver's thread ends first too (its teardown must not race the interpreter's).
+    Runs among threading's exit hooks, before ``concurrent.futures``' (after it, executors
+    refuse new work, which the writes need), and again at exit (a no-op by then)."""
     for saver in list(AsyncSaver._every):
         if saver._pid != os.getpid():  # a forked child's copy: the parent's saves, not its own
             continue
         saver.drain()
         if saver._closing and saver._pid == os.getpid():
             saver._thread.join()
+
+
+# CPython's hook run before threads are joined (concurrent.futures registers its own there);
+# elsewhere (another interpreter) the at-exit one alone
+with contextlib.suppress(AttributeError, RuntimeError):
+    threading._register_atexit(_wait_for_saves_at_exit)  # type: ignore[attr-defined]
+atexit.register(_wait_for_saves_at_exit)

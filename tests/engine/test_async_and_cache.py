@@ -512,3 +512,43 @@ def test_a_process_forked_during_an_async_save_saves_and_exits(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["CHILD True", "PARENT True"], run.stdout + run.stderr[-2000:]
+
+
+EXIT_DURING_SAVE = """
+import os, sys, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root, inner = sys.argv[1], W.FsspecCheckpointWriter.write_data
+
+def slow(self, plan, planner):  # still writing when the interpreter begins to exit
+    time.sleep(0.5)
+    return inner(self, plan, planner)
+
+W.FsspecCheckpointWriter.write_data = slow
+w = torch.arange(1 << 16, dtype=torch.float32)
+state = {"w": db.ShardedTensor.from_box("w", w, (1 << 16,), (0,)), "step": 7}
+db.async_save(state, root, writer="thread", background_staging=sys.argv[2] == "1")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("background", [False, True])
+def test_an_async_save_in_flight_at_exit_commits(tmp_path, background):
+    """A script that ends with an async save in flight (no ``result()``, no manager
+    ``close``): the at-exit drain waits for it, so the checkpoint lands. It ran after
+    threading's shutdown hooks, when ``concurrent.futures`` refuses new work, so the thread
+    writer's save failed there ("cannot schedule new futures after interpreter shutdown"),
+    leaving an empty folder and no checkpoint."""
+    ckpt = tmp_path / "ck"
+    run = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_SAVE, str(ckpt), str(int(background))],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "failed" not in run.stderr, run.stderr[-2000:]
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(1 << 16), (1 << 16,), (0,))}
+    out = db.load(tmpl, str(ckpt))
+    assert torch.equal(out["w"], torch.arange(1 << 16, dtype=torch.float32))
+    assert out["step"] == 7
