@@ -180,8 +180,10 @@ class AsyncSaver:
         the same call on every rank, since every rank submits the same sequence of saves.
         """
         while len(self._inflight) >= self.max_in_flight:
-            oldest = self._inflight.popleft()
-            oldest.wait_done()
+            oldest = self._inflight[0]
+            oldest.wait_done()  # interrupted (Ctrl-C): it stays in flight, drained at exit
+            if self._inflight and self._inflight[0] is oldest:  # (another thread's call may
+                self._inflight.popleft()  # have taken it off meanwhile)
             if oldest._error is not None and not oldest._reported:
                 oldest._reported = True
                 raise oldest._error

@@ -552,3 +552,46 @@ def test_an_async_save_in_flight_at_exit_commits(tmp_path, background):
     out = db.load(tmpl, str(ckpt))
     assert torch.equal(out["w"], torch.arange(1 << 16, dtype=torch.float32))
     assert out["step"] == 7
+
+
+INTERRUPTED_WAIT_FOR_CAPACITY = """
+import os, signal, sys, threading, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root, inner = sys.argv[1], W.FsspecCheckpointWriter.write_data
+
+def slow(self, plan, planner):  # the first save is still writing at the Ctrl-C and at exit
+    time.sleep(2)
+    return inner(self, plan, planner)
+
+W.FsspecCheckpointWriter.write_data = slow
+w = torch.arange(64, dtype=torch.float32)
+state = lambda t: {"w": db.ShardedTensor.from_box("w", t, (64,), (0,))}
+first = db.async_save(state(w), os.path.join(root, "a"), writer="thread")
+main = threading.main_thread().ident
+threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+try:  # waits for the first save (max_in_flight=1): interrupted there
+    db.async_save(state(w * 2), os.path.join(root, "b"), writer="thread")
+except KeyboardInterrupt:
+    print("interrupted", first.done(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_whose_wait_for_room_was_interrupted_stays_in_flight(tmp_path):
+    """A Ctrl-C while ``async_save`` waits for the previous save (``max_in_flight``) took that
+    save off the in-flight list before the wait: nothing waited for it any more, so the
+    script's exit killed its write half-way (an empty folder, no checkpoint) and its failure
+    could be reported nowhere. It now stays in flight: the exit drains it, bit-exact."""
+    run = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WAIT_FOR_CAPACITY, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["interrupted False"], run.stdout + run.stderr[-2000:]
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(64), (64,), (0,))}
+    out = db.load(tmpl, str(tmp_path / "a"))
+    assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32))
+    assert not (tmp_path / "b").exists()
