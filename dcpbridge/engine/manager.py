@@ -493,20 +493,24 @@ class CheckpointManager:
 
     def _finish_pending(self) -> bool:
         """Wait for the background save; raise its failure (every rank) or run retention.
-        True if a save was waited for."""
-        if self._pending is None:
-            return False
-        step, handle = self._pending
-        handle.wait_done()  # interrupted (Ctrl-C): the save is still pending, not failed
-        self._pending = None
-        with self._unprepared_on_failure(step):
-            handle.result()
-        self._resaved.pop(step, None)
-        self._committed(step)
-        log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
-        self._after_commit()
-        self._notify(step, "persistent", handle.checkpoint_dir)
-        return True
+        True if a save was waited for. A save that ``on_commit`` started meanwhile is the
+        pending one then: it is finished too, before anything else starts or ``close`` ends."""
+        waited = False
+        while self._pending is not None:
+            step, handle = self._pending
+            handle.wait_done()  # interrupted (Ctrl-C): the save is still pending, not failed
+            self._pending = None
+            with self._unprepared_on_failure(step):
+                handle.result()
+            self._resaved.pop(step, None)
+            self._committed(step)
+            log.info(
+                "dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir
+            )
+            self._after_commit()
+            self._notify(step, "persistent", handle.checkpoint_dir)
+            waited = True
+        return waited
 
     @contextlib.contextmanager
     def _unprepared_on_failure(self, step: int) -> Iterator[None]:

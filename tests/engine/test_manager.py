@@ -603,6 +603,36 @@ def test_on_commit_raising_a_base_exception_is_logged_not_raised_nor_hanging(
     assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
 
 
+@pytest.mark.timeout(60)
+def test_a_save_started_by_on_commit_is_waited_for_and_notified(tmp_path):
+    """An ``on_commit`` that saves again (one process, async saves): that save became the
+    pending one while the manager was finishing the previous, and was then dropped: a later
+    ``save`` replaced it (its commit never notified, its failure raised by the other save),
+    and ``close`` returned with it still in flight. Now every save is finished in turn."""
+    calls: list[tuple[int, str]] = []
+
+    def notify(step: int, tier: str, url: str) -> None:
+        calls.append((step, tier))
+        if step == 2:  # the commit of step 2 starts a save of its own
+            mgr.save(100, {"w": torch.full((2,), 100.0)}, force=True)
+
+    mgr = db.CheckpointManager(str(tmp_path / "run"), every=1, on_commit=notify, async_save=True)
+    for step in range(1, 3):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    mgr.close()
+    assert calls == [(1, "persistent"), (2, "persistent"), (100, "persistent")]
+    assert not mgr.saving
+    assert mgr.all_steps() == [1, 2, 100]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=100)["w"], torch.full((2,), 100.0))
+    mgr = db.CheckpointManager(str(tmp_path / "run2"), every=1, on_commit=notify, async_save=True)
+    calls.clear()
+    for step in range(1, 4):  # step 3's save finishes step 2's, whose on_commit saves 100
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    mgr.close()
+    assert calls == [(1, "persistent"), (2, "persistent"), (100, "persistent"), (3, "persistent")]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 100.0))
+
+
 def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
     """Rule 4: a manager.json of any size was read whole (a planted one of gigabytes: that
     much memory) to rank its step. One larger than a sidecar can be counts as no metric,
