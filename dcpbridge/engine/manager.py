@@ -923,7 +923,13 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the pending save (raising its failure), restore signal handlers and stop
-        watching optimizers."""
+        watching optimizers. With ``save_on_signal``'s handlers, call it from the main thread
+        (only it can restore them): elsewhere it raises ``InvalidArgumentError`` at once."""
+        if self._signals and threading.current_thread() is not threading.main_thread():
+            raise InvalidArgumentError(
+                "close() restores the handlers save_on_signal installed, which only the main "
+                "thread can do: call it from the main thread"
+            )
         try:
             if self._local is not None:
                 self._local.close()

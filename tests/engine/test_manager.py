@@ -364,6 +364,39 @@ def test_save_on_signal_refuses_what_it_cannot_install_with_invalid_argument(tmp
     assert signal.getsignal(signal.SIGUSR2) == previous
 
 
+@pytest.mark.timeout(60)
+def test_close_from_another_thread_with_save_on_signal_raises_invalid_argument(tmp_path):
+    """Rule 2: ``close()`` from a thread other than the main one, with ``save_on_signal``'s
+    handler installed, raised the ``ValueError`` of ``signal.signal`` after waiting for the
+    save, and left the handler in place half-closed. It now raises ``InvalidArgumentError``
+    before doing anything; the main thread's ``close`` then finishes the save and restores
+    the handler."""
+    import threading
+
+    previous = signal.getsignal(signal.SIGUSR2)
+    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=True)
+    mgr.save_on_signal(signal.SIGUSR2)
+    mgr.save(1, {"w": torch.ones(2)})
+    failures: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            mgr.close()
+        except BaseException as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=close)
+    thread.start()
+    thread.join(30)
+    assert [type(f) for f in failures] == [db.InvalidArgumentError]
+    assert "main thread" in str(failures[0]) and "save_on_signal" in str(failures[0])
+    assert signal.getsignal(signal.SIGUSR2) != previous  # still the manager's: not closed
+    mgr.close()
+    assert signal.getsignal(signal.SIGUSR2) == previous
+    assert mgr.all_steps() == [1]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=1)["w"], torch.ones(2))
+
+
 def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
     """A killed save's folder is no step; it is removed once a newer step commits (before,
     it may be another job's save in flight), or cleared by a save of its own step."""
