@@ -485,3 +485,54 @@ def test_a_torch_dist_save_of_a_dtype_torch_cannot_write_keeps_the_older_checkpo
     assert sorted(os.listdir(path)) == before
     out = db.load({"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}, path)
     assert torch.equal(out["w"], w)
+
+
+class _InterruptedState:
+    """A Stateful whose ``state_dict`` is interrupted (a Ctrl-C while a load asks for it)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def load_interrupted_in_state_dict(r: Rank, path: str, parallel: bool) -> list[str]:
+    """Rank 1's Stateful is interrupted in ``state_dict()`` as the load asks for its
+    template; then both ranks load again."""
+    template: dict[str, Any] = {"a": _state(r, 0.0)["a"]}
+    if r.rank == 1:
+        template["app"] = _InterruptedState()
+    seen = []
+    try:
+        db.load(
+            template,
+            path,
+            process_group=r.group,
+            strict="assume_ok_unexpected",
+            fully_parallel=parallel,
+        )
+        seen.append("loaded")
+    except KeyboardInterrupt:
+        seen.append("KeyboardInterrupt")
+    except db.CheckpointError as e:
+        seen.append(f"{type(e).__name__}: {e}")
+    seen.append(str(load_value(r, path)))  # the ranks are in step: the next load works
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("parallel", [False, True], ids=["plain", "fully-parallel"])
+def test_a_load_interrupted_in_a_stateful_state_dict_fails_its_peers(pool, tmp_path, parallel):
+    """A Stateful's ``state_dict()`` interrupted on rank 1 while a load built its template
+    raised there before any collective, so rank 0 waited in the load's first exchange for
+    the process group's timeout. The interrupt is carried into that exchange: rank 1 raises
+    its KeyboardInterrupt, rank 0 a ``DistributedCheckpointError`` naming it, and both load
+    again."""
+    path = str(tmp_path / "ck")
+    pool.run(save_value, 2, path, 1.0)
+    seen = pool.run(load_interrupted_in_state_dict, 2, path, parallel, timeout=60)
+    assert seen[1] == ["KeyboardInterrupt", "1"], seen
+    assert seen[0][0].startswith("DistributedCheckpointError: "), seen
+    assert "rank 1: KeyboardInterrupt" in seen[0][0], seen
+    assert seen[0][1] == "1"
