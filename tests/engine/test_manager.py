@@ -666,6 +666,46 @@ def test_a_save_started_by_on_commit_is_waited_for_and_notified(tmp_path):
     assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 100.0))
 
 
+@pytest.mark.timeout(60)
+def test_a_persist_behind_upload_cancelled_fails_that_save_and_does_not_hang(tmp_path, monkeypatch):
+    """An upload of ``persist_behind`` that raised a base exception (``asyncio.CancelledError``
+    out of an async object-store client) left the tier's thread without finishing the
+    persistent save: the next ``wait``/``save``/``close`` waited for it forever, and what it
+    had uploaded stayed. It fails that save (raised at the next wait, files removed) and the
+    next persistent save commits."""
+    import asyncio
+
+    from dcpbridge.storage.backends import store as backends
+
+    original = backends.LocalStorage.open_write
+    cancelled = [True]
+
+    def open_write(self, path: str):  # the persistent tier's uploads only
+        if cancelled[0] and f"{os.sep}run{os.sep}" in path:
+            raise asyncio.CancelledError()
+        return original(self, path)
+
+    monkeypatch.setattr(backends.LocalStorage, "open_write", open_write)
+    mgr = db.CheckpointManager(
+        str(tmp_path / "run"),
+        every=2,
+        local_dir=str(tmp_path / "shm"),
+        replicas=0,
+        persist_behind=True,
+    )
+    for step in range(1, 3):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    with pytest.raises(asyncio.CancelledError):
+        mgr.wait()
+    assert not (tmp_path / "run" / "step_00000002").exists()
+    cancelled[0] = False
+    for step in range(3, 5):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    mgr.close()
+    assert mgr.all_steps() == [4]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
+
+
 def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
     """Rule 4: a manager.json of any size was read whole (a planted one of gigabytes: that
     much memory) to rank its step. One larger than a sidecar can be counts as no metric,
