@@ -323,13 +323,16 @@ class LocalTier:
                 if buffers[0] is not None:
                     self.area.release(buffers[0])
             raw, index = self._replicate(step, time.perf_counter() - started)
-        except Exception as e:  # every rank fails this step alike (protocol steps)
+        except BaseException as e:  # every rank fails this step alike (protocol steps); a
+            # base exception too (a client's CancelledError): its upload must still be finished
             if prepared:  # nothing of it stays, a marker some nodes published least of all
                 self._on_lead(lambda: self._discard(step))
             self._on_lead(lambda: self._put_back(step))  # a committed step ``step`` set aside
             self._failed(step, e)
             if persist is not None:
                 persist.handle._finish(e)
+            if not isinstance(e, Exception) and threading.current_thread() is not self._worker:
+                raise  # an interrupt of the caller's own save (no thread behind): its own
             return
         if committed is not None:
             committed()

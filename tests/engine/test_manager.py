@@ -667,12 +667,15 @@ def test_a_save_started_by_on_commit_is_waited_for_and_notified(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_persist_behind_upload_cancelled_fails_that_save_and_does_not_hang(tmp_path, monkeypatch):
-    """An upload of ``persist_behind`` that raised a base exception (``asyncio.CancelledError``
-    out of an async object-store client) left the tier's thread without finishing the
-    persistent save: the next ``wait``/``save``/``close`` waited for it forever, and what it
-    had uploaded stayed. It fails that save (raised at the next wait, files removed) and the
-    next persistent save commits."""
+@pytest.mark.parametrize("where", ["run", "shm"], ids=["upload", "local-write"])
+def test_a_persist_behind_upload_cancelled_fails_that_save_and_does_not_hang(
+    tmp_path, monkeypatch, where
+):
+    """An upload of ``persist_behind``, or the write of the local step it uploads, that raised
+    a base exception (``asyncio.CancelledError`` out of an async object-store client) left
+    the tier's thread without finishing the persistent save: the next ``wait``/``save``/
+    ``close`` waited for it forever, and what it had written stayed. It fails that save
+    (raised at the next wait, files removed) and the next persistent save commits."""
     import asyncio
 
     from dcpbridge.storage.backends import store as backends
@@ -680,8 +683,8 @@ def test_a_persist_behind_upload_cancelled_fails_that_save_and_does_not_hang(tmp
     original = backends.LocalStorage.open_write
     cancelled = [True]
 
-    def open_write(self, path: str):  # the persistent tier's uploads only
-        if cancelled[0] and f"{os.sep}run{os.sep}" in path:
+    def open_write(self, path: str):  # the persistent tier's uploads, or the local writes
+        if cancelled[0] and f"{os.sep}{where}{os.sep}" in path:
             raise asyncio.CancelledError()
         return original(self, path)
 
@@ -698,12 +701,43 @@ def test_a_persist_behind_upload_cancelled_fails_that_save_and_does_not_hang(tmp
     with pytest.raises(asyncio.CancelledError):
         mgr.wait()
     assert not (tmp_path / "run" / "step_00000002").exists()
+    # the local step stays where only its upload failed; a failed local write leaves nothing
+    assert (tmp_path / "shm" / "step_00000002").exists() == (where == "run")
     cancelled[0] = False
     for step in range(3, 5):
         mgr.save(step, {"w": torch.full((2,), float(step))})
     mgr.close()
     assert mgr.all_steps() == [4]
     assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_synchronous_local_step_raises_its_interrupt(tmp_path, monkeypatch):
+    """A Ctrl-C during a local step written in the call (``async_save=False``) reaches the
+    caller unchanged (the tier logs a failure behind the loop, never an interrupt of its
+    caller); nothing of the step stays and the next local step commits."""
+    from dcpbridge.storage.backends import store as backends
+
+    original = backends.LocalStorage.open_write
+    interrupted = [True]
+
+    def open_write(self, path: str):
+        if interrupted[0]:
+            raise KeyboardInterrupt
+        return original(self, path)
+
+    monkeypatch.setattr(backends.LocalStorage, "open_write", open_write)
+    mgr = db.CheckpointManager(
+        str(tmp_path / "run"), every=10, local_dir=str(tmp_path / "shm"), async_save=False
+    )
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(1, {"w": torch.full((2,), 1.0)})
+    assert not (tmp_path / "shm" / "step_00000001").exists()
+    interrupted[0] = False
+    mgr.save(2, {"w": torch.full((2,), 2.0)})
+    assert mgr.latest_step() == 2
+    assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 2.0))
+    mgr.close()
 
 
 def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
