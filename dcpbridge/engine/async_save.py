@@ -217,12 +217,20 @@ class AsyncSaver:
         return handle
 
     def drain(self) -> None:
+        """Wait for every save in flight (at exit); a failed one is logged, whatever it raised
+        (a base exception of its thread must not end the exit's own work)."""
         while self._inflight:
-            handle = self._inflight.popleft()
-            try:
-                handle.result()
-            except Exception as e:  # reported where the caller waits; here only logged
-                log.warning("async save to %s failed: %s", handle.checkpoint_dir, e)
+            handle = self._inflight[0]
+            handle.wait_done()
+            self._inflight.popleft()
+            if handle._error is not None:  # reported where the caller waits; here only logged
+                error = handle._error
+                log.warning(
+                    "async save to %s failed: %s: %s",
+                    handle.checkpoint_dir,
+                    type(error).__name__,
+                    error,
+                )
 
     def _stage_loop(self) -> None:
         """Stage queued saves in order; local work only (no collective ever runs here)."""

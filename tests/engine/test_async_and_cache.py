@@ -595,3 +595,43 @@ def test_a_save_whose_wait_for_room_was_interrupted_stays_in_flight(tmp_path):
     out = db.load(tmpl, str(tmp_path / "a"))
     assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32))
     assert not (tmp_path / "b").exists()
+
+
+EXIT_AFTER_A_CANCELLED_SAVE = """
+import asyncio, os, sys, threading, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root = sys.argv[1]
+
+def cancelled(self, plan, planner):  # an async storage client's cancellation
+    raise asyncio.CancelledError()
+
+def later():
+    time.sleep(1.0)
+    open(os.path.join(root, "thread-done"), "w").close()
+
+W.FsspecCheckpointWriter.write_data = cancelled
+threading.Thread(target=later).start()  # not a daemon: the exit joins it
+w = torch.arange(64, dtype=torch.float32)
+db.async_save({"w": db.ShardedTensor.from_box("w", w, (64,), (0,))}, os.path.join(root, "ck"),
+              writer="thread")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_failing_with_a_base_exception_at_exit_is_logged_and_the_exit_goes_on(tmp_path):
+    """The at-exit drain raised a save's base exception (here ``asyncio.CancelledError`` of
+    its writer thread) out of threading's exit hooks, which then skipped joining the
+    script's own threads: they were killed mid-work. The failure is logged, the exit joins
+    them, and the failed save left no checkpoint."""
+    run = subprocess.run(
+        [sys.executable, "-c", EXIT_AFTER_A_CANCELLED_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "thread-done").exists(), run.stderr[-2000:]
+    assert f"async save to {tmp_path / 'ck'} failed: CancelledError" in run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "ck" / "dcpbridge.json").exists()
