@@ -379,7 +379,6 @@ class CheckpointManager:
         if background and not self._guard.watching:
             raise InvalidArgumentError(_NEEDS_OPTIMIZERS)
         self._finish_pending()
-        prepare = self._prepare(step, metrics, behind=background)
         url = self.step_url(step)
         options = dict(
             process_group=self.process_group,
@@ -388,8 +387,9 @@ class CheckpointManager:
             thread_count=self.threads,
             checksums=self.checksums,
         )
-        if self.incremental:
+        if self.incremental:  # before the sidecar is written: its failure leaves nothing
             options["reuse_from"] = self._reuse_from(step)
+        prepare = self._prepare(step, metrics, behind=background)
         if self.async_save and not preempted:
             with self._unprepared_on_failure(step):
                 handle = save_mod.async_save(
