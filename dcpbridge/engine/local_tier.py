@@ -209,6 +209,8 @@ class LocalTier:
         try:  # the space reports travel with the plan's vote: one exchange in the call
             planned = save_mod.plan_save(g, cache, state, opts, report=space)
         except Exception as e:  # raised alike on every rank: all skip this local step
+            if protocol.interrupted_ranks(e):  # an interrupted rank raised at once: so do its
+                raise  # peers, or their next calls would no longer pair with its
             self._failed(step, e)
             return False
         if self._lacking(step, planned.reports):

@@ -402,8 +402,10 @@ def async_save(
     writing and the commit run on a background thread whose exchanges never touch the caller's
     process groups. Failures (of staging too) surface on every rank at ``handle.result()``
     (or ``wait()``), or else at the async_save that has to wait for that save because
-    ``max_in_flight`` saves are outstanding (that call raises and starts nothing). A failed
-    save never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
+    ``max_in_flight`` saves are outstanding (that call raises and starts nothing); a rank
+    interrupted while the call sorts the state (a Stateful's ``state_dict``) raises it at
+    once, and its peers a ``DistributedCheckpointError`` in the same call. A failed save
+    never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
     background before any rank writes; its failure fails the save on every rank. With
     ``writer="process"`` (format "dcpbridge", Linux), staging goes to shared memory and a
     long-lived writer process writes the data files, so writing never holds this process's
@@ -429,6 +431,8 @@ def async_save(
     try:
         planned = plan_save(group, cache, sharded_state_dict, opts)
     except Exception as e:  # raised alike on every rank: reported where each waits
+        if protocol.interrupted_ranks(e):  # an interrupted rank raised at once: so do its
+            raise  # peers, or their next calls would no longer pair with its
         return saver.submit(target, _raiser(e), None)
     started = process_of(saver.area) is not None
     nbytes = _staged_bytes(planned)

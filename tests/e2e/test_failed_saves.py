@@ -536,3 +536,66 @@ def test_a_load_interrupted_in_a_stateful_state_dict_fails_its_peers(pool, tmp_p
     assert seen[0][0].startswith("DistributedCheckpointError: "), seen
     assert "rank 1: KeyboardInterrupt" in seen[0][0], seen
     assert seen[0][1] == "1"
+
+
+def async_saves_interrupted_in_state_dict(r: Rank, root: str, kind: str) -> list[str]:
+    """Four saves; rank 1's Stateful is interrupted in ``state_dict()`` at the second (as the
+    save sorts its state). Each call is recorded; nothing waits on a handle in between."""
+    extra: dict[str, Any] = {}
+    if kind == "manager-local":
+        extra = {"local_dir": os.path.join(root, "shm{node}"), "ranks_per_node": 1}
+    mgr = None
+    if kind != "async_save":
+        mgr = db.CheckpointManager(
+            os.path.join(root, "run"), every=1, process_group=r.group, **extra
+        )
+    app = _InterruptedState()
+    seen = []
+    for step in range(1, 5):
+        state: dict[str, Any] = {**_state(r, float(step))}
+        if r.rank == 1 and step == 2:
+            state["app"] = app
+        try:
+            if mgr is None:
+                db.async_save(state, os.path.join(root, str(step)), process_group=r.group)
+            else:
+                mgr.save(step, state)
+            seen.append("saved")
+        except KeyboardInterrupt:
+            seen.append("KeyboardInterrupt")
+        except db.CheckpointError as e:
+            seen.append(f"{type(e).__name__}: {e}")
+    if mgr is not None:
+        mgr.close()
+        seen.append(str(mgr.all_steps()))
+    else:
+        db.async_save(_state(r, 5.0), os.path.join(root, "5"), process_group=r.group).result(60)
+    seen.append(
+        str(
+            load_value(
+                r, os.path.join(root, "run", "step_00000004") if mgr else os.path.join(root, "4")
+            )
+        )
+    )
+    return seen
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["async_save", "manager", "manager-local"])
+def test_an_async_save_interrupted_in_a_stateful_state_dict_keeps_the_ranks_in_step(
+    pool, tmp_path, kind
+):
+    """A Stateful's ``state_dict()`` interrupted on rank 1 as an async save sorted its state:
+    rank 1 raised its KeyboardInterrupt at once, while rank 0 deferred the failure (known in
+    the same vote) to its next call, which then started nothing; rank 1's next call started a
+    save, so the ranks' calls paired wrongly from there (later saves failed or hung). Rank 0
+    now raises ``DistributedCheckpointError`` naming rank 1 in the same call, and the next
+    saves of both commit."""
+    seen = pool.run(async_saves_interrupted_in_state_dict, 2, str(tmp_path), kind, timeout=120)
+    assert seen[1][:4] == ["saved", "KeyboardInterrupt", "saved", "saved"], seen
+    assert seen[0][0] == "saved" and seen[0][2:4] == ["saved", "saved"], seen
+    assert seen[0][1].startswith("DistributedCheckpointError: "), seen
+    assert "rank 1: KeyboardInterrupt" in seen[0][1], seen
+    if kind != "async_save":
+        assert seen[0][4] == seen[1][4] == "[1, 3, 4]", seen
+    assert seen[0][-1] == seen[1][-1] == "4", seen
