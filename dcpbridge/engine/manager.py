@@ -391,17 +391,23 @@ class CheckpointManager:
             options["reuse_from"] = self._reuse_from(step)
         prepare = self._prepare(step, metrics, behind=background)
         if self.async_save and not preempted:
-            with self._unprepared_on_failure(step):
-                handle = save_mod.async_save(
-                    state,
-                    url,
-                    background_staging=background,
-                    verify_staging=self.verify_staging,
-                    before_write=prepare,
-                    writer=self.writer,
-                    defer_stream_wait=background,
-                    **options,
-                )
+            try:
+                with self._unprepared_on_failure(step):
+                    handle = save_mod.async_save(
+                        state,
+                        url,
+                        background_staging=background,
+                        verify_staging=self.verify_staging,
+                        before_write=prepare,
+                        writer=self.writer,
+                        defer_stream_wait=background,
+                        **options,
+                    )
+            except BaseException as e:  # interrupted while staging: the save still runs to its
+                left = save_mod.interrupted_save(e)  # failure, which the next call raises here
+                if left is not None:  # as on the peers (else their calls no longer pair)
+                    self._pending = (step, left)
+                raise
             self._pending = (step, handle)
             return
         with self._unprepared_on_failure(step):

@@ -464,7 +464,9 @@ def async_save(
             f"async_save to {target} was interrupted while staging ({type(e).__name__})"
         )
         planned.error.__cause__ = e
-        saver.submit(target, job, None, writer=writer).reported()  # the interrupt reports
+        behind = saver.submit(target, job, None, writer=writer)
+        behind.reported()  # the interrupt reports it here
+        e.dcpbridge_pending = behind  # type: ignore[attr-defined]  # see ``interrupted_save``
         raise
     return used.bind(saver.submit(target, job, buffers, stage=later, writer=writer))
 
@@ -513,6 +515,13 @@ def _write_behind(
     if before_write is not None:
         protocol.on_coordinator(group, "prepare", before_write)
     write_planned(group, cache, planned, target, options, wrap)
+
+
+def interrupted_save(error: BaseException) -> AsyncSaveHandle | None:
+    """The save an ``async_save`` interrupted while staging left behind (its peers' saves fail
+    in the background, and their next call that waits for it raises that): None if none."""
+    handle = getattr(error, "dcpbridge_pending", None)
+    return handle if isinstance(handle, AsyncSaveHandle) else None
 
 
 def _raiser(error: BaseException) -> Any:

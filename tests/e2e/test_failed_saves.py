@@ -599,3 +599,48 @@ def test_an_async_save_interrupted_in_a_stateful_state_dict_keeps_the_ranks_in_s
     if kind != "async_save":
         assert seen[0][4] == seen[1][4] == "[1, 3, 4]", seen
     assert seen[0][-1] == seen[1][-1] == "4", seen
+
+
+def manager_saves_interrupted_while_staging(r: Rank, root: str) -> list[str]:
+    """Four saves of an async CheckpointManager; rank 1's second is interrupted while it
+    stages (after the save's collective decisions)."""
+    from dcpbridge.engine import save as save_module
+
+    original = save_module.stage
+
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    mgr = db.CheckpointManager(os.path.join(root, "run"), every=1, process_group=r.group)
+    seen = []
+    for step in range(1, 5):
+        if r.rank == 1 and step == 2:
+            save_module.stage = stage
+        try:
+            mgr.save(step, _state(r, float(step)))
+            seen.append("saved")
+        except KeyboardInterrupt:
+            seen.append("KeyboardInterrupt")
+        except db.CheckpointError as e:
+            seen.append(f"{type(e).__name__}: {e}")
+        finally:
+            save_module.stage = original
+    mgr.close()
+    seen.append(str(mgr.all_steps()))
+    seen.append(str(load_value(r, os.path.join(root, "run", "step_00000004"))))
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_a_manager_save_interrupted_while_staging_keeps_the_ranks_in_step(pool, tmp_path):
+    """Rank 1's async manager save interrupted while staging: its peers' save of that step
+    fails in the background and their next ``save`` raises it and starts nothing, but rank 1's
+    manager kept no pending save, so its next ``save`` started one: from there the ranks'
+    calls paired wrongly (step 4 failed with missing files, then rank 1 hung). Rank 1's next
+    ``save`` now raises that step's failure too, and step 4 commits on both."""
+    seen = pool.run(manager_saves_interrupted_while_staging, 2, str(tmp_path), timeout=120)
+    assert seen[0][:2] == ["saved", "saved"] and seen[1][:2] == ["saved", "KeyboardInterrupt"]
+    for rank in (0, 1):
+        assert seen[rank][2].startswith("DistributedCheckpointError: rank 1: "), seen
+        assert "interrupted while staging" in seen[rank][2], seen
+        assert seen[rank][3:] == ["saved", "[1, 4]", "4"], seen
