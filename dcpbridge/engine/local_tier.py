@@ -231,7 +231,11 @@ class LocalTier:
                 f"local step {step} was interrupted while staging ({type(e).__name__})"
             )
             handle._staged.set()
-            self._start(handle, lambda: self._finish(step, planned, cache, opts, [None], None))
+            self._start(  # its upload fails with it, as on the peers
+                handle, lambda: self._finish(step, planned, cache, opts, [None], None, persist)
+            )
+            if persist is not None:  # the caller keeps it pending (see ``interrupted_save``)
+                e.dcpbridge_pending = persist.handle  # type: ignore[attr-defined]
             raise
         if not (stage_behind and staging is not None and planned.error is None):
             handle._staged.set()

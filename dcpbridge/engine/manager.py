@@ -339,17 +339,23 @@ class CheckpointManager:
             thread_count=self.threads, checksums=True, fully_parallel=self.fully_parallel
         )
         url = self._local.step_url(step, node=0)
-        saved = self._local.save(
-            step,
-            state,
-            options,
-            behind=self.async_save,
-            stage_behind=stage_behind,
-            verify=self.verify_staging,
-            committed=lambda: self._notify(step, "local", url),
-            persist=job,
-            hold_caller=not stage_behind,
-        )
+        try:
+            saved = self._local.save(
+                step,
+                state,
+                options,
+                behind=self.async_save,
+                stage_behind=stage_behind,
+                verify=self.verify_staging,
+                committed=lambda: self._notify(step, "local", url),
+                persist=job,
+                hold_caller=not stage_behind,
+            )
+        except BaseException as e:  # interrupted while staging: the upload fails behind, and
+            left = save_mod.interrupted_save(e)  # the next call raises it, as on the peers
+            if job is not None and left is job.handle:
+                self._pending = (step, left)
+            raise
         if saved and job is not None:
             self._pending = (step, job.handle)
             if not self.async_save:

@@ -601,7 +601,7 @@ def test_an_async_save_interrupted_in_a_stateful_state_dict_keeps_the_ranks_in_s
     assert seen[0][-1] == seen[1][-1] == "4", seen
 
 
-def manager_saves_interrupted_while_staging(r: Rank, root: str) -> list[str]:
+def manager_saves_interrupted_while_staging(r: Rank, root: str, behind: bool) -> list[str]:
     """Four saves of an async CheckpointManager; rank 1's second is interrupted while it
     stages (after the save's collective decisions)."""
     from dcpbridge.engine import save as save_module
@@ -611,7 +611,14 @@ def manager_saves_interrupted_while_staging(r: Rank, root: str) -> list[str]:
     def stage(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt
 
-    mgr = db.CheckpointManager(os.path.join(root, "run"), every=1, process_group=r.group)
+    extra: dict[str, Any] = {}
+    if behind:  # staged for the local step, uploaded from it behind
+        extra = {
+            "local_dir": os.path.join(root, "shm{node}"),
+            "ranks_per_node": 1,
+            "persist_behind": True,
+        }
+    mgr = db.CheckpointManager(os.path.join(root, "run"), every=1, process_group=r.group, **extra)
     seen = []
     for step in range(1, 5):
         if r.rank == 1 and step == 2:
@@ -632,15 +639,16 @@ def manager_saves_interrupted_while_staging(r: Rank, root: str) -> list[str]:
 
 
 @pytest.mark.timeout(180)
-def test_a_manager_save_interrupted_while_staging_keeps_the_ranks_in_step(pool, tmp_path):
+@pytest.mark.parametrize("behind", [False, True], ids=["async", "persist-behind"])
+def test_a_manager_save_interrupted_while_staging_keeps_the_ranks_in_step(pool, tmp_path, behind):
     """Rank 1's async manager save interrupted while staging: its peers' save of that step
     fails in the background and their next ``save`` raises it and starts nothing, but rank 1's
     manager kept no pending save, so its next ``save`` started one: from there the ranks'
     calls paired wrongly (step 4 failed with missing files, then rank 1 hung). Rank 1's next
     ``save`` now raises that step's failure too, and step 4 commits on both."""
-    seen = pool.run(manager_saves_interrupted_while_staging, 2, str(tmp_path), timeout=120)
+    seen = pool.run(manager_saves_interrupted_while_staging, 2, str(tmp_path), behind, timeout=120)
     assert seen[0][:2] == ["saved", "saved"] and seen[1][:2] == ["saved", "KeyboardInterrupt"]
     for rank in (0, 1):
         assert seen[rank][2].startswith("DistributedCheckpointError: rank 1: "), seen
-        assert "interrupted while staging" in seen[rank][2], seen
+        assert "was interrupted while staging" in seen[rank][2], seen
         assert seen[rank][3:] == ["saved", "[1, 4]", "4"], seen
