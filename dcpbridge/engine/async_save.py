@@ -13,6 +13,8 @@ still holds it, at the next ``async_save`` of this process.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  # its exit hook first: the drain runs before it
+import contextlib
 import logging
 import os
 import queue
@@ -103,6 +105,7 @@ class AsyncSaver:
 
     _by_group: PerGroup[AsyncSaver] = PerGroup()  # forgotten with their process group
     _every: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # drained at exit
+    _inherited: list[AsyncSaver] = []  # a forked child's copies of its parent's savers
 
     def __init__(self, group: Group, max_in_flight: int) -> None:
         self.group = StoreGroup.for_group(group, "async-save")
@@ -128,6 +131,10 @@ class AsyncSaver:
             raise InvalidArgumentError(f"max_in_flight must be >= 1, got {max_in_flight}")
         cls.close_orphans()
         saver = cls._by_group.get(group, "async-save", lambda: AsyncSaver(group, max_in_flight))
+        if saver._pid != os.getpid():  # a forked child: the parent's saver has no threads here
+            cls._by_group.discard(saver)
+            cls._inherited.append(saver)  # the parent's: never torn down by the child
+            saver = cls._by_group.get(group, "async-save", lambda: AsyncSaver(group, max_in_flight))
         saver.area.max_sets = max(saver.area.max_sets, max_in_flight)
         saver.max_in_flight = max_in_flight
         return saver
@@ -173,8 +180,10 @@ class AsyncSaver:
         the same call on every rank, since every rank submits the same sequence of saves.
         """
         while len(self._inflight) >= self.max_in_flight:
-            oldest = self._inflight.popleft()
-            oldest.wait_done()
+            oldest = self._inflight[0]
+            oldest.wait_done()  # interrupted (Ctrl-C): it stays in flight, drained at exit
+            if self._inflight and self._inflight[0] is oldest:  # (another thread's call may
+                self._inflight.popleft()  # have taken it off meanwhile)
             if oldest._error is not None and not oldest._reported:
                 oldest._reported = True
                 raise oldest._error
@@ -208,12 +217,20 @@ class AsyncSaver:
         return handle
 
     def drain(self) -> None:
+        """Wait for every save in flight (at exit); a failed one is logged, whatever it raised
+        (a base exception of its thread must not end the exit's own work)."""
         while self._inflight:
-            handle = self._inflight.popleft()
-            try:
-                handle.result()
-            except Exception as e:  # reported where the caller waits; here only logged
-                log.warning("async save to %s failed: %s", handle.checkpoint_dir, e)
+            handle = self._inflight[0]
+            handle.wait_done()
+            self._inflight.popleft()
+            if handle._error is not None:  # reported where the caller waits; here only logged
+                error = handle._error
+                log.warning(
+                    "async save to %s failed: %s: %s",
+                    handle.checkpoint_dir,
+                    type(error).__name__,
+                    error,
+                )
 
     def _stage_loop(self) -> None:
         """Stage queued saves in order; local work only (no collective ever runs here)."""
@@ -262,11 +279,21 @@ class AsyncSaver:
         self.area.clear()
 
 
-@atexit.register
 def _wait_for_saves_at_exit() -> None:
     """Finish outstanding saves before the interpreter exits, so the last checkpoint lands;
-    a closing saver's thread ends first too (its teardown must not race the interpreter's)."""
+    a closing saver's thread ends first too (its teardown must not race the interpreter's).
+    Runs among threading's exit hooks, before ``concurrent.futures``' (after it, executors
+    refuse new work, which the writes need), and again at exit (a no-op by then)."""
     for saver in list(AsyncSaver._every):
+        if saver._pid != os.getpid():  # a forked child's copy: the parent's saves, not its own
+            continue
         saver.drain()
         if saver._closing and saver._pid == os.getpid():
             saver._thread.join()
+
+
+# CPython's hook run before threads are joined (concurrent.futures registers its own there);
+# elsewhere (another interpreter) the at-exit one alone
+with contextlib.suppress(AttributeError, RuntimeError):
+    threading._register_atexit(_wait_for_saves_at_exit)  # type: ignore[attr-defined]
+atexit.register(_wait_for_saves_at_exit)

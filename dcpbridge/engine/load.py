@@ -164,8 +164,8 @@ def _load(
         else:
             template = state_dicts(template)
         parts = for_load(template)
-    except Exception as e:
-        error = e
+    except BaseException as e:  # an interrupt too (a Stateful's state_dict): raised inside the
+        error = e  # first load step, where the peers learn of it instead of waiting for it
     share = None
     if parallel is not None:
         exchanged: list[Any] = []  # this rank's exchangeable shards, found once
@@ -177,7 +177,7 @@ def _load(
         try:
             owners = read_owners(parallel, boxes)
             share = fp.share_load(parallel.rank, owners, parts.shards, exchanged)
-        except Exception as e:  # raised on ``parallel`` only: carried to the whole group
+        except BaseException as e:  # raised on ``parallel`` only: carried to the whole group
             error = error or e
 
     checkpoint: Checkpoint | None = None

@@ -62,8 +62,8 @@ def upload(group: Group, job: PersistJob, local: Location, raw: bytes, index: St
             group, "persist behind: upload", lambda: _upload_mine(group, job, local, index)
         )
         protocol.on_coordinator(group, "persist behind: commit", lambda: _commit(job, raw, index))
-    except Exception as e:  # raised alike on every rank: reported at the next save/wait
-        error = e
+    except BaseException as e:  # raised alike on every rank: reported at the next save/wait
+        error = e  # (a base exception too, a client's CancelledError: else never finished)
         if group.is_coordinator:  # every rank is done with it: nothing half-written stays
             _remove(job.location, index)
     job.handle._finish(error)

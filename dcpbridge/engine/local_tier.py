@@ -245,6 +245,8 @@ class LocalTier:
         try:  # the space reports travel with the plan's vote: one exchange in the call
             planned = save_mod.plan_save(g, cache, state, opts, report=space)
         except Exception as e:  # raised alike on every rank: all skip this local step
+            if protocol.interrupted_ranks(e):  # an interrupted rank raised at once: so do its
+                raise  # peers, or their next calls would no longer pair with its
             self._failed(step, e)
             return False
         if self._lacking(step, planned.reports):
@@ -265,7 +267,11 @@ class LocalTier:
                 f"local step {step} was interrupted while staging ({type(e).__name__})"
             )
             handle._staged.set()
-            self._start(handle, lambda: self._finish(step, planned, cache, opts, [None], None))
+            self._start(  # its upload fails with it, as on the peers
+                handle, lambda: self._finish(step, planned, cache, opts, [None], None, persist)
+            )
+            if persist is not None:  # the caller keeps it pending (see ``interrupted_save``)
+                e.dcpbridge_pending = persist.handle  # type: ignore[attr-defined]
             raise
         if not (stage_behind and staging is not None and planned.error is None):
             handle._staged.set()
@@ -359,13 +365,16 @@ class LocalTier:
                 if buffers[0] is not None:
                     self.area.release(buffers[0])
             raw, index = self._replicate(step, time.perf_counter() - started)
-        except Exception as e:  # every rank fails this step alike (protocol steps)
+        except BaseException as e:  # every rank fails this step alike (protocol steps); a
+            # base exception too (a client's CancelledError): its upload must still be finished
             if prepared:  # nothing of it stays, a marker some nodes published least of all
                 self._on_lead(lambda: self._discard(step))
             self._on_lead(lambda: self._put_back(step))  # a committed step ``step`` set aside
             self._failed(step, e)
             if persist is not None:
                 persist.handle._finish(e)
+            if not isinstance(e, Exception) and threading.current_thread() is not self._worker:
+                raise  # an interrupt of the caller's own save (no thread behind): its own
             return
         if committed is not None:
             committed()

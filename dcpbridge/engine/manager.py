@@ -307,17 +307,23 @@ class CheckpointManager:
             thread_count=self.threads, checksums=True, fully_parallel=self.fully_parallel
         )
         url = self._local.step_url(step, node=0)
-        saved = self._local.save(
-            step,
-            state,
-            options,
-            behind=self.async_save,
-            stage_behind=stage_behind,
-            verify=self.verify_staging,
-            committed=lambda: self._notify(step, "local", url),
-            persist=job,
-            hold_caller=not stage_behind,
-        )
+        try:
+            saved = self._local.save(
+                step,
+                state,
+                options,
+                behind=self.async_save,
+                stage_behind=stage_behind,
+                verify=self.verify_staging,
+                committed=lambda: self._notify(step, "local", url),
+                persist=job,
+                hold_caller=not stage_behind,
+            )
+        except BaseException as e:  # interrupted while staging: the upload fails behind, and
+            left = save_mod.interrupted_save(e)  # the next call raises it, as on the peers
+            if job is not None and left is job.handle:
+                self._pending = (step, left)
+            raise
         if saved and job is not None:
             self._pending = (step, job.handle)
             if not self.async_save:
@@ -347,7 +353,6 @@ class CheckpointManager:
         if background and not self._guard.watching:
             raise InvalidArgumentError(_NEEDS_OPTIMIZERS)
         self._finish_pending()
-        prepare = self._prepare(step, metrics, behind=background)
         url = self.step_url(step)
         options = dict(
             process_group=self.process_group,
@@ -356,20 +361,27 @@ class CheckpointManager:
             thread_count=self.threads,
             checksums=self.checksums,
         )
-        if self.incremental:
+        if self.incremental:  # before the sidecar is written: its failure leaves nothing
             options["reuse_from"] = self._reuse_from(step)
+        prepare = self._prepare(step, metrics, behind=background)
         if self.async_save and not preempted:
-            with self._unprepared_on_failure(step):
-                handle = save_mod.async_save(
-                    state,
-                    url,
-                    background_staging=background,
-                    verify_staging=self.verify_staging,
-                    before_write=prepare,
-                    writer=self.writer,
-                    defer_stream_wait=background,
-                    **options,
-                )
+            try:
+                with self._unprepared_on_failure(step):
+                    handle = save_mod.async_save(
+                        state,
+                        url,
+                        background_staging=background,
+                        verify_staging=self.verify_staging,
+                        before_write=prepare,
+                        writer=self.writer,
+                        defer_stream_wait=background,
+                        **options,
+                    )
+            except BaseException as e:  # interrupted while staging: the save still runs to its
+                left = save_mod.interrupted_save(e)  # failure, which the next call raises here
+                if left is not None:  # as on the peers (else their calls no longer pair)
+                    self._pending = (step, left)
+                raise
             self._pending = (step, handle)
             return
         with self._unprepared_on_failure(step):
@@ -456,20 +468,24 @@ class CheckpointManager:
 
     def _finish_pending(self) -> bool:
         """Wait for the background save; raise its failure (every rank) or run retention.
-        True if a save was waited for."""
-        if self._pending is None:
-            return False
-        step, handle = self._pending
-        handle.wait_done()  # interrupted (Ctrl-C): the save is still pending, not failed
-        self._pending = None
-        with self._unprepared_on_failure(step):
-            handle.result()
-        self._resaved.pop(step, None)
-        self._committed(step)
-        log.info("dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir)
-        self._after_commit()
-        self._notify(step, "persistent", handle.checkpoint_dir)
-        return True
+        True if a save was waited for. A save that ``on_commit`` started meanwhile is the
+        pending one then: it is finished too, before anything else starts or ``close`` ends."""
+        waited = False
+        while self._pending is not None:
+            step, handle = self._pending
+            handle.wait_done()  # interrupted (Ctrl-C): the save is still pending, not failed
+            self._pending = None
+            with self._unprepared_on_failure(step):
+                handle.result()
+            self._resaved.pop(step, None)
+            self._committed(step)
+            log.info(
+                "dcpbridge: checkpoint of step %d committed at %s", step, handle.checkpoint_dir
+            )
+            self._after_commit()
+            self._notify(step, "persistent", handle.checkpoint_dir)
+            waited = True
+        return waited
 
     @contextlib.contextmanager
     def _unprepared_on_failure(self, step: int) -> Iterator[None]:
@@ -873,7 +889,13 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the pending save (raising its failure), restore signal handlers and stop
-        watching optimizers."""
+        watching optimizers. With ``save_on_signal``'s handlers, call it from the main thread
+        (only it can restore them): elsewhere it raises ``InvalidArgumentError`` at once."""
+        if self._signals and threading.current_thread() is not threading.main_thread():
+            raise InvalidArgumentError(
+                "close() restores the handlers save_on_signal installed, which only the main "
+                "thread can do: call it from the main thread"
+            )
         try:
             if self._local is not None:
                 self._local.close()

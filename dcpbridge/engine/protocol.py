@@ -99,7 +99,16 @@ def raise_failures(failures: list[Failure], mine: Any, *, world_size: int) -> No
         with contextlib.suppress(Exception):
             error = type(failures[0].exc)(text)
     error.failed_ranks = frozenset(f.rank for f in failures)  # type: ignore[attr-defined]
+    error.interrupted_ranks = frozenset(  # type: ignore[attr-defined]
+        f.rank for f in failures if f.exc is not None and not isinstance(f.exc, Exception)
+    )
     raise error from own or next((f.exc for f in failures if f.exc is not None), None)
+
+
+def interrupted_ranks(error: BaseException) -> frozenset[int]:
+    """The ranks of the step that raised ``error`` whose work was interrupted (a
+    ``KeyboardInterrupt``, ``SystemExit``...): they raised it at once, unchanged."""
+    return getattr(error, "interrupted_ranks", frozenset())
 
 
 def failed_ranks(error: BaseException) -> frozenset[int] | None:

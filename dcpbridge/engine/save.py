@@ -404,8 +404,10 @@ def async_save(
     writing and the commit run on a background thread whose exchanges never touch the caller's
     process groups. Failures (of staging too) surface on every rank at ``handle.result()``
     (or ``wait()``), or else at the async_save that has to wait for that save because
-    ``max_in_flight`` saves are outstanding (that call raises and starts nothing). A failed
-    save never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
+    ``max_in_flight`` saves are outstanding (that call raises and starts nothing); a rank
+    interrupted while the call sorts the state (a Stateful's ``state_dict``) raises it at
+    once, and its peers a ``DistributedCheckpointError`` in the same call. A failed save
+    never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
     background before any rank writes; its failure fails the save on every rank. With
     ``writer="process"`` (format "dcpbridge", Linux), staging goes to shared memory and a
     long-lived writer process writes the data files, so writing never holds this process's
@@ -431,6 +433,8 @@ def async_save(
     try:
         planned = plan_save(group, cache, sharded_state_dict, opts)
     except Exception as e:  # raised alike on every rank: reported where each waits
+        if protocol.interrupted_ranks(e):  # an interrupted rank raised at once: so do its
+            raise  # peers, or their next calls would no longer pair with its
         return saver.submit(target, _raiser(e), None)
     started = process_of(saver.area) is not None
     nbytes = _staged_bytes(planned)
@@ -462,7 +466,9 @@ def async_save(
             f"async_save to {target} was interrupted while staging ({type(e).__name__})"
         )
         planned.error.__cause__ = e
-        saver.submit(target, job, None, writer=writer).reported()  # the interrupt reports
+        behind = saver.submit(target, job, None, writer=writer)
+        behind.reported()  # the interrupt reports it here
+        e.dcpbridge_pending = behind  # type: ignore[attr-defined]  # see ``interrupted_save``
         raise
     return used.bind(saver.submit(target, job, buffers, stage=later, writer=writer))
 
@@ -511,6 +517,13 @@ def _write_behind(
     if before_write is not None:
         protocol.on_coordinator(group, "prepare", before_write)
     write_planned(group, cache, planned, target, options, wrap)
+
+
+def interrupted_save(error: BaseException) -> AsyncSaveHandle | None:
+    """The save an ``async_save`` interrupted while staging left behind (its peers' saves fail
+    in the background, and their next call that waits for it raises that): None if none."""
+    handle = getattr(error, "dcpbridge_pending", None)
+    return handle if isinstance(handle, AsyncSaveHandle) else None
 
 
 def _raiser(error: BaseException) -> Any:

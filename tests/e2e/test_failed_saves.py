@@ -485,3 +485,170 @@ def test_a_torch_dist_save_of_a_dtype_torch_cannot_write_keeps_the_older_checkpo
     assert sorted(os.listdir(path)) == before
     out = db.load({"w": db.ShardedTensor.from_box("w", torch.zeros(4), (4,), (0,))}, path)
     assert torch.equal(out["w"], w)
+
+
+class _InterruptedState:
+    """A Stateful whose ``state_dict`` is interrupted (a Ctrl-C while a load asks for it)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def load_interrupted_in_state_dict(r: Rank, path: str, parallel: bool) -> list[str]:
+    """Rank 1's Stateful is interrupted in ``state_dict()`` as the load asks for its
+    template; then both ranks load again."""
+    template: dict[str, Any] = {"a": _state(r, 0.0)["a"]}
+    if r.rank == 1:
+        template["app"] = _InterruptedState()
+    seen = []
+    try:
+        db.load(
+            template,
+            path,
+            process_group=r.group,
+            strict="assume_ok_unexpected",
+            fully_parallel=parallel,
+        )
+        seen.append("loaded")
+    except KeyboardInterrupt:
+        seen.append("KeyboardInterrupt")
+    except db.CheckpointError as e:
+        seen.append(f"{type(e).__name__}: {e}")
+    seen.append(str(load_value(r, path)))  # the ranks are in step: the next load works
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("parallel", [False, True], ids=["plain", "fully-parallel"])
+def test_a_load_interrupted_in_a_stateful_state_dict_fails_its_peers(pool, tmp_path, parallel):
+    """A Stateful's ``state_dict()`` interrupted on rank 1 while a load built its template
+    raised there before any collective, so rank 0 waited in the load's first exchange for
+    the process group's timeout. The interrupt is carried into that exchange: rank 1 raises
+    its KeyboardInterrupt, rank 0 a ``DistributedCheckpointError`` naming it, and both load
+    again."""
+    path = str(tmp_path / "ck")
+    pool.run(save_value, 2, path, 1.0)
+    seen = pool.run(load_interrupted_in_state_dict, 2, path, parallel, timeout=60)
+    assert seen[1] == ["KeyboardInterrupt", "1"], seen
+    assert seen[0][0].startswith("DistributedCheckpointError: "), seen
+    assert "rank 1: KeyboardInterrupt" in seen[0][0], seen
+    assert seen[0][1] == "1"
+
+
+def async_saves_interrupted_in_state_dict(r: Rank, root: str, kind: str) -> list[str]:
+    """Four saves; rank 1's Stateful is interrupted in ``state_dict()`` at the second (as the
+    save sorts its state). Each call is recorded; nothing waits on a handle in between."""
+    extra: dict[str, Any] = {}
+    if kind == "manager-local":
+        extra = {"local_dir": os.path.join(root, "shm{node}"), "ranks_per_node": 1}
+    mgr = None
+    if kind != "async_save":
+        mgr = db.CheckpointManager(
+            os.path.join(root, "run"), every=1, process_group=r.group, **extra
+        )
+    app = _InterruptedState()
+    seen = []
+    for step in range(1, 5):
+        state: dict[str, Any] = {**_state(r, float(step))}
+        if r.rank == 1 and step == 2:
+            state["app"] = app
+        try:
+            if mgr is None:
+                db.async_save(state, os.path.join(root, str(step)), process_group=r.group)
+            else:
+                mgr.save(step, state)
+            seen.append("saved")
+        except KeyboardInterrupt:
+            seen.append("KeyboardInterrupt")
+        except db.CheckpointError as e:
+            seen.append(f"{type(e).__name__}: {e}")
+    if mgr is not None:
+        mgr.close()
+        seen.append(str(mgr.all_steps()))
+    else:
+        db.async_save(_state(r, 5.0), os.path.join(root, "5"), process_group=r.group).result(60)
+    seen.append(
+        str(
+            load_value(
+                r, os.path.join(root, "run", "step_00000004") if mgr else os.path.join(root, "4")
+            )
+        )
+    )
+    return seen
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["async_save", "manager", "manager-local"])
+def test_an_async_save_interrupted_in_a_stateful_state_dict_keeps_the_ranks_in_step(
+    pool, tmp_path, kind
+):
+    """A Stateful's ``state_dict()`` interrupted on rank 1 as an async save sorted its state:
+    rank 1 raised its KeyboardInterrupt at once, while rank 0 deferred the failure (known in
+    the same vote) to its next call, which then started nothing; rank 1's next call started a
+    save, so the ranks' calls paired wrongly from there (later saves failed or hung). Rank 0
+    now raises ``DistributedCheckpointError`` naming rank 1 in the same call, and the next
+    saves of both commit."""
+    seen = pool.run(async_saves_interrupted_in_state_dict, 2, str(tmp_path), kind, timeout=120)
+    assert seen[1][:4] == ["saved", "KeyboardInterrupt", "saved", "saved"], seen
+    assert seen[0][0] == "saved" and seen[0][2:4] == ["saved", "saved"], seen
+    assert seen[0][1].startswith("DistributedCheckpointError: "), seen
+    assert "rank 1: KeyboardInterrupt" in seen[0][1], seen
+    if kind != "async_save":
+        assert seen[0][4] == seen[1][4] == "[1, 3, 4]", seen
+    assert seen[0][-1] == seen[1][-1] == "4", seen
+
+
+def manager_saves_interrupted_while_staging(r: Rank, root: str, behind: bool) -> list[str]:
+    """Four saves of an async CheckpointManager; rank 1's second is interrupted while it
+    stages (after the save's collective decisions)."""
+    from dcpbridge.engine import save as save_module
+
+    original = save_module.stage
+
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    extra: dict[str, Any] = {}
+    if behind:  # staged for the local step, uploaded from it behind
+        extra = {
+            "local_dir": os.path.join(root, "shm{node}"),
+            "ranks_per_node": 1,
+            "persist_behind": True,
+        }
+    mgr = db.CheckpointManager(os.path.join(root, "run"), every=1, process_group=r.group, **extra)
+    seen = []
+    for step in range(1, 5):
+        if r.rank == 1 and step == 2:
+            save_module.stage = stage
+        try:
+            mgr.save(step, _state(r, float(step)))
+            seen.append("saved")
+        except KeyboardInterrupt:
+            seen.append("KeyboardInterrupt")
+        except db.CheckpointError as e:
+            seen.append(f"{type(e).__name__}: {e}")
+        finally:
+            save_module.stage = original
+    mgr.close()
+    seen.append(str(mgr.all_steps()))
+    seen.append(str(load_value(r, os.path.join(root, "run", "step_00000004"))))
+    return seen
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("behind", [False, True], ids=["async", "persist-behind"])
+def test_a_manager_save_interrupted_while_staging_keeps_the_ranks_in_step(pool, tmp_path, behind):
+    """Rank 1's async manager save interrupted while staging: its peers' save of that step
+    fails in the background and their next ``save`` raises it and starts nothing, but rank 1's
+    manager kept no pending save, so its next ``save`` started one: from there the ranks'
+    calls paired wrongly (step 4 failed with missing files, then rank 1 hung). Rank 1's next
+    ``save`` now raises that step's failure too, and step 4 commits on both."""
+    seen = pool.run(manager_saves_interrupted_while_staging, 2, str(tmp_path), behind, timeout=120)
+    assert seen[0][:2] == ["saved", "saved"] and seen[1][:2] == ["saved", "KeyboardInterrupt"]
+    for rank in (0, 1):
+        assert seen[rank][2].startswith("DistributedCheckpointError: rank 1: "), seen
+        assert "was interrupted while staging" in seen[rank][2], seen
+        assert seen[rank][3:] == ["saved", "[1, 4]", "4"], seen

@@ -454,3 +454,184 @@ def test_a_destroyed_groups_async_saver_is_closed_and_a_new_group_saves(tmp_path
     # with the group held, the saver closes at the next async_save, not at destroy
     expected = f"RESULT {not held} True True ['dcpb-async-save'] True True"
     assert results == [expected] * 2
+
+
+FORK_DURING_SAVE = """
+import os, sys, threading, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root = sys.argv[1]
+gate, inner = threading.Event(), W.FsspecCheckpointWriter.write_data
+
+def held(self, plan, planner):  # the parent's write waits until the child was forked
+    gate.wait(30)
+    return inner(self, plan, planner)
+
+W.FsspecCheckpointWriter.write_data = held
+w = torch.arange(64, dtype=torch.float32)
+tmpl = lambda: {"w": db.ShardedTensor.from_box("w", torch.zeros(64), (64,), (0,))}
+handle = db.async_save({"w": db.ShardedTensor.from_box("w", w, (64,), (0,))},
+                       os.path.join(root, "parent"), writer="thread")
+pid = os.fork()
+if pid == 0:  # as a forked worker: its own async save, then an ordinary exit (atexit runs)
+    W.FsspecCheckpointWriter.write_data = inner
+    mine = {"w": db.ShardedTensor.from_box("w", w * 2, (64,), (0,))}
+    try:
+        db.async_save(mine, os.path.join(root, "child"), writer="thread").result(20)
+        print("CHILD", torch.equal(db.load(tmpl(), os.path.join(root, "child"))["w"], w * 2),
+              flush=True)
+    except TimeoutError:
+        print("CHILD hung", flush=True)
+    sys.exit(0)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0]:
+    time.sleep(0.05)
+else:
+    if time.monotonic() >= deadline:
+        print("EXIT hung", flush=True)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+gate.set()
+handle.result(30)
+print("PARENT", torch.equal(db.load(tmpl(), os.path.join(root, "parent"))["w"], w), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_forked_during_an_async_save_saves_and_exits(tmp_path):
+    """A child forked while an async save is in flight (``os.fork``, as some data workers do)
+    inherited the parent's saver, whose writer thread it does not have: its own ``async_save``
+    waited forever, and so did its exit (the at-exit drain waited for the parent's save). The
+    child now gets a saver of its own and leaves the parent's saves to the parent, which
+    commits its save bit-exact."""
+    run = subprocess.run(
+        [sys.executable, "-c", FORK_DURING_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["CHILD True", "PARENT True"], run.stdout + run.stderr[-2000:]
+
+
+EXIT_DURING_SAVE = """
+import os, sys, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root, inner = sys.argv[1], W.FsspecCheckpointWriter.write_data
+
+def slow(self, plan, planner):  # still writing when the interpreter begins to exit
+    time.sleep(0.5)
+    return inner(self, plan, planner)
+
+W.FsspecCheckpointWriter.write_data = slow
+w = torch.arange(1 << 16, dtype=torch.float32)
+state = {"w": db.ShardedTensor.from_box("w", w, (1 << 16,), (0,)), "step": 7}
+db.async_save(state, root, writer="thread", background_staging=sys.argv[2] == "1")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("background", [False, True])
+def test_an_async_save_in_flight_at_exit_commits(tmp_path, background):
+    """A script that ends with an async save in flight (no ``result()``, no manager
+    ``close``): the at-exit drain waits for it, so the checkpoint lands. It ran after
+    threading's shutdown hooks, when ``concurrent.futures`` refuses new work, so the thread
+    writer's save failed there ("cannot schedule new futures after interpreter shutdown"),
+    leaving an empty folder and no checkpoint."""
+    ckpt = tmp_path / "ck"
+    run = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_SAVE, str(ckpt), str(int(background))],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "failed" not in run.stderr, run.stderr[-2000:]
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(1 << 16), (1 << 16,), (0,))}
+    out = db.load(tmpl, str(ckpt))
+    assert torch.equal(out["w"], torch.arange(1 << 16, dtype=torch.float32))
+    assert out["step"] == 7
+
+
+INTERRUPTED_WAIT_FOR_CAPACITY = """
+import os, signal, sys, threading, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root, inner = sys.argv[1], W.FsspecCheckpointWriter.write_data
+
+def slow(self, plan, planner):  # the first save is still writing at the Ctrl-C and at exit
+    time.sleep(2)
+    return inner(self, plan, planner)
+
+W.FsspecCheckpointWriter.write_data = slow
+w = torch.arange(64, dtype=torch.float32)
+state = lambda t: {"w": db.ShardedTensor.from_box("w", t, (64,), (0,))}
+first = db.async_save(state(w), os.path.join(root, "a"), writer="thread")
+main = threading.main_thread().ident
+threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+try:  # waits for the first save (max_in_flight=1): interrupted there
+    db.async_save(state(w * 2), os.path.join(root, "b"), writer="thread")
+except KeyboardInterrupt:
+    print("interrupted", first.done(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_whose_wait_for_room_was_interrupted_stays_in_flight(tmp_path):
+    """A Ctrl-C while ``async_save`` waits for the previous save (``max_in_flight``) took that
+    save off the in-flight list before the wait: nothing waited for it any more, so the
+    script's exit killed its write half-way (an empty folder, no checkpoint) and its failure
+    could be reported nowhere. It now stays in flight: the exit drains it, bit-exact."""
+    run = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WAIT_FOR_CAPACITY, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["interrupted False"], run.stdout + run.stderr[-2000:]
+    tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(64), (64,), (0,))}
+    out = db.load(tmpl, str(tmp_path / "a"))
+    assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32))
+    assert not (tmp_path / "b").exists()
+
+
+EXIT_AFTER_A_CANCELLED_SAVE = """
+import asyncio, os, sys, threading, time, torch, dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+root = sys.argv[1]
+
+def cancelled(self, plan, planner):  # an async storage client's cancellation
+    raise asyncio.CancelledError()
+
+def later():
+    time.sleep(1.0)
+    open(os.path.join(root, "thread-done"), "w").close()
+
+W.FsspecCheckpointWriter.write_data = cancelled
+threading.Thread(target=later).start()  # not a daemon: the exit joins it
+w = torch.arange(64, dtype=torch.float32)
+db.async_save({"w": db.ShardedTensor.from_box("w", w, (64,), (0,))}, os.path.join(root, "ck"),
+              writer="thread")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_failing_with_a_base_exception_at_exit_is_logged_and_the_exit_goes_on(tmp_path):
+    """The at-exit drain raised a save's base exception (here ``asyncio.CancelledError`` of
+    its writer thread) out of threading's exit hooks, which then skipped joining the
+    script's own threads: they were killed mid-work. The failure is logged, the exit joins
+    them, and the failed save left no checkpoint."""
+    run = subprocess.run(
+        [sys.executable, "-c", EXIT_AFTER_A_CANCELLED_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "thread-done").exists(), run.stderr[-2000:]
+    assert f"async save to {tmp_path / 'ck'} failed: CancelledError" in run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "ck" / "dcpbridge.json").exists()

@@ -635,3 +635,37 @@ def test_reshard_refuses_a_destination_its_source_references(tmp_path, capsys, c
     out = mgr.load(_template(), step=2)
     assert torch.equal(out["base"], _crash_state(2)["base"])
     assert torch.equal(out["ad"], _crash_state(2)["ad"])
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, OSError], ids=["interrupt", "storage"])
+def test_a_first_incremental_save_failing_to_find_its_previous_step_leaves_nothing(
+    tmp_path, monkeypatch, fault
+):
+    """Rule 3: a new manager's first incremental save looks for the step to reference after
+    the step's sidecar (``manager.json``) was written; a failure there (a Ctrl-C, a storage
+    fault reading the previous document) left that folder behind. It is looked for first."""
+    from dcpbridge.engine import manager as manager_mod
+
+    root = str(tmp_path / "run")
+    first = db.CheckpointManager(root, every=1, async_save=False, incremental=True)
+    first.save(1, {"w": torch.ones(4)})
+    first.close()
+    mgr = db.CheckpointManager(root, every=1, async_save=False, incremental=True)
+
+    def failing(*args, **kwargs):
+        if fault is OSError:
+            raise db.StorageError(f"{root}: list: OSError: device gone")
+        raise fault()
+
+    with monkeypatch.context() as patch:
+        if fault is OSError:  # the listing of the complete steps fails
+            patch.setattr(manager_mod.CheckpointManager, "_scan", failing)
+        else:  # interrupted reading the previous step's document
+            patch.setattr(manager_mod.Previous, "open", failing)
+        with pytest.raises((KeyboardInterrupt, db.CheckpointError)):
+            mgr.save(2, {"w": torch.full((4,), 2.0)})
+    assert sorted(os.listdir(root)) == ["step_00000001"]
+    mgr.save(2, {"w": torch.full((4,), 2.0)})
+    mgr.close()
+    assert mgr.all_steps() == [1, 2]
+    assert torch.equal(mgr.load({"w": torch.zeros(4)}, step=2)["w"], torch.full((4,), 2.0))

@@ -364,6 +364,39 @@ def test_save_on_signal_refuses_what_it_cannot_install_with_invalid_argument(tmp
     assert signal.getsignal(signal.SIGUSR2) == previous
 
 
+@pytest.mark.timeout(60)
+def test_close_from_another_thread_with_save_on_signal_raises_invalid_argument(tmp_path):
+    """Rule 2: ``close()`` from a thread other than the main one, with ``save_on_signal``'s
+    handler installed, raised the ``ValueError`` of ``signal.signal`` after waiting for the
+    save, and left the handler in place half-closed. It now raises ``InvalidArgumentError``
+    before doing anything; the main thread's ``close`` then finishes the save and restores
+    the handler."""
+    import threading
+
+    previous = signal.getsignal(signal.SIGUSR2)
+    mgr = db.CheckpointManager(str(tmp_path), every=1, async_save=True)
+    mgr.save_on_signal(signal.SIGUSR2)
+    mgr.save(1, {"w": torch.ones(2)})
+    failures: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            mgr.close()
+        except BaseException as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=close)
+    thread.start()
+    thread.join(30)
+    assert [type(f) for f in failures] == [db.InvalidArgumentError]
+    assert "main thread" in str(failures[0]) and "save_on_signal" in str(failures[0])
+    assert signal.getsignal(signal.SIGUSR2) != previous  # still the manager's: not closed
+    mgr.close()
+    assert signal.getsignal(signal.SIGUSR2) == previous
+    assert mgr.all_steps() == [1]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=1)["w"], torch.ones(2))
+
+
 def test_uncommitted_directories_are_ignored_then_removed(tmp_path):
     """A killed save's folder is no step; it is removed once a newer step commits (before,
     it may be another job's save in flight), or cleared by a save of its own step."""
@@ -601,6 +634,110 @@ def test_on_commit_raising_a_base_exception_is_logged_not_raised_nor_hanging(
     assert mgr.all_steps() == [2, 4]
     assert "on_commit(4, 'persistent'" in caplog.text and "CancelledError" in caplog.text
     assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_save_started_by_on_commit_is_waited_for_and_notified(tmp_path):
+    """An ``on_commit`` that saves again (one process, async saves): that save became the
+    pending one while the manager was finishing the previous, and was then dropped: a later
+    ``save`` replaced it (its commit never notified, its failure raised by the other save),
+    and ``close`` returned with it still in flight. Now every save is finished in turn."""
+    calls: list[tuple[int, str]] = []
+
+    def notify(step: int, tier: str, url: str) -> None:
+        calls.append((step, tier))
+        if step == 2:  # the commit of step 2 starts a save of its own
+            mgr.save(100, {"w": torch.full((2,), 100.0)}, force=True)
+
+    mgr = db.CheckpointManager(str(tmp_path / "run"), every=1, on_commit=notify, async_save=True)
+    for step in range(1, 3):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    mgr.close()
+    assert calls == [(1, "persistent"), (2, "persistent"), (100, "persistent")]
+    assert not mgr.saving
+    assert mgr.all_steps() == [1, 2, 100]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=100)["w"], torch.full((2,), 100.0))
+    mgr = db.CheckpointManager(str(tmp_path / "run2"), every=1, on_commit=notify, async_save=True)
+    calls.clear()
+    for step in range(1, 4):  # step 3's save finishes step 2's, whose on_commit saves 100
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    mgr.close()
+    assert calls == [(1, "persistent"), (2, "persistent"), (100, "persistent"), (3, "persistent")]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 100.0))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["run", "shm"], ids=["upload", "local-write"])
+def test_a_persist_behind_upload_cancelled_fails_that_save_and_does_not_hang(
+    tmp_path, monkeypatch, where
+):
+    """An upload of ``persist_behind``, or the write of the local step it uploads, that raised
+    a base exception (``asyncio.CancelledError`` out of an async object-store client) left
+    the tier's thread without finishing the persistent save: the next ``wait``/``save``/
+    ``close`` waited for it forever, and what it had written stayed. It fails that save
+    (raised at the next wait, files removed) and the next persistent save commits."""
+    import asyncio
+
+    from dcpbridge.storage.backends import store as backends
+
+    original = backends.LocalStorage.open_write
+    cancelled = [True]
+
+    def open_write(self, path: str):  # the persistent tier's uploads, or the local writes
+        if cancelled[0] and f"{os.sep}{where}{os.sep}" in path:
+            raise asyncio.CancelledError()
+        return original(self, path)
+
+    monkeypatch.setattr(backends.LocalStorage, "open_write", open_write)
+    mgr = db.CheckpointManager(
+        str(tmp_path / "run"),
+        every=2,
+        local_dir=str(tmp_path / "shm"),
+        replicas=0,
+        persist_behind=True,
+    )
+    for step in range(1, 3):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    with pytest.raises(asyncio.CancelledError):
+        mgr.wait()
+    assert not (tmp_path / "run" / "step_00000002").exists()
+    # the local step stays where only its upload failed; a failed local write leaves nothing
+    assert (tmp_path / "shm" / "step_00000002").exists() == (where == "run")
+    cancelled[0] = False
+    for step in range(3, 5):
+        mgr.save(step, {"w": torch.full((2,), float(step))})
+    mgr.close()
+    assert mgr.all_steps() == [4]
+    assert torch.equal(mgr.load({"w": torch.zeros(2)}, step=4)["w"], torch.full((2,), 4.0))
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_synchronous_local_step_raises_its_interrupt(tmp_path, monkeypatch):
+    """A Ctrl-C during a local step written in the call (``async_save=False``) reaches the
+    caller unchanged (the tier logs a failure behind the loop, never an interrupt of its
+    caller); nothing of the step stays and the next local step commits."""
+    from dcpbridge.storage.backends import store as backends
+
+    original = backends.LocalStorage.open_write
+    interrupted = [True]
+
+    def open_write(self, path: str):
+        if interrupted[0]:
+            raise KeyboardInterrupt
+        return original(self, path)
+
+    monkeypatch.setattr(backends.LocalStorage, "open_write", open_write)
+    mgr = db.CheckpointManager(
+        str(tmp_path / "run"), every=10, local_dir=str(tmp_path / "shm"), async_save=False
+    )
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(1, {"w": torch.full((2,), 1.0)})
+    assert not (tmp_path / "shm" / "step_00000001").exists()
+    interrupted[0] = False
+    mgr.save(2, {"w": torch.full((2,), 2.0)})
+    assert mgr.latest_step() == 2
+    assert torch.equal(mgr.load({"w": torch.zeros(2)})["w"], torch.full((2,), 2.0))
+    mgr.close()
 
 
 def test_a_sidecar_too_large_for_one_is_not_read(tmp_path, monkeypatch):
