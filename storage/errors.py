@@ -60,8 +60,9 @@ class ConcurrentSaveError(CheckpointError):
 
 
 def is_storage_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` is an I/O failure of the storage layer (OS, fsspec, botocore, s3fs, or
-    aiohttp under them: a body cut short mid-transfer surfaces as its ``ClientPayloadError``)."""
+    """Whether ``exc`` is an I/O failure of the storage layer: an ``OSError``, or an error of
+    a storage client library (botocore and aiohttp under s3fs: a body cut short mid-transfer
+    surfaces as aiohttp's ``ClientPayloadError``; gcsfs's ``HttpError``, Azure's, ...)."""
     if isinstance(exc, CheckpointError):
         return False
     if isinstance(exc, OSError):
@@ -69,7 +70,28 @@ def is_storage_fault(exc: BaseException) -> bool:
     return any(c.__module__.split(".")[0] in _CLIENT_LIBRARIES for c in type(exc).__mro__)
 
 
-_CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp")
+_CLIENT_LIBRARIES = frozenset(
+    {
+        "botocore",
+        "aiobotocore",
+        "aiohttp",
+        "s3fs",
+        "gcsfs",
+        "google",
+        "azure",
+        "adlfs",
+        "fsspec",
+        "requests",
+        "urllib3",
+        "httpx",
+        "httpcore",
+        "huggingface_hub",
+        "paramiko",
+        "smbprotocol",
+        "ocifs",
+        "ossfs",
+    }
+)
 
 
 def storage_error(where: str, exc: BaseException) -> StorageError:

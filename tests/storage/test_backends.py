@@ -478,3 +478,35 @@ def test_local_fetches_start_threads_only_for_work_that_pays_for_them(tmp_path):
 
     assert fetch(3, 100) == {current_thread().name}
     assert all(name.startswith("dcpb-read") for name in fetch(256, 256))
+
+
+class _ClientError(Exception):
+    """An error of a storage client library other than botocore's (gcsfs's ``HttpError``)."""
+
+
+_ClientError.__module__ = "gcsfs.retry"
+
+
+def test_a_storage_client_s_own_errors_are_storage_errors_naming_the_url():
+    """Rule 2: a client library's error (gcsfs, Azure, ...) out of the filesystem reached the
+    caller as itself; it is a StorageError naming the URL, the original its cause, and the
+    folder holds no commit."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Flaky(MemoryFileSystem):
+        protocol = "flakyclient"
+        store: dict = {}  # its own, not the memory:// store
+        pseudo_dirs = [""]
+
+        def _open(self, path, mode="rb", **kwargs):
+            if "w" in mode and path.endswith(".bin"):
+                raise _ClientError("503 backend unavailable")
+            return super()._open(path, mode, **kwargs)
+
+    fsspec.register_implementation("flakyclient", Flaky, clobber=True)
+    url = "flakyclient://bucket/ck"
+    with pytest.raises(db.StorageError, match="flakyclient://bucket/ck") as raised:
+        db.save({"w": torch.ones(3)}, url)
+    assert isinstance(raised.value.__cause__, _ClientError)
+    assert not [p for p in Flaky.store if p.endswith("dcpbridge.json")]
