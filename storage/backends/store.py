@@ -135,8 +135,19 @@ class Storage:
         return OBJECT_STORE_READ_COSTS
 
     @storage_op("create directory")
-    def makedirs(self) -> None:
+    def makedirs(self) -> bool:
+        """Make this location's folder; True if this call made it (a local folder that was
+        not there: a failed save then removes it too)."""
+        made = self.location.is_local and not os.path.isdir(self.location.root)
         self.fs.makedirs(self.location.root, exist_ok=True)
+        return made
+
+    def remove_empty_folder(self) -> None:
+        """Remove this location's local folder if nothing is in it (``os.rmdir``: a file
+        another rank or job put there keeps it)."""
+        if self.location.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.location.root)
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> BinaryIO:

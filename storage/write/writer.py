@@ -379,6 +379,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._is_coordinator = False
         self._written: set[str] = set()
         self._registered: str | None = None  # the save whose write this coordinator counted
+        self._made_folder = False  # this rank's save made its (local) folder
         # incremental: chunks equal to this sibling checkpoint's are referenced (write/reuse.py)
         self.reuse_from = None if reuse_from is None else os.fspath(reuse_from)
         if path is not None:
@@ -418,7 +419,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         """Nothing held between saves (``AsyncStager``'s last call)."""
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._store.makedirs()
+        self._made_folder = self._store.makedirs()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -475,6 +476,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             # plain ``dcp.save`` has no abort step: a failed write removes its own files here
             # (the others' stay until the next save this coordinator makes here)
             self._remove_written()
+            self._remove_made_folder()
             raise
         if late is not None:
             self._late = late.start()
@@ -523,6 +525,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._remove_uncommitted(
             lambda present: [n for n in present if _save_id_of(n) == self._save_id]
         )
+        self._remove_made_folder()
 
     def abort(self) -> None:
         """Remove the data files this rank wrote for a save that failed (best effort).
@@ -534,6 +537,13 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         with _UNFINISHED_LOCK:  # every rank removes its own: nothing left for a later save
             _forget_unfinished(self._loc.url, self._save_id)
         self._remove_written()
+        self._remove_made_folder()
+
+    def _remove_made_folder(self) -> None:
+        """Remove the local folder this rank's save made, if it is empty by now (a folder that
+        was there before the save stays; so does one another rank still writes into)."""
+        if self._made_folder:
+            self._store.remove_empty_folder()
 
     def _remove_written(self) -> None:
         """Remove the data files this rank wrote for the failed save (best effort)."""

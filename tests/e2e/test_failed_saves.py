@@ -652,3 +652,36 @@ def test_a_manager_save_interrupted_while_staging_keeps_the_ranks_in_step(pool, 
         assert seen[rank][2].startswith("DistributedCheckpointError: rank 1: "), seen
         assert "was interrupted while staging" in seen[rank][2], seen
         assert seen[rank][3:] == ["saved", "[1, 4]", "4"], seen
+
+
+@pytest.mark.parametrize("how", ["save", "async_save", "plain_dcp"])
+def test_a_failed_write_removes_the_folder_its_save_made(tmp_path, monkeypatch, how):
+    """Rule 3: a save whose write failed (a full disk) removed its data files but left the
+    folder it had made, an empty checkpoint-looking directory. The folder goes with them; one
+    that was there before the save stays."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcpbridge.storage.backends.store import LocalStorage
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LocalStorage, "open_write", full_disk)
+
+    def save(path: str) -> None:
+        if how == "save":
+            db.save({"w": torch.ones(2)}, path)
+        elif how == "async_save":
+            db.async_save({"w": torch.ones(2)}, path, writer="thread").result()
+        else:
+            writer = db.FsspecCheckpointWriter(path)
+            dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+
+    # plain dcp.save raises DCP's CheckpointException (a BaseException) around our error
+    with pytest.raises(BaseException, match="No space left on device"):
+        save(str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    with pytest.raises(BaseException, match="No space left on device"):
+        save(str(tmp_path / "there"))
+    assert (tmp_path / "there").is_dir() and not list((tmp_path / "there").iterdir())
