@@ -495,3 +495,16 @@ def test_safetensors_export_of_torch_dist_keeps_the_tensors_of_its_common_state(
     assert out["plain.e"].shape == (4, 0, 3) and out["plain.e"].dtype == torch.int32
     assert torch.equal(out["w"], L.full("w"))
     assert result.tensors == 3
+
+
+def test_reshard_of_only_empty_tensors_split_over_ranks_commits(tmp_path):
+    """A layout that splits an empty tensor gives it no boxes: with nothing else stored, the
+    reshard wrote no item at all and its commit refused its own document ("refusing to
+    commit invalid metadata: no block checksums recorded"). It commits the empty tensor."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    db.save({"e": db.ShardedTensor.from_box("e", torch.empty(0, 3), (0, 3), (0, 0))}, src)
+    layout = parse_layout({"world_size": 2, "rules": [{"match": "e", "split": {"axis": 1}}]})
+    reshard(open_source(src), dst, layout)
+    out = db.load({"e": torch.ones(0, 3)}, dst)
+    assert out["e"].shape == (0, 3) and out["e"].dtype == torch.float32
+    assert db.load_tensors_metadata(dst)["e"].global_shape == (0, 3)
