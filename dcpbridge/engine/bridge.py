@@ -254,13 +254,13 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
         self.others = others
         for s in self.shards:
             (direct if isinstance(s, ShardedTensor) and s.key not in plain else others).append(s)
-        return direct, self._other_leaves(direct, others)
+        return direct, self._other_leaves(others)
 
-    def _other_leaves(self, direct: list[ShardedTensor], others: list[Shard]) -> Iterator[Leaf]:
+    def _other_leaves(self, others: list[Shard]) -> Iterator[Leaf]:
         """``requests``' leaves: of ``others`` (ShardedObjects, plain tensors' shards), plain
-        values and the common state; ``direct``: the shards planned in bulk."""
+        values and the common state."""
         assert self._metadata is not None
-        taken: set[str] = set()  # keys planned: ``direct``'s join them where a table asks
+        taken: set[str] = set()  # keys planned: the template's tensors join them where a table asks
         stored = self._metadata.state_dict_metadata
         self.table = common_table(self._metadata)
         blob = self.legacy_common or COMMON_KEY in stored
@@ -300,8 +300,9 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
                 yield Leaf("", box, None, None)
             else:
                 yield Leaf(key, None, self.values, key)
-        if self.table:
-            taken.update([s.key for s in direct])
+        if self.table:  # every tensor the template asks for, also one a fully-parallel
+            # load reads on another rank (not this rank's common state to return whole)
+            taken.update([s.key for s in self.parts.shards if isinstance(s, ShardedTensor)])
         for key in self.table["keys"] if self.table else ():
             if key in taken:
                 continue

@@ -37,17 +37,24 @@ import torch
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine.collectives import Group
-from dcpbridge.errors import CheckpointError, InvalidArgumentError
+from dcpbridge.errors import CheckpointError, InvalidArgumentError, PickleRefusedError
 from dcpbridge.formats.checkpoint import SAFETENSORS_INDEX, Format
 from dcpbridge.formats.safetensors_chunks import SAFETENSORS_DTYPES
-from dcpbridge.formats.sources import Source, TensorInfo, _TorchFileSource
+from dcpbridge.formats.sources import (
+    ChunkInfo,
+    Source,
+    TensorInfo,
+    _check_dense,
+    _TorchFileSource,
+)
 from dcpbridge.model.mapping import COMMON_KEY
 from dcpbridge.planners.errors import SerializationError
+from dcpbridge.planners.walk import iter_leaves
 from dcpbridge.storage import Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_error, storage_faults
-from dcpbridge.storage.write.writer import CoalescingFile
+from dcpbridge.storage.write.writer import CoalescingFile, tensor_bytes
 from dcpbridge.tools.reshard import (
     DEFAULT_SLAB_BYTES,
     WorkItem,
@@ -74,9 +81,36 @@ class ExportResult:
     aliases: dict[str, str] = field(default_factory=dict)
 
 
+def common_tensors(source: Source) -> dict[str, torch.Tensor]:
+    """The tensors a source keeps inside its common-state object (a torch_dist checkpoint's
+    ``common.pt``), by dotted path: tensors too, which a safetensors export must not skip.
+    A common state that safe loading refuses is skipped with a warning (it is not read)."""
+    if COMMON_KEY not in source.objects or isinstance(source, _TorchFileSource):
+        return {}  # a torch.save file's tensors are source tensors already
+    try:
+        common = source.common_state()
+    except PickleRefusedError as e:
+        log.warning("%s: common state not read, its tensors are not exported: %s", COMMON_KEY, e)
+        return {}
+    held: dict[str, torch.Tensor] = {}
+    for leaf in iter_leaves(common):
+        if isinstance(leaf.value, torch.Tensor):
+            if leaf.path in source.tensors or leaf.path in held:
+                raise CheckpointError(f"{leaf.path!r} is both a tensor and a common-state entry")
+            _check_dense(source.location.url, leaf.path, leaf.value)
+            held[leaf.path] = leaf.value.resolve_conj().resolve_neg()
+    return held
+
+
 def _whole(source: Source, key: str, slab_bytes: int):
     info = source.tensors[key]
     return box_bytes(source, key, (0,) * len(info.shape), info.shape, slab_bytes)
+
+
+def _info(key: str, t: torch.Tensor) -> TensorInfo:
+    """A whole in-memory tensor as a source's one-chunk tensor."""
+    shape = tuple(t.shape)
+    return TensorInfo(key, shape, t.dtype, (ChunkInfo((0,) * t.dim(), shape, t.nbytes),))
 
 
 def plan_shards(tensors: list[TensorInfo], max_shard_bytes: int) -> list[list[TensorInfo]]:
@@ -194,8 +228,11 @@ def export_safetensors(
     location = resolve(destination, storage_options)
     store = storage_for(location)
     aliases = tied_aliases(source)
+    held = common_tensors(source)
     files = plan_files(
-        [source.tensors[k] for k in source.tensors if k not in aliases], max_shard_bytes
+        [source.tensors[k] for k in source.tensors if k not in aliases]
+        + [_info(k, t) for k, t in held.items()],
+        max_shard_bytes,
     )
     names = [name for name, _ in files]
     work = [WorkItem(name, sum(t.nbytes for t in shard), 0) for name, shard in files]
@@ -233,7 +270,12 @@ def export_safetensors(
                 out = CoalescingFile(raw)
                 out.write(memoryview(head))
                 for t in ordered:
-                    for part in counted(_whole(source, t.key, slab_bytes), on_bytes):
+                    parts = (
+                        [tensor_bytes(held[t.key])]
+                        if t.key in held
+                        else _whole(source, t.key, slab_bytes)
+                    )
+                    for part in counted(parts, on_bytes):
                         out.write(part)
                     weight_map[t.key] = name
                 out.flush()

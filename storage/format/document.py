@@ -143,8 +143,12 @@ class StorageIndex:
 # -- encoding -----------------------------------------------------------------------------------
 
 
-def item_table(metadata: Metadata, items: Mapping[ItemKey, StoredItem]) -> ItemTable:
-    """The item table of ``metadata`` whose chunks and objects are stored at ``items``."""
+def item_table(
+    metadata: Metadata, items: Mapping[ItemKey, StoredItem], *, checksums: bool = False
+) -> ItemTable:
+    """The item table of ``metadata`` whose chunks and objects are stored at ``items``;
+    ``checksums``: whether it records checksums where it has no item to tell (empty tensors
+    only, an empty state)."""
     tensors, objects, rows, object_rows = [], [], [], []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -165,9 +169,10 @@ def item_table(metadata: Metadata, items: Mapping[ItemKey, StoredItem]) -> ItemT
             objects.append(fqn)
             object_rows.append(item)
     files = sorted({it.file for _, _, _, it in rows} | {it.file for it in object_rows})
-    checksums = any(it.checksums is not None for _, _, _, it in rows) or any(
-        it.checksums is not None for it in object_rows
-    )
+    if rows or object_rows:
+        checksums = any(it.checksums is not None for _, _, _, it in rows) or any(
+            it.checksums is not None for it in object_rows
+        )
     return table_from_rows(tensors, objects, files, rows, object_rows, checksums=checksums)
 
 
@@ -205,7 +210,7 @@ def encode_metadata(metadata: Metadata, *, columns: bool = False) -> bytes:
         raise TypeError("metadata.storage_data must be a StorageIndex")
     table = index.items
     if not isinstance(table, ItemTable):
-        table = item_table(metadata, table)
+        table = item_table(metadata, table, checksums=bool(index.checksum_algorithm))
     boxes = planned_boxes(metadata)
     _check_against(metadata, table, boxes)
     block = index.checksum_block_size if index.checksum_algorithm else 0

@@ -540,3 +540,23 @@ def test_a_hand_off_buffer_that_cannot_be_allocated_fails_every_rank(pool, tmp_p
         ]
         * 2
     )
+
+
+def fp_common_tensor_into_shards(r: Rank, path: str) -> tuple[tuple[int, ...], bool, bool]:
+    """Both ranks ask for the same column half of a plain tensor a save kept as common state."""
+    half = torch.zeros(4, 4)
+    template = {"w": db.ShardedTensor.from_rank_offsets("w", half, (1, 0, 2), replica_id=r.rank)}
+    out = db.load(template, path, process_group=r.group, fully_parallel=True)
+    filled = torch.equal(half, torch.arange(32.0).reshape(4, 8)[:, :4])
+    return tuple(out["w"].shape), out["w"] is half, filled
+
+
+def test_fully_parallel_load_of_a_common_tensor_returns_the_template_box(pool, tmp_path):
+    """A plain tensor saved as common state, loaded into ShardedTensor boxes: a rank that got
+    its box from another rank returned the whole stored tensor at that key (its template's
+    box filled, the result holding a (4, 8) tensor where the template asked for (4, 4)), as
+    if the key were common state the template lacks. Every rank returns its filled box."""
+    path = str(tmp_path / "ck")
+    full = torch.arange(32.0).reshape(4, 8)
+    db.save({"w": full, "step": 1}, path)
+    assert pool.run(fp_common_tensor_into_shards, 2, path, timeout=60) == [((4, 4), True, True)] * 2

@@ -472,3 +472,39 @@ def test_convert_to_torch_keeps_the_tensors_inside_objects_and_common_state(tmp_
         out["opt"] = {"state": {0: {"step": out.pop("opt.state.0.step")}}, "pair": out["opt.pair"]}
     assert torch.equal(out["opt"]["state"][0]["step"], step)
     assert torch.equal(out["opt"]["pair"][0], plain) and out["opt"]["pair"][1] == "x"
+
+
+def test_safetensors_export_of_torch_dist_keeps_the_tensors_of_its_common_state(tmp_path):
+    """A torch_dist save keeps plain tensors in ``common.pt``: ``convert --to safetensors``
+    skipped them as an object (no error, the file lacked them) while ``--to torch`` and a
+    dcpbridge-format save of the same state export them. They are exported, bit-exact."""
+    from safetensors.torch import load_file
+
+    bits = torch.tensor([-0.0, float("nan"), 1.5], dtype=torch.bfloat16)
+    state = {
+        "w": db.ShardedTensor.from_box("w", L.full("w"), (12, 8), (0, 0)),
+        "plain": {"b": bits, "e": torch.zeros(4, 0, 3, dtype=torch.int32)},
+        "step": 3,
+    }
+    src = str(tmp_path / "td")
+    db.save(state, src, format="torch_dist")
+    result = db.export_safetensors(open_source(src), str(tmp_path / "st"))
+    out = load_file(str(tmp_path / "st" / "model.safetensors"))
+    assert sorted(out) == ["plain.b", "plain.e", "w"]
+    assert torch.equal(out["plain.b"].view(torch.int16), bits.view(torch.int16))
+    assert out["plain.e"].shape == (4, 0, 3) and out["plain.e"].dtype == torch.int32
+    assert torch.equal(out["w"], L.full("w"))
+    assert result.tensors == 3
+
+
+def test_reshard_of_only_empty_tensors_split_over_ranks_commits(tmp_path):
+    """A layout that splits an empty tensor gives it no boxes: with nothing else stored, the
+    reshard wrote no item at all and its commit refused its own document ("refusing to
+    commit invalid metadata: no block checksums recorded"). It commits the empty tensor."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    db.save({"e": db.ShardedTensor.from_box("e", torch.empty(0, 3), (0, 3), (0, 0))}, src)
+    layout = parse_layout({"world_size": 2, "rules": [{"match": "e", "split": {"axis": 1}}]})
+    reshard(open_source(src), dst, layout)
+    out = db.load({"e": torch.ones(0, 3)}, dst)
+    assert out["e"].shape == (0, 3) and out["e"].dtype == torch.float32
+    assert db.load_tensors_metadata(dst)["e"].global_shape == (0, 3)
