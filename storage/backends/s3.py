@@ -199,8 +199,9 @@ class S3Storage(Storage):
         self.budget.restart()
 
     @storage_op("create directory")
-    def makedirs(self) -> None:
+    def makedirs(self) -> bool:
         """Object stores have no directories (and creating buckets is not ours to do)."""
+        return False
 
     @storage_op("open for writing")
     def open_write(self, path: str) -> MultipartWriter:
