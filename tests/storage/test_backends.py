@@ -19,6 +19,7 @@ from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import RangeRead, ScatterRead
 from dcpbridge.storage.format.paths import resolve
+from dcpbridge.storage.write import writer as writer_mod
 from dcpbridge.storage.write.writer import remove_stale_files
 from tests.support import layouts as L
 from tests.support.backends import Backend
@@ -133,6 +134,7 @@ def save_crashing_before_commit(b: Backend, name: str, **kw: Any) -> None:
         mp.setattr(FsspecCheckpointWriter, "abort", lambda self: None)  # nor cleans up
         with pytest.raises(SimulatedCrash):
             save_one_process(b, name, **kw)
+    writer_mod._UNFINISHED.clear()  # what the dead process knew of its save died with it
 
 
 def test_data_without_commit_object_is_an_incomplete_checkpoint(backend):
