@@ -203,7 +203,7 @@ def test_a_storage_fault_in_the_writer_process_is_its_storage_error(tmp_path, mo
     assert not isinstance(failed.value, db.WriterProcessError), failed.value
     assert "No space left on device" in str(failed.value) and "write __0_" in str(failed.value)
     assert isinstance(failed.value.__cause__, OSError) and failed.value.__cause__.errno == 28
-    assert os.listdir(tmp_path / "ck") == []  # no data file, no commit
+    assert not (tmp_path / "ck").exists()  # no data file, no commit, not the folder it made
 
 
 def test_a_sigterm_to_the_process_group_lets_the_writer_process_finish(tmp_path, monkeypatch):
