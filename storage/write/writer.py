@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 import ctypes
 import dataclasses
 import functools
@@ -85,6 +86,37 @@ def _forget_unfinished(url: str, save_id: str) -> bool:
     if not pending:
         del _UNFINISHED[url]
     return True
+
+
+def _as_given(given: Any, staged: Any) -> Any:
+    """``staged``, ``BlockingAsyncStager``'s copy of ``given``, holding what ``given`` held:
+    it shares each ``io.BytesIO`` (a caller writing to one while the save runs changed what
+    was stored) and makes every tuple a plain one (a namedtuple or ``torch.Size`` was stored
+    retyped); both are made again here (a stream's bytes and position, the tuple's type)."""
+    if isinstance(given, io.BytesIO):
+        if staged is not given:
+            return staged
+        copy = io.BytesIO(given.getvalue())
+        copy.seek(given.tell())
+        return copy
+    if isinstance(given, dict) and isinstance(staged, dict):
+        for key, value in given.items():
+            if key in staged:
+                staged[key] = _as_given(value, staged[key])
+        return staged
+    if isinstance(given, (list, tuple)) and isinstance(staged, (list, tuple)):
+        items = [_as_given(g, s) for g, s in zip(given, staged)]
+        if isinstance(given, list):
+            staged[:] = items
+            return staged
+        kind = type(given)
+        if kind is tuple:
+            return tuple(items)
+        try:
+            return kind(*items) if hasattr(given, "_fields") else kind(items)
+        except Exception:  # a tuple type made otherwise: a copy of the value itself
+            return copy_module.deepcopy(given)
+    return staged
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -409,8 +441,9 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A CPU copy of ``state_dict`` holding the values every tensor shows, for
-        ``dcp.async_save`` to write while training goes on (``BlockingAsyncStager``'s copy)."""
-        return BlockingAsyncStager().stage(state_dict)
+        ``dcp.async_save`` to write while training goes on (``BlockingAsyncStager``'s copy,
+        with the byte streams it shares copied and the tuple types it drops restored)."""
+        return _as_given(state_dict, BlockingAsyncStager().stage(state_dict))
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns once the copy is made."""

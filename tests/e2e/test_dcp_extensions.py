@@ -10,9 +10,11 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -463,6 +465,7 @@ def test_a_transformed_chunk_larger_than_its_stream_can_decode_to_is_refused(tmp
 
 BLOCK_ZSTD = """
 import sys
+import threading
 sys.modules["zstandard"] = None  # not installed, as far as this process can tell
 sys.modules["pyzstd"] = None
 import torch
@@ -878,3 +881,41 @@ def test_hf_writer_refusal_reaches_a_planner_subclass_overriding_set_up(tmp_path
     with pytest.raises(CheckpointException, match="'step': DCP's HuggingFaceStorageWriter"):
         dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
     assert not os.path.exists(path) or os.listdir(path) == []
+
+
+class _Point(NamedTuple):
+    x: int
+    y: torch.Tensor
+
+
+class _GatedPlanner(db.ShardedSavePlanner):
+    """Plans only once the test has changed the caller's values (the save runs behind)."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def create_local_plan(self) -> Any:
+        self.gate.wait(30)
+        return super().create_local_plan()
+
+
+def test_async_save_stores_byte_streams_and_tuples_as_they_were_at_the_call(tmp_path):
+    """Our writer stages for ``dcp.async_save``: a BytesIO the caller writes to afterwards,
+    and a namedtuple or ``torch.Size`` (BlockingAsyncStager made them plain tuples), are
+    stored as the call saw them, as torch's DefaultStager stored them."""
+    path, gate = str(tmp_path / "ck"), threading.Event()
+    stream = io.BytesIO(b"original")
+    sd = {"b": stream, "p": _Point(1, torch.arange(3.0)), "s": torch.Size([2, 3])}
+    writer = db.FsspecCheckpointWriter(path)
+    fut = dcp.async_save(sd, storage_writer=writer, planner=_GatedPlanner(gate), no_dist=True)
+    stream.seek(0)
+    stream.write(b"CHANGED!")
+    gate.set()
+    fut.result()
+    out: dict[str, Any] = {"b": io.BytesIO(), "p": None, "s": None}
+    dcp.load(out, storage_reader=db.FsspecCheckpointReader(path), no_dist=True)
+    assert out["b"].getvalue() == b"original"
+    point, size = out["p"], out["s"]  # DCP's load planner unpickles them (its own choice)
+    assert type(point) is _Point and point.x == 1 and torch.equal(point.y, torch.arange(3.0))
+    assert type(size) is torch.Size and size == torch.Size([2, 3])
