@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dcpbridge.storage.backends import device_copy
@@ -92,7 +93,11 @@ def _as_given(given: Any, staged: Any) -> Any:
     """``staged``, ``BlockingAsyncStager``'s copy of ``given``, holding what ``given`` held:
     it shares each ``io.BytesIO`` (a caller writing to one while the save runs changed what
     was stored) and makes every tuple a plain one (a namedtuple or ``torch.Size`` was stored
-    retyped); both are made again here (a stream's bytes and position, the tuple's type)."""
+    retyped); both are made again here (a stream's bytes and position, the tuple's type). It
+    hands a 0-dim DTensor back itself: that is copied here too (an update after the call,
+    an optimizer's step count, was stored instead)."""
+    if isinstance(given, DTensor):
+        return copy_module.deepcopy(given) if staged is given else staged
     if isinstance(given, io.BytesIO):
         if staged is not given:
             return staged

@@ -919,3 +919,35 @@ def test_async_save_stores_byte_streams_and_tuples_as_they_were_at_the_call(tmp_
     point, size = out["p"], out["s"]  # DCP's load planner unpickles them (its own choice)
     assert type(point) is _Point and point.x == 1 and torch.equal(point.y, torch.arange(3.0))
     assert type(size) is torch.Size and size == torch.Size([2, 3])
+
+
+def scalar_dtensor_async_save(r: Rank, path: str) -> tuple[float, list[float]]:
+    """``dcp.async_save`` of a 0-dim DTensor and a sharded one, both changed in place once the
+    call returned (before the save behind it plans); what was stored, loaded back."""
+    mesh, gate = mesh_of(r), threading.Event()
+    step = distribute_tensor(torch.tensor(5.0), mesh, [Replicate()])
+    w = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    fut = dcp.async_save(
+        {"step": step, "w": w},
+        storage_writer=db.FsspecCheckpointWriter(path),
+        planner=_GatedPlanner(gate),
+        process_group=r.group,
+    )
+    step.add_(1)
+    w.add_(1)
+    gate.set()
+    fut.result()
+    out = {
+        "step": distribute_tensor(torch.tensor(0.0), mesh, [Replicate()]),
+        "w": distribute_tensor(torch.zeros(4), mesh, [Shard(0)]),
+    }
+    dcp.load(out, storage_reader=db.FsspecCheckpointReader(path), process_group=r.group)
+    return out["step"].to_local().item(), out["w"].full_tensor().tolist()
+
+
+@pytest.mark.timeout(120)
+def test_async_save_stores_a_scalar_dtensor_as_it_was_at_the_call(pool, tmp_path):
+    """BlockingAsyncStager hands a 0-dim DTensor back itself, not a copy: an update after
+    the call (an optimizer's step count) was stored instead. The writer's stage copies it."""
+    got = pool.run(scalar_dtensor_async_save, 2, str(tmp_path / "ck"), timeout=100)
+    assert got == [(5.0, [0.0, 1.0, 2.0, 3.0])] * 2
