@@ -185,7 +185,7 @@ class LocalTier:
             os.close(fd)
             return dataclasses.replace(claim, locked=False) if _held(e) else None
         self._held = fd
-        self._release = weakref.finalize(self, _unlock, fd)  # a manager dropped unclosed
+        self._release = weakref.finalize(self, _unlock, fd, os.getpid())  # dropped unclosed
         return claim
 
     @property
@@ -705,11 +705,14 @@ class LocalTier:
                 self._release()  # another job may use the directory from here on
 
 
-def _unlock(fd: int) -> None:
+def _unlock(fd: int, pid: int) -> None:
     """Release a directory lock and its descriptor: unlocked first, since a forked child (a
-    DataLoader worker) shares the locked descriptor and would keep holding it."""
+    DataLoader worker) shares the locked descriptor and would keep holding it. In such a
+    child (not process ``pid``, which locked it) only its copy is closed: an unlock there,
+    at its exit, released the lock of the parent, which still uses the directory."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        if os.getpid() == pid:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 import ctypes
 import dataclasses
 import functools
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dcpbridge.storage.backends import device_copy
@@ -85,6 +87,63 @@ def _forget_unfinished(url: str, save_id: str) -> bool:
     if not pending:
         del _UNFINISHED[url]
     return True
+
+
+class _Slot(int):
+    """An object leaf's place in ``_objects_out``'s list (an int: BlockingAsyncStager keeps it)."""
+
+
+def _objects_out(value: Any, objects: list[Any]) -> Any:
+    """``value`` with each leaf that BlockingAsyncStager deep-copies one by one (anything but
+    tensors, containers, scalars, strings, bytes and streams) moved to ``objects``, a
+    ``_Slot`` in its place: copied together, they copy a storage they share once (a
+    ShardedTensor per parameter, each a view into one flat buffer, copied that buffer each)."""
+    if isinstance(value, (torch.Tensor, int, float, str, bytes, io.BytesIO)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {key: _objects_out(v, objects) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_objects_out(v, objects) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    objects.append(value)
+    return _Slot(len(objects) - 1)
+
+
+def _as_given(given: Any, staged: Any, objects: list[Any]) -> Any:
+    """``staged``, ``BlockingAsyncStager``'s copy of ``given``, holding what ``given`` held:
+    it shares each ``io.BytesIO`` (a caller writing to one while the save runs changed what
+    was stored) and makes every tuple a plain one (a namedtuple or ``torch.Size`` was stored
+    retyped); both are made again here (a stream's bytes and position, the tuple's type). It
+    hands a 0-dim DTensor back itself: that is copied here too (an update after the call,
+    an optimizer's step count, was stored instead). A ``_Slot`` takes its copy in ``objects``."""
+    if type(staged) is _Slot:
+        return objects[staged]
+    if isinstance(given, DTensor):
+        return copy_module.deepcopy(given) if staged is given else staged
+    if isinstance(given, io.BytesIO):
+        if staged is not given:
+            return staged
+        copy = io.BytesIO(given.getvalue())
+        copy.seek(given.tell())
+        return copy
+    if isinstance(given, dict) and isinstance(staged, dict):
+        for key, value in given.items():
+            if key in staged:
+                staged[key] = _as_given(value, staged[key], objects)
+        return staged
+    if isinstance(given, (list, tuple)) and isinstance(staged, (list, tuple)):
+        items = [_as_given(g, s, objects) for g, s in zip(given, staged)]
+        if isinstance(given, list):
+            staged[:] = items
+            return staged
+        kind = type(given)
+        if kind is tuple:
+            return tuple(items)
+        try:
+            return kind(*items) if hasattr(given, "_fields") else kind(items)
+        except Exception:  # a tuple type made otherwise: a copy of the value itself
+            return copy_module.deepcopy(given)
+    return staged
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -409,8 +468,11 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A CPU copy of ``state_dict`` holding the values every tensor shows, for
-        ``dcp.async_save`` to write while training goes on (``BlockingAsyncStager``'s copy)."""
-        return BlockingAsyncStager().stage(state_dict)
+        ``dcp.async_save`` to write while training goes on (``BlockingAsyncStager``'s copy,
+        with the byte streams it shares copied and the tuple types it drops restored)."""
+        objects: list[Any] = []
+        staged = BlockingAsyncStager().stage(_objects_out(state_dict, objects))
+        return _as_given(state_dict, staged, copy_module.deepcopy(objects))
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns once the copy is made."""

@@ -10,9 +10,11 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -463,6 +465,7 @@ def test_a_transformed_chunk_larger_than_its_stream_can_decode_to_is_refused(tmp
 
 BLOCK_ZSTD = """
 import sys
+import threading
 sys.modules["zstandard"] = None  # not installed, as far as this process can tell
 sys.modules["pyzstd"] = None
 import torch
@@ -878,3 +881,99 @@ def test_hf_writer_refusal_reaches_a_planner_subclass_overriding_set_up(tmp_path
     with pytest.raises(CheckpointException, match="'step': DCP's HuggingFaceStorageWriter"):
         dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
     assert not os.path.exists(path) or os.listdir(path) == []
+
+
+class _Point(NamedTuple):
+    x: int
+    y: torch.Tensor
+
+
+class _GatedPlanner(db.ShardedSavePlanner):
+    """Plans only once the test has changed the caller's values (the save runs behind)."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def create_local_plan(self) -> Any:
+        self.gate.wait(30)
+        return super().create_local_plan()
+
+
+def test_async_save_stores_byte_streams_and_tuples_as_they_were_at_the_call(tmp_path):
+    """Our writer stages for ``dcp.async_save``: a BytesIO the caller writes to afterwards,
+    and a namedtuple or ``torch.Size`` (BlockingAsyncStager made them plain tuples), are
+    stored as the call saw them, as torch's DefaultStager stored them."""
+    path, gate = str(tmp_path / "ck"), threading.Event()
+    stream = io.BytesIO(b"original")
+    sd = {"b": stream, "p": _Point(1, torch.arange(3.0)), "s": torch.Size([2, 3])}
+    writer = db.FsspecCheckpointWriter(path)
+    fut = dcp.async_save(sd, storage_writer=writer, planner=_GatedPlanner(gate), no_dist=True)
+    stream.seek(0)
+    stream.write(b"CHANGED!")
+    gate.set()
+    fut.result()
+    out: dict[str, Any] = {"b": io.BytesIO(), "p": None, "s": None}
+    dcp.load(out, storage_reader=db.FsspecCheckpointReader(path), no_dist=True)
+    assert out["b"].getvalue() == b"original"
+    point, size = out["p"], out["s"]  # DCP's load planner unpickles them (its own choice)
+    assert type(point) is _Point and point.x == 1 and torch.equal(point.y, torch.arange(3.0))
+    assert type(size) is torch.Size and size == torch.Size([2, 3])
+
+
+def scalar_dtensor_async_save(r: Rank, path: str) -> tuple[float, list[float]]:
+    """``dcp.async_save`` of a 0-dim DTensor and a sharded one, both changed in place once the
+    call returned (before the save behind it plans); what was stored, loaded back."""
+    mesh, gate = mesh_of(r), threading.Event()
+    step = distribute_tensor(torch.tensor(5.0), mesh, [Replicate()])
+    w = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    fut = dcp.async_save(
+        {"step": step, "w": w},
+        storage_writer=db.FsspecCheckpointWriter(path),
+        planner=_GatedPlanner(gate),
+        process_group=r.group,
+    )
+    step.add_(1)
+    w.add_(1)
+    gate.set()
+    fut.result()
+    out = {
+        "step": distribute_tensor(torch.tensor(0.0), mesh, [Replicate()]),
+        "w": distribute_tensor(torch.zeros(4), mesh, [Shard(0)]),
+    }
+    dcp.load(out, storage_reader=db.FsspecCheckpointReader(path), process_group=r.group)
+    return out["step"].to_local().item(), out["w"].full_tensor().tolist()
+
+
+@pytest.mark.timeout(120)
+def test_async_save_stores_a_scalar_dtensor_as_it_was_at_the_call(pool, tmp_path):
+    """BlockingAsyncStager hands a 0-dim DTensor back itself, not a copy: an update after
+    the call (an optimizer's step count) was stored instead. The writer's stage copies it."""
+    got = pool.run(scalar_dtensor_async_save, 2, str(tmp_path / "ck"), timeout=100)
+    assert got == [(5.0, [0.0, 1.0, 2.0, 3.0])] * 2
+
+
+def test_async_save_stages_views_into_one_buffer_as_one_copy(tmp_path):
+    """ShardedTensors over views into one flat buffer (a distributed optimizer's state): the
+    writer's stage copied the whole buffer for each of them (BlockingAsyncStager deep-copies
+    object leaves one by one), 40 MB of data staged as 1.6 GB; they share one copy now, and
+    what is stored is the buffer as it was at the call."""
+    buf = torch.arange(40 * 1000, dtype=torch.float32).reshape(40, 1000)
+    original = buf.clone()
+    sd = {f"p{i}": db.ShardedTensor.from_rank_offsets(f"p{i}", buf[i]) for i in range(40)}
+    writer = db.FsspecCheckpointWriter(str(tmp_path / "ck"))
+    staged = writer.stage(sd)
+    storages = {v.data.untyped_storage().data_ptr() for v in staged.values()}
+    assert len(storages) == 1
+    assert staged["p0"].data.untyped_storage().nbytes() == buf.nbytes
+    gate = threading.Event()
+    fut = dcp.async_save(sd, storage_writer=writer, planner=_GatedPlanner(gate), no_dist=True)
+    buf.add_(1)
+    gate.set()
+    fut.result()
+    template = {
+        f"p{i}": db.ShardedTensor.from_rank_offsets(f"p{i}", torch.zeros(1000)) for i in range(40)
+    }
+    out = db.load(template, str(tmp_path / "ck"))
+    for i in range(40):
+        assert torch.equal(out[f"p{i}"].data, original[i]), i

@@ -773,3 +773,43 @@ def test_a_local_dir_another_live_manager_uses_is_refused_untouched(tmp_path):
         holder.wait(10)
     b = db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
     b.close()  # a killed job's lock went with it
+
+
+_FORKING_HOLDER = """
+import os, sys, time, torch
+import dcpbridge as db
+mgr = db.CheckpointManager(sys.argv[1], local_dir=sys.argv[2], every=2, local_every=1, replicas=0)
+mgr.save(1, {"w": torch.ones(4)})
+mgr.wait()
+pid = os.fork()
+if pid == 0:  # a worker the job forked, ending as a Python process ends
+    sys.exit(0)
+os.waitpid(pid, 0)
+print("saved", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_ending_leaves_its_parents_local_dir_locked(tmp_path):
+    """A process the job forked (a data worker) inherits the manager's locked descriptor; its
+    ordinary exit ran the lock's finalizer, whose unlock released the parent's lock: another
+    job's manager was then accepted on the directory the live job still writes into."""
+    local = str(tmp_path / "shm")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_HOLDER, str(tmp_path / "runA"), local],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": path},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "saved\n"
+        with pytest.raises(db.InvalidArgumentError, match="in use by another live"):
+            db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
+        assert sorted(os.listdir(local)) == ["step_00000001"]
+    finally:
+        holder.kill()
+        holder.wait(10)
