@@ -39,6 +39,7 @@ from dcpbridge.storage.write.writer import (
     MOST_FILES,
     FsspecCheckpointWriter,
     _RankTarget,
+    shown_data,
     tensor_bytes,
 )
 
@@ -321,7 +322,7 @@ class ProcessWriter:
         location = inner.location
         if not isinstance(target, _RankTarget) or location is None or location.process_local:
             return inner.write_data(plan, planner)  # memory:// lives in this process only
-        datas = [planner.resolve_data(item) for item in plan.items]
+        datas = list(map(shown_data(planner), plan.items))
         refs, segments = describe(datas)
         digest_of = getattr(planner, "plan_digest", None)
         job = WriteJob(

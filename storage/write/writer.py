@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy as copy_module
 import ctypes
 import dataclasses
 import functools
@@ -21,11 +20,10 @@ from typing import Any, BinaryIO
 
 import torch
 import xxhash
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dcpbridge.storage.backends import device_copy
@@ -89,61 +87,20 @@ def _forget_unfinished(url: str, save_id: str) -> bool:
     return True
 
 
-class _Slot(int):
-    """An object leaf's place in ``_objects_out``'s list (an int: BlockingAsyncStager keeps it)."""
+class _ViewsKept(StateDictStager):
+    """torch's staging copy (``DefaultStager``'s), except that a conjugate or negative view
+    stays one: torch's sets the copied memory under a fresh tensor, dropping the flag, so the
+    memory was stored instead of the values the tensor shows."""
 
-
-def _objects_out(value: Any, objects: list[Any]) -> Any:
-    """``value`` with each leaf that BlockingAsyncStager deep-copies one by one (anything but
-    tensors, containers, scalars, strings, bytes and streams) moved to ``objects``, a
-    ``_Slot`` in its place: copied together, they copy a storage they share once (a
-    ShardedTensor per parameter, each a view into one flat buffer, copied that buffer each)."""
-    if isinstance(value, (torch.Tensor, int, float, str, bytes, io.BytesIO)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {key: _objects_out(v, objects) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_objects_out(v, objects) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    objects.append(value)
-    return _Slot(len(objects) - 1)
-
-
-def _as_given(given: Any, staged: Any, objects: list[Any]) -> Any:
-    """``staged``, ``BlockingAsyncStager``'s copy of ``given``, holding what ``given`` held:
-    it shares each ``io.BytesIO`` (a caller writing to one while the save runs changed what
-    was stored) and makes every tuple a plain one (a namedtuple or ``torch.Size`` was stored
-    retyped); both are made again here (a stream's bytes and position, the tuple's type). It
-    hands a 0-dim DTensor back itself: that is copied here too (an update after the call,
-    an optimizer's step count, was stored instead). A ``_Slot`` takes its copy in ``objects``."""
-    if type(staged) is _Slot:
-        return objects[staged]
-    if isinstance(given, DTensor):
-        return copy_module.deepcopy(given) if staged is given else staged
-    if isinstance(given, io.BytesIO):
-        if staged is not given:
-            return staged
-        copy = io.BytesIO(given.getvalue())
-        copy.seek(given.tell())
+    def _offload_tensor(self, x: Any, memo: dict[int, Any], non_blocking: bool = False) -> Any:
+        if type(x) not in _PLAIN or not (x.is_conj() or x.is_neg()):
+            return super()._offload_tensor(x, memo, non_blocking)
+        conj, neg = x.is_conj(), x.is_neg()
+        memory = torch._neg_view(x) if neg else x  # the same memory, without the flags
+        copy = (memory.conj() if conj else memory).to("cpu", copy=True)
+        copy = torch._neg_view(copy) if neg else copy
+        memo[id(x)] = copy = copy.conj() if conj else copy
         return copy
-    if isinstance(given, dict) and isinstance(staged, dict):
-        for key, value in given.items():
-            if key in staged:
-                staged[key] = _as_given(value, staged[key], objects)
-        return staged
-    if isinstance(given, (list, tuple)) and isinstance(staged, (list, tuple)):
-        items = [_as_given(g, s, objects) for g, s in zip(given, staged)]
-        if isinstance(given, list):
-            staged[:] = items
-            return staged
-        kind = type(given)
-        if kind is tuple:
-            return tuple(items)
-        try:
-            return kind(*items) if hasattr(given, "_fields") else kind(items)
-        except Exception:  # a tuple type made otherwise: a copy of the value itself
-            return copy_module.deepcopy(given)
-    return staged
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -467,12 +424,11 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         return self._synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A CPU copy of ``state_dict`` holding the values every tensor shows, for
-        ``dcp.async_save`` to write while training goes on (``BlockingAsyncStager``'s copy,
-        with the byte streams it shares copied and the tuple types it drops restored)."""
-        objects: list[Any] = []
-        staged = BlockingAsyncStager().stage(_objects_out(state_dict, objects))
-        return _as_given(state_dict, staged, copy_module.deepcopy(objects))
+        """A CPU copy of ``state_dict`` for ``dcp.async_save`` to write while training goes
+        on (torch's ``DefaultStager`` copy, views kept: see ``_ViewsKept``), saved as the state
+        itself would be: a plain tensor's view as the values it shows, a ShardedTensor over one
+        refused."""
+        return _ViewsKept(pin_memory=False, share_memory=False).stage(state_dict)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns once the copy is made."""
@@ -678,7 +634,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         previous = Previous.open(resolve(self.reuse_from, self.storage_options))
         block = self.checksum_block_size
         return split_reused(
-            items, planner.resolve_data, previous, rank=rank, block=block, tensor_bytes=tensor_bytes
+            items, shown_data(planner), previous, rank=rank, block=block, tensor_bytes=tensor_bytes
         )
 
     def _write_file(
@@ -703,7 +659,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             out = CoalescingFile(raw, behind, background=self._loc.is_local)
             try:
                 block = self.checksum_block_size if self.checksums else 0
-                datas = [planner.resolve_data(item) for item in items]
+                datas = list(map(shown_data(planner), items))
                 stage = device_copy.on_device
                 if any(map(stage, datas)):
                     # pinned slabs ahead of each file's writes: 4 for up to 2 files, 2 beyond
@@ -836,6 +792,21 @@ def _append_item(
         checksum.chunk_digests(mv, td.chunk.sizes, td.properties.dtype, block) if block else None
     )
     return _result(item, name, start, len(mv), rank, digests)
+
+
+def shown_data(planner: SavePlanner) -> Callable[[WriteItem], Any]:
+    """``planner.resolve_data``, a conjugate or negative view made a copy of the values it
+    shows: its memory holds others, and DCP's default planner hands such a view over as it is
+    (the values stored were the memory's)."""
+    resolve = planner.resolve_data
+
+    def shown(item: WriteItem) -> Any:
+        data = resolve(item)
+        if isinstance(data, torch.Tensor) and (data.is_neg() or data.is_conj()):
+            return data.resolve_conj().resolve_neg()
+        return data
+
+    return shown
 
 
 def _copyable(data: Any, expected: int) -> bool:

@@ -48,6 +48,7 @@ def _assert_shown(out: dict, sd: dict) -> None:
         "background_staging",
         "torch_dist",
         "plain_dcp",
+        "plain_dcp_default_planner",
         "plain_dcp_async",
         "plain_dcp_async_default_planner",
     ],
@@ -63,13 +64,9 @@ def test_views_are_stored_as_the_values_they_show(tmp_path, how):
         db.async_save(sd, path, writer="thread", background_staging=True).result()
     elif how == "torch_dist":
         db.save(sd, path, format="torch_dist")
-    elif how == "plain_dcp":
-        dcp.save(
-            sd,
-            storage_writer=db.FsspecCheckpointWriter(path),
-            planner=db.ShardedSavePlanner(),
-            no_dist=True,
-        )
+    elif how.startswith("plain_dcp") and "async" not in how:
+        planner = db.ShardedSavePlanner() if how == "plain_dcp" else None  # DCP's hands views on
+        dcp.save(sd, storage_writer=db.FsspecCheckpointWriter(path), planner=planner, no_dist=True)
     else:  # the writer is DCP's stager (torch's default one stored the unconjugated memory)
         planner = db.ShardedSavePlanner() if how == "plain_dcp_async" else None
         writer = db.FsspecCheckpointWriter(path)
