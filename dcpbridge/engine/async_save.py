@@ -279,11 +279,25 @@ class AsyncSaver:
         self.area.clear()
 
 
+_exit_drains: list[Callable[[], None]] = []
+
+
+def drain_at_exit(drain: Callable[[], None]) -> None:
+    """Have the exit drain run ``drain`` first: it waits for other background saves of this
+    process (the local tier's), which need the same exit hook's place as async saves."""
+    _exit_drains.append(drain)
+
+
 def _wait_for_saves_at_exit() -> None:
     """Finish outstanding saves before the interpreter exits, so the last checkpoint lands;
     a closing saver's thread ends first too (its teardown must not race the interpreter's).
     Runs among threading's exit hooks, before ``concurrent.futures``' (after it, executors
     refuse new work, which the writes need), and again at exit (a no-op by then)."""
+    for drain in list(_exit_drains):
+        try:
+            drain()
+        except BaseException as e:  # the exit's own work (joining threads) must go on
+            log.warning("dcpbridge: draining background saves at exit failed: %r", e)
     for saver in list(AsyncSaver._every):
         if saver._pid != os.getpid():  # a forked child's copy: the parent's saves, not its own
             continue

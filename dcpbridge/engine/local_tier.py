@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 
 from dcpbridge.engine import protocol
 from dcpbridge.engine import save as save_mod
-from dcpbridge.engine.async_save import AsyncSaveHandle
+from dcpbridge.engine.async_save import AsyncSaveHandle, drain_at_exit
 from dcpbridge.engine.cache import save_cache
 from dcpbridge.engine.collectives import Group, SideGroup
 from dcpbridge.engine.local_persist import PersistJob, upload
@@ -116,6 +116,8 @@ def document_digest(raw: bytes) -> str:
 class LocalTier:
     """The local tier of one ``CheckpointManager``: its directories, gloo group and steps."""
 
+    _behind: weakref.WeakSet[LocalTier] = weakref.WeakSet()  # with a thread: drained at exit
+
     def __init__(
         self,
         local_dir: str,
@@ -132,6 +134,7 @@ class LocalTier:
         self.nodes = Nodes(group.size, ranks_per_node)
         self.storage_options = storage_options
         self._worker: threading.Thread | None = None  # started by the first local step behind
+        self._pid = os.getpid()  # its thread is this process's only (not a forked child's)
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._handle: AsyncSaveHandle | None = None
         self.area = StagingArea(1)  # one staging buffer, reused by every local step
@@ -310,7 +313,16 @@ class LocalTier:
         if self._worker is None:  # one thread for every step: no thread start in the call
             self._worker = threading.Thread(target=self._loop, name="dcpb-local-tier", daemon=True)
             self._worker.start()
+            LocalTier._behind.add(self)
         self._jobs.put(run)
+
+    def _drain(self) -> None:
+        """At exit: wait for the local step in flight (its copies, commit and upload), which
+        the daemon thread's end would kill mid-way; its failure is logged where it happens,
+        and a dead peer fails it (liveness) rather than hanging the exit."""
+        handle = self._handle
+        if handle is not None and self._worker is not None and self._pid == os.getpid():
+            handle.wait_done()
 
     def _loop(self) -> None:
         """The tier's thread: run queued local steps in order until ``close`` sends None."""
@@ -703,6 +715,15 @@ class LocalTier:
                     with contextlib.suppress(OSError):
                         os.rmdir(self._created)
                 self._release()  # another job may use the directory from here on
+
+
+def _drain_tiers_at_exit() -> None:
+    """Wait for every local tier's step in flight before the interpreter exits."""
+    for tier in list(LocalTier._behind):
+        tier._drain()
+
+
+drain_at_exit(_drain_tiers_at_exit)
 
 
 def _unlock(fd: int, pid: int) -> None:

@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.write.reuse import Previous
 
 log = logging.getLogger("dcpbridge")
+F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_STEP = 10**18 - 1
 """The largest step a manager saves: its folder name must read back (at most 18 digits)."""
@@ -78,6 +79,49 @@ _NEEDS_OPTIMIZERS = (
     "background_staging needs the optimizers that change the saved state: "
     "CheckpointManager(..., optimizers=[opt]) or mgr.watch(opt)"
 )
+
+
+class _OneThread:
+    """Which thread is inside a manager's call: a second thread's call meanwhile is refused
+    (the manager's state, its pending save above all, is one thread's); the same thread may
+    enter again (an ``on_commit`` that saves)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: threading.Thread | None = None
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def enter(self, call: str) -> Iterator[None]:
+        me = threading.current_thread()
+        with self._lock:
+            owner = self._owner
+            if owner is not None and owner is not me:
+                raise InvalidArgumentError(
+                    f"CheckpointManager.{call}() called from thread {me.name!r} while thread "
+                    f"{owner.name!r} is inside a call of the same manager: a manager is not "
+                    "thread-safe; make its calls from one thread at a time"
+                )
+            self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+
+
+def _one_thread(method: F) -> F:
+    """Refuse a call while another thread is inside a call of the same manager."""
+
+    @functools.wraps(method)
+    def guarded(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        with self._calls.enter(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
 
 
 class CheckpointManager:
@@ -131,6 +175,7 @@ class CheckpointManager:
         incremental: bool = False,
         persist_behind: bool = False,
     ) -> None:
+        self._calls = _OneThread()  # the thread inside a call (see ``_one_thread``)
         cfg = config if isinstance(config, Config) else load_config(config)
         defaults = cfg.checkpoint
         self.every = _positive("every", defaults.every if every is None else every)
@@ -233,12 +278,14 @@ class CheckpointManager:
         if self._pending is not None:
             self._pending[1].wait_done()
 
+    @_one_thread
     def all_steps(self) -> list[int]:
         """The complete checkpoints, ascending (a save of this manager in flight is waited for
         first; its failure is raised by the next ``save``/``wait``/``close``)."""
         self._wait_pending()
         return self._scan()[0]
 
+    @_one_thread
     def latest_step(self) -> int | None:
         """The newest complete checkpoint that every rank sees committed, or None (collective
         in a group); with a local tier, the newer of the persistent one and the newest local
@@ -252,6 +299,7 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------
 
+    @_one_thread
     def save(
         self,
         step: int,
@@ -610,6 +658,7 @@ class CheckpointManager:
             self._metrics[step] = stored_metric(self._location(step), self.best_metric)
         return self._metrics[step]
 
+    @_one_thread
     def wait(self) -> None:
         """Block until the pending background save is committed (raises its failure) and
         the local step's copies and commit are done."""
@@ -620,6 +669,7 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------------------
 
+    @_one_thread
     def load(self, template: Any, step: int | None = None, **kwargs: Any) -> Any:
         """Load ``step`` (default: the newest complete one every rank sees committed) into
         ``template``, in any layout or world size; ``kwargs`` go to ``dcpbridge.load``."""
@@ -872,6 +922,7 @@ class CheckpointManager:
                 log.warning("dcpbridge: stop signal received; writing a final checkpoint")
         return self._stop
 
+    @_one_thread
     def should_stop(self) -> bool:
         """Whether a ``save_on_signal`` signal arrived on any rank (collective); the first
         time it is True, the final checkpoint of ``state_fn()`` is written first (unless a
@@ -887,6 +938,7 @@ class CheckpointManager:
 
     # -- lifetime -----------------------------------------------------------------------------
 
+    @_one_thread
     def close(self) -> None:
         """Wait for the pending save (raising its failure), restore signal handlers and stop
         watching optimizers. With ``save_on_signal``'s handlers, call it from the main thread

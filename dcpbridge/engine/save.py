@@ -406,7 +406,10 @@ def async_save(
     (or ``wait()``), or else at the async_save that has to wait for that save because
     ``max_in_flight`` saves are outstanding (that call raises and starts nothing); a rank
     interrupted while the call sorts the state (a Stateful's ``state_dict``) raises it at
-    once, and its peers a ``DistributedCheckpointError`` in the same call. A failed save
+    once, and its peers a ``DistributedCheckpointError`` in the same call. A rank interrupted
+    while staging raises the interrupt; the save fails on every rank, and that rank, which got
+    no handle, raises the failure at its next ``async_save`` that waits for it, as a peer that
+    did not call ``result()`` does (so the ranks' calls stay paired). A failed save
     never commits. ``before_write`` (CheckpointManager's) runs on the coordinator in the
     background before any rank writes; its failure fails the save on every rank. With
     ``writer="process"`` (format "dcpbridge", Linux), staging goes to shared memory and a
@@ -466,8 +469,8 @@ def async_save(
             f"async_save to {target} was interrupted while staging ({type(e).__name__})"
         )
         planned.error.__cause__ = e
+        # unreported, as on the peers: the next async_save that waits for it raises it here too
         behind = saver.submit(target, job, None, writer=writer)
-        behind.reported()  # the interrupt reports it here
         e.dcpbridge_pending = behind  # type: ignore[attr-defined]  # see ``interrupted_save``
         raise
     return used.bind(saver.submit(target, job, buffers, stage=later, writer=writer))

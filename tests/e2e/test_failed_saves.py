@@ -200,7 +200,8 @@ def test_a_torch_dist_save_that_cannot_write_fails_everywhere(pool, tmp_path, th
 
 
 def async_save_interrupted_while_staging(r: Rank, path: str) -> list[str]:
-    """Rank 1's async_save is interrupted while it stages; then both ranks save again."""
+    """Rank 1's async_save is interrupted while it stages; no rank calls ``result()``: both
+    ranks save again (the call that waits for the failed save), then once more."""
     from dcpbridge.engine import save as save_module
 
     original = save_module.stage
@@ -212,33 +213,39 @@ def async_save_interrupted_while_staging(r: Rank, path: str) -> list[str]:
     if r.rank == 1:
         save_module.stage = stage
     try:
-        handle = db.async_save(_state(r, 2.0), path, process_group=r.group)
-        handle.result()
-        seen.append("saved")
+        db.async_save(_state(r, 2.0), path, process_group=r.group)
+        seen.append("returned")
     except KeyboardInterrupt:
         seen.append("KeyboardInterrupt")
-    except db.CheckpointError as e:
-        seen.append(f"{type(e).__name__}: {e}")
     finally:
         save_module.stage = original
-    db.async_save(_state(r, 3.0), path, process_group=r.group).result()  # the ranks in step
+    try:  # waits for the failed save (max_in_flight=1): raises it and starts nothing
+        db.async_save(_state(r, 3.0), path, process_group=r.group)
+        seen.append("started")
+    except db.CheckpointError as e:
+        seen.append(f"{type(e).__name__}: {e}")
+    db.async_save(_state(r, 4.0), path, process_group=r.group).result()  # the ranks in step
     seen.append("saved again")
     return seen
 
 
 @pytest.mark.timeout(120)
-def test_an_async_save_interrupted_while_staging_fails_its_peers(pool, tmp_path):
+def test_an_async_save_interrupted_while_staging_fails_on_every_rank_in_step(pool, tmp_path):
     """The interrupted rank raises its KeyboardInterrupt at once; its peer's background save
-    fails naming it (instead of waiting for the process group's timeout), and the next save
-    of both ranks works."""
+    fails naming it (instead of waiting for the process group's timeout). The interrupted
+    rank's save was marked reported, so its next ``async_save`` started a new save while the
+    peer's raised the failure and started nothing: the ranks' later calls paired wrongly
+    (one checkpoint of two different steps' shards, then a hang). Now the interrupted rank,
+    which holds no handle, is told at that same call too, like its peer."""
     path = str(tmp_path / "ck")
     pool.run(save_value, 2, path, 1.0)
     seen = pool.run(async_save_interrupted_while_staging, 2, path, timeout=60)
-    assert seen[1] == ["KeyboardInterrupt", "saved again"], seen
-    assert seen[0][0].startswith("DistributedCheckpointError: "), seen
-    assert "rank 1: " in seen[0][0] and "interrupted while staging" in seen[0][0], seen
-    assert seen[0][1] == "saved again"
-    assert pool.run(load_value, 2, path) == [3, 3]
+    assert [s[0] for s in seen] == ["returned", "KeyboardInterrupt"], seen
+    for s in seen:
+        assert s[1].startswith("DistributedCheckpointError: "), seen
+        assert "rank 1: " in s[1] and "interrupted while staging" in s[1], seen
+        assert s[2] == "saved again"
+    assert pool.run(load_value, 2, path) == [4, 4]
 
 
 class _Uncopyable:

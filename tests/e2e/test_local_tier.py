@@ -813,3 +813,75 @@ def test_a_forked_child_ending_leaves_its_parents_local_dir_locked(tmp_path):
     finally:
         holder.kill()
         holder.wait(10)
+
+
+EXIT_WITH_A_LOCAL_STEP_BEHIND = """
+import os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import dcpbridge as db
+from dcpbridge.storage.write import writer as W
+
+rank, root, behind, peer = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[5]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4], DCPB_PEER_TIMEOUT="2")
+inner = W.FsspecCheckpointWriter.write_data
+
+def slow(self, plan, planner):  # the local step is still writing when the interpreter exits
+    if peer == "killed" and rank == 1:
+        os._exit(0)  # dies mid-write (no exit hook runs): the survivor's exit must not hang
+    time.sleep(1.0)
+    return inner(self, plan, planner)
+
+W.FsspecCheckpointWriter.write_data = slow
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+mgr = db.CheckpointManager(os.path.join(root, "run"), every=1, async_save=True,
+                           local_dir=os.path.join(root, "node{node}"), ranks_per_node=1,
+                           replicas=1, persist_behind=behind)
+rows = torch.arange(32, dtype=torch.float32).view(8, 4)[rank * 4 : rank * 4 + 4] + 1
+mgr.save(3, {"w": db.ShardedTensor.from_rank_offsets("w", rows, (0, rank, 2)), "step": 3})
+print("RESULT returned", rank, flush=True)
+"""
+
+
+def _exit_result(tmp_path, behind: bool, peer: str) -> list[str]:
+    """Run the 2-rank script whose ranks exit with a local step in flight (no ``close``)."""
+    from tests.support.dist_pool import run_scripts
+    from tests.support.s3_server import free_port
+
+    args = (str(tmp_path), str(int(behind)), str(free_port()), peer)
+    return run_scripts(EXIT_WITH_A_LOCAL_STEP_BEHIND, *args, timeout=90)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("behind", [False, True], ids=["local", "persist_behind"])
+def test_a_local_step_in_flight_at_exit_commits(tmp_path, behind):
+    """A script that ends with a local step in flight (``async_save``, no ``close``): the
+    tier's daemon thread was killed mid-way by the interpreter's exit, leaving the step
+    uncommitted (a marker's temp file), and with ``persist_behind`` the persistent step it
+    uploads was lost entirely. The exit now drains the tier like async saves: the local step
+    (with its copy on the other node) and the persistent one commit, bit-exact."""
+    results = _exit_result(tmp_path, behind, "alive")
+    assert results == ["RESULT returned 0", "RESULT returned 1"], results
+    full = torch.arange(32, dtype=torch.float32).view(8, 4) + 1
+    for node in (0, 1):
+        marker = json.loads((tmp_path / f"node{node}" / "step_00000003" / "local.json").read_text())
+        assert marker["step"] == 3
+    mgr = db.CheckpointManager(str(tmp_path / "run"), every=1)
+    assert mgr.all_steps() == [3]
+    out = mgr.load({"w": db.ShardedTensor.from_box("w", torch.zeros(8, 4), (8, 4), (0, 0))})
+    assert torch.equal(out["w"], full) and out["step"] == 3
+    mgr.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_local_step_at_exit_whose_peer_died_fails_without_hanging_the_exit(tmp_path):
+    """The exit's drain of a local step waits for the step's peers: one killed mid-write
+    (no exit drain of its own) fails the step on the survivor within the peer timeout
+    (liveness), whose exit then ends (0) with nothing committed in either tier."""
+    started = time.monotonic()
+    results = _exit_result(tmp_path, True, "killed")
+    assert results == ["RESULT returned 0", "RESULT returned 1"], results  # (before the write)
+    assert time.monotonic() - started < 60
+    assert not list(tmp_path.glob("node*/step_*/local.json"))
+    assert not (tmp_path / "run" / "step_00000003" / "dcpbridge.json").exists()

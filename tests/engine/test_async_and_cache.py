@@ -143,7 +143,9 @@ def test_a_tensor_whose_storage_was_freed_fails_its_async_save(tmp_path, backgro
 def test_an_interrupt_while_verifying_the_staged_copy_does_not_hang_later_saves(
     tmp_path, monkeypatch
 ):
-    """A Ctrl-C during ``verify_staging``'s check gives the staging buffers back."""
+    """A Ctrl-C during ``verify_staging``'s check gives the staging buffers back. The next
+    async_save raises the interrupted save's failure (as on a group's every rank: the call
+    that waits for it) instead of waiting for its buffer; the one after saves."""
     from dcpbridge.engine import save as api
 
     def interrupted(*args, **kwargs):
@@ -155,6 +157,8 @@ def test_an_interrupt_while_verifying_the_staged_copy_does_not_hang_later_saves(
     with pytest.raises(KeyboardInterrupt):
         db.async_save(state, str(tmp_path / "a"), verify_staging=True, writer="thread")
     monkeypatch.undo()
+    with pytest.raises(db.DistributedCheckpointError, match="interrupted while staging"):
+        db.async_save(state, str(tmp_path / "b"), writer="thread")
     handle = db.async_save(state, str(tmp_path / "b"), writer="thread")
     handle.result(timeout=30)  # it used to wait forever for the interrupted save's buffer
     tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(12, 8), (12, 8), (0, 0))}

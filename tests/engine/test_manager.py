@@ -1302,3 +1302,43 @@ def test_an_incremental_save_whose_referenced_files_were_removed_never_commits(
     first.close()
     assert second.all_steps() == [5]
     second.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_threads_call_while_one_is_inside_is_refused(tmp_path, monkeypatch):
+    """Two threads calling one manager at once shared its pending save: one thread's
+    ``save`` replaced the other's pending handle (a failure never raised, a commit never
+    notified or retained). A call from a second thread while one is inside now raises
+    ``InvalidArgumentError`` at once, naming both threads; the first call is unaffected, and
+    the same thread may enter again (``on_commit`` saving)."""
+    import threading
+
+    inner = FsspecCheckpointWriter.write_data
+    writing, release = threading.Event(), threading.Event()
+
+    def held(self, plan, planner):  # the first save stays inside its call until released
+        writing.set()
+        release.wait(30)
+        return inner(self, plan, planner)
+
+    monkeypatch.setattr(FsspecCheckpointWriter, "write_data", held)
+    mgr = db.CheckpointManager(str(tmp_path / "run"), every=1, async_save=False)
+    first = threading.Thread(
+        target=mgr.save, args=(1, {"w": torch.ones(4)}), name="trainer", daemon=True
+    )
+    first.start()
+    assert writing.wait(30)
+    for call in (lambda: mgr.save(2, {"w": torch.full((4,), 2.0)}), mgr.wait, mgr.close):
+        with pytest.raises(db.InvalidArgumentError) as info:
+            call()
+        msg = str(info.value)
+        assert "called from thread 'MainThread' while thread 'trainer' is inside" in msg, msg
+        assert "not thread-safe" in msg
+    release.set()
+    first.join(30)
+    assert not first.is_alive()
+    mgr.save(3, {"w": torch.full((4,), 3.0)})  # one thread at a time: fine
+    mgr.close()
+    assert mgr.all_steps() == [1, 3]
+    assert torch.equal(mgr.load({"w": torch.zeros(4)}, step=1)["w"], torch.ones(4))
+    assert torch.equal(mgr.load({"w": torch.zeros(4)}, step=3)["w"], torch.full((4,), 3.0))
