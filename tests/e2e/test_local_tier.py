@@ -7,6 +7,7 @@ persistent step (with a log line) when the local tier cannot serve a step or a b
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -754,23 +756,10 @@ def test_a_local_dir_another_live_manager_uses_is_refused_untouched(tmp_path):
     b.save(1, {"w": torch.full((4,), -1.0)})
     b.close()  # waits for the local commit
     assert sorted(os.listdir(local)) == ["step_00000001"]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(tmp_path / "runC"), local],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": path},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "saved\n"
+    with _held_by_a_job(_HOLDER, str(tmp_path / "runC"), local):
         with pytest.raises(db.InvalidArgumentError, match="in use by another live"):
             db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
         assert sorted(os.listdir(local)) == ["step_00000001"]  # run C's local step 1
-    finally:
-        holder.kill()
-        holder.wait(10)
     b = db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
     b.close()  # a killed job's lock went with it
 
@@ -796,20 +785,28 @@ def test_a_forked_child_ending_leaves_its_parents_local_dir_locked(tmp_path):
     ordinary exit ran the lock's finalizer, whose unlock released the parent's lock: another
     job's manager was then accepted on the directory the live job still writes into."""
     local = str(tmp_path / "shm")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    with _held_by_a_job(_FORKING_HOLDER, str(tmp_path / "runA"), local):
+        with pytest.raises(db.InvalidArgumentError, match="in use by another live"):
+            db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
+        assert sorted(os.listdir(local)) == ["step_00000001"]
+
+
+@contextlib.contextmanager
+def _held_by_a_job(script: str, root: str, local: str) -> Iterator[None]:
+    """Run ``script`` (a job holding ``local``) in a process of its own until it printed
+    "saved"; killed at the end."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
     holder = subprocess.Popen(
-        [sys.executable, "-c", _FORKING_HOLDER, str(tmp_path / "runA"), local],
-        cwd=root,
+        [sys.executable, "-c", script, root, local],
+        cwd=repo,
         env={**os.environ, "PYTHONPATH": path},
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "saved\n"
-        with pytest.raises(db.InvalidArgumentError, match="in use by another live"):
-            db.CheckpointManager(str(tmp_path / "runB"), local_dir=local, **_ONE_PROCESS)
-        assert sorted(os.listdir(local)) == ["step_00000001"]
+        yield
     finally:
         holder.kill()
         holder.wait(10)

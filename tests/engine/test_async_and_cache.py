@@ -127,13 +127,7 @@ def test_a_tensor_whose_storage_was_freed_fails_its_async_save(tmp_path, backgro
     parameters) fails the save call naming its key, before anything is staged (was: a
     segfault while copying it: the whole training process died). Freed after the call, its
     staging refuses it (``StagingError``)."""
-    run = subprocess.run(
-        [sys.executable, "-c", FREED_STORAGE_SAVE, str(tmp_path / "ck"), str(int(background))],
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _script(FREED_STORAGE_SAVE, str(tmp_path / "ck"), str(int(background)), timeout=50)
     assert run.stdout.startswith("SerializationError "), run.stdout + run.stderr[-2000:]
     assert "'w': the tensor's storage holds 0 bytes, fewer than its shape" in run.stdout
     assert not os.path.exists(tmp_path / "ck")
@@ -508,13 +502,7 @@ def test_a_process_forked_during_an_async_save_saves_and_exits(tmp_path):
     waited forever, and so did its exit (the at-exit drain waited for the parent's save). The
     child now gets a saver of its own and leaves the parent's saves to the parent, which
     commits its save bit-exact."""
-    run = subprocess.run(
-        [sys.executable, "-c", FORK_DURING_SAVE, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _script(FORK_DURING_SAVE, str(tmp_path), timeout=100)
     assert run.stdout.splitlines() == ["CHILD True", "PARENT True"], run.stdout + run.stderr[-2000:]
 
 
@@ -544,13 +532,7 @@ def test_an_async_save_in_flight_at_exit_commits(tmp_path, background):
     writer's save failed there ("cannot schedule new futures after interpreter shutdown"),
     leaving an empty folder and no checkpoint."""
     ckpt = tmp_path / "ck"
-    run = subprocess.run(
-        [sys.executable, "-c", EXIT_DURING_SAVE, str(ckpt), str(int(background))],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _script(EXIT_DURING_SAVE, str(ckpt), str(int(background)), timeout=100)
     assert "failed" not in run.stderr, run.stderr[-2000:]
     tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(1 << 16), (1 << 16,), (0,))}
     out = db.load(tmpl, str(ckpt))
@@ -587,13 +569,7 @@ def test_a_save_whose_wait_for_room_was_interrupted_stays_in_flight(tmp_path):
     save off the in-flight list before the wait: nothing waited for it any more, so the
     script's exit killed its write half-way (an empty folder, no checkpoint) and its failure
     could be reported nowhere. It now stays in flight: the exit drains it, bit-exact."""
-    run = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED_WAIT_FOR_CAPACITY, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _script(INTERRUPTED_WAIT_FOR_CAPACITY, str(tmp_path), timeout=100)
     assert run.stdout.splitlines() == ["interrupted False"], run.stdout + run.stderr[-2000:]
     tmpl = {"w": db.ShardedTensor.from_box("w", torch.zeros(64), (64,), (0,))}
     out = db.load(tmpl, str(tmp_path / "a"))
@@ -628,14 +604,17 @@ def test_a_save_failing_with_a_base_exception_at_exit_is_logged_and_the_exit_goe
     its writer thread) out of threading's exit hooks, which then skipped joining the
     script's own threads: they were killed mid-work. The failure is logged, the exit joins
     them, and the failed save left no checkpoint."""
-    run = subprocess.run(
-        [sys.executable, "-c", EXIT_AFTER_A_CANCELLED_SAVE, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _script(EXIT_AFTER_A_CANCELLED_SAVE, str(tmp_path), timeout=100)
     assert (tmp_path / "thread-done").exists(), run.stderr[-2000:]
     assert f"async save to {tmp_path / 'ck'} failed: CancelledError" in run.stderr
     assert "Exception ignored" not in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "ck" / "dcpbridge.json").exists()
+
+
+def _script(code: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with ``args``; it must exit with status 0."""
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
