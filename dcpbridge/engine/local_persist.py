@@ -25,7 +25,13 @@ from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.format.paths import spread_dir
-from dcpbridge.storage.write.writer import check_present, committed_save_id
+from dcpbridge.storage.write.writer import (
+    check_present,
+    committed_save_id,
+    files_of,
+    json_object,
+    remove_replaced_files,
+)
 
 log = logging.getLogger("dcpbridge")
 _PIECE = 8 << 20  # bytes per read while uploading a data file
@@ -70,10 +76,14 @@ def upload(group: Group, job: PersistJob, local: Location, raw: bytes, index: St
 
 
 def _commit(job: PersistJob, raw: bytes, index: StorageIndex) -> None:
-    """Publish the document ``raw`` at ``job.location`` once every file it names is there."""
+    """Publish the document ``raw`` at ``job.location`` once every file it names is there,
+    then remove the data files of the commit it replaced (a step saved again), as a save does."""
     store = storage_for(job.location)
     check_present(store, index.files, index.prefixes)
-    store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True)
+    current = store.read_committed(METADATA_FILE)
+    replaced = [n for n in files_of(json_object(current.data)) if n not in index.files]
+    store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True, replaces=current)
+    remove_replaced_files(store, replaced, index.save_id)
 
 
 def _remove(location: Location, index: StorageIndex) -> None:

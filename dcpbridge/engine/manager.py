@@ -631,11 +631,20 @@ class CheckpointManager:
     def _reuse_from(self, step: int) -> str | None:
         """The step an incremental save of ``step`` references: the newest committed one whose
         document reads (rank 0's view of storage, agreed once; then the newest commit of this
-        manager)."""
+        manager, while rank 0 still sees it committed: a step removed meanwhile, by hand or by
+        another manager's retention, would fail every later save)."""
         if self._previous is None:
             self._previous = self._agree(self._newest_readable)
+        elif self._previous >= 0:
+            self._previous = self._agree(functools.partial(self._still_complete, self._previous))
         previous = self._previous
         return None if previous < 0 or previous == step else self.step_url(previous)
+
+    def _still_complete(self, step: int) -> int:
+        """``step`` if its commit file is still there, else the newest readable step (-1)."""
+        if storage_for(self._location(step)).exists(METADATA_FILE):
+            return step
+        return self._newest_readable()
 
     def _newest_readable(self) -> int:
         """The newest complete step whose commit document an incremental save can read (-1:

@@ -471,6 +471,28 @@ def test_bytes_the_previous_step_lost_are_written_again_not_referenced(tmp_path)
     mgr.close()
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_removed_previous_step_does_not_stop_later_incremental_saves(tmp_path, async_save):
+    """The step a manager's incremental saves referenced was remembered: once that step was
+    removed from storage (by hand, or another manager's retention), every later save of the
+    manager raised ``NotACheckpointError`` naming it. The newest complete step is taken again."""
+    mgr = db.CheckpointManager(tmp_path, every=1, async_save=async_save, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, _crash_state(step))
+    mgr.wait()
+    shutil.rmtree(tmp_path / "step_00000002")
+    for step in (3, 4):
+        mgr.save(step, _crash_state(step))
+    mgr.wait()
+    assert mgr.all_steps() == [1, 3, 4]
+    assert stored(mgr.step_url(3))[("base", (0, 0))].startswith("../step_00000001/")
+    for step in (3, 4):
+        out = mgr.load(_template(), step=step)
+        assert torch.equal(out["base"], _crash_state(step)["base"])
+        assert torch.equal(out["ad"], _crash_state(step)["ad"]) and out["step"] == step
+    mgr.close()
+
+
 def test_a_damaged_newest_step_does_not_stop_incremental_saves(tmp_path, caplog):
     """A resumed job references the newest readable step, not a damaged newest one (every save
     would fail)."""

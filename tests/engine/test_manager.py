@@ -1278,6 +1278,34 @@ def test_an_upload_behind_whose_files_were_removed_never_commits(tmp_path, monke
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_an_upload_behind_over_a_committed_step_removes_the_files_it_replaced(tmp_path, async_save):
+    """A step saved again and uploaded behind (``persist_behind``) committed over the step's
+    old commit but left that commit's data files in the step folder, as no other save does:
+    wasted space until the step went, and orphans for ``fsck``. They are removed once the
+    upload commits; the step loads the new bytes."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(
+        str(root),
+        every=1,
+        async_save=async_save,
+        local_dir=str(tmp_path / "shm"),
+        replicas=0,
+        persist_behind=True,
+    )
+    mgr.save(8, {"w": torch.full((8,), 1.0)})
+    mgr.wait()
+    first = sorted(n for n in os.listdir(root / "step_00000008") if n.endswith(".bin"))
+    mgr.save(8, {"w": torch.full((8,), 2.0)})
+    mgr.wait()
+    files = sorted(n for n in os.listdir(root / "step_00000008") if n.endswith(".bin"))
+    assert len(files) == len(first) == 1 and files != first
+    assert mgr.all_steps() == [8]
+    assert torch.equal(mgr.load({"w": torch.zeros(8)}, step=8)["w"], torch.full((8,), 2.0))
+    mgr.close()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("scheme", ["local", "memory"])
 def test_an_incremental_save_whose_referenced_files_were_removed_never_commits(
     tmp_path, monkeypatch, scheme
