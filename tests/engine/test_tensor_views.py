@@ -231,3 +231,19 @@ def test_every_save_path_refuses_a_sharded_tensor_over_a_view_as_save_does(pool,
         assert not wrote, what
     assert len(got[0]) == 14
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_plain_dcp_async_save_refuses_a_sharded_tensor_over_a_view_as_save_does(tmp_path):
+    """The writer's staging keeps a view's flags (torch's own copy dropped them and the
+    memory was stored): the planner refuses the ShardedTensor as a sync save does, and
+    nothing is left."""
+    path = tmp_path / "ck"
+    state = {"w": db.ShardedTensor.from_rank_offsets("w", C.conj())}
+    with pytest.raises(BaseException, match="conjugate view"):  # DCP's CheckpointException
+        dcp.async_save(
+            state,
+            storage_writer=db.FsspecCheckpointWriter(str(path)),
+            planner=db.ShardedSavePlanner(),
+            no_dist=True,
+        ).result()
+    assert not path.exists()
