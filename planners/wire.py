@@ -11,8 +11,8 @@ coordinator unpickled every rank's in turn.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+
+from dcpbridge.storage.format.packed import PackedRows
 
 _INDEX, _TENSOR, _BYTES = (
     operator.attrgetter(n) for n in ("index", "tensor_data", "bytes_io_data")
@@ -37,42 +39,15 @@ class WireItems(list):  # type: ignore[type-arg]
         return (ReceivedItems, packed(self))
 
 
-class ReceivedItems(Sequence[WriteItem]):
-    """A plan's items as received: their fields as parallel lists; each ``WriteItem`` is made
-    the first time it is asked for and kept (the same object for the same position)."""
+class ReceivedItems(PackedRows[WriteItem]):
+    """A plan's items as received: their fields as parallel lists (``packed``'s); each
+    ``WriteItem`` is made the first time it is asked for and kept."""
 
-    __slots__ = ("_fields", "_made")
+    __slots__ = ()
+    width = 9
 
-    def __init__(self, *fields: list[Any]) -> None:
-        if len(fields) != 9 or len({len(f) for f in fields}) != 1:
-            raise ValueError("packed plan items: 9 fields of one length expected")
-        self._fields = fields
-        self._made: dict[int, WriteItem] = {}
-
-    def __len__(self) -> int:
-        return len(self._fields[0])
-
-    @overload
-    def __getitem__(self, i: int) -> WriteItem: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[WriteItem]: ...
-    def __getitem__(self, i: int | slice) -> WriteItem | list[WriteItem]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(i)
-        i %= n
-        item = self._made.get(i)
-        if item is None:
-            item = self._made[i] = _item(*(f[i] for f in self._fields))
-        return item
-
-    def __iter__(self) -> Iterator[WriteItem]:
-        return map(self.__getitem__, range(len(self)))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ReceivedItems, self._fields)
+    def _make(self, *row: Any) -> WriteItem:
+        return _item(*row)
 
 
 def packed(items: Sequence[WriteItem]) -> tuple[list[Any], ...]:

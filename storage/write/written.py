@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.format.document import planned_boxes
+from dcpbridge.storage.format.packed import PackedRows
 from dcpbridge.storage.format.table import (
     ItemTable,
     PlannedBoxes,
@@ -68,40 +69,25 @@ class WrittenResults(list):  # type: ignore[type-arg]
         return (PackedResults, _packed(self, self.columns))
 
 
-class PackedResults(Sequence[WriteResult]):
+class PackedResults(PackedRows[WriteResult]):
     """A rank's write results as received by the coordinator: their fields as parallel lists
-    of plain values (and the ``columns``); the ``WriteResult`` at a position is made when it
+    of plain values, and the ``columns``; the ``WriteResult`` at a position is made when it
     is asked for (the item-by-item path, an object's name), never all of them up front."""
 
-    __slots__ = ("_fields", "columns")
+    __slots__ = ("columns",)
+    width = 11
 
     def __init__(self, columns: WrittenColumns | None, *fields: list[Any]) -> None:
+        super().__init__(*fields)
         self.columns = columns
-        self._fields = fields
-        if len({len(f) for f in fields}) > 1:
-            raise InvalidArgumentError("packed write results: fields of different lengths")
 
-    def __len__(self) -> int:
-        return len(self._fields[0])
-
-    @overload
-    def __getitem__(self, i: int) -> WriteResult: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[WriteResult]: ...
-    def __getitem__(self, i: int | slice) -> WriteResult | list[WriteResult]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        fqn, offset, hint, size, file, start, nbytes, rank, sums, sizes, dtype = (
-            f[i] for f in self._fields
-        )
+    def _make(self, *row: Any) -> WriteResult:
+        fqn, offset, hint, size, file, start, nbytes, rank, sums, sizes, dtype = row
         return WriteResult(
             index=MetadataIndex(fqn, offset, hint),
             size_in_bytes=size,
             storage_data=StoredItem(file, start, nbytes, rank, sums, sizes, dtype),
         )
-
-    def __iter__(self) -> Iterator[WriteResult]:
-        return map(self.__getitem__, range(len(self)))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (PackedResults, (self.columns, *self._fields))
