@@ -282,7 +282,8 @@ def check_data(sh: TensorShard) -> None:
         )
     if not storage_holds(data):  # read unchecked: a segfault, or bytes past its end
         raise freed_storage(f"ShardedTensor {sh.key!r}", data, save=True)
-    check_shows_its_values(sh)
+    if not holds_its_values(data, dtype):  # the tensor and its dtype already in hand
+        raise _view_refused(sh.key, data)
 
 
 def check_shows_its_values(sh: TensorShard) -> None:
@@ -290,10 +291,14 @@ def check_shows_its_values(sh: TensorShard) -> None:
     values than it shows): every save path (sync, staged, fully parallel) refuses it alike."""
     data = sh.data
     if isinstance(data, torch.Tensor) and not holds_its_values(data, data.dtype):
-        raise SerializationError(
-            f"ShardedTensor {sh.key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"
-            " view; pass data.resolve_conj().resolve_neg()"
-        )
+        raise _view_refused(sh.key, data)
+
+
+def _view_refused(key: str, data: torch.Tensor) -> SerializationError:
+    return SerializationError(
+        f"ShardedTensor {key!r}: data is a {'conjugate' if data.is_conj() else 'negative'}"
+        " view; pass data.resolve_conj().resolve_neg()"
+    )
 
 
 def build_metadata(plans: list[SavePlan], *, validate: bool = True) -> Metadata:
