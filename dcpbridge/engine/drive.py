@@ -78,11 +78,6 @@ def run_save(
         return [(p.storage_data, p.planner_data) for p in plans]
 
     started = time.perf_counter()
-    if reuse is None:
-        reply = protocol.decide(group, "plan", plan_locally, plan_globally)
-    else:  # every rank voted its structure unchanged: no plan exchange
-        metadata = copy.copy(reuse.entry.metadata)
-
     committed = wrote = False
     planned = written = started
 
@@ -113,6 +108,10 @@ def run_save(
         stats.report("saved", url, phases, lambda: stats.written(results))
 
     try:
+        if reuse is None:
+            reply = protocol.decide(group, "plan", plan_locally, plan_globally)
+        else:  # every rank voted its structure unchanged: no plan exchange
+            metadata = copy.copy(reuse.entry.metadata)
         protocol.commit(group, "write", write, finish)
     except CollectiveError as e:
         # A rank is gone. The coordinator knows it did not commit; any other rank cannot tell
@@ -122,8 +121,10 @@ def run_save(
             abort_save(writer)
             raise
         raise CollectiveError(_commit_state(e, writer, committed)) from e
-    except BaseException:  # an interrupted save removes its files too
+    except BaseException as e:  # an interrupted save removes its files too
         abort_save(writer)
+        if _every_rank_cleans_up(group, e):
+            _remove_made_folder(group, writer)
         raise
     reusable = hasattr(writer, "storage_data_for")  # a new save id can re-target its plan
     if cache is not None and reuse is None and structure is not None and reusable:
@@ -157,6 +158,32 @@ def abort_save(writer: StorageWriter | None) -> None:
         abort()
     except Exception as e:  # the save's own failure is what the caller must see
         log.warning("cleaning up after a failed save failed: %s", e)
+
+
+def _every_rank_cleans_up(group: Group, error: BaseException) -> bool:
+    """Whether every rank of ``group`` is cleaning up after ``error`` now, so all can meet once
+    more: a failure the protocol raised on every rank, none of them interrupted (an interrupted
+    rank raises at once, and a lost one is gone)."""
+    return (
+        group.size > 1
+        and isinstance(error, Exception)
+        and protocol.failed_ranks(error) is not None
+        and not protocol.interrupted_ranks(error)
+    )
+
+
+def _remove_made_folder(group: Group, writer: StorageWriter | None) -> None:
+    """Once every rank removed its files of the failed save, remove the folder the save made
+    (where ``writer`` made it and it is empty): the rank that made it tried as it removed its
+    own, when another rank's files may still have been there."""
+    try:
+        protocol.agree(group, "clean up", lambda: None)
+    except CollectiveError as e:  # the save's own failure is what the caller must see
+        log.warning("cleaning up after a failed save failed: %s", e)
+        return
+    remove = getattr(writer, "remove_made_folder", None)
+    if remove is not None:
+        remove()
 
 
 def run_load(

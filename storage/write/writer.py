@@ -494,7 +494,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             # plain ``dcp.save`` has no abort step: a failed write removes its own files here
             # (the others' stay until the next save this coordinator makes here)
             self._remove_written()
-            self._remove_made_folder()
+            self.remove_made_folder()
             raise
         if late is not None:
             self._late = late.start()
@@ -543,7 +543,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         self._remove_uncommitted(
             lambda present: [n for n in present if _save_id_of(n) == self._save_id]
         )
-        self._remove_made_folder()
+        self.remove_made_folder()
 
     def abort(self) -> None:
         """Remove the data files this rank wrote for a save that failed (best effort).
@@ -555,11 +555,12 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
         with _UNFINISHED_LOCK:  # every rank removes its own: nothing left for a later save
             _forget_unfinished(self._loc.url, self._save_id)
         self._remove_written()
-        self._remove_made_folder()
+        self.remove_made_folder()
 
-    def _remove_made_folder(self) -> None:
+    def remove_made_folder(self) -> None:
         """Remove the local folder this rank's save made, if it is empty by now (a folder that
-        was there before the save stays; so does one another rank still writes into)."""
+        was there before the save stays; so does one another rank still writes into: the
+        engine calls this again once every rank's cleanup is done)."""
         if self._made_folder:
             self._store.remove_empty_folder()
 

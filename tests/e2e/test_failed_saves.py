@@ -6,6 +6,7 @@ checkpoint loads where the format keeps it."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -693,3 +694,63 @@ def test_a_failed_write_removes_the_folder_its_save_made(tmp_path, monkeypatch, 
     with pytest.raises(BaseException, match="No space left on device"):
         save(str(tmp_path / "there"))
     assert (tmp_path / "there").is_dir() and not list((tmp_path / "there").iterdir())
+
+
+def save_failing_beside_the_folder_s_maker(r: Rank, path: str, where: str) -> str:
+    """Rank 0 makes ``path`` (rank 1 plans a moment later and finds it there); then rank 0's
+    write fails past 64 KiB (a full disk) after rank 1 wrote, and rank 1 removes its files a
+    moment after rank 0's cleanup, or (``where="plan"``) rank 1's planning fails."""
+    from dcpbridge.storage.write.writer import FsspecCheckpointWriter as Writer
+
+    prepare, write, abort = Writer.prepare_local_plan, Writer.write_data, Writer.abort
+
+    def late_prepare(self: Any, plan: Any) -> Any:
+        time.sleep(0.5)  # rank 0 made the folder by now
+        if where == "plan":
+            raise db.StorageError("rank 1 cannot plan")
+        return prepare(self, plan)
+
+    def late_write(self: Any, plan: Any, planner: Any) -> Any:
+        time.sleep(0.5)  # rank 1's data file is written by now
+        return write(self, plan, planner)
+
+    def late_abort(self: Any) -> None:
+        time.sleep(0.5)  # rank 0's cleanup is over by now
+        abort(self)
+
+    if r.rank == 0:
+        Writer.write_data = late_write  # type: ignore[method-assign]
+    else:
+        Writer.prepare_local_plan, Writer.abort = late_prepare, late_abort  # type: ignore[method-assign]
+    state = {"a": db.ShardedTensor.from_box("a", torch.ones(1 << 16), (2 << 16,), (r.rank << 16,))}
+    try:
+        with file_size_limit(64 << 10 if r.rank == 0 else None):
+            db.save(state, path, process_group=r.group)
+    except db.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        Writer.prepare_local_plan, Writer.write_data, Writer.abort = prepare, write, abort  # type: ignore[method-assign]
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["write", "plan"])
+def test_a_failed_save_on_two_ranks_removes_the_folder_it_made(pool, tmp_path, where):
+    """Rule 3: only the rank whose ``makedirs`` made the folder removed it, as it cleaned up
+    its own files; another rank's files were still there then, so once that rank removed
+    them an empty checkpoint-looking folder stayed (a failed plan removed nothing at all).
+    The folder now goes once every rank's cleanup is done; one there before stays."""
+    for existed in (False, True):
+        path = tmp_path / f"ck{existed}"
+        if existed:
+            path.mkdir()
+        seen = pool.run(save_failing_beside_the_folder_s_maker, 2, str(path), where, timeout=60)
+        assert seen[0] == seen[1], seen
+        if where == "write":
+            assert seen[0].startswith("StorageError: rank 0: "), seen
+            assert "File too large" in seen[0], seen
+        else:
+            assert seen[0] == "StorageError: rank 1: rank 1 cannot plan", seen
+        assert path.is_dir() == existed, seen
+        if existed:
+            assert not list(path.iterdir())
