@@ -59,15 +59,23 @@ class ConcurrentSaveError(CheckpointError):
     did not commit (the other's checkpoint is there, whole)."""
 
 
-def is_storage_fault(exc: BaseException) -> bool:
+def is_storage_fault(exc: BaseException, *, foreign: bool = False) -> bool:
     """Whether ``exc`` is an I/O failure of the storage layer: an ``OSError``, or an error of
     a storage client library (botocore and aiohttp under s3fs: a body cut short mid-transfer
-    surfaces as aiohttp's ``ClientPayloadError``; gcsfs's ``HttpError``, Azure's, ...)."""
+    surfaces as aiohttp's ``ClientPayloadError``; gcsfs's ``HttpError``, Azure's, ...). With
+    ``foreign`` (``exc`` came out of a custom filesystem, see ``foreign_filesystem``), any
+    ``Exception`` that is not dcpbridge's own: such a filesystem's errors may be of any class."""
     if isinstance(exc, CheckpointError):
         return False
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) or (foreign and isinstance(exc, Exception)):
         return True
     return any(c.__module__.split(".")[0] in _CLIENT_LIBRARIES for c in type(exc).__mro__)
+
+
+def foreign_filesystem(fs: object) -> bool:
+    """Whether the fsspec filesystem ``fs`` is a custom one: of neither fsspec nor a storage
+    client library (``_CLIENT_LIBRARIES``), so any exception out of it is a storage fault."""
+    return type(fs).__module__.split(".")[0] not in _CLIENT_LIBRARIES
 
 
 _CLIENT_LIBRARIES = frozenset(
@@ -103,11 +111,13 @@ def storage_error(where: str, exc: BaseException) -> StorageError:
 
 
 @contextlib.contextmanager
-def storage_faults(where: str | Callable[[], str]) -> Iterator[None]:
-    """Re-raise storage faults inside the block as ``StorageError`` naming ``where``."""
+def storage_faults(where: str | Callable[[], str], fs: object = None) -> Iterator[None]:
+    """Re-raise storage faults inside the block as ``StorageError`` naming ``where``; ``fs``:
+    the filesystem the block calls, and nothing else (any exception of a custom one counts)."""
+    foreign = fs is not None and foreign_filesystem(fs)
     try:
         yield
     except Exception as e:
-        if not is_storage_fault(e):
+        if not is_storage_fault(e, foreign=foreign):
             raise
         raise storage_error(where() if callable(where) else where, e) from e

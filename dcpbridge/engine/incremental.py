@@ -91,7 +91,7 @@ def _listing(location: Location, list_fn: Callable[[Any, str], Any]) -> tuple[st
     """``list_fn(fs, folder)`` of ``location``'s folder, afresh (an absent folder lists
     nothing); ``fs`` is the storage's own (on S3, every request bounded by its timeouts)."""
     base = location.root.rstrip("/")
-    with storage_faults(f"{location.url}: list"):
+    with storage_faults(f"{location.url}: list", location.fs):
         fs = storage_for(location).fs
         fs.invalidate_cache(base)
         try:

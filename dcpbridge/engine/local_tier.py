@@ -594,7 +594,7 @@ class LocalTier:
         """Lead: rename entry ``src`` of this node's directory to ``dst``."""
         location = self._location()
         store = storage_for(location)
-        with storage_faults(f"{location.url}: rename {src} to {dst}"):
+        with storage_faults(f"{location.url}: rename {src} to {dst}", location.fs):
             store.fs.mv(location.path(src), location.path(dst), recursive=True)
 
     def _retain(self, step: int) -> None:

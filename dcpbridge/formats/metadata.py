@@ -213,7 +213,7 @@ def _referenced_by_siblings(location: Location) -> set[str] | None:
     parent, name = root.rsplit("/", 1)
     out: set[str] = set()
     fs = storage_for(location).fs  # the storage's own: on S3, requests bounded by its timeouts
-    with storage_faults(f"{location.url}: list the checkpoints beside it"):
+    with storage_faults(f"{location.url}: list the checkpoints beside it", location.fs):
         fs.invalidate_cache(parent)
         siblings = [e.rstrip("/") for e in fs.ls(parent, detail=False)]
     for sibling in siblings:

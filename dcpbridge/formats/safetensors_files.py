@@ -64,12 +64,12 @@ def read_safetensors_header(location: Location, name: str) -> tuple[dict[str, An
     """The JSON header of safetensors file ``name`` and the offset where its data starts."""
     path = location.path(name)
     fs = storage_for(location).fs  # on S3, requests bounded by the storage's timeouts
-    with storage_faults(f"{location.url}: read {name}"):
+    with storage_faults(f"{location.url}: read {name}", location.fs):
         head = fs.cat_file(path, start=0, end=8)
     size = int.from_bytes(head, "little") if len(head) == 8 else -1
     if not 2 <= size <= MAX_HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: not a safetensors file (bad header length)")
-    with storage_faults(f"{location.url}: read {name}"):
+    with storage_faults(f"{location.url}: read {name}", location.fs):
         raw = fs.cat_file(path, start=8, end=8 + size)
     if raw[:1] != b"{":  # the format's header is a UTF-8 JSON object, nothing before it
         raise CorruptCheckpointError(f"{path}: safetensors header does not start with '{{'")
@@ -102,7 +102,7 @@ def _weight_map(raw: bytes, where: str) -> dict[str, str]:
 
 def _is_file(store: Storage, location: Location) -> bool:
     """Whether ``location`` is a file (a request bounded like the storage's others)."""
-    with storage_faults(f"{location.url}: look up"):
+    with storage_faults(f"{location.url}: look up", location.fs):
         return bool(store.fs.isfile(location.root))
 
 

@@ -15,6 +15,7 @@ class _Lister:
     def __init__(self, store: Storage) -> None:
         self.location = store.location
         self.fs = store.fs  # the storage's own: on S3, every request bounded by its timeout
+        self.foreign = store.foreign  # a custom filesystem: any exception of it is a fault
 
     @storage_op("list")
     def sizes(self, folder: str) -> dict[str, int]:

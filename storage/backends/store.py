@@ -24,7 +24,13 @@ from typing import Any, BinaryIO, TypeVar
 import numpy as np
 
 from dcpbridge.storage.backends.costs import LOCAL_READ_COSTS, OBJECT_STORE_READ_COSTS, ReadCosts
-from dcpbridge.storage.errors import ConcurrentSaveError, is_storage_fault, storage_error
+from dcpbridge.storage.errors import (
+    ConcurrentSaveError,
+    foreign_filesystem,
+    is_storage_fault,
+    storage_error,
+    storage_faults,
+)
 from dcpbridge.storage.format.paths import SPREAD_DIR, Location, check_file_name
 
 log = logging.getLogger(__name__)
@@ -103,7 +109,7 @@ def storage_op(op: str) -> Callable[[F], F]:
             try:
                 return fn(self, *args, **kwargs)
             except Exception as e:
-                if not is_storage_fault(e):
+                if not is_storage_fault(e, foreign=self.foreign):
                     raise
                 target = _target(args[0]) if args else None
                 where = f"{self.location.url}: {op}" + (f" {target}" if target else "")
@@ -118,12 +124,14 @@ class Storage:
     """The byte operations on one checkpoint location (local disk, S3, any fsspec URL): write,
     ranged reads, commit, list, remove; ``storage_for`` picks the implementation.
 
-    Every operation raises storage faults as ``StorageError`` naming the location and file.
+    Every operation raises storage faults as ``StorageError`` naming the location and file;
+    on a custom filesystem (``foreign``) any exception out of it is one.
     """
 
     def __init__(self, location: Location) -> None:
         self.location = location
         self.fs = location.fs
+        self.foreign = foreign_filesystem(location.fs)
         self._paths: dict[str, str] = {}  # files found in spread folders by the last listing
 
     def new_operation(self) -> None:
@@ -154,7 +162,10 @@ class Storage:
         parent = path.rsplit("/", 1)[0]
         if parent != self.location.root.rstrip("/"):  # a spread folder
             self.fs.makedirs(parent, exist_ok=True)
-        return self.fs.open(path, "wb")
+        f = self.fs.open(path, "wb")
+        if not self.foreign:
+            return f
+        return _ForeignFile(f, f"{self.location.url}: write {path}", self.fs)  # type: ignore[return-value]
 
     @storage_op("sync")
     def sync(self, f: BinaryIO) -> None:
@@ -289,6 +300,7 @@ class Storage:
             return f"{self.location.path(folder)}/{check_file_name(base)}"
         return self.location.path(name)
 
+    @storage_op("remove")
     def remove_folder(self) -> None:
         """Delete this checkpoint's folder and everything under it, its path taken literally
         (fsspec's recursive ``rm`` expands glob patterns: ``run[1]`` would delete ``run1``);
@@ -334,6 +346,35 @@ class Storage:
             if isinstance(blob, BaseException):
                 raise blob
             _fill(r, blob)
+
+
+class _ForeignFile:
+    """A file of a custom filesystem open for writing, whose exceptions (of any class) are
+    raised as ``StorageError`` naming ``where``; everything else passes through."""
+
+    def __init__(self, f: Any, where: str, fs: object) -> None:
+        self._f, self._where, self._fs = f, where, fs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _ForeignFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def write(self, data: Any) -> int | None:
+        with storage_faults(self._where, self._fs):
+            return self._f.write(data)
+
+    def flush(self) -> None:
+        with storage_faults(self._where, self._fs):
+            self._f.flush()
+
+    def close(self) -> None:
+        with storage_faults(self._where, self._fs):
+            self._f.close()
 
 
 def _base(entry: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from threading import current_thread
@@ -512,3 +513,71 @@ def test_a_storage_client_s_own_errors_are_storage_errors_naming_the_url():
         db.save({"w": torch.ones(3)}, url)
     assert isinstance(raised.value.__cause__, _ClientError)
     assert not [p for p in Flaky.store if p.endswith("dcpbridge.json")]
+
+
+class _FilesystemBug(RuntimeError):
+    """What a custom filesystem raises that is neither an OSError nor a known client's."""
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_any_exception_of_a_custom_filesystem_is_a_storage_error_naming_the_url(tmp_path, kind):
+    """Rule 2: a custom fsspec filesystem's own exception (a ``RuntimeError`` out of its
+    ``open``, its ``ls``) reached the caller of a save or load as itself, naming no URL. It is
+    a StorageError naming the URL now, the original its ``__cause__``."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    failing = {"on": ""}  # "w": opening data files to write fails, "later": their writes
+    # fail, "r": every read fails
+
+    def check(path: str, mode: str) -> None:
+        if failing["on"] == "w" and "w" in mode and path.endswith(".bin"):
+            raise _FilesystemBug("cannot write today")
+        if failing["on"] == "r" and "r" in mode:
+            raise _FilesystemBug("cannot read today")
+
+    def write_fails(data: object) -> None:
+        raise _FilesystemBug("cannot write today")
+
+    class CustomMemory(MemoryFileSystem):
+        protocol = "custommemfs"
+        store: dict = {}  # its own, not the memory:// store
+        pseudo_dirs = [""]
+
+        def _open(self, path, mode="rb", **kwargs):
+            check(path, mode)
+            f = super()._open(path, mode, **kwargs)
+            if failing["on"] == "later" and "w" in mode and path.endswith(".bin"):
+                f.write = write_fails  # the open succeeds, its writes fail
+            return f
+
+        def cat_file(self, path, start=None, end=None, **kwargs):  # reads skip ``_open``
+            check(path, "rb")
+            return super().cat_file(path, start, end, **kwargs)
+
+    class CustomLocal(LocalFileSystem):
+        protocol = "customlocalfs"
+
+        def ls(self, path, detail=False, **kwargs):
+            check(f"{path}/.bin", failing["on"])  # a listing fails whenever anything fails
+            return super().ls(path, detail=detail, **kwargs)
+
+    custom = CustomMemory if kind == "memory" else CustomLocal
+    fsspec.register_implementation(custom.protocol, custom, clobber=True)
+    url = f"{custom.protocol}://{tmp_path}/ck" if kind == "local" else "custommemfs://bucket/ck"
+    for how in ("w", "later") if kind == "memory" else ("w",):
+        failing["on"] = how
+        with pytest.raises(db.StorageError, match=re.escape(url)) as raised:
+            db.save({"w": torch.arange(3.0)}, url)
+        assert isinstance(raised.value.__cause__, _FilesystemBug), raised.value
+        assert "cannot write today" in str(raised.value)
+    failing["on"] = ""
+    db.save({"w": torch.arange(3.0)}, url)
+    failing["on"] = "r"
+    with pytest.raises(db.StorageError, match=re.escape(url)) as raised:
+        db.load({"w": torch.zeros(3)}, url)
+    assert isinstance(raised.value.__cause__, _FilesystemBug), raised.value
+    assert "cannot read today" in str(raised.value)
+    failing["on"] = ""
+    assert torch.equal(db.load({"w": torch.zeros(3)}, url)["w"], torch.arange(3.0))
