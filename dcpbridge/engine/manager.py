@@ -641,15 +641,23 @@ class CheckpointManager:
         return None if previous < 0 or previous == step else self.step_url(previous)
 
     def _still_complete(self, step: int) -> int:
-        """``step`` if its commit file is still there, else the newest readable step (-1)."""
-        if storage_for(self._location(step)).exists(METADATA_FILE):
-            return step
-        return self._newest_readable()
+        """``step`` if its commit document still reads, else the newest readable step (-1): a
+        step damaged or removed meanwhile is skipped with a warning (it failed every later
+        save; with no other step, the save writes everything)."""
+        try:
+            Previous.open(self._location(step))
+        except CheckpointError as e:
+            log.warning("dcpbridge: incremental saves skip step %d: %s", step, e)
+            return self._newest_readable(skipped=step)
+        return step
 
-    def _newest_readable(self) -> int:
+    def _newest_readable(self, skipped: int | None = None) -> int:
         """The newest complete step whose commit document an incremental save can read (-1:
-        none); a damaged one is skipped with a warning, so it never fails every later save."""
+        none); a damaged one is skipped with a warning, so it never fails every later save
+        (``skipped``: one found unreadable already, warned about)."""
         for step in reversed(self._scan()[0]):
+            if step == skipped:
+                continue
             try:
                 Previous.open(self._location(step))
             except CheckpointError as e:

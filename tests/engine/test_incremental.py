@@ -504,6 +504,35 @@ def test_a_damaged_newest_step_does_not_stop_incremental_saves(tmp_path, caplog)
     _steps_3_and_4_reference_step_1(mgr)
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_damaged_remembered_step_does_not_fail_later_incremental_saves(
+    tmp_path, caplog, async_save
+):
+    """Rules 1/2: the step a manager's incremental saves reference was checked only to still
+    have its commit document; once that document was damaged, every later save failed reading
+    it. The save now writes everything (the only other step is unusable), warning once naming
+    the step and why, and loads bit-exact without the damaged step; the next references it."""
+    mgr = db.CheckpointManager(tmp_path, every=1, async_save=async_save, incremental=True)
+    mgr.save(1, _crash_state(1))
+    mgr.wait()
+    (tmp_path / "step_00000001" / "dcpbridge.json").write_text("{garbage")
+    with caplog.at_level("WARNING", logger="dcpbridge"):
+        for step in (2, 3):
+            mgr.save(step, _crash_state(step))
+            mgr.wait()
+    warned = [r.getMessage() for r in caplog.records if "skip step 1" in r.getMessage()]
+    assert len(warned) == 1 and "not valid JSON" in warned[0], warned
+    assert referenced(mgr.step_url(2)) == set()
+    assert referenced(mgr.step_url(3)) == {"base"}
+    assert stored(mgr.step_url(3))[("base", (0, 0))].startswith("../step_00000002/")
+    shutil.rmtree(tmp_path / "step_00000001")
+    for step in (2, 3):
+        out = mgr.load(_template(), step=step)
+        assert torch.equal(out["base"], _crash_state(step)["base"])
+        assert torch.equal(out["ad"], _crash_state(step)["ad"]) and out["step"] == step
+    mgr.close()
+
+
 def _steps_3_and_4_reference_step_1(mgr: db.CheckpointManager) -> None:
     """Step 3 references step 1's base bytes; steps 3 and 4 load bit-exact. Closes ``mgr``."""
     assert stored(mgr.step_url(3))[("base", (0, 0))].startswith("../step_00000001/")
