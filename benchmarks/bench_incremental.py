@@ -21,8 +21,8 @@ import dcpbridge as db
 from benchmarks.common import alternate, drop_page_cache, fresh_dir, table
 from dcpbridge.storage import resolve
 from dcpbridge.storage.format import checksum
+from dcpbridge.storage.write.items import tensor_bytes
 from dcpbridge.storage.write.reuse import Previous, split_reused
-from dcpbridge.storage.write.writer import tensor_bytes
 
 MiB = 1 << 20
 

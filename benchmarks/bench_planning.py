@@ -37,7 +37,8 @@ from dcpbridge.storage.format.document import (
     decode_metadata,
 )
 from dcpbridge.storage.format.fields import dtype_name
-from dcpbridge.storage.write.writer import index_results, new_save_id
+from dcpbridge.storage.write.commit import index_results
+from dcpbridge.storage.write.writer import new_save_id
 from dcpbridge.storage.write.written import written_columns
 
 DTYPE = torch.bfloat16

@@ -25,7 +25,7 @@ from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.format.paths import spread_dir
-from dcpbridge.storage.write.writer import (
+from dcpbridge.storage.write.commit import (
     check_present,
     committed_save_id,
     files_of,

@@ -31,7 +31,7 @@ from dcpbridge.planners.distribution import (
 )
 from dcpbridge.planners.errors import ShardingValidationError, key_list
 from dcpbridge.planners.protocol import chunk_sizes
-from dcpbridge.storage.write.writer import tensor_digest
+from dcpbridge.storage.write.items import tensor_digest
 
 ShardId = tuple[str, tuple[int, ...]]
 WriteId = tuple[str, tuple[int, ...], tuple[int, ...]]

@@ -13,7 +13,7 @@ from dcpbridge.errors import InvalidArgumentError
 from dcpbridge.storage import METADATA_FILE, Location
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
-from dcpbridge.storage.write.writer import committed_save_id, json_object
+from dcpbridge.storage.write.commit import committed_save_id, json_object
 
 SIDECAR = "manager.json"
 """Per-step file of the manager (the step's metrics), written before the save commits."""

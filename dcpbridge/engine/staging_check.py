@@ -14,7 +14,7 @@ import torch
 
 from dcpbridge.errors import StagingMutationError
 from dcpbridge.model.mapping import ShardedTensor
-from dcpbridge.storage.write.writer import tensor_digest
+from dcpbridge.storage.write.items import tensor_digest
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ from dcpbridge.storage.errors import (
     storage_faults,
 )
 from dcpbridge.storage.format.paths import fsspec_options
-from dcpbridge.storage.write.writer import remove_stale_files
+from dcpbridge.storage.write.commit import remove_stale_files
 
 MEGATRON_CHECKPOINT_CONFIG = {
     "sharded_backend": "torch_dist",

@@ -54,7 +54,8 @@ from dcpbridge.storage import Location, resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_error, storage_faults
-from dcpbridge.storage.write.writer import CoalescingFile, tensor_bytes
+from dcpbridge.storage.write.coalesce import CoalescingFile
+from dcpbridge.storage.write.items import tensor_bytes
 from dcpbridge.tools.reshard import (
     DEFAULT_SLAB_BYTES,
     WorkItem,

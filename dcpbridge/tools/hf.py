@@ -39,7 +39,7 @@ from dcpbridge.storage import resolve
 from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.regions import narrow_box, plan_extents
 from dcpbridge.storage.errors import storage_faults
-from dcpbridge.storage.write.writer import tensor_bytes
+from dcpbridge.storage.write.items import tensor_bytes
 from dcpbridge.tools.export import (
     PARTIAL,
     ExportResult,

@@ -34,8 +34,8 @@ from dcpbridge.planners.boxes import Shape
 from dcpbridge.storage import Location, StorageIndex, StoredItem, resolve
 from dcpbridge.storage.format.document import ItemKey
 from dcpbridge.storage.format.references import is_reference, parent_of, reference_dir
+from dcpbridge.storage.write.items import tensor_bytes
 from dcpbridge.storage.write.stream import StreamWriter, commit, discard_save, new_save_id
-from dcpbridge.storage.write.writer import tensor_bytes
 
 DEFAULT_SLAB_BYTES = 64 << 20
 

@@ -35,13 +35,8 @@ from dcpbridge.storage.errors import CheckpointError, WriterProcessError
 from dcpbridge.storage.format.document import data_file_name
 from dcpbridge.storage.format.paths import Location, resolve
 from dcpbridge.storage.write import shared
-from dcpbridge.storage.write.writer import (
-    MOST_FILES,
-    FsspecCheckpointWriter,
-    _RankTarget,
-    shown_data,
-    tensor_bytes,
-)
+from dcpbridge.storage.write.items import shown_data, tensor_bytes
+from dcpbridge.storage.write.writer import MOST_FILES, FsspecCheckpointWriter, _RankTarget
 
 log = logging.getLogger(__name__)
 

@@ -27,13 +27,9 @@ from dcpbridge.storage.format.document import (
     item_key,
 )
 from dcpbridge.storage.format.paths import Location
-from dcpbridge.storage.write.writer import (
-    CoalescingFile,
-    ItemAppender,
-    committed_save_id,
-    new_save_id,
-    publish,
-)
+from dcpbridge.storage.write.coalesce import CoalescingFile, ItemAppender
+from dcpbridge.storage.write.commit import committed_save_id, publish
+from dcpbridge.storage.write.writer import new_save_id
 
 __all__ = ["StreamWriter", "commit", "discard_save", "new_save_id"]
 

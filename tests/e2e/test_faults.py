@@ -79,7 +79,7 @@ def _install_pause(phase: str, signal_file: str) -> None:
     from dcpbridge.engine import save as api
     from dcpbridge.storage.backends import s3
     from dcpbridge.storage.backends import store as backends
-    from dcpbridge.storage.write import writer
+    from dcpbridge.storage.write import commit, writer
 
     if phase == "staging":  # async_save copies the shards to host buffers
         api.stage = lambda *a, **k: _pause(signal_file)
@@ -122,7 +122,7 @@ def _install_pause(phase: str, signal_file: str) -> None:
 
         s3._request = request
     elif phase == "cleanup":  # the commit landed; the replaced files are not removed yet
-        writer.remove_replaced_files = lambda *a, **k: _pause(signal_file)
+        commit.remove_replaced_files = lambda *a, **k: _pause(signal_file)
     else:
         raise AssertionError(phase)
 

@@ -21,7 +21,7 @@ from dcpbridge.storage.backends import storage_for
 from dcpbridge.storage.backends.store import RangeRead, ScatterRead
 from dcpbridge.storage.format.paths import resolve
 from dcpbridge.storage.write import writer as writer_mod
-from dcpbridge.storage.write.writer import remove_stale_files
+from dcpbridge.storage.write.commit import remove_stale_files
 from tests.support import layouts as L
 from tests.support.backends import Backend
 from tests.support.dist_pool import Rank

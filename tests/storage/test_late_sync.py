@@ -11,7 +11,7 @@ import torch
 
 import dcpbridge as db
 from dcpbridge.storage.backends.store import LocalStorage
-from dcpbridge.storage.write import writer
+from dcpbridge.storage.write import commit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -75,9 +75,9 @@ def test_failed_sync_raises_and_leaves_nothing(tmp_path, monkeypatch):
 
 def test_failed_encoding_joins_the_syncs_and_leaves_nothing(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
-        raise writer.InvalidArgumentError("injected encoding refusal")
+        raise db.InvalidArgumentError("injected encoding refusal")
 
-    monkeypatch.setattr(writer, "encode_index", refuse)
+    monkeypatch.setattr(commit, "encode_index", refuse)
     with pytest.raises(db.CheckpointError, match="injected encoding refusal"):
         db.save(_state(), tmp_path)
     assert os.listdir(tmp_path) == []

@@ -23,7 +23,7 @@ from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.format.checksum import tensor_grid
 from dcpbridge.storage.format.document import decode_metadata, planned_boxes
 from dcpbridge.storage.format.tiling import tile_counts
-from dcpbridge.storage.write.writer import index_results, results_table
+from dcpbridge.storage.write.commit import index_results, results_table
 
 SAVE_ID = "5eed"
 

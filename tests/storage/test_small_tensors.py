@@ -200,7 +200,7 @@ def test_local_files_are_written_in_calls_of_at_most_one_mib(tmp_path, monkeypat
     """Coalesced small items and a large tensor reach the kernel in writes of <= 1 MiB (bigger
     writes make ext4 use 2 MiB page-cache folios, measured 3-4x slower to write on these VMs)."""
     from dcpbridge.storage.backends.store import LocalStorage
-    from dcpbridge.storage.write import writer
+    from dcpbridge.storage.write import coalesce
 
     sizes: list[int] = []
 
@@ -215,7 +215,7 @@ def test_local_files_are_written_in_calls_of_at_most_one_mib(tmp_path, monkeypat
     state |= {f"small{i}": torch.randn(4096, generator=g) for i in range(600)}  # 9.4 MiB
     state["big"] = torch.randn(3 << 18, generator=g)  # 3 MiB, one item
     db.save(_sharded(state), tmp_path)
-    assert sizes and max(sizes) == writer._WRITE_PIECE == 1 << 20
+    assert sizes and max(sizes) == coalesce._WRITE_PIECE == 1 << 20
     out = {k: torch.empty_like(v) for k, v in state.items()}
     db.load(_sharded(out), tmp_path)
     for k, v in state.items():
@@ -264,8 +264,8 @@ def test_staged_spans_are_one_verify_slab_each_where_the_storage_has_slabs():
 
 @pytest.mark.parametrize("block", [0, 64])
 def test_batched_appends_write_and_report_exactly_what_item_by_item_appends_do(block):
-    """``_append_items`` (small plain CPU chunks appended inline) writes the same bytes and
-    reports the same results as ``_append_item`` item by item, for the items it takes and for
+    """``append_items`` (small plain CPU chunks appended inline) writes the same bytes and
+    reports the same results as ``append_item`` item by item, for the items it takes and for
     those it hands on: a non-contiguous tensor, a chunk of several checksum tiles (64-byte
     blocks), a large chunk, an empty one, a parameter, an object, and data of the wrong size
     (which raises the same error both ways)."""
@@ -273,7 +273,8 @@ def test_batched_appends_write_and_report_exactly_what_item_by_item_appends_do(b
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
     from dcpbridge.planners.save_planner import _tensor_item
-    from dcpbridge.storage.write import writer
+    from dcpbridge.storage.write import coalesce
+    from dcpbridge.storage.write import items as appending
 
     g = torch.Generator().manual_seed(5)
     datas = [
@@ -295,27 +296,29 @@ def test_batched_appends_write_and_report_exactly_what_item_by_item_appends_do(b
 
     def written(append) -> tuple[bytes, list]:
         sink = io.BytesIO()
-        out = writer.CoalescingFile(sink)
+        out = coalesce.CoalescingFile(sink)
         results = append(out)
         out.flush()
         return sink.getvalue(), results
 
-    batched = written(lambda out: writer._append_items(out, "f", items, datas, 3, block))
+    batched = written(lambda out: appending.append_items(out, "f", items, datas, 3, block))
     single = written(
-        lambda out: [writer._append_item(out, "f", it, d, 3, block) for it, d in zip(items, datas)]
+        lambda out: [
+            appending.append_item(out, "f", it, d, 3, block) for it, d in zip(items, datas)
+        ]
     )
     assert batched == single
     assert [r.storage_data.checksums is None for r in batched[1]] == [not block] * len(items)
     assert not block or len(batched[1][2].storage_data.checksums) == 5  # several tiles
     wrong = [_tensor_item("w", (0,), (4,), (4,), torch.float32)]  # planned 4, resolved 3
     for append in (
-        writer._append_items,
-        lambda *a: [writer._append_item(*a[:2], wrong[0], a[3][0], *a[4:])],
+        appending.append_items,
+        lambda *a: [appending.append_item(*a[:2], wrong[0], a[3][0], *a[4:])],
     ):
         with pytest.raises(
             db.InvalidArgumentError, match="'w' at offsets \\[0\\]: resolved data has 12"
         ):
-            append(writer.CoalescingFile(io.BytesIO()), "f", wrong, [torch.zeros(3)], 0, block)
+            append(coalesce.CoalescingFile(io.BytesIO()), "f", wrong, [torch.zeros(3)], 0, block)
 
 
 def _mixed_template(state: dict[str, torch.Tensor], split: torch.Tensor) -> dict[str, object]:

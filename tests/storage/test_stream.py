@@ -21,8 +21,8 @@ import dcpbridge as db
 from dcpbridge.storage import resolve
 from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import METADATA_FILE
+from dcpbridge.storage.write.items import tensor_bytes
 from dcpbridge.storage.write.stream import StreamWriter, commit, new_save_id
-from dcpbridge.storage.write.writer import tensor_bytes
 
 
 def _parts(t: torch.Tensor, sizes: list[int]) -> list[memoryview]:

@@ -22,7 +22,7 @@ from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.format.document import sign_document
-from dcpbridge.storage.write.writer import results_table
+from dcpbridge.storage.write.commit import results_table
 from dcpbridge.storage.write.written import WrittenResults
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank

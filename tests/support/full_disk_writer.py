@@ -7,7 +7,7 @@ import errno
 import sys
 from typing import Any
 
-from dcpbridge.storage.write import process_main, writer
+from dcpbridge.storage.write import coalesce, process_main
 
 
 def _no_space(f: Any, data: memoryview) -> None:
@@ -15,5 +15,5 @@ def _no_space(f: Any, data: memoryview) -> None:
 
 
 if __name__ == "__main__":
-    writer._write_all = _no_space
+    coalesce._write_all = _no_space
     sys.exit(process_main.main(sys.argv))
