@@ -51,6 +51,7 @@ from dcpbridge.engine.retention import (
     replaced,
     stored_metric,
 )
+from dcpbridge.engine.step_agreement import agreed_newest, choose_step
 from dcpbridge.engine.step_guard import StepGuard
 from dcpbridge.engine.step_names import step_dir_name, step_of
 from dcpbridge.engine.strict import Policy, parse_strict
@@ -58,7 +59,6 @@ from dcpbridge.engine.writer_process import check_writer
 from dcpbridge.errors import (
     CheckpointError,
     CorruptCheckpointError,
-    DistributedCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
     UnsafePathError,
@@ -272,6 +272,14 @@ class CheckpointManager:
             # else another format's checkpoint or others' files: never the manager's to remove
         return complete, partial
 
+    def _complete(self) -> list[int]:
+        """The complete steps, ascending (``_scan``'s first list)."""
+        return self._scan()[0]
+
+    def _committed_here(self, step: int) -> bool:
+        """Whether this rank sees step ``step``'s commit file."""
+        return storage_for(self._location(step)).exists(METADATA_FILE)
+
     def _wait_pending(self) -> None:
         """Wait for this manager's save in flight, if any (its failure is raised later, by the
         next ``save``/``wait``/``close``)."""
@@ -283,7 +291,7 @@ class CheckpointManager:
         """The complete checkpoints, ascending (a save of this manager in flight is waited for
         first; its failure is raised by the next ``save``/``wait``/``close``)."""
         self._wait_pending()
-        return self._scan()[0]
+        return self._complete()
 
     @_one_thread
     def latest_step(self) -> int | None:
@@ -292,7 +300,13 @@ class CheckpointManager:
         step the ranks can recover."""
         if self._local is None:
             self._wait_pending()
-            return self._agreed_newest(self._agree(lambda: self._scan()[0]))
+            return agreed_newest(
+                self._group,
+                self._agree(self._complete),
+                self._complete,
+                self._committed_here,
+                self.root,
+            )
         complete, local = self._survey(None)
         persistent = complete[-1] if complete else None
         return local.step if local is not None else persistent
@@ -464,7 +478,7 @@ class CheckpointManager:
                     "elsewhere; remove the link or save under another step"
                 )
             if store.exists(METADATA_FILE):  # a re-save: never under steps that reference it
-                names = [step_dir_name(s) for s in self._scan()[0]] + self._others()
+                names = [step_dir_name(s) for s in self._complete()] + self._others()
                 refuse_if_referenced(self._location(), step_dir_name(step), names)
                 kept = read_sidecar(store, location)
                 self._resaved[step] = kept
@@ -498,7 +512,7 @@ class CheckpointManager:
                 "move them away or save under another step"
             )
         try:
-            self._remove_steps([step], self._scan()[0], [step])
+            self._remove_steps([step], self._complete(), [step])
         except CorruptCheckpointError as e:
             log.warning(
                 "dcpbridge: leaving what a killed save left in %s: %s", self.step_url(step), e
@@ -655,7 +669,7 @@ class CheckpointManager:
         """The newest complete step whose commit document an incremental save can read (-1:
         none); a damaged one is skipped with a warning, so it never fails every later save
         (``skipped``: one found unreadable already, warned about)."""
-        for step in reversed(self._scan()[0]):
+        for step in reversed(self._complete()):
             if step == skipped:
                 continue
             try:
@@ -696,7 +710,9 @@ class CheckpointManager:
         self._finish_pending()
         if self._local is not None:
             return self._load_either(template, step, kwargs)
-        chosen = self._agree_on_step(step)
+        chosen = choose_step(
+            self._group, step, self.root, self._complete, self._committed_here, self.step_url
+        )
         return self._load_persistent(template, chosen, kwargs)
 
     def _load_persistent(self, template: Any, step: int, kwargs: dict[str, Any]) -> Any:
@@ -764,7 +780,7 @@ class CheckpointManager:
         load's planning, run before it, as ``LocalTier.survey`` runs it)."""
         assert self._local is not None
         self._wait_pending()
-        reports, complete = self._local.survey(lambda: self._scan()[0], ahead)
+        reports, complete = self._local.survey(self._complete, ahead)
         if step is not None and step in complete:
             return complete, None
         after = (complete[-1] if complete else None) if step is None else step
@@ -830,81 +846,6 @@ class CheckpointManager:
         return load_mod.load_opened(
             template, opened.checkpoint, self._local.training, strict=strict, **options
         )
-
-    def _agree_on_step(self, step: int | None) -> int:
-        """The step a load takes on every rank: ``step`` (the same on every rank), else the
-        newest complete one that every rank sees committed."""
-
-        def choose(asked: list[int | None]) -> list[list[int]]:
-            if any(a != step for a in asked):
-                raise InvalidArgumentError(
-                    "CheckpointManager.load() was asked for different steps: "
-                    + ", ".join(f"rank {r}: {a}" for r, a in enumerate(asked))
-                )
-            complete = self._scan()[0]
-            if step is None and not complete:
-                raise NotACheckpointError(f"{self.root}: no complete checkpoint (step_*) to load")
-            if step is not None and step not in complete:
-                raise NotACheckpointError(
-                    f"{self.step_url(step)}: no complete checkpoint of step {step} "
-                    f"(complete steps: {complete[-5:]})"
-                )
-            return [complete if step is None else [step]] * len(asked)
-
-        chosen = protocol.decide(self._group, "choose step", lambda: step, choose)
-        if step is not None:
-            return step
-        newest = self._agreed_newest(chosen)
-        assert newest is not None  # rank 0 saw a complete step: agreed on one, or raised
-        return newest
-
-    def _agreed_newest(self, complete: list[int]) -> int | None:
-        """The newest of rank 0's complete steps ``complete`` that every rank sees committed,
-        alike on every rank (each rank looks for commit files newest first: one lookup and one
-        all-gather where all see rank 0's newest; a stale listing must not make ranks resume
-        from different steps); raises where some rank sees none of them."""
-        if self._group.size == 1 or not complete:
-            return complete[-1] if complete else None
-        candidates, first = complete, None
-        while True:
-            seen = protocol.agree(
-                self._group, "newest step", functools.partial(self._newest_seen, candidates)
-            )
-            steps = [s for s, _ in seen]
-            first = first or steps
-            if None in steps:
-                r = steps.index(None)
-                own = "none" if seen[r][1] is None else f"step {seen[r][1]}"
-                raise DistributedCheckpointError(
-                    f"{self.root}: no complete checkpoint that every rank sees: rank 0 sees "
-                    f"step {complete[-1]} as the newest, rank {r} none of steps "
-                    f"{candidates[-5:]} (its newest: {own}); a stale listing (NFS), or ranks "
-                    "that see different storage?"
-                )
-            low = min(s for s in steps if s is not None)
-            if all(s == low for s in steps):
-                if low != complete[-1]:
-                    log.warning(
-                        "dcpbridge: ranks %s do not see step %d of %s committed (a stale "
-                        "listing?): the ranks take step %d, the newest all of them see",
-                        [r for r, s in enumerate(first) if s != complete[-1]],
-                        complete[-1],
-                        self.root,
-                        low,
-                    )
-                return low
-            candidates = [s for s in candidates if s <= low]
-
-    def _newest_seen(self, candidates: list[int]) -> tuple[int | None, int | None]:
-        """The newest of rank 0's ``candidates`` whose commit file this rank sees (rank 0:
-        the newest, which it listed), and, where none, this rank's own newest complete step."""
-        if self._group.is_coordinator:
-            return candidates[-1], None
-        for step in reversed(candidates):
-            if storage_for(self._location(step)).exists(METADATA_FILE):
-                return step, None
-        own = self._scan()[0]
-        return None, own[-1] if own else None
 
     # -- preemption ---------------------------------------------------------------------------
 
