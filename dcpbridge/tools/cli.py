@@ -563,6 +563,8 @@ _HINTS = (
 def describe_error(e: BaseException) -> str:
     """One line for a storage or network failure (URL and cause), the message otherwise."""
     text = str(e) or type(e).__name__
+    if isinstance(e, UsageError):  # our own message about the command line: no class name
+        return text
     if not isinstance(e, CheckpointError) or isinstance(e, OSError):
         if not isinstance(e, CheckpointError):
             text = f"{type(e).__name__}: {text}"
