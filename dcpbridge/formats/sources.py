@@ -141,14 +141,17 @@ class Source:
         raise NotImplementedError
 
     def object(self, key: str) -> Any:
+        """Object ``key`` unpickled (``weights_only`` unless the source allows pickle)."""
         blob = self.object_bytes(key)
         return load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")
 
     def common_state(self) -> Any:
+        """The common state kept as one object (an older dcpbridge's ``__common__``,
+        torch_dist's common.pt, a torch file's other values); {} where there is none."""
         return self.object(COMMON_KEY) if COMMON_KEY in self.objects else {}
 
     def close(self) -> None:
-        pass
+        """Release what the source holds open (files, scratch space)."""
 
 
 class ProtocolSource(Source):
