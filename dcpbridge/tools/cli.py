@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from dcpbridge.errors import CheckpointError
+from dcpbridge.errors import CheckpointError, NotACheckpointError
 from dcpbridge.formats import config as config_mod
 from dcpbridge.formats import layout as layout_mod
 from dcpbridge.formats.config import (
@@ -365,8 +365,18 @@ def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
 
 def cmd_fsck(args: argparse.Namespace, cfg: Config) -> int:
     from dcpbridge.engine.incremental import fsck
+    from dcpbridge.storage import METADATA_FILE, resolve
+    from dcpbridge.storage.backends import storage_for
 
-    found = fsck(args.root, _options(cfg, args.root, args.profile), fix=args.fix)
+    options = _options(cfg, args.root, args.profile)
+    if not is_url(args.root) and not os.path.isdir(args.root):  # a typo must not pass as clean
+        raise NotACheckpointError(f"{args.root}: no such directory")
+    if storage_for(resolve(args.root, options)).exists(METADATA_FILE):
+        raise UsageError(
+            f"{args.root} is a checkpoint itself: fsck checks the checkpoints under a root "
+            f"(its parent folder); `dcpbridge validate {args.root}` checks this one"
+        )
+    found = fsck(args.root, options, fix=args.fix)
     for line in found.unreadable:
         print(f"unreadable: {shown(line)}")
     for line in found.missing:

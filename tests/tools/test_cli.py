@@ -578,3 +578,20 @@ def test_names_out_of_a_checkpoint_cannot_drive_the_terminal(tmp_path, capsys):
     assert "w\\x1b[31mRED\\x1b[0m\\nOK: fake\\u202e" in out
     assert "\nOK: fake" not in out
     assert "no\\x1b[2Jne" in err
+
+
+def test_fsck_of_no_directory_or_of_one_checkpoint_is_not_an_all_clear(tmp_path, capsys):
+    """``fsck`` of a mistyped root, or of a file, printed "0 checkpoint(s)" and exited 0, a
+    pass for a script; one checkpoint's own folder (not the root above it) the same. They now
+    fail: exit 1 naming the path, and exit 2 pointing at ``validate`` for a checkpoint."""
+    ck = tmp_path / "ck"
+    db.save({"w": torch.ones(4)}, str(ck))
+    (tmp_path / "model.pt").write_bytes(b"x")
+    for path in (tmp_path / "nowhere", tmp_path / "model.pt"):
+        code, out, err = in_process(capsys, "fsck", str(path))
+        assert code == 1 and out == ""
+        assert err == f"dcpbridge fsck: error: {path}: no such directory\n"
+    code, out, err = in_process(capsys, "fsck", str(ck))
+    assert code == 2 and out == "" and f"{ck} is a checkpoint itself" in err and "validate" in err
+    code, out, _ = in_process(capsys, "fsck", str(tmp_path))
+    assert code == 0 and out == "1 checkpoint(s), 0 orphaned file(s), 0 missing file(s)\n"
