@@ -284,11 +284,31 @@ def _size(text: str | None, what: str) -> int | None:
 def _open(args: argparse.Namespace, cfg: Config, url: str, profile: str | None = None) -> Any:
     from dcpbridge.formats.sources import open_source
 
-    return open_source(
-        url,
-        storage_options=_options(cfg, url, profile, args.profile),
-        allow_pickle=args.allow_pickle,
-    )
+    options = _options(cfg, url, profile, args.profile)
+    try:
+        return open_source(url, storage_options=options, allow_pickle=args.allow_pickle)
+    except NotACheckpointError as e:
+        hint = _steps_hint(url, options)
+        if hint is None:
+            raise
+        raise NotACheckpointError(f"{e}; {hint}") from e
+
+
+def _steps_hint(url: str, options: dict[str, Any] | None) -> str | None:
+    """Where ``url`` is a CheckpointManager's root: its steps, and the newest to name instead."""
+    from dcpbridge.engine.step_names import step_of
+    from dcpbridge.storage import resolve
+    from dcpbridge.storage.backends import storage_for
+
+    try:
+        names = storage_for(resolve(url, options)).list_names()
+    except Exception:  # the hint is a courtesy: the original error stands
+        return None
+    steps = sorted(n for n in names if step_of(n) is not None)
+    if not steps:
+        return None
+    newest = f"{url.rstrip('/')}/{steps[-1]}"
+    return f"it holds {len(steps)} step(s) of a CheckpointManager, name one: {newest}"
 
 
 def _group() -> Any:

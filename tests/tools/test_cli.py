@@ -595,3 +595,22 @@ def test_fsck_of_no_directory_or_of_one_checkpoint_is_not_an_all_clear(tmp_path,
     assert code == 2 and out == "" and f"{ck} is a checkpoint itself" in err and "validate" in err
     code, out, _ = in_process(capsys, "fsck", str(tmp_path))
     assert code == 0 and out == "1 checkpoint(s), 0 orphaned file(s), 0 missing file(s)\n"
+
+
+def test_a_checkpoint_manager_root_given_as_a_checkpoint_names_its_steps(tmp_path, capsys):
+    """``inspect``/``validate`` of a CheckpointManager's root (the first thing a new user tries)
+    said only that dcpbridge.json is missing; the error now names the steps under it and the
+    folder to pass instead (exit status 1 as before)."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), every=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.ones(4) * step})
+    mgr.close()
+    (root / "step_3").mkdir()  # not a step's spelling: never named
+    for command in ("inspect", "validate"):
+        code, out, err = in_process(capsys, command, str(root))
+        assert code == 1 and out == ""
+        assert f"{root} is not a dcpbridge checkpoint: dcpbridge.json is missing" in err
+        assert f"it holds 2 step(s) of a CheckpointManager, name one: {root}/step_00000002" in err
+    code, out, err = in_process(capsys, "inspect", str(tmp_path / "none"))
+    assert code == 1 and err.endswith("no such checkpoint directory\n")
