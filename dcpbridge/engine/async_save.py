@@ -48,6 +48,7 @@ class AsyncSaveHandle:
         self._copies: list[DeviceCopies] = []  # its GPU staging copies (set once staged)
 
     def done(self) -> bool:
+        """Whether the save has ended, committed or failed (``result()`` says which)."""
         return self._done.is_set()
 
     def wait_done(self) -> None:

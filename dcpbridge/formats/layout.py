@@ -96,6 +96,7 @@ class Layout:
     source: str = "<layout>"
 
     def rule_for(self, key: str) -> Rule | None:
+        """The first rule whose patterns match ``key`` (None: the layout's default applies)."""
         return next((r for r in self.rules if r.matches(key)), None)
 
     def boxes(self, key: str, shape: Shape) -> list[TargetBox]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import operator
 import os
 import pickle
 import re
@@ -30,7 +31,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import StorageReader
 
-from dcpbridge.errors import CorruptCheckpointError, NotACheckpointError, PickleRefusedError
+from dcpbridge.errors import (
+    CorruptCheckpointError,
+    InvalidShardError,
+    MissingEntryError,
+    NotACheckpointError,
+    PickleRefusedError,
+)
 from dcpbridge.formats.checkpoint import (
     MEGATRON_COMMON,
     MEGATRON_CONFIG,
@@ -114,19 +121,37 @@ class Source:
         """Elements ``offsets``+``sizes`` of tensor ``key`` (a new or memory-mapped tensor)."""
         raise NotImplementedError
 
+    def box(self, key: str, offsets: Shape, sizes: Shape) -> TensorInfo:
+        """Tensor ``key``'s facts once the box is known to lie inside it: an absent key raises
+        ``MissingEntryError``, a box outside it ``InvalidShardError``, never a short read."""
+        info = self.tensors.get(key)
+        if info is None:
+            raise MissingEntryError(f"{self.location.url}: the checkpoint has no tensor {key!r}")
+        try:
+            offsets, sizes = tuple(map(operator.index, offsets)), tuple(map(operator.index, sizes))
+        except TypeError:
+            raise InvalidShardError(f"{key!r}: a box needs integer offsets and sizes") from None
+        if any(n < 0 for n in sizes):
+            raise InvalidShardError(f"{key!r}: the box's sizes {sizes} must be >= 0")
+        ShardedTensor.from_box(key, torch.empty(sizes, device="meta"), info.shape, offsets)
+        return info
+
     def object_bytes(self, key: str) -> bytes:
         """Object ``key`` as ``torch.save`` bytes, the way a dcpbridge checkpoint stores it."""
         raise NotImplementedError
 
     def object(self, key: str) -> Any:
+        """Object ``key`` unpickled (``weights_only`` unless the source allows pickle)."""
         blob = self.object_bytes(key)
         return load_object(io.BytesIO(blob), allow_pickle=self.allow_pickle, what=f"{key!r}")
 
     def common_state(self) -> Any:
+        """The common state kept as one object (an older dcpbridge's ``__common__``,
+        torch_dist's common.pt, a torch file's other values); {} where there is none."""
         return self.object(COMMON_KEY) if COMMON_KEY in self.objects else {}
 
     def close(self) -> None:
-        pass
+        """Release what the source holds open (files, scratch space)."""
 
 
 class ProtocolSource(Source):
@@ -140,7 +165,7 @@ class ProtocolSource(Source):
         reader.set_up_storage_reader(metadata, True)
 
     def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
-        info = self.tensors[key]
+        info = self.box(key, offsets, sizes)
         out = torch.empty(sizes, dtype=info.dtype)
         if out.numel() == 0:
             return out
@@ -168,6 +193,7 @@ class _TorchFileSource(Source):
     scratch: tempfile.TemporaryDirectory[str] | None = None
 
     def read(self, key: str, offsets: Shape, sizes: Shape) -> torch.Tensor:
+        self.box(key, offsets, sizes)
         box = self.values[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         return box.resolve_conj().resolve_neg()  # the values a conjugate/negative view shows
 

@@ -60,6 +60,7 @@ class ParamKey:
             raise InvalidArgumentError(f"{DEFAULT_GROUP!r} is the default group's identity")
 
     def matches(self, name: str, param: nn.Parameter) -> bool:
+        """Whether parameter ``name`` is selected (a name glob, an attribute or the predicate)."""
         return (
             any(fnmatchcase(name, pattern) for pattern in self.name)
             or any(getattr(param, a, False) for a in self.attr)

@@ -414,6 +414,7 @@ class ShardedTensorFactory:
             raise InvalidShardError(f"factory {self.key!r}: build_fn failed: {e!r}") from e
 
     def without_data(self) -> ShardedTensorFactory:
+        """The same factory with ``data`` None (Megatron's metadata-only form)."""
         return dataclasses.replace(self, data=None)
 
 
@@ -460,6 +461,7 @@ class LocalNonpersistentObject:
     obj: Any
 
     def unwrap(self) -> Any:
+        """The wrapped value, as a load hands it back."""
         return self.obj
 
 

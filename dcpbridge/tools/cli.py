@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from dcpbridge.errors import CheckpointError
+from dcpbridge.errors import CheckpointError, NotACheckpointError
 from dcpbridge.formats import config as config_mod
 from dcpbridge.formats import layout as layout_mod
 from dcpbridge.formats.config import (
@@ -284,11 +284,31 @@ def _size(text: str | None, what: str) -> int | None:
 def _open(args: argparse.Namespace, cfg: Config, url: str, profile: str | None = None) -> Any:
     from dcpbridge.formats.sources import open_source
 
-    return open_source(
-        url,
-        storage_options=_options(cfg, url, profile, args.profile),
-        allow_pickle=args.allow_pickle,
-    )
+    options = _options(cfg, url, profile, args.profile)
+    try:
+        return open_source(url, storage_options=options, allow_pickle=args.allow_pickle)
+    except NotACheckpointError as e:
+        hint = _steps_hint(url, options)
+        if hint is None:
+            raise
+        raise NotACheckpointError(f"{e}; {hint}") from e
+
+
+def _steps_hint(url: str, options: dict[str, Any] | None) -> str | None:
+    """Where ``url`` is a CheckpointManager's root: its steps, and the newest to name instead."""
+    from dcpbridge.engine.step_names import step_of
+    from dcpbridge.storage import resolve
+    from dcpbridge.storage.backends import storage_for
+
+    try:
+        names = storage_for(resolve(url, options)).list_names()
+    except Exception:  # the hint is a courtesy: the original error stands
+        return None
+    steps = sorted(n for n in names if step_of(n) is not None)
+    if not steps:
+        return None
+    newest = f"{url.rstrip('/')}/{steps[-1]}"
+    return f"it holds {len(steps)} step(s) of a CheckpointManager, name one: {newest}"
 
 
 def _group() -> Any:
@@ -365,8 +385,18 @@ def cmd_validate(args: argparse.Namespace, cfg: Config) -> int:
 
 def cmd_fsck(args: argparse.Namespace, cfg: Config) -> int:
     from dcpbridge.engine.incremental import fsck
+    from dcpbridge.storage import METADATA_FILE, resolve
+    from dcpbridge.storage.backends import storage_for
 
-    found = fsck(args.root, _options(cfg, args.root, args.profile), fix=args.fix)
+    options = _options(cfg, args.root, args.profile)
+    if not is_url(args.root) and not os.path.isdir(args.root):  # a typo must not pass as clean
+        raise NotACheckpointError(f"{args.root}: no such directory")
+    if storage_for(resolve(args.root, options)).exists(METADATA_FILE):
+        raise UsageError(
+            f"{args.root} is a checkpoint itself: fsck checks the checkpoints under a root "
+            f"(its parent folder); `dcpbridge validate {args.root}` checks this one"
+        )
+    found = fsck(args.root, options, fix=args.fix)
     for line in found.unreadable:
         print(f"unreadable: {shown(line)}")
     for line in found.missing:
@@ -563,6 +593,8 @@ _HINTS = (
 def describe_error(e: BaseException) -> str:
     """One line for a storage or network failure (URL and cause), the message otherwise."""
     text = str(e) or type(e).__name__
+    if isinstance(e, UsageError):  # our own message about the command line: no class name
+        return text
     if not isinstance(e, CheckpointError) or isinstance(e, OSError):
         if not isinstance(e, CheckpointError):
             text = f"{type(e).__name__}: {text}"

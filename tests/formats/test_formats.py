@@ -93,3 +93,33 @@ def test_file_name_patterns_refuse_a_trailing_newline():
         (safetensors_files._HF_SHARD, "model-00001-of-00002.safetensors"),
     ):
         assert pattern.match(name) and pattern.match(name + "\n") is None
+
+
+@pytest.mark.parametrize("fmt", ["dcpbridge", "dcp", "torch", "safetensors"])
+def test_a_box_read_of_an_absent_key_or_outside_its_tensor_raises_by_name(tmp_path, fmt):
+    """``open_source(...).read`` of a key the checkpoint lacks raises MissingEntryError naming
+    it (a CheckpointError, not a bare KeyError), and a box outside the tensor, or of another
+    rank, InvalidShardError in every format: a torch.save file returned what slicing left of it
+    (4 rows for 10 asked, none for a negative offset, a 2-D box for a 1-D request)."""
+    w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    url = str(tmp_path / "ck")
+    if fmt == "dcpbridge":
+        db.save({"w": w}, url)
+    elif fmt == "dcp":
+        dcp.save({"w": w}, checkpoint_id=url, no_dist=True)
+    elif fmt == "torch":
+        url += ".pt"
+        torch.save({"w": w}, url)
+    else:
+        url += ".safetensors"
+        from safetensors.torch import save_file
+
+        save_file({"w": w}, url)
+    source = open_source(url)
+    assert torch.equal(source.read("w", (60, 4), (4, 8)), w[60:, 4:12])
+    with pytest.raises(db.MissingEntryError, match="has no tensor 'nope'"):
+        source.read("nope", (0,), (1,))
+    boxes = (((60, 0), (10, 32)), ((-2, 0), (4, 32)), ((0,), (4,)), ((0, 0), (-1, 32)))
+    for offsets, sizes in boxes:
+        with pytest.raises(db.InvalidShardError, match="'w'"):
+            source.read("w", offsets, sizes)

@@ -219,9 +219,11 @@ def test_usage_errors_exit_2_and_bad_checkpoints_exit_1(rows2, tmp_path, capsys)
     code, _, err = in_process(capsys)
     assert code == 2 and "required: COMMAND" in err
     code, _, err = in_process(capsys, "reshard", rows2, str(tmp_path / "y"))
-    assert code == 2 and "needs --layout" in err
+    assert code == 2  # the message alone, without the class name of the usage error
+    assert err == "dcpbridge reshard: error: reshard SRC DST needs --layout LAYOUT.yaml\n"
     code, _, err = in_process(capsys, "convert", rows2, rows2 + "/", "--to", "dcpbridge")
-    assert code == 2 and "is the source itself" in err
+    assert code == 2 and err.startswith("dcpbridge convert: error: the destination ")
+    assert "is the source itself" in err
     code, _, err = in_process(capsys, "convert", rows2, str(tmp_path / "y"), "--to", "zip")
     assert code == 2 and "invalid choice: 'zip'" in err
     bad_config = tmp_path / "c.yaml"
@@ -576,3 +578,39 @@ def test_names_out_of_a_checkpoint_cannot_drive_the_terminal(tmp_path, capsys):
     assert "w\\x1b[31mRED\\x1b[0m\\nOK: fake\\u202e" in out
     assert "\nOK: fake" not in out
     assert "no\\x1b[2Jne" in err
+
+
+def test_fsck_of_no_directory_or_of_one_checkpoint_is_not_an_all_clear(tmp_path, capsys):
+    """``fsck`` of a mistyped root, or of a file, printed "0 checkpoint(s)" and exited 0, a
+    pass for a script; one checkpoint's own folder (not the root above it) the same. They now
+    fail: exit 1 naming the path, and exit 2 pointing at ``validate`` for a checkpoint."""
+    ck = tmp_path / "ck"
+    db.save({"w": torch.ones(4)}, str(ck))
+    (tmp_path / "model.pt").write_bytes(b"x")
+    for path in (tmp_path / "nowhere", tmp_path / "model.pt"):
+        code, out, err = in_process(capsys, "fsck", str(path))
+        assert code == 1 and out == ""
+        assert err == f"dcpbridge fsck: error: {path}: no such directory\n"
+    code, out, err = in_process(capsys, "fsck", str(ck))
+    assert code == 2 and out == "" and f"{ck} is a checkpoint itself" in err and "validate" in err
+    code, out, _ = in_process(capsys, "fsck", str(tmp_path))
+    assert code == 0 and out == "1 checkpoint(s), 0 orphaned file(s), 0 missing file(s)\n"
+
+
+def test_a_checkpoint_manager_root_given_as_a_checkpoint_names_its_steps(tmp_path, capsys):
+    """``inspect``/``validate`` of a CheckpointManager's root (the first thing a new user tries)
+    said only that dcpbridge.json is missing; the error now names the steps under it and the
+    folder to pass instead (exit status 1 as before)."""
+    root = tmp_path / "run"
+    mgr = db.CheckpointManager(str(root), every=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.ones(4) * step})
+    mgr.close()
+    (root / "step_3").mkdir()  # not a step's spelling: never named
+    for command in ("inspect", "validate"):
+        code, out, err = in_process(capsys, command, str(root))
+        assert code == 1 and out == ""
+        assert f"{root} is not a dcpbridge checkpoint: dcpbridge.json is missing" in err
+        assert f"it holds 2 step(s) of a CheckpointManager, name one: {root}/step_00000002" in err
+    code, out, err = in_process(capsys, "inspect", str(tmp_path / "none"))
+    assert code == 1 and err.endswith("no such checkpoint directory\n")

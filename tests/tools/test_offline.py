@@ -508,3 +508,21 @@ def test_reshard_of_only_empty_tensors_split_over_ranks_commits(tmp_path):
     out = db.load({"e": torch.ones(0, 3)}, dst)
     assert out["e"].shape == (0, 3) and out["e"].dtype == torch.float32
     assert db.load_tensors_metadata(dst)["e"].global_shape == (0, 3)
+
+
+def test_validate_checksums_of_plain_dcp_counts_the_objects_it_read(tmp_path, capsys):
+    """``validate --checksums`` of a plain DCP checkpoint reads every item, objects included,
+    but reported only the tensors' bytes as read (8 KiB of a checkpoint whose objects it read
+    too): the count now holds every byte it read."""
+    from dcpbridge.tools import cli
+    from dcpbridge.tools.report import human_bytes
+
+    src = str(tmp_path / "dcp")
+    state = {"w": torch.ones(64, 32), "step": 7, "cfg": {"lr": 0.1, "name": "x" * 5000}}
+    dcp.save(state, checkpoint_id=src, no_dist=True)
+    source = open_source(src)
+    read = sum(t.nbytes for t in source.tensors.values())
+    read += sum(len(source.object_bytes(k)) for k in source.objects)
+    assert read > 64 * 32 * 4 + 5000
+    assert cli.main(["validate", "--checksums", "--no-progress", src]) == 0
+    assert f"; {human_bytes(read)} read and verified)" in capsys.readouterr().out
