@@ -1,5 +1,8 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv and install
-# torch==2.13.0 (CPU) before the project, so pip never pulls CUDA wheels.
+# torch==2.13.0 (CPU) before the project, so pip never pulls CUDA wheels. Where pip's index is
+# public PyPI (whose Linux torch wheel is the CUDA build), TORCH_INDEX names torch's CPU index:
+# make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dcpbridge-installed
@@ -16,7 +19,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
