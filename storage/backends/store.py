@@ -73,7 +73,12 @@ def parts_of(r: Read) -> list[memoryview | int]:
 
 
 def read_size(r: Read) -> int:
-    return len(r.out) if isinstance(r, RangeRead) else r.nbytes
+    if isinstance(r, RangeRead):
+        return len(r.out)
+    parts = r.parts
+    if len(parts) == 1 and not isinstance(parts[0], int):  # one buffer: most reads
+        return len(parts[0])
+    return r.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,9 +494,12 @@ class LocalStorage(Storage):
             def run(r: Read) -> None:
                 fd = fds.get(r.path)
                 parts = parts_of(r)
-                gap = max((p for p in parts if isinstance(p, int)), default=0)
-                skip = memoryview(bytearray(gap))  # bytes between pieces land here
-                views = [v for p in parts if len(v := skip[:p] if isinstance(p, int) else p)]
+                if len(parts) == 1 and not isinstance(parts[0], int):  # one buffer: most reads
+                    views = [parts[0]] if len(parts[0]) else []
+                else:
+                    gap = max((p for p in parts if isinstance(p, int)), default=0)
+                    skip = memoryview(bytearray(gap))  # bytes between pieces land here
+                    views = [v for p in parts if len(v := skip[:p] if isinstance(p, int) else p)]
                 pos, i = r.start, 0
                 while i < len(views):
                     n = os.preadv(fd, views[i : i + _IOV_MAX], pos)
