@@ -66,12 +66,17 @@ class PeerStorage(Storage):
         return dict(self._sizes)
 
     def fetch(self, reads: Sequence[Read], threads: int) -> None:
-        mine = [r for r in reads if _name(r.path) in self._own]
+        own: dict[str, bool] = {}  # by path: a restore's reads name few files, many times
+        mine, others = [], []
+        for r in reads:
+            here = own.get(r.path)
+            if here is None:
+                here = own[r.path] = _name(r.path) in self._own
+            (mine if here else others).append(r)
         if mine:
             self._local.fetch(mine, threads)
-        for r in reads:
-            if _name(r.path) not in self._own:
-                self._serve(r)
+        for r in others:
+            self._serve(r)
 
     def _serve(self, r: Read) -> None:
         name, pos = _name(r.path), r.start
