@@ -441,11 +441,6 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
     def __len__(self) -> int:
         return len(self.nbytes)
 
-    # -- chunks of one tensor, as DCP's metadata lists them --------------------------------
-
-    def chunk_list(self, t: int) -> ChunkList:
-        return ChunkList(self, t)
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Sources:
@@ -492,9 +487,6 @@ class PlannedBoxes(_ChunkIndex):
             self._starts = np.zeros(len(self.shapes) + 1, dtype=np.int64)
             np.cumsum(self.counts, out=self._starts[1:])
         return self._starts
-
-    def chunk_list(self, t: int) -> ChunkList:
-        return ChunkList(self, t)
 
     def same_boxes(self, table: ItemTable) -> bool:
         """Whether ``table`` stores exactly these boxes for exactly these tensors."""
