@@ -39,7 +39,7 @@ def check_values(table: ItemTable) -> None:
 
 
 def check_table(table: ItemTable, *, world_size: int, block: int, covered: bool = False) -> None:
-    """Refuse a table unless every row is consistent (see ``format.decode_metadata``).
+    """Refuse a table unless every row is consistent (see ``document.decode_metadata``).
 
     Types and value ranges are the decoder's job (columns hold only integers in range);
     this checks what rows mean: files, alignment, ranks, checksum counts, each chunk inside
