@@ -47,9 +47,7 @@ from dcpbridge.storage.format.references import check_reference, is_reference
 from dcpbridge.storage.format.rows import rows_table
 from dcpbridge.storage.format.table import (
     ITEM_ALIGN,
-    MAX_NDIM,
     MAX_ROWS,
-    MAX_SIZE,
     ChunkList,
     ItemKey,
     ItemTable,
@@ -66,8 +64,6 @@ from dcpbridge.storage.format.table_checks import check_ranges, check_table, che
 __all__ = [
     "FORMAT_VERSION",
     "ITEM_ALIGN",
-    "MAX_NDIM",
-    "MAX_SIZE",
     "METADATA_FILE",
     "ItemKey",
     "ItemTable",
