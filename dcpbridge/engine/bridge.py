@@ -294,25 +294,14 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
             if md is None or self._in_common(path):
                 continue
             taken.add(key)
-            if isinstance(md, TensorStorageMetadata):  # a tensor where the template has a value
-                box = self._stored_tensor(key, md)
-                self.values[key] = box.data
-                yield Leaf("", box, None, None)
-            else:
-                yield Leaf(key, None, self.values, key)
+            yield self._as_stored(key, md)  # a stored tensor where the template has a value: whole
         if self.table:  # every tensor the template asks for, also one a fully-parallel
             # load reads on another rank (not this rank's common state to return whole)
             taken.update([s.key for s in self.parts.shards if isinstance(s, ShardedTensor)])
         for key in self.table["keys"] if self.table else ():
             if key in taken:
                 continue
-            md = stored.get(key)
-            if isinstance(md, TensorStorageMetadata):
-                box = self._stored_tensor(key, md)
-                self.values[key] = box.data
-                yield Leaf("", box, None, None)
-            else:
-                yield Leaf(key, None, self.values, key)
+            yield self._as_stored(key, stored.get(key))
         if COMMON_KEY in stored:
             yield Leaf(COMMON_KEY, None, self.values, COMMON_KEY)
 
@@ -345,6 +334,15 @@ class BridgeLoadPlanner(ShardedLoadPlanner):
 
     def common_keys(self) -> set[str]:
         return {COMMON_KEY, *(self.table["keys"] if self.table else ())}
+
+    def _as_stored(self, key: str, md: Any) -> Leaf:
+        """The leaf that reads stored ``key`` into ``values`` as it is stored: a stored tensor
+        whole, anything else as a value."""
+        if isinstance(md, TensorStorageMetadata):
+            box = self._stored_tensor(key, md)
+            self.values[key] = box.data
+            return Leaf("", box, None, None)
+        return Leaf(key, None, self.values, key)
 
     @staticmethod
     def _stored_tensor(key: str, md: TensorStorageMetadata) -> ShardedTensor:

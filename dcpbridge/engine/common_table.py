@@ -12,13 +12,9 @@ from typing import Any
 
 from dcpbridge.errors import CorruptCheckpointError
 from dcpbridge.planners.walk import dotted
+from dcpbridge.storage.format.table import shown_value
 
 WHERE = "dcpbridge.json: planner_data.common"
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_common_table(table: dict[str, Any]) -> dict[str, Any]:
@@ -38,14 +34,14 @@ def check_common_table(table: dict[str, Any]) -> dict[str, Any]:
     kinds: dict[tuple[Any, ...], type] = {(): str}  # a node's child type; the root is a dict
     ends: set[tuple[Any, ...]] = set()
     for key, raw in entries:
-        what = f"{WHERE}: path {_show(raw)}" + (f" of key {key!r}" if key is not None else "")
+        what = f"{WHERE}: path {shown_value(raw)}" + (f" of key {key!r}" if key is not None else "")
         if type(raw) is not list or not raw:
             raise CorruptCheckpointError(f"{what} is not a non-empty list")
         for i, item in enumerate(raw):
             kind = type(item)
             if kind is not str and not (kind is int and 0 <= item < bound):
                 raise CorruptCheckpointError(
-                    f"{what}: item {_show(item)} is neither a string nor a list index in "
+                    f"{what}: item {shown_value(item)} is neither a string nor a list index in "
                     f"[0, {bound})"
                 )
             if kinds.setdefault(tuple(raw[:i]), kind) is not kind:

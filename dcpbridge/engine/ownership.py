@@ -108,19 +108,6 @@ class WriteOwners:
         return self.coordinator
 
 
-def assign(
-    group: Group, holdings: Callable[[], list[Holding]], *, only_main: bool = True
-) -> dict[ShardId, int]:
-    """The group rank that writes (or keeps) each shard some member holds (collective: every
-    member's ``holdings()`` are exchanged; a member whose call raises fails them all).
-
-    With ``only_main=False``, every shard some member holds gets one, so the group alone
-    holds a full copy of its members' state (node-local checkpoints need that).
-    """
-    everyone = protocol.agree(group, "fully-parallel exchange", holdings)
-    return distribute(everyone, only_main=only_main)
-
-
 def write_owners(
     group: Group,
     parallel: Group | None,

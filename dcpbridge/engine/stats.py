@@ -21,11 +21,13 @@ def _rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "n/a"
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+def human_bytes(n: float) -> str:
+    """``n`` bytes as people read them: ``123 B``, ``1.5 MiB``... up to TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
 
 
 def report(
@@ -45,7 +47,7 @@ def report(
         "dcpbridge %s %s: %s%s; %s; %s",
         what,
         url,
-        _size(nbytes),
+        human_bytes(nbytes),
         where,
         steps,
         _rate(nbytes, total),

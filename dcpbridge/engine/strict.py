@@ -11,7 +11,6 @@ from dcpbridge.planners.strict import (
     STRICT_VALUES,
     Policy,
     StrictHandling,
-    Verdict,
     decide,
     parse_strict,
 )
@@ -22,7 +21,6 @@ __all__ = [
     "STRICT_VALUES",
     "Policy",
     "StrictHandling",
-    "Verdict",
     "decide",
     "load_result",
     "parse_strict",

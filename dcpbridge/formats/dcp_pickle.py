@@ -175,11 +175,6 @@ def allow_list() -> dict[tuple[str, str], Entry]:
     return allowed
 
 
-def allowed_names() -> list[str]:
-    """The allow-list as ``module.name`` strings (for documentation and tests)."""
-    return sorted(f"{m}.{n}" for m, n in allow_list())
-
-
 def loads_dcp_metadata(raw: bytes, where: str) -> Metadata:
     """Unpickle DCP metadata ``raw`` (read from ``where``) without running code; the result
     is unchecked: pass it to ``dcp_checks.check_metadata``."""

@@ -90,7 +90,6 @@ class Gap:
 class RestorePlan:
     """Every member's transfers and everything wrong with the group's kept and wanted shards."""
 
-    local_only: bool
     transfers: list[Transfer] = field(default_factory=list)
     missing: list[Gap] = field(default_factory=list)  # wanted, kept by no usable rank
     duplicates: list[Gap] = field(default_factory=list)  # kept by several ranks
@@ -138,7 +137,7 @@ def plan_restore(manifests: Mapping[int, Manifest], *, local_only: bool) -> Rest
     the lowest rank that kept it sends it. Objects are never sent: each rank restores the
     ShardedObjects it kept itself.
     """
-    plan = RestorePlan(local_only)
+    plan = RestorePlan()
     keepers: dict[WriteId, dict[int, ShardMeta]] = {}
     places: dict[ShardId, dict[int, ShardMeta]] = {}  # of another size: a shape mismatch
     for rank, m in manifests.items():

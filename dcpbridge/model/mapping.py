@@ -13,7 +13,7 @@ import torch
 
 from dcpbridge.errors import CheckpointError, InvalidShardError
 from dcpbridge.planners.distribution import is_main_replica
-from dcpbridge.planners.protocol import ReplicaId, object_key, parse_object_name
+from dcpbridge.planners.protocol import ReplicaId, parse_object_name
 
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
@@ -31,7 +31,6 @@ __all__ = [
     "apply_factory_merges",
     "check_not_flattened",
     "is_main_replica",
-    "object_key",
     "parse_object_name",
 ]
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+from dcpbridge.engine.stats import human_bytes
 from dcpbridge.errors import CheckpointError, NotACheckpointError
 from dcpbridge.formats import config as config_mod
 from dcpbridge.formats import layout as layout_mod
@@ -27,7 +28,7 @@ from dcpbridge.formats.config import (
     resolve_storage_options,
 )
 from dcpbridge.formats.layout import Layout, LayoutError, load_layout, whole_tensors
-from dcpbridge.tools.report import human_bytes, shown
+from dcpbridge.tools.report import shown
 
 log = logging.getLogger("dcpbridge")
 

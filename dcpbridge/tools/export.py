@@ -370,9 +370,9 @@ def _sync_dir(root: str) -> None:
 
 
 def _remove_quietly(store: Storage, names: list[str]) -> None:
+    """``_remove_present``, a failure only logged."""
     try:
-        present = set(store.list_names())
-        store.remove([n for n in names if n in present])
+        _remove_present(store, names)
     except Exception as e:  # the export's own outcome is what the caller must see
         log.warning("could not remove %s in %s: %s", names, store.location.url, e)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcpbridge.engine.stats import human_bytes
 from dcpbridge.formats.checkpoint import MEGATRON_COMMON, Format
 from dcpbridge.formats.sources import ProtocolSource, Source
 from dcpbridge.planners import Placed, coverage_problems
@@ -31,14 +32,6 @@ def shown(text: object, keep: str = "") -> str:
         lambda m: m.group() if m.group() in keep else m.group().encode("unicode_escape").decode(),
         str(text),
     )
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 @dataclass

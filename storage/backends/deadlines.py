@@ -41,11 +41,6 @@ class RequestBudget:
         self._lock = threading.Lock()
         self._cleanup_ends: float | None = None  # monotonic time; None: no timeout yet
 
-    @property
-    def cleaning_up(self) -> bool:
-        """Whether a request has timed out (later requests share the cleanup budget)."""
-        return self._cleanup_ends is not None
-
     def restart(self) -> None:
         """A new operation begins: requests get their full ``request_timeout`` again."""
         with self._lock:

@@ -123,10 +123,3 @@ def plan_extents(
 
     plan(0, list(offsets), [0] * ndim, list(lengths))
     return out
-
-
-def expand_to_blocks(start: int, stop: int, total: int, block: int) -> tuple[int, int]:
-    """Widen byte range ``[start, stop)`` of an item of ``total`` bytes to whole checksum blocks."""
-    lo = (start // block) * block
-    hi = min(-(-stop // block) * block, total)
-    return lo, hi

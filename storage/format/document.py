@@ -36,7 +36,6 @@ from dcpbridge.storage.format.fields import (
     _field,
     _int,
     _list,
-    _show,
     check_names,
     check_tensor_headers,
     dtype_name,
@@ -47,9 +46,7 @@ from dcpbridge.storage.format.references import check_reference, is_reference
 from dcpbridge.storage.format.rows import rows_table
 from dcpbridge.storage.format.table import (
     ITEM_ALIGN,
-    MAX_NDIM,
     MAX_ROWS,
-    MAX_SIZE,
     ChunkList,
     ItemKey,
     ItemTable,
@@ -58,6 +55,7 @@ from dcpbridge.storage.format.table import (
     TensorHeader,
     describe_item,
     pack_column,
+    shown_value,
     table_from_rows,
     unpack_column,
 )
@@ -66,8 +64,6 @@ from dcpbridge.storage.format.table_checks import check_ranges, check_table, che
 __all__ = [
     "FORMAT_VERSION",
     "ITEM_ALIGN",
-    "MAX_NDIM",
-    "MAX_SIZE",
     "METADATA_FILE",
     "ItemKey",
     "ItemTable",
@@ -409,7 +405,7 @@ def decode_metadata(raw: bytes, *, where: str) -> Metadata:
         raise CorruptCheckpointError(f"{where}: not a {FORMAT_NAME} metadata document")
     version = doc.get("version")
     if type(version) is not int or version < 1:
-        raise CorruptCheckpointError(f"{where}: format version {_show(version)} is not valid")
+        raise CorruptCheckpointError(f"{where}: format version {shown_value(version)} is not valid")
     if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{where}: format version {version!r} is newer than this dcpbridge reads "
@@ -442,26 +438,26 @@ class _Header:
 def _decode_header(doc: dict[str, Any]) -> _Header:
     save_id = _field(doc, "save_id", "document")
     if not isinstance(save_id, str) or not _SAVE_ID.match(save_id):
-        raise CorruptCheckpointError(f"save_id must be lowercase hex, got {_show(save_id)}")
+        raise CorruptCheckpointError(f"save_id must be lowercase hex, got {shown_value(save_id)}")
     world_size = _int(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
     created = doc.get("created_unix", 0.0)
     if type(created) not in (int, float) or not math.isfinite(created):
-        raise CorruptCheckpointError(f"created_unix must be a number, got {_show(created)}")
+        raise CorruptCheckpointError(f"created_unix must be a number, got {shown_value(created)}")
     checksum = doc.get("checksum")
     block, algorithm = 0, None
     if checksum is not None:
         checksum = _dict(checksum, "checksum")
         algorithm = checksum.get("algorithm")
         if algorithm not in CHECKSUM_ALGORITHMS:
-            raise CorruptCheckpointError(f"unknown checksum algorithm {_show(algorithm)}")
+            raise CorruptCheckpointError(f"unknown checksum algorithm {shown_value(algorithm)}")
         block = _int(checksum.get("block_size"), "checksum block_size", 1)
     files = _field(doc, "files", "document")
     if type(files) is not list:
-        raise CorruptCheckpointError(f"files must be a list, got {_show(files)}")
+        raise CorruptCheckpointError(f"files must be a list, got {shown_value(files)}")
     version = doc.get("version", 1)
     for name in files:
         if not isinstance(name, str):
-            raise CorruptCheckpointError(f"files: {_show(name)} is not a file name")
+            raise CorruptCheckpointError(f"files: {shown_value(name)} is not a file name")
         if is_reference(name) and type(version) is int and version >= 5:
             check_reference(name)  # another checkpoint's file: its own save id
             continue

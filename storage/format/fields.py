@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dcpbridge.storage.errors import CorruptCheckpointError
-from dcpbridge.storage.format.table import MAX_NDIM, MAX_SIZE, TensorHeader
+from dcpbridge.storage.format.table import MAX_NDIM, MAX_SIZE, TensorHeader, shown_value
 
 _DTYPES: dict[str, torch.dtype] = {}
 # Tensors of these dtypes are only meaningful with their scale and zero point, which no stored
@@ -43,20 +43,15 @@ def parse_dtype(name: str) -> torch.dtype:
         or dtype.itemsize < 1
         or dtype in QUANTIZED_DTYPES
     ):
-        raise CorruptCheckpointError(f"unknown dtype {_show(name)}")
+        raise CorruptCheckpointError(f"unknown dtype {shown_value(name)}")
     _DTYPES[name] = dtype
     return dtype
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_SIZE) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise CorruptCheckpointError(
-            f"{what} must be an integer in [{lo}, {hi}], got {_show(value)}"
+            f"{what} must be an integer in [{lo}, {hi}], got {shown_value(value)}"
         )
     return value
 
@@ -64,7 +59,7 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_SIZE) -> int:
 def _ints(values: Any, what: str, n: int | None = None) -> list[int]:
     if type(values) is not list or (n is not None and len(values) != n):
         need = f"{n} integers" if n is not None else "integers"
-        raise CorruptCheckpointError(f"{what} must be a list of {need}, got {_show(values)}")
+        raise CorruptCheckpointError(f"{what} must be a list of {need}, got {shown_value(values)}")
     if len(values) > MAX_NDIM:
         raise CorruptCheckpointError(f"{what} has {len(values)} dimensions (at most {MAX_NDIM})")
     return [_int(v, what) for v in values]
@@ -72,13 +67,13 @@ def _ints(values: Any, what: str, n: int | None = None) -> list[int]:
 
 def _dict(value: Any, what: str) -> dict[str, Any]:
     if type(value) is not dict:
-        raise CorruptCheckpointError(f"{what} must be a JSON object, got {_show(value)}")
+        raise CorruptCheckpointError(f"{what} must be a JSON object, got {shown_value(value)}")
     return value
 
 
 def _list(value: Any, what: str) -> list[Any]:
     if type(value) is not list:
-        raise CorruptCheckpointError(f"{what} must be a JSON list, got {_show(value)}")
+        raise CorruptCheckpointError(f"{what} must be a JSON list, got {shown_value(value)}")
     return value
 
 
@@ -151,7 +146,7 @@ _STR, _LIST, _INT = frozenset({str}), frozenset({list}), frozenset({int})
 def _checked_header(name: Any, dtype_text: Any, shape: Any) -> torch.dtype:
     """One tensor's header checked, its problem worded; returns its dtype."""
     if type(name) is not str:
-        raise CorruptCheckpointError(f"tensor name {_show(name)} is not a string")
+        raise CorruptCheckpointError(f"tensor name {shown_value(name)} is not a string")
     dtype = parse_dtype(dtype_text)
     if not _plain_shape(shape):  # checked again, naming the tensor on failure
         what = f"tensor {name!r}"
@@ -172,7 +167,7 @@ def check_names(tensors: Sequence[str], objects: Sequence[str]) -> None:
     seen = set(tensors)
     for fqn in objects:
         if type(fqn) is not str:
-            raise CorruptCheckpointError(f"object name {_show(fqn)} is not a string")
+            raise CorruptCheckpointError(f"object name {shown_value(fqn)} is not a string")
         if fqn in seen:
             raise CorruptCheckpointError(f"{fqn!r} is both a tensor and an object")
         seen.add(fqn)

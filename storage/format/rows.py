@@ -14,13 +14,12 @@ from dcpbridge.storage.format.fields import (
     _field,
     _int,
     _ints,
-    _show,
     check_names,
     tensor_headers,
 )
 from dcpbridge.storage.format.paths import check_file_name
 from dcpbridge.storage.format.references import check_reference, is_reference
-from dcpbridge.storage.format.table import ItemTable, StoredItem, table_from_rows
+from dcpbridge.storage.format.table import ItemTable, StoredItem, shown_value, table_from_rows
 
 _HEX_DIGITS = b"0123456789abcdef"
 
@@ -47,7 +46,7 @@ def _item(
     entry = _dict(entry, what)
     name = _field(entry, "file", what)
     if not isinstance(name, str):
-        raise CorruptCheckpointError(f"{what}: file must be a string, got {_show(name)}")
+        raise CorruptCheckpointError(f"{what}: file must be a string, got {shown_value(name)}")
     if is_reference(name):  # its shape here; whether this version may hold it: the header
         check_reference(name)
     else:
@@ -63,7 +62,7 @@ def _item(
         expected = item_grid(nbytes, sizes, dtype, block).count
         if type(checksums) is not list or len(checksums) != expected:
             raise CorruptCheckpointError(
-                f"{what}: {expected} block checksums expected, found {_show(checksums)}"
+                f"{what}: {expected} block checksums expected, found {shown_value(checksums)}"
             )
         # each a string of 16 characters, and all of them together hex digits (what is left
         # once the digits are deleted: nothing; a quarter of the time of a regex match)
@@ -98,7 +97,9 @@ def rows_table(
         what = f"tensor {header.name!r}"
         raw_chunks = _field(entry, "chunks", what)
         if type(raw_chunks) is not list:
-            raise CorruptCheckpointError(f"{what}: chunks must be a list, got {_show(raw_chunks)}")
+            raise CorruptCheckpointError(
+                f"{what}: chunks must be a list, got {shown_value(raw_chunks)}"
+            )
         nd = len(header.shape)
         for c in raw_chunks:
             c = _dict(c, f"{what} chunk")

@@ -61,7 +61,8 @@ def describe_item(key: ItemKey) -> str:
     return f"object {fqn!r}" if offsets is None else f"tensor {fqn!r} chunk {list(offsets)}"
 
 
-def _show(value: Any) -> str:
+def shown_value(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for error messages quoting hostile metadata."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -92,14 +93,14 @@ def unpack_column(entry: Any, what: str, *, checksums: bool = False) -> np.ndarr
     """The int64 values of a packed column (uint64 for ``checksums``), refused unless every
     field is well-formed and the data decodes to exactly ``count`` values in range."""
     if type(entry) is not dict or set(entry) != {"type", "count", "zlib", "data"}:
-        raise CorruptCheckpointError(f"{what}: not a packed column ({_show(entry)})")
+        raise CorruptCheckpointError(f"{what}: not a packed column ({shown_value(entry)})")
     width, count, packed, text = entry["type"], entry["count"], entry["zlib"], entry["data"]
     # checksums are 8 bytes wide; an empty column of any width holds none (item-less saves
     # written before the checksums column was always '<u8' carry an empty '<u1' one)
     if width not in _WIDTHS or (checksums and width != "<u8" and count != 0):
-        raise CorruptCheckpointError(f"{what}: unknown column type {_show(width)}")
+        raise CorruptCheckpointError(f"{what}: unknown column type {shown_value(width)}")
     if type(count) is not int or not 0 <= count <= MAX_ROWS * (MAX_NDIM if not checksums else 1):
-        raise CorruptCheckpointError(f"{what}: column count {_show(count)} is not valid")
+        raise CorruptCheckpointError(f"{what}: column count {shown_value(count)} is not valid")
     if type(packed) is not bool or type(text) is not str:
         raise CorruptCheckpointError(f"{what}: column fields have the wrong types")
     expected = count * np.dtype(width).itemsize
@@ -441,11 +442,6 @@ class ItemTable(_ChunkIndex, Mapping[ItemKey, StoredItem]):
     def __len__(self) -> int:
         return len(self.nbytes)
 
-    # -- chunks of one tensor, as DCP's metadata lists them --------------------------------
-
-    def chunk_list(self, t: int) -> ChunkList:
-        return ChunkList(self, t)
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Sources:
@@ -492,9 +488,6 @@ class PlannedBoxes(_ChunkIndex):
             self._starts = np.zeros(len(self.shapes) + 1, dtype=np.int64)
             np.cumsum(self.counts, out=self._starts[1:])
         return self._starts
-
-    def chunk_list(self, t: int) -> ChunkList:
-        return ChunkList(self, t)
 
     def same_boxes(self, table: ItemTable) -> bool:
         """Whether ``table`` stores exactly these boxes for exactly these tensors."""

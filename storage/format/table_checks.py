@@ -39,7 +39,7 @@ def check_values(table: ItemTable) -> None:
 
 
 def check_table(table: ItemTable, *, world_size: int, block: int, covered: bool = False) -> None:
-    """Refuse a table unless every row is consistent (see ``format.decode_metadata``).
+    """Refuse a table unless every row is consistent (see ``document.decode_metadata``).
 
     Types and value ranges are the decoder's job (columns hold only integers in range);
     this checks what rows mean: files, alignment, ranks, checksum counts, each chunk inside
@@ -55,22 +55,18 @@ def check_table(table: ItemTable, *, world_size: int, block: int, covered: bool 
     if int(table.counts.sum()) != nt or rows != nt + len(table.objects):
         raise CorruptCheckpointError("the item table's row counts do not add up")
 
-    def first(mask: np.ndarray) -> int | None:
-        hits = np.flatnonzero(mask)
-        return int(hits[0]) if hits.size else None
-
     def name(row: int) -> str:
         return describe_item(table.key(row))
 
-    if (row := first(table.file >= len(table.files))) is not None:
+    if (row := first_true(table.file >= len(table.files))) is not None:
         raise CorruptCheckpointError(
             f"{name(row)}: file #{int(table.file[row])} is not among the checkpoint's files"
         )
-    if (row := first(table.offset % ITEM_ALIGN != 0)) is not None:
+    if (row := first_true(table.offset % ITEM_ALIGN != 0)) is not None:
         raise CorruptCheckpointError(
             f"{name(row)}: offset {int(table.offset[row])} is not {ITEM_ALIGN}-byte aligned"
         )
-    if (row := first(table.rank >= world_size)) is not None:
+    if (row := first_true(table.rank >= world_size)) is not None:
         raise CorruptCheckpointError(
             f"{name(row)} rank must be an integer in [0, {world_size - 1}], "
             f"got {int(table.rank[row])}"

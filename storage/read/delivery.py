@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import io
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -494,10 +492,6 @@ def read_bytes(
     tuning = ReadTuning(min_piece_bytes=0, merge_gap=0, max_request=1 << 62)
     run_jobs([job], store, lambda _: path, tuning, threads=1)
     return out[0]
-
-
-def as_bytes_io(deliver: Callable[[io.BytesIO], Any]) -> Callable[[bytes], None]:
-    return lambda data: deliver(io.BytesIO(data))
 
 
 def verify_stored_items(

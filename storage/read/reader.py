@@ -38,8 +38,15 @@ from dcpbridge.storage.format.document import (
     item_key,
 )
 from dcpbridge.storage.format.paths import Location
-from dcpbridge.storage.read.delivery import BytesJob, Job, TensorJob, WholeJob, read_bytes, run_jobs
-from dcpbridge.storage.read.delivery import byte_view as _byte_view
+from dcpbridge.storage.read.delivery import (
+    BytesJob,
+    Job,
+    TensorJob,
+    WholeJob,
+    byte_view,
+    read_bytes,
+    run_jobs,
+)
 from dcpbridge.storage.read.metadata import diagnose_missing_metadata, read_checkpoint_metadata
 from dcpbridge.storage.read.read_plan import ReadTuning, chunk_grid, plan_box_read
 from dcpbridge.storage.read.span_reads import read_spans, small_entries
@@ -48,7 +55,6 @@ from dcpbridge.storage.read.whole_reads import WholeReads, whole_jobs
 __all__ = [
     "FsspecCheckpointReader",
     "ReadTuning",
-    "_byte_view",
     "diagnose_missing_metadata",
     "read_checkpoint_metadata",
     "read_object_bytes",
@@ -327,7 +333,7 @@ class FsspecCheckpointReader(LocationMixin, StorageReader):
             planner.commit_tensor(item, t)
 
         if item.lengths == sizes and stored.nbytes and not any(item.storage_offsets):
-            view = _byte_view(dest)  # the whole chunk into plain memory: no plan, no staging
+            view = byte_view(dest)  # the whole chunk into plain memory: no plan, no staging
             if view is not None and len(view) == stored.nbytes:
                 return WholeJob(stored, view, dest, commit, grid, describe)
         plan = plan_box_read(

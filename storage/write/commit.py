@@ -158,20 +158,13 @@ def encode_index(
     return encode_metadata(metadata, columns=columns)
 
 
-def results_table(
-    metadata: Metadata, results: list[list[WriteResult]], *, checksums: bool
-) -> ItemTable:
-    """Every rank's write results as the item table of ``metadata``."""
-    return written_table(metadata, results, checksums=checksums)
-
-
 def index_results(
     metadata: Metadata, results: list[list[WriteResult]], *, save_id: str, checksums: bool
 ) -> bytes:
     """The commit document of ``metadata`` for every rank's write ``results``."""
     return encode_index(
         metadata,
-        results_table(metadata, results, checksums=checksums),
+        written_table(metadata, results, checksums=checksums),
         save_id=save_id,
         world_size=len(results),
         checksums=checksums,

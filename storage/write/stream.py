@@ -7,9 +7,7 @@ the gathered items with ``commit``. The result is indistinguishable from a ``sav
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from typing import BinaryIO
 
@@ -188,10 +186,10 @@ def commit(
     return metadata
 
 
-def discard_save(location: Location, save_id: str, *, remove_root: bool = False) -> None:
+def discard_save(location: Location, save_id: str) -> None:
     """Remove every data file of save ``save_id`` at ``location`` (all workers' files) unless
-    that save committed; with ``remove_root``, also the (then empty) local directory.
-    Best effort: a failure to clean up is logged, never raised over the original error."""
+    that save committed. Best effort: a failure to clean up is logged, never raised over the
+    original error."""
     store = storage_for(location)
     try:
         if committed_save_id(store) == save_id:
@@ -203,9 +201,6 @@ def discard_save(location: Location, save_id: str, *, remove_root: bool = False)
                 if (m := DATA_FILE_RE.match(n)) is not None and m.group(3) == save_id
             ]
         )
-        if remove_root and location.is_local:
-            with contextlib.suppress(OSError):  # not empty: someone else's files are there
-                os.rmdir(location.root)
     except Exception as e:
         log.warning(
             "could not remove the files of failed save %s in %s: %s", save_id, location.url, e

@@ -32,7 +32,6 @@ from dcpbridge.storage.write.coalesce import SMALL_ITEM, CoalescingFile
 from dcpbridge.storage.write.commit import (
     committed_save_id,
     publish,
-    results_table,
     save_id_of,
 )
 from dcpbridge.storage.write.items import (
@@ -44,7 +43,7 @@ from dcpbridge.storage.write.items import (
     write_carried,
 )
 from dcpbridge.storage.write.reuse import Previous, check_siblings, split_reused
-from dcpbridge.storage.write.written import written_columns
+from dcpbridge.storage.write.written import written_columns, written_table
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +319,7 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
             publish(
                 self._store,
                 metadata,
-                results_table(metadata, results, checksums=self.checksums),
+                written_table(metadata, results, checksums=self.checksums),
                 save_id=self._save_id,
                 world_size=len(results),
                 checksums=self.checksums,

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import dcpbridge as db
 from dcpbridge.planners.walk import iter_leaves
-from dcpbridge.storage.read.reader import _byte_view
+from dcpbridge.storage.read.delivery import byte_view
 
 
 def nested() -> dict:
@@ -208,11 +208,11 @@ class Subclass(torch.Tensor):
 
 def test_reader_writes_through_raw_pointers_only_into_plain_tensors():
     plain = torch.zeros(4)
-    assert _byte_view(plain) is not None
-    assert _byte_view(torch.nn.Parameter(torch.zeros(4))) is not None
-    assert _byte_view(torch.zeros(4).as_subclass(Subclass)) is None
-    assert _byte_view(torch.zeros(4, 2).t()) is None  # not contiguous
-    assert _byte_view(torch.zeros(4, device="meta")) is None
+    assert byte_view(plain) is not None
+    assert byte_view(torch.nn.Parameter(torch.zeros(4))) is not None
+    assert byte_view(torch.zeros(4).as_subclass(Subclass)) is None
+    assert byte_view(torch.zeros(4, 2).t()) is None  # not contiguous
+    assert byte_view(torch.zeros(4, device="meta")) is None
 
 
 def _save_older_common_blob(path, blob: dict) -> None:

@@ -20,7 +20,7 @@ from dcpbridge.planners import (
     plan_local_writes,
 )
 from dcpbridge.planners.walk import STATE_WALKER, iter_leaves
-from dcpbridge.storage.backends.regions import expand_to_blocks, plan_extents
+from dcpbridge.storage.backends.regions import plan_extents
 
 
 def _grid(rows: int, cols: int, r: int, c: int) -> list[Placed]:
@@ -185,11 +185,6 @@ def test_extents_small_rows_are_read_as_one_span():
 def test_extents_zero_dim_and_empty():
     assert [(e.start, e.stop) for e in plan_extents((), (), (), 4, min_piece_bytes=1)] == [(0, 1)]
     assert plan_extents((4,), (2,), (0,), 4, min_piece_bytes=1) == []
-
-
-def test_expand_to_blocks():
-    assert expand_to_blocks(10, 20, 100, 16) == (0, 32)
-    assert expand_to_blocks(32, 100, 100, 16) == (32, 100)
 
 
 def test_an_object_name_with_a_trailing_newline_is_not_a_sharded_object():

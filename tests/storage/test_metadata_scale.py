@@ -23,7 +23,8 @@ from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.format.checksum import tensor_grid
 from dcpbridge.storage.format.document import decode_metadata, planned_boxes
 from dcpbridge.storage.format.tiling import tile_counts
-from dcpbridge.storage.write.commit import index_results, results_table
+from dcpbridge.storage.write.commit import index_results
+from dcpbridge.storage.write.written import written_table
 
 SAVE_ID = "5eed"
 
@@ -93,7 +94,7 @@ def test_a_checked_plan_encodes_what_an_unchecked_one_does(ranks):
     assert [list(c.offsets) for c in checked.state_dict_metadata["layers.3.weight"].chunks] == [
         [2 * r, 0] for r in range(ranks)
     ]
-    table = results_table(checked, results, checksums=True)
+    table = written_table(checked, results, checksums=True)
     assert boxes.same_boxes(table) and table.sizes is boxes.sizes  # not gathered twice
     unchecked, _ = _save(ranks, 20, validate=False)
     assert not planned_boxes(unchecked).checked

@@ -22,8 +22,7 @@ from dcpbridge.planners import ShardedLoadPlanner, ShardedSavePlanner
 from dcpbridge.storage import FsspecCheckpointReader, FsspecCheckpointWriter
 from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.format.document import sign_document
-from dcpbridge.storage.write.commit import results_table
-from dcpbridge.storage.write.written import WrittenResults
+from dcpbridge.storage.write.written import WrittenResults, written_table
 from tests.support import layouts as L
 from tests.support.dist_pool import Rank
 
@@ -74,8 +73,8 @@ def test_columns_give_the_table_the_objects_give_and_load_bit_exact(tmp_path):
     writer, metadata, results = _write(str(tmp_path), sd)
     assert isinstance(results, WrittenResults) and results.columns is not None
     assert len(set(results.columns.files)) == 3  # three files: positions are interleaved
-    by_columns = results_table(metadata, [results], checksums=True)
-    by_objects = results_table(metadata, [list(results)], checksums=True)
+    by_columns = written_table(metadata, [results], checksums=True)
+    by_objects = written_table(metadata, [list(results)], checksums=True)
     _same_tables(by_columns, by_objects)
     assert pickle.loads(pickle.dumps(results)).columns.digest == results.columns.digest
     writer.finish(metadata, [results])
@@ -90,15 +89,15 @@ def test_columns_give_the_table_the_objects_give_and_load_bit_exact(tmp_path):
 
 def test_results_of_another_plan_are_read_item_by_item(tmp_path):
     _, metadata, results = _write(str(tmp_path / "a"), _state())
-    expected = results_table(metadata, [list(results)], checksums=True)
+    expected = written_table(metadata, [list(results)], checksums=True)
     foreign = WrittenResults(results)
     foreign.columns = dataclasses.replace(results.columns, digest=b"another plan")
-    _same_tables(results_table(metadata, [foreign], checksums=True), expected)
+    _same_tables(written_table(metadata, [foreign], checksums=True), expected)
     twice = WrittenResults(results)  # one position reported twice, one never
     position = results.columns.position.copy()
     position[1] = position[0]
     twice.columns = dataclasses.replace(results.columns, position=position)
-    _same_tables(results_table(metadata, [twice], checksums=True), expected)
+    _same_tables(written_table(metadata, [twice], checksums=True), expected)
 
 
 def test_missing_results_are_refused_naming_the_key(tmp_path):
@@ -127,7 +126,7 @@ def test_missing_results_are_refused_naming_the_key(tmp_path):
 def _indexed(metadata, results):
     from dcpbridge.storage.format.document import StorageIndex
 
-    table = results_table(metadata, [results], checksums=True)
+    table = written_table(metadata, [results], checksums=True)
     metadata.storage_data = StorageIndex(
         items=table,
         save_id="5eed",
@@ -315,14 +314,14 @@ def test_plans_and_results_travel_as_plain_columns_and_come_back_equal(tmp_path)
     assert isinstance(received, PackedResults) and list(received) == list(results)
     assert received.columns.digest == results.columns.digest
     _same_tables(
-        results_table(metadata, [received], checksums=True),
-        results_table(metadata, [list(results)], checksums=True),
+        written_table(metadata, [received], checksums=True),
+        written_table(metadata, [list(results)], checksums=True),
     )
     foreign = pickle.loads(pickle.dumps(WrittenResults(results)))  # no columns: item by item
     assert foreign.columns is None
     _same_tables(
-        results_table(metadata, [foreign], checksums=True),
-        results_table(metadata, [list(results)], checksums=True),
+        written_table(metadata, [foreign], checksums=True),
+        written_table(metadata, [list(results)], checksums=True),
     )
 
 
