@@ -73,9 +73,21 @@ def is_storage_fault(exc: BaseException, *, foreign: bool = False) -> bool:
 
 
 def foreign_filesystem(fs: object) -> bool:
-    """Whether the fsspec filesystem ``fs`` is a custom one: of neither fsspec nor a storage
-    client library (``_CLIENT_LIBRARIES``), so any exception out of it is a storage fault."""
-    return type(fs).__module__.split(".")[0] not in _CLIENT_LIBRARIES
+    """Whether the fsspec filesystem ``fs`` is a custom one, or wraps one (fsspec's
+    ``DirFileSystem`` and caching filesystems keep what they wrap as ``.fs``): of neither
+    fsspec nor a storage client library (``_CLIENT_LIBRARIES``), so any exception out of it
+    is a storage fault."""
+    for _ in range(_MOST_WRAPPERS):
+        if type(fs).__module__.split(".")[0] not in _CLIENT_LIBRARIES:
+            return True
+        inner = getattr(fs, "fs", None)
+        if inner is None or inner is fs or not hasattr(inner, "protocol"):
+            return False
+        fs = inner
+    return False
+
+
+_MOST_WRAPPERS = 8  # filesystems wrapping filesystems looked through (a cycle ends there)
 
 
 _CLIENT_LIBRARIES = frozenset(

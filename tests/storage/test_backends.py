@@ -581,3 +581,49 @@ def test_any_exception_of_a_custom_filesystem_is_a_storage_error_naming_the_url(
     assert "cannot read today" in str(raised.value)
     failing["on"] = ""
     assert torch.equal(db.load({"w": torch.zeros(3)}, url)["w"], torch.arange(3.0))
+
+
+def test_a_custom_filesystem_behind_an_fsspec_wrapper_raises_storage_errors_too():
+    """Rule 2: a custom filesystem reached through fsspec's ``DirFileSystem`` (``dir::``
+    URLs; the caching filesystems wrap alike) counted as fsspec's own, so its exceptions
+    reached the caller of a save or load as themselves. What a wrapper wraps decides now."""
+    import fsspec
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from dcpbridge.storage.errors import foreign_filesystem
+
+    failing = {"on": ""}
+
+    class Wrapped(MemoryFileSystem):
+        protocol = "wrappedmemfs"
+        store: dict = {}  # its own, not the memory:// store
+        pseudo_dirs = [""]
+
+        def _open(self, path, mode="rb", **kwargs):
+            if failing["on"] == "w" and "w" in mode and path.endswith(".bin"):
+                raise _FilesystemBug("cannot write today")
+            return super()._open(path, mode, **kwargs)
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            if failing["on"] == "r":
+                raise _FilesystemBug("cannot read today")
+            return super().cat_file(path, start, end, **kwargs)
+
+    assert foreign_filesystem(DirFileSystem(path="/base", fs=Wrapped()))
+    assert not foreign_filesystem(DirFileSystem(path="/base", fs=LocalFileSystem()))
+    fsspec.register_implementation(Wrapped.protocol, Wrapped, clobber=True)
+    url, options = "dir::wrappedmemfs://bucket", {"dir": {"path": "/base"}}
+    db.save({"w": torch.arange(3.0)}, f"{url}/ck", storage_options=options)
+    failing["on"] = "w"
+    with pytest.raises(db.StorageError, match=re.escape(f"{url}/other")) as raised:
+        db.save({"w": torch.arange(3.0)}, f"{url}/other", storage_options=options)
+    assert isinstance(raised.value.__cause__, _FilesystemBug), raised.value
+    failing["on"] = "r"
+    with pytest.raises(db.StorageError, match=re.escape(f"{url}/ck")) as raised:
+        db.load({"w": torch.zeros(3)}, f"{url}/ck", storage_options=options)
+    assert isinstance(raised.value.__cause__, _FilesystemBug), raised.value
+    failing["on"] = ""
+    got = db.load({"w": torch.zeros(3)}, f"{url}/ck", storage_options=options)["w"]
+    assert torch.equal(got, torch.arange(3.0))
