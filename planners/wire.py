@@ -23,12 +23,11 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from dcpbridge.storage.format.packed import PackedRows
+from dcpbridge.storage.format.packed import PackedRows, index_columns
 
 _INDEX, _TENSOR, _BYTES = (
     operator.attrgetter(n) for n in ("index", "tensor_data", "bytes_io_data")
 )
-_FQN, _OFFSET, _HINT = (operator.attrgetter(n) for n in ("fqn", "offset", "index"))
 _KINDS = {kind.value: kind for kind in WriteItemType}
 
 
@@ -56,9 +55,7 @@ def packed(items: Sequence[WriteItem]) -> tuple[list[Any], ...]:
     tensors = list(map(_TENSOR, items))
     chunks = [None if t is None else t.chunk for t in tensors]
     return (
-        list(map(_FQN, indexes)),
-        [None if o is None else tuple(o) for o in map(_OFFSET, indexes)],
-        list(map(_HINT, indexes)),
+        *index_columns(indexes),
         [item.type.value for item in items],
         [None if b is None else b.nbytes for b in map(_BYTES, items)],
         [None if c is None else tuple(c.offsets) for c in chunks],

@@ -62,7 +62,10 @@ class ScatterRead:
 
     @property
     def nbytes(self) -> int:
-        return sum(p if isinstance(p, int) else len(p) for p in self.parts)
+        parts = self.parts
+        if len(parts) == 1 and not isinstance(parts[0], int):  # one buffer: most reads
+            return len(parts[0])
+        return sum(p if isinstance(p, int) else len(p) for p in parts)
 
 
 Read = RangeRead | ScatterRead
@@ -73,12 +76,17 @@ def parts_of(r: Read) -> list[memoryview | int]:
 
 
 def read_size(r: Read) -> int:
-    if isinstance(r, RangeRead):
-        return len(r.out)
-    parts = r.parts
-    if len(parts) == 1 and not isinstance(parts[0], int):  # one buffer: most reads
-        return len(parts[0])
-    return r.nbytes
+    return len(r.out) if isinstance(r, RangeRead) else r.nbytes
+
+
+def _buffers(parts: list[memoryview | int]) -> list[memoryview]:
+    """The non-empty buffers a vectored read of ``parts`` fills in order, each gap read into
+    one scratch buffer (one buffer, as most reads are: itself, nothing allocated)."""
+    if len(parts) == 1 and not isinstance(parts[0], int):
+        return [parts[0]] if len(parts[0]) else []
+    gap = max((p for p in parts if isinstance(p, int)), default=0)
+    skip = memoryview(bytearray(gap))  # bytes between pieces land here
+    return [v for p in parts if len(v := skip[:p] if isinstance(p, int) else p)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,13 +501,7 @@ class LocalStorage(Storage):
 
             def run(r: Read) -> None:
                 fd = fds.get(r.path)
-                parts = parts_of(r)
-                if len(parts) == 1 and not isinstance(parts[0], int):  # one buffer: most reads
-                    views = [parts[0]] if len(parts[0]) else []
-                else:
-                    gap = max((p for p in parts if isinstance(p, int)), default=0)
-                    skip = memoryview(bytearray(gap))  # bytes between pieces land here
-                    views = [v for p in parts if len(v := skip[:p] if isinstance(p, int) else p)]
+                views = _buffers(parts_of(r))
                 pos, i = r.start, 0
                 while i < len(views):
                     n = os.preadv(fd, views[i : i + _IOV_MAX], pos)

@@ -4,10 +4,23 @@ asked for (``planners.wire.ReceivedItems``, ``storage.write.written.PackedResult
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
+
+_FQN, _OFFSET, _HINT = (operator.attrgetter(n) for n in ("fqn", "offset", "index"))
+
+
+def index_columns(indexes: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """DCP ``MetadataIndex``es as three parallel lists of plain values: each one's fqn,
+    offset (a tuple, or None) and index hint (``MetadataIndex(*row)`` makes it again)."""
+    return (
+        list(map(_FQN, indexes)),
+        [None if o is None else tuple(o) for o in map(_OFFSET, indexes)],
+        list(map(_HINT, indexes)),
+    )
 
 
 class PackedRows(Sequence[T]):

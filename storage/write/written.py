@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcpbridge.storage.errors import InvalidArgumentError
 from dcpbridge.storage.format.document import planned_boxes
-from dcpbridge.storage.format.packed import PackedRows
+from dcpbridge.storage.format.packed import PackedRows, index_columns
 from dcpbridge.storage.format.table import (
     ItemTable,
     PlannedBoxes,
@@ -35,7 +35,6 @@ from dcpbridge.storage.format.table import (
 
 _STORED = operator.attrgetter("storage_data")
 _INDEX, _SIZE = operator.attrgetter("index"), operator.attrgetter("size_in_bytes")
-_FQN, _OFFSET, _HINT = (operator.attrgetter(n) for n in ("fqn", "offset", "index"))
 _FIELDS = operator.attrgetter("file", "offset", "nbytes", "rank", "checksums", "sizes", "dtype")
 _FILE, _PLACE = operator.attrgetter("file"), operator.attrgetter("offset", "nbytes", "rank")
 _CHECKSUMS = operator.attrgetter("checksums")
@@ -95,18 +94,10 @@ class PackedResults(PackedRows[WriteResult]):
 
 def _packed(results: Sequence[WriteResult], columns: WrittenColumns | None) -> tuple[Any, ...]:
     """``PackedResults``' arguments for ``results`` (each one's storage data a ``StoredItem``)."""
-    indexes = list(map(_INDEX, results))
-    offsets = [None if o is None else tuple(o) for o in map(_OFFSET, indexes)]
     fields = list(map(_FIELDS, map(_STORED, results)))
     stored = [list(f) for f in zip(*fields)] if fields else [[] for _ in range(7)]
-    return (
-        columns,
-        list(map(_FQN, indexes)),
-        offsets,
-        list(map(_HINT, indexes)),
-        list(map(_SIZE, results)),
-        *stored,
-    )
+    indexes = index_columns(list(map(_INDEX, results)))
+    return (columns, *indexes, list(map(_SIZE, results)), *stored)
 
 
 def written_columns(
