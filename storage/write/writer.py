@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -29,11 +30,7 @@ from dcpbridge.storage.format import checksum
 from dcpbridge.storage.format.document import data_file_name
 from dcpbridge.storage.format.paths import resolve
 from dcpbridge.storage.write.coalesce import SMALL_ITEM, CoalescingFile
-from dcpbridge.storage.write.commit import (
-    committed_save_id,
-    publish,
-    save_id_of,
-)
+from dcpbridge.storage.write.commit import committed_save_id, publish, save_id_of
 from dcpbridge.storage.write.items import (
     PLAIN,
     append_items,
@@ -149,7 +146,7 @@ def split_into_files(items: list[WriteItem], files: int, sizes: list[int]) -> li
     return [b for b in buckets if b]
 
 
-class FsspecCheckpointWriter(LocationMixin, StorageWriter):
+class FsspecCheckpointWriter(LocationMixin, StorageWriter, AsyncStager):
     """Writes a checkpoint to any fsspec location; usable with ``torch.distributed.checkpoint.save``.
 
     Each rank writes raw tensor bytes into up to ``thread_count`` files (one thread each; None:
@@ -223,10 +220,6 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._loc.url) if self.location else None
 
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return self._synchronize_after_execute
-
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A CPU copy of ``state_dict`` for ``dcp.async_save`` to write while training goes
         on (torch's ``DefaultStager`` copy, views kept: see ``_ViewsKept``), saved as the state
@@ -236,9 +229,6 @@ class FsspecCheckpointWriter(LocationMixin, StorageWriter):
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns once the copy is made."""
-
-    def close(self) -> None:
-        """Nothing held between saves (``AsyncStager``'s last call)."""
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._made_folder = self._store.makedirs()
