@@ -25,13 +25,7 @@ from dcpbridge.storage.backends.store import Storage
 from dcpbridge.storage.errors import storage_faults
 from dcpbridge.storage.format.document import DATA_FILE_RE
 from dcpbridge.storage.format.paths import spread_dir
-from dcpbridge.storage.write.commit import (
-    check_present,
-    committed_save_id,
-    files_of,
-    json_object,
-    remove_replaced_files,
-)
+from dcpbridge.storage.write.commit import check_present, commit_document, committed_save_id
 
 log = logging.getLogger("dcpbridge")
 _PIECE = 8 << 20  # bytes per read while uploading a data file
@@ -80,10 +74,9 @@ def _commit(job: PersistJob, raw: bytes, index: StorageIndex) -> None:
     then remove the data files of the commit it replaced (a step saved again), as a save does."""
     store = storage_for(job.location)
     check_present(store, index.files, index.prefixes)
-    current = store.read_committed(METADATA_FILE)
-    replaced = [n for n in files_of(json_object(current.data)) if n not in index.files]
-    store.commit_file(METADATA_FILE, raw, f"{METADATA_FILE}.tmp", sync=True, replaces=current)
-    remove_replaced_files(store, replaced, index.save_id)
+    commit_document(
+        store, raw, index.files, save_id=index.save_id, sync=True, temp_name=f"{METADATA_FILE}.tmp"
+    )
 
 
 def _remove(location: Location, index: StorageIndex) -> None:

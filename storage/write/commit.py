@@ -70,13 +70,30 @@ def publish(
     assert isinstance(index, StorageIndex)
     if check_files:
         check_present(store, index.files, index.prefixes)
+    commit_document(store, raw, index.files, save_id=save_id, sync=sync)
+
+
+def commit_document(
+    store: Storage,
+    raw: bytes,
+    files: Iterable[str],
+    *,
+    save_id: str,
+    sync: bool,
+    temp_name: str | None = None,
+) -> None:
+    """Commit ``raw`` (a document naming data ``files``) at ``store``'s location, conditionally
+    on the commit it replaces, then remove that commit's data files ``raw`` does not name
+    (``temp_name``: of the temp file, by default ``temp_metadata_name(save_id)``)."""
     current = store.read_committed(METADATA_FILE)
-    replaced = files_of(json_object(current.data))
+    files = list(files)
+    keep = set(files) | _referenced_here(store.location.root, files)
+    replaced = [n for n in files_of(json_object(current.data)) if n not in keep]
     # Conditional: if another save committed since ``current`` was read, this one raises
     # (and its caller removes its files) instead of replacing a commit it never saw.
-    store.commit_file(METADATA_FILE, raw, temp_metadata_name(save_id), sync=sync, replaces=current)
-    own = _referenced_here(store.location.root, index.files)
-    remove_replaced_files(store, [n for n in replaced if n not in own], save_id)
+    temp = temp_name or temp_metadata_name(save_id)
+    store.commit_file(METADATA_FILE, raw, temp, sync=sync, replaces=current)
+    remove_replaced_files(store, replaced, save_id)
 
 
 def check_present(store: Storage, files: Iterable[str], prefixes: int) -> None:
