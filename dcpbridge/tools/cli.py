@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -601,10 +602,16 @@ def describe_error(e: BaseException) -> str:
             text = f"{type(e).__name__}: {text}"
         text = " ".join(text.split())
         chain = " ".join(str(c) for c in _causes(e))
-        hint = next((h for keys, h in _HINTS if any(k in text or k in chain for k in keys)), None)
+        hint = next((h for keys, h in _HINTS if any(_names(k, text, chain) for k in keys)), None)
         if hint and hint not in text:
             text = f"{text}; {hint}"
     return text
+
+
+def _names(key: str, *texts: str) -> bool:
+    """Whether a text names ``key`` outside its paths and URLs (a folder ``run-403`` is no HTTP 403)."""
+    pattern = rf"(?<!\d){key}(?!\d)" if key.isdigit() else re.escape(key)
+    return any(re.search(pattern, re.sub(r"\S*/\S*", " ", t)) for t in texts)
 
 
 def _causes(e: BaseException) -> Iterator[BaseException]:

@@ -597,6 +597,21 @@ def test_fsck_of_no_directory_or_of_one_checkpoint_is_not_an_all_clear(tmp_path,
     assert code == 0 and out == "1 checkpoint(s), 0 orphaned file(s), 0 missing file(s)\n"
 
 
+def test_a_hint_comes_from_the_error_never_from_a_path_that_looks_like_a_status(tmp_path):
+    """The hint for an HTTP 403 was added to a local "no such directory" error when the path held
+    ``403`` (pytest's ``pytest-1403`` on CI); a path or URL never chooses the hint now."""
+    for name in ("pytest-1403/none", "403/none", "run-Forbidden/x"):
+        e = db.NotACheckpointError(f"{tmp_path / name}: no such checkpoint directory")
+        assert cli.describe_error(e) == str(e)
+    e = db.StorageError("s3://b-403/ck: reading failed")
+    e.__cause__ = PermissionError("An error occurred (403) when calling the HeadObject operation")
+    assert cli.describe_error(e).endswith("; check the credentials and the bucket policy")
+    e.__cause__ = OSError("took 14031 ms")
+    assert "credentials" not in cli.describe_error(e)
+    timeout = TimeoutError("ConnectTimeoutError: Connect timeout on endpoint URL")
+    assert cli.describe_error(timeout).endswith("; the endpoint did not answer in time")
+
+
 def test_a_checkpoint_manager_root_given_as_a_checkpoint_names_its_steps(tmp_path, capsys):
     """``inspect``/``validate`` of a CheckpointManager's root (the first thing a new user tries)
     said only that dcpbridge.json is missing; the error now names the steps under it and the
