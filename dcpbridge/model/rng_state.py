@@ -54,6 +54,9 @@ class RNGState:
             name, key, pos, has_gauss, gauss = state_dict["numpy"]
             if not isinstance(key, torch.Tensor) or key.dtype != torch.int64:
                 raise TypeError(f"numpy key must be an int64 tensor, got {type(key).__name__}")
+            if key.numel() and (int(key.min()) < 0 or int(key.max()) >= 1 << 32):
+                # uint32 words: astype would keep only the low 32 bits of each, silently
+                raise ValueError("numpy key holds words outside [0, 2**32)")
             np_state = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
             for what, check in (("torch", state_dict["torch"]), *(("cuda", c) for c in cuda)):
                 if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:

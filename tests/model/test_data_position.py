@@ -193,6 +193,23 @@ def test_rng_state_refuses_garbage():
         db.RNGState().load_state_dict({"python": 1})
 
 
+@pytest.mark.parametrize("value", [(1 << 32) + 5, -1])
+def test_an_rng_state_whose_numpy_key_leaves_32_bits_is_refused(value):
+    """NumPy's key words are uint32, stored as int64: one outside [0, 2**32) was cut to its
+    low 32 bits and restored as another state than the stored one, silently."""
+    stored = db.RNGState().state_dict()
+    name, key, *rest = stored["numpy"]
+    key = key.clone()
+    key[3] = value
+    stored["numpy"] = (name, key, *rest)
+    np.random.seed(6)
+    before = np.random.get_state()
+    with pytest.raises(db.DataStateError, match=r"numpy key .*outside \[0, 2\*\*32\)"):
+        db.RNGState().load_state_dict(stored)
+    after = np.random.get_state()
+    assert np.array_equal(after[1], before[1]) and after[2:] == before[2:]
+
+
 def test_an_rng_state_that_fails_midway_changes_no_generator():
     """A stored torch state torch refuses (after Python's and NumPy's were set) puts every
     generator back: NumPy's stayed changed."""
