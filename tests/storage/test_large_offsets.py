@@ -248,6 +248,23 @@ def test_loads_of_boxes_past_4_gib_are_exact(large, columns, box):
     assert torch.equal(out["small"], SMALL)
 
 
+def test_an_incremental_save_references_an_item_past_8_gib(large):
+    """An unchanged chunk stored past byte 2**33 of the previous checkpoint's data file is
+    referenced at that exact offset, and a load through the reference reads it back."""
+    path = large["path"]
+    (path / fmt.METADATA_FILE).write_bytes(fmt.encode_metadata(large["metadata"], columns=True))
+    nxt = path.parent / "next"
+    try:
+        db.save({"small": SMALL.clone()}, str(nxt), reuse_from=str(path))
+        index = fmt.decode_metadata((nxt / fmt.METADATA_FILE).read_bytes(), where="next")
+        item = index.storage_data.items[("small", (0,))]
+        assert (item.file, item.offset) == (f"../ck/{DATA}", large["items"][("small", (0,))].offset)
+        out = db.load({"small": torch.zeros(1000, dtype=torch.int64)}, str(nxt))
+        assert torch.equal(out["small"], SMALL)
+    finally:
+        shutil.rmtree(nxt, ignore_errors=True)
+
+
 def test_packed_columns_keep_values_past_32_bits():
     values = np.array([0, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 40) + 3, 1 << 62])
     entry = pack_column(values)
