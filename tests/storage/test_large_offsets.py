@@ -33,6 +33,7 @@ from dcpbridge.storage.format import document as fmt
 from dcpbridge.storage.format.table import StoredItem, pack_column, unpack_column
 from dcpbridge.storage.format.tiling import tile_counts
 from dcpbridge.storage.read.read_plan import ReadTuning, coalesce, plan_chunk_read
+from tests.support.dist_pool import Rank
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -127,6 +128,33 @@ def _expected(
     return torch.from_numpy(out)
 
 
+def _chunks() -> dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], dict[int, int]]]:
+    """The large checkpoint's uint8 chunks: (key, offsets) -> (sizes, marks)."""
+    return {
+        ("big1", (0,)): ((N1,), _marks((N1,), (0,), 1)),
+        ("big2", (0, 0)): ((SPLIT, C), _marks((SPLIT, C), (0, 0), 2)),
+        ("big2", (SPLIT, 0)): ((R - SPLIT, C), _marks((R - SPLIT, C), (SPLIT, 0), 3)),
+    }
+
+
+def _want(fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """What box ``offsets``+``lengths`` of tensor ``fqn`` of the large checkpoint holds."""
+    want = torch.zeros(lengths, dtype=torch.uint8)
+    for (key, chunk_at), (sizes, marks) in _chunks().items():
+        if key != fqn:
+            continue
+        lo = [max(o, c) for o, c in zip(offsets, chunk_at)]
+        hi = [min(o + n, c + s) for o, n, c, s in zip(offsets, lengths, chunk_at, sizes)]
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
+        part = _expected(
+            sizes, marks, [a - c for a, c in zip(lo, chunk_at)], [b - a for a, b in zip(lo, hi)]
+        )
+        want[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = part
+    assert want.any()  # the box holds marked bytes: a misplaced read cannot pass as zeros
+    return want
+
+
 def _align(n: int) -> int:
     return -(-n // fmt.ITEM_ALIGN) * fmt.ITEM_ALIGN
 
@@ -137,11 +165,7 @@ def large(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     chunks of ``big2`` (R x C) after it, then ``small``; each item's marks."""
     path = tmp_path_factory.mktemp("large") / "ck"
     path.mkdir()
-    chunks = {
-        ("big1", (0,)): ((N1,), _marks((N1,), (0,), 1)),
-        ("big2", (0, 0)): ((SPLIT, C), _marks((SPLIT, C), (0, 0), 2)),
-        ("big2", (SPLIT, 0)): ((R - SPLIT, C), _marks((R - SPLIT, C), (SPLIT, 0), 3)),
-    }
+    chunks = _chunks()
     small = memoryview(SMALL.numpy()).cast("B")
     items: dict = {}
     at = 0
@@ -228,19 +252,7 @@ def test_loads_of_boxes_past_4_gib_are_exact(large, columns, box, verify):
     (path / fmt.METADATA_FILE).write_bytes(fmt.encode_metadata(large["metadata"], columns=columns))
     fqn, offsets, lengths = box
     shape = (N1,) if fqn == "big1" else (R, C)
-    want = torch.zeros(lengths, dtype=torch.uint8)
-    for (key, chunk_at), (sizes, marks) in large["chunks"].items():
-        if key != fqn:
-            continue
-        lo = [max(o, c) for o, c in zip(offsets, chunk_at)]
-        hi = [min(o + n, c + s) for o, n, c, s in zip(offsets, lengths, chunk_at, sizes)]
-        if any(a >= b for a, b in zip(lo, hi)):
-            continue
-        part = _expected(
-            sizes, marks, [a - c for a, c in zip(lo, chunk_at)], [b - a for a, b in zip(lo, hi)]
-        )
-        want[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = part
-    assert want.any()  # the box holds marked bytes: a misplaced read cannot pass as zeros
+    want = _want(fqn, offsets, lengths)
     template = db.ShardedTensor.from_box(
         fqn, torch.full(lengths, 7, dtype=torch.uint8), shape, offsets
     )
@@ -251,6 +263,26 @@ def test_loads_of_boxes_past_4_gib_are_exact(large, columns, box, verify):
     )
     assert torch.equal(out["t"], want)
     assert torch.equal(out["small"], SMALL)
+
+
+def _load_box(r: Rank, path: str) -> bool:
+    """Load this rank's box of ``BOXES`` (rank 0: across byte 2**32, rank 1: the column slice
+    at the end) in a load of all ranks; whether it came back exact."""
+    fqn, offsets, lengths = BOXES[(0, 4)[r.rank]]
+    shape = (N1,) if fqn == "big1" else (R, C)
+    data = torch.full(lengths, 7, dtype=torch.uint8)
+    out = db.load(
+        {"t": db.ShardedTensor.from_box(fqn, data, shape, offsets)}, path, process_group=r.group
+    )
+    return torch.equal(out["t"], _want(fqn, offsets, lengths))
+
+
+def test_ranks_load_boxes_past_4_gib(large, pool):
+    """Two ranks plan and read boxes past 4 GiB and 2**31 elements together (plans and
+    metadata exchanged between ranks keep those offsets)."""
+    path = large["path"]
+    (path / fmt.METADATA_FILE).write_bytes(fmt.encode_metadata(large["metadata"], columns=True))
+    assert pool.run(_load_box, 2, str(path), timeout=120) == [True, True]
 
 
 def test_an_incremental_save_references_an_item_past_8_gib(large):
