@@ -62,6 +62,8 @@ class RNGState:
                 if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
                     raise TypeError(f"{what} state must be a uint8 tensor")
             python = state_dict["python"]
+            if _wide_words(python):  # random.setstate keeps each word's low 32 bits, silently
+                raise ValueError("python state holds words outside [0, 2**32)")
             saved = _current()  # all or nothing: a state that fails puts every one back
             try:
                 random.setstate(python)
@@ -74,6 +76,14 @@ class RNGState:
                 raise
         except (TypeError, ValueError, RuntimeError) as e:
             raise DataStateError(f"RNG state cannot be restored: {e}") from e
+
+
+def _wide_words(python: Any) -> bool:
+    """Whether a stored ``random.getstate()`` holds Mersenne Twister words (all but the last
+    entry of its state tuple, the position) outside uint32."""
+    if not (isinstance(python, tuple) and len(python) == 3 and isinstance(python[1], tuple)):
+        return False  # not a state: random.setstate refuses it
+    return any(type(w) is int and not 0 <= w < 1 << 32 for w in python[1][:-1])
 
 
 def _current() -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:

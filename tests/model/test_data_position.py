@@ -210,6 +210,20 @@ def test_an_rng_state_whose_numpy_key_leaves_32_bits_is_refused(value):
     assert np.array_equal(after[1], before[1]) and after[2:] == before[2:]
 
 
+@pytest.mark.parametrize("value", [(1 << 32) + 5, (1 << 64) - 1, -1])
+def test_an_rng_state_whose_python_words_leave_32_bits_is_refused(value):
+    """``random.setstate`` keeps the low 32 bits of each word of Mersenne Twister's state: a
+    stored word of 2**32 or more restored another state than the stored one, silently."""
+    stored = db.RNGState().state_dict()
+    version, words, gauss = stored["python"]
+    stored["python"] = (version, (*words[:3], value, *words[4:]), gauss)
+    random.seed(6)
+    before = random.getstate()
+    with pytest.raises(db.DataStateError, match=r"python state .*outside \[0, 2\*\*32\)"):
+        db.RNGState().load_state_dict(stored)
+    assert random.getstate() == before
+
+
 def test_an_rng_state_that_fails_midway_changes_no_generator():
     """A stored torch state torch refuses (after Python's and NumPy's were set) puts every
     generator back: NumPy's stayed changed."""
