@@ -224,6 +224,54 @@ def test_an_rng_state_whose_python_words_leave_32_bits_is_refused(value):
     assert random.getstate() == before
 
 
+def _numpy_state(stored: dict, *, key: torch.Tensor | None = None, **fields: object) -> None:
+    name, old_key, pos, has_gauss, gauss = stored["numpy"]
+    fields = {"pos": pos, "has_gauss": has_gauss, "gauss": gauss} | fields
+    stored["numpy"] = (name, old_key if key is None else key, *fields.values())
+
+
+def _python_position(stored: dict, pos: int) -> None:
+    version, words, gauss = stored["python"]
+    stored["python"] = (version, (*words[:-1], pos), gauss)
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda s: _numpy_state(s, pos=10**6), "numpy position"),  # read past the key: SIGSEGV
+        (lambda s: _numpy_state(s, pos=-1), "numpy position"),  # read before the key
+        (lambda s: _numpy_state(s, pos=1 << 70), "numpy position"),  # was a bare OverflowError
+        (lambda s: _numpy_state(s, key=torch.zeros(5, dtype=torch.int64)), "624 words"),
+        (lambda s: _numpy_state(s, has_gauss=1 << 70), "too large"),  # bare OverflowError
+        (lambda s: _python_position(s, 1 << 70), "too large"),  # bare OverflowError
+    ],
+    ids=[
+        "numpy-pos-past",
+        "numpy-pos-negative",
+        "numpy-pos-huge",
+        "numpy-key-short",
+        "numpy-gauss-huge",
+        "python-pos-huge",
+    ],
+)
+def test_an_rng_state_with_positions_out_of_range_is_refused(edit, needle):
+    """NumPy's legacy generator took a stored position outside its 624 words as it was, and
+    its next draw read memory outside the key (a crash at 10**6); numbers too large for C and
+    a short key raised bare OverflowError / IndexError. Each is a ``DataStateError`` now,
+    before any generator changed."""
+    stored = db.RNGState().state_dict()
+    edit(stored)
+    random.seed(6)
+    np.random.seed(6)
+    before = (random.getstate(), np.random.get_state())
+    with pytest.raises(db.DataStateError, match=needle) as err:
+        db.RNGState().load_state_dict(stored)
+    assert isinstance(err.value.__cause__, (ValueError, OverflowError, IndexError))
+    after = (random.getstate(), np.random.get_state())
+    assert after[0] == before[0] and np.array_equal(after[1][1], before[1][1])
+    assert after[1][2:] == before[1][2:]
+
+
 def test_an_rng_state_that_fails_midway_changes_no_generator():
     """A stored torch state torch refuses (after Python's and NumPy's were set) puts every
     generator back: NumPy's stayed changed."""
