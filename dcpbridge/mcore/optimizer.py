@@ -160,7 +160,7 @@ class _ValueType:
             )
             if whole and _number(made) != _number(value):
                 raise ValueError("not a whole number")
-        except (TypeError, ValueError, RuntimeError) as e:
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise OptimizerStateError(
                 f"optimizer state {key!r}: the checkpoint's value {value!r} does not fit this "
                 f"optimizer's {self.describe()} ({e})"

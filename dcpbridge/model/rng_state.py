@@ -17,6 +17,7 @@ import torch
 from dcpbridge.errors import DataStateError
 
 _KEYS = frozenset({"python", "numpy", "torch", "cuda"})
+_MT_WORDS = 624  # words of NumPy's legacy generator's key (Mersenne Twister)
 
 
 class RNGState:
@@ -54,11 +55,21 @@ class RNGState:
             name, key, pos, has_gauss, gauss = state_dict["numpy"]
             if not isinstance(key, torch.Tensor) or key.dtype != torch.int64:
                 raise TypeError(f"numpy key must be an int64 tensor, got {type(key).__name__}")
+            if key.shape != (_MT_WORDS,):
+                raise ValueError(f"numpy key must hold {_MT_WORDS} words, got {list(key.shape)}")
+            if int(key.min()) < 0 or int(key.max()) >= 1 << 32:
+                # uint32 words: astype would keep only the low 32 bits of each, silently
+                raise ValueError("numpy key holds words outside [0, 2**32)")
+            if type(pos) is not int or not 0 <= pos <= _MT_WORDS:
+                # NumPy takes any position; its next draw would read outside the key
+                raise ValueError(f"numpy position {pos!r} is outside [0, {_MT_WORDS}]")
             np_state = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
             for what, check in (("torch", state_dict["torch"]), *(("cuda", c) for c in cuda)):
                 if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
                     raise TypeError(f"{what} state must be a uint8 tensor")
             python = state_dict["python"]
+            if _wide_words(python):  # random.setstate keeps each word's low 32 bits, silently
+                raise ValueError("python state holds words outside [0, 2**32)")
             saved = _current()  # all or nothing: a state that fails puts every one back
             try:
                 random.setstate(python)
@@ -69,8 +80,16 @@ class RNGState:
             except BaseException:
                 _restore(saved)
                 raise
-        except (TypeError, ValueError, RuntimeError) as e:
+        except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as e:
             raise DataStateError(f"RNG state cannot be restored: {e}") from e
+
+
+def _wide_words(python: Any) -> bool:
+    """Whether a stored ``random.getstate()`` holds Mersenne Twister words (all but the last
+    entry of its state tuple, the position) outside uint32."""
+    if not (isinstance(python, tuple) and len(python) == 3 and isinstance(python[1], tuple)):
+        return False  # not a state: random.setstate refuses it
+    return any(type(w) is int and not 0 <= w < 1 << 32 for w in python[1][:-1])
 
 
 def _current() -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:

@@ -98,6 +98,7 @@ CHECKSUM_ALGORITHMS = ("xxh3_64",)
 _DIGEST_KEY = "digest"
 _TRAILER = re.compile(rb',"digest":"([0-9a-z_]{1,16}):([0-9a-f]{1,128})"\}\Z')
 _SAVE_ID = re.compile(r"^[0-9a-f]{1,64}\Z")
+_MAX_TIME = 1 << 62  # largest integer created_unix (seconds): far below a float's range
 # The item columns of a packed document; each holds one value per row unless noted.
 _COLUMNS = ("offsets", "sizes", "file", "offset", "nbytes", "rank")  # offsets/sizes: per dim
 
@@ -441,7 +442,12 @@ def _decode_header(doc: dict[str, Any]) -> _Header:
         raise CorruptCheckpointError(f"save_id must be lowercase hex, got {shown_value(save_id)}")
     world_size = _int(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
     created = doc.get("created_unix", 0.0)
-    if type(created) not in (int, float) or not math.isfinite(created):
+    # an integer beyond a float's range (10**400) is no time either: float() would overflow
+    if (
+        type(created) not in (int, float)
+        or (type(created) is int and abs(created) > _MAX_TIME)
+        or not math.isfinite(created)
+    ):
         raise CorruptCheckpointError(f"created_unix must be a number, got {shown_value(created)}")
     checksum = doc.get("checksum")
     block, algorithm = 0, None

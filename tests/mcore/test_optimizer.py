@@ -284,6 +284,31 @@ def test_a_stored_step_the_optimizer_cannot_hold_is_an_optimizer_state_error(
     assert raised.value.__cause__ is not None
 
 
+@pytest.mark.parametrize(
+    ("kept", "stored"), [(1, float("inf")), (1.0, 10**400)], ids=["int-inf", "float-10e400"]
+)
+def test_a_stored_step_beyond_the_optimizers_number_is_an_optimizer_state_error(
+    tmp_path, kept, stored
+):
+    """A stored step no Python int or float can hold (infinity for an optimizer counting
+    steps as ints, 10**400 for one keeping a float) raised a bare OverflowError out of
+    restore; now OptimizerStateError names it."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"]["step"] = stored
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
+    db.init_optimizer_state(new)
+    for state in new.state.values():
+        state["step"] = kept
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError, match="optimizer state 'step'") as raised:
+        db.restore_optim_state(loaded)
+    assert isinstance(raised.value.__cause__, OverflowError)
+
+
 def _columns(key, data, replica_id):
     """Two column halves: views of the parameter that are not contiguous."""
     return {

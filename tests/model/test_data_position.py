@@ -193,6 +193,85 @@ def test_rng_state_refuses_garbage():
         db.RNGState().load_state_dict({"python": 1})
 
 
+@pytest.mark.parametrize("value", [(1 << 32) + 5, -1])
+def test_an_rng_state_whose_numpy_key_leaves_32_bits_is_refused(value):
+    """NumPy's key words are uint32, stored as int64: one outside [0, 2**32) was cut to its
+    low 32 bits and restored as another state than the stored one, silently."""
+    stored = db.RNGState().state_dict()
+    name, key, *rest = stored["numpy"]
+    key = key.clone()
+    key[3] = value
+    stored["numpy"] = (name, key, *rest)
+    np.random.seed(6)
+    before = np.random.get_state()
+    with pytest.raises(db.DataStateError, match=r"numpy key .*outside \[0, 2\*\*32\)"):
+        db.RNGState().load_state_dict(stored)
+    after = np.random.get_state()
+    assert np.array_equal(after[1], before[1]) and after[2:] == before[2:]
+
+
+@pytest.mark.parametrize("value", [(1 << 32) + 5, (1 << 64) - 1, -1])
+def test_an_rng_state_whose_python_words_leave_32_bits_is_refused(value):
+    """``random.setstate`` keeps the low 32 bits of each word of Mersenne Twister's state: a
+    stored word of 2**32 or more restored another state than the stored one, silently."""
+    stored = db.RNGState().state_dict()
+    version, words, gauss = stored["python"]
+    stored["python"] = (version, (*words[:3], value, *words[4:]), gauss)
+    random.seed(6)
+    before = random.getstate()
+    with pytest.raises(db.DataStateError, match=r"python state .*outside \[0, 2\*\*32\)"):
+        db.RNGState().load_state_dict(stored)
+    assert random.getstate() == before
+
+
+def _numpy_state(stored: dict, *, key: torch.Tensor | None = None, **fields: object) -> None:
+    name, old_key, pos, has_gauss, gauss = stored["numpy"]
+    fields = {"pos": pos, "has_gauss": has_gauss, "gauss": gauss} | fields
+    stored["numpy"] = (name, old_key if key is None else key, *fields.values())
+
+
+def _python_position(stored: dict, pos: int) -> None:
+    version, words, gauss = stored["python"]
+    stored["python"] = (version, (*words[:-1], pos), gauss)
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda s: _numpy_state(s, pos=10**6), "numpy position"),  # read past the key: SIGSEGV
+        (lambda s: _numpy_state(s, pos=-1), "numpy position"),  # read before the key
+        (lambda s: _numpy_state(s, pos=1 << 70), "numpy position"),  # was a bare OverflowError
+        (lambda s: _numpy_state(s, key=torch.zeros(5, dtype=torch.int64)), "624 words"),
+        (lambda s: _numpy_state(s, has_gauss=1 << 70), "too large"),  # bare OverflowError
+        (lambda s: _python_position(s, 1 << 70), "too large"),  # bare OverflowError
+    ],
+    ids=[
+        "numpy-pos-past",
+        "numpy-pos-negative",
+        "numpy-pos-huge",
+        "numpy-key-short",
+        "numpy-gauss-huge",
+        "python-pos-huge",
+    ],
+)
+def test_an_rng_state_with_positions_out_of_range_is_refused(edit, needle):
+    """NumPy's legacy generator took a stored position outside its 624 words as it was, and
+    its next draw read memory outside the key (a crash at 10**6); numbers too large for C and
+    a short key raised bare OverflowError / IndexError. Each is a ``DataStateError`` now,
+    before any generator changed."""
+    stored = db.RNGState().state_dict()
+    edit(stored)
+    random.seed(6)
+    np.random.seed(6)
+    before = (random.getstate(), np.random.get_state())
+    with pytest.raises(db.DataStateError, match=needle) as err:
+        db.RNGState().load_state_dict(stored)
+    assert isinstance(err.value.__cause__, (ValueError, OverflowError, IndexError))
+    after = (random.getstate(), np.random.get_state())
+    assert after[0] == before[0] and np.array_equal(after[1][1], before[1][1])
+    assert after[1][2:] == before[1][2:]
+
+
 def test_an_rng_state_that_fails_midway_changes_no_generator():
     """A stored torch state torch refuses (after Python's and NumPy's were set) puts every
     generator back: NumPy's stayed changed."""

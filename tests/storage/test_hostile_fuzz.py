@@ -554,6 +554,8 @@ def _crafted(doc: dict[str, Any], raw: bytes) -> Iterator[tuple[str, bytes, set[
         ("4000-digit integer", b'"world_size":1', b'"world_size":' + b"9" * 4000),
         ("5000-digit integer", b'"world_size":1', b'"world_size":' + b"9" * 5000),
         ("NaN", b'"created_unix":', b'"created_unix":NaN,"was":'),
+        # an integer too large for a float: float() of it raised a bare OverflowError
+        ("created_unix 10**400", b'"created_unix":', b'"created_unix":1' + b"0" * 400 + b',"x":'),
         ("Infinity", b'"world_size":1', b'"world_size":Infinity'),
         ("1e400", b'"world_size":1', b'"world_size":1e400'),
     ]
