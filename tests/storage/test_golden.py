@@ -1,0 +1,173 @@
+"""Checkpoints written by earlier dcpbridge versions (tests/fixtures/golden) load bit-exact.
+
+Each fixture folder was written by ``tests/fixtures/golden/make_golden.py`` running an older
+commit's code (its README.md says which); the expected values are regenerated here from the
+same script, so a user who upgrades keeps every checkpoint an older dcpbridge wrote.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpbridge as db
+from dcpbridge.storage.errors import CorruptCheckpointError
+from dcpbridge.storage.format.document import FORMAT_VERSION, sign_document
+from dcpbridge.tools import cli
+
+GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
+LABELS = sorted(p.parent.name for p in GOLDEN.glob("*/golden.json"))
+
+
+def _spec() -> Any:
+    """The generating script, imported by path (it is not a package module)."""
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mg = _spec()
+
+
+def _manifest(label: str) -> dict[str, Any]:
+    return json.loads((GOLDEN / label / "golden.json").read_text())
+
+
+def _copy(label: str, tmp_path: Path) -> Path:
+    """The fixture copied to ``tmp_path`` (a load never touches the repository's files)."""
+    dst = tmp_path / label
+    shutil.copytree(GOLDEN / label, dst)
+    return dst
+
+
+def _template(many: bool) -> dict[str, Any]:
+    """A one-process template asking for every stored tensor whole and both object cells."""
+    sd: dict[str, Any] = {}
+    for key, (shape, dtype, _) in mg.tensor_specs(many).items():
+        fill = torch.full(shape, 7, dtype=dtype) if dtype != torch.bool else torch.ones(shape)
+        sd[key] = db.ShardedTensor.from_box(key, fill.to(dtype), shape, (0,) * len(shape))
+    for r in range(mg.WORLD):
+        sd[f"rng{r}"] = db.ShardedObject("rng", None, (mg.WORLD,), (r,))
+    return sd
+
+
+def assert_same(actual: Any, expected: Any, where: str) -> None:
+    """Equal values of the same types; tensors bit for bit (dtype, shape and bytes)."""
+    assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        a = actual.contiguous().view(-1).view(torch.uint8)
+        e = expected.contiguous().view(-1).view(torch.uint8)
+        assert torch.equal(a, e), f"{where}: bytes differ"
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{where}: keys {sorted(actual)}"
+        for k in expected:
+            assert_same(actual[k], expected[k], f"{where}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def _check_loaded(out: dict[str, Any], many: bool, bump: bool = False) -> None:
+    expected = mg.expected_tensors(many)
+    if bump:
+        expected["w.f32"] = expected["w.f32"] + 1
+    for key, value in expected.items():
+        assert_same(out[key], value, key)
+    for r in range(mg.WORLD):
+        assert_same(out[f"rng{r}"], mg.rank_object(r), f"rng{r}")
+    for key, value in mg.COMMON.items():
+        assert_same(out[key], value, key)
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_golden_checkpoint_loads_bit_exact(label: str, tmp_path: Path) -> None:
+    """db.load of the older 2-rank save in one process returns exactly what was written."""
+    man = _manifest(label)
+    root = _copy(label, tmp_path)
+    out = db.load(_template(man["many"]), root / "ckpt")
+    _check_loaded(out, man["many"])
+    if man["incremental"]:  # format 5: ckpt2 references ckpt's unchanged chunks
+        out = db.load(_template(man["many"]), root / "ckpt2")
+        _check_loaded(out, man["many"], bump=True)
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_golden_checkpoint_opens_and_validates(label: str, tmp_path: Path, capsys) -> None:
+    """open_source reads every tensor and object of it; 'dcpbridge validate --checksums' passes."""
+    man = _manifest(label)
+    root = _copy(label, tmp_path)
+    names = ["ckpt", "ckpt2"] if man["incremental"] else ["ckpt"]
+    for name, bump in zip(names, (False, True)):
+        source = db.open_source(root / name)
+        try:
+            expected = mg.expected_tensors(man["many"])
+            if bump:
+                expected["w.f32"] = expected["w.f32"] + 1
+            assert set(source.tensors) == set(expected)
+            for key, value in expected.items():
+                got = source.read(key, (0,) * value.dim(), tuple(value.shape))
+                assert_same(got, value, f"{name}:{key}")
+            for key, value in mg.expected_objects().items():
+                assert_same(source.object(key), value, f"{name}:{key}")
+        finally:
+            source.close()
+        code = cli.main(["validate", str(root / name), "--checksums"])
+        assert code == 0, capsys.readouterr()
+        common = db.load_common_state_dict(root / name)
+        for key, value in mg.COMMON.items():
+            assert_same(common[key], value, f"{name}: common {key}")
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_golden_plain_dcp_save_loads(label: str, tmp_path: Path) -> None:
+    """The older plain dcp.save through dcpbridge's planner and writer: tuples and lists come
+    back whole (also where stored item by item), tensors bit-exact through many checksum blocks."""
+    root = _copy(label, tmp_path)
+    sd: dict[str, Any] = {"cfg": {"betas": (0.0, 0.0), "groups": [[0, 0], [0]]}, "blob": ""}
+    sd |= {k: torch.zeros_like(v) for k, v in mg.dcp_tensors().items()}
+    dcp.load(
+        sd,
+        storage_reader=db.FsspecCheckpointReader(root / "dcp"),
+        planner=db.ShardedLoadPlanner(),
+        no_dist=True,
+    )
+    assert_same(sd, mg.DCP_STATE | mg.dcp_tensors(), "dcp")
+
+
+@pytest.mark.parametrize("name", ["ckpt", "ckpt2"])
+def test_future_format_version_is_refused_naming_the_file(
+    name: str, tmp_path: Path, capsys
+) -> None:
+    """A document of a newer dcpbridge (FORMAT_VERSION + 1, digest intact) is refused by load,
+    open_source and validate with CorruptCheckpointError naming dcpbridge.json and the versions."""
+    root = _copy("v5", tmp_path)
+    doc_file = root / name / "dcpbridge.json"
+    doc = json.loads(doc_file.read_bytes())
+    doc["version"] = FORMAT_VERSION + 1
+    doc_file.write_bytes(sign_document(doc))
+    newer = (
+        rf"{name}/dcpbridge.json: format version {FORMAT_VERSION + 1} is newer than this "
+        rf"dcpbridge reads \({FORMAT_VERSION}\); upgrade dcpbridge"
+    )
+    with pytest.raises(CorruptCheckpointError, match=newer):
+        db.load(_template(False), root / name)
+    with pytest.raises(CorruptCheckpointError, match=newer):
+        db.open_source(root / name)
+    with pytest.raises(CorruptCheckpointError, match=newer):
+        db.load_common_state_dict(root / name)
+    assert cli.main(["validate", str(root / name)]) == 1
+    err = capsys.readouterr().err
+    assert f"{name}/dcpbridge.json: format version {FORMAT_VERSION + 1} is newer" in err
