@@ -189,6 +189,42 @@ def test_golden_checkpoint_loads_on_two_ranks_in_another_layout(
         assert pool.run(load_on_two_ranks, 2, *args, timeout=120) == ["ok", "ok"]
 
 
+MANAGED = [label for label in LABELS if _manifest(label).get("manager")]
+
+
+def _manager_template() -> dict[str, Any]:
+    return {"w": db.ShardedTensor.from_box("w", torch.zeros(4, 6), (4, 6), (0, 0)), "step": -1}
+
+
+@pytest.mark.parametrize("label", MANAGED)
+def test_golden_manager_root_resumes_and_keeps_the_best_step(label: str, tmp_path: Path) -> None:
+    """An older CheckpointManager's root: the current manager loads its newest and any step,
+    and its retention reads the old steps' metrics (keep the best and the newest only)."""
+    root = _copy(label, tmp_path) / "mgr"
+    mgr = db.CheckpointManager(root, every=10, keep_last=1, keep_best=1, best_metric="loss")
+    try:
+        assert mgr.all_steps() == sorted(mg.MANAGER_STEPS)
+        assert mgr.latest_step() == max(mg.MANAGER_STEPS)
+        for step in [None, *mg.MANAGER_STEPS]:
+            out = mgr.load(_manager_template(), step)
+            want = max(mg.MANAGER_STEPS) if step is None else step
+            assert out["step"] == want
+            assert_same(out["w"], mg.values(want, (4, 6), torch.float32), f"step {step}")
+        assert mgr.save(40, {"w": _whole(40), "step": 40}, metrics={"loss": 5.0})
+        mgr.wait()
+    finally:
+        mgr.close()
+    best = min(mg.MANAGER_STEPS, key=mg.MANAGER_STEPS.__getitem__)
+    assert sorted(p.name for p in root.iterdir()) == [f"step_{s:08d}" for s in (best, 40)]
+    out = db.load(_manager_template(), root / f"step_{best:08d}")
+    assert_same(out["w"], mg.values(best, (4, 6), torch.float32), "kept best step")
+
+
+def _whole(step: int) -> Any:
+    """The manager state's tensor whole (one process saves it all)."""
+    return db.ShardedTensor.from_box("w", mg.values(step, (4, 6), torch.float32), (4, 6), (0, 0))
+
+
 @pytest.mark.parametrize("label", LABELS)
 def test_golden_plain_dcp_save_loads(label: str, tmp_path: Path) -> None:
     """The older plain dcp.save through dcpbridge's planner and writer: tuples and lists come
