@@ -108,7 +108,8 @@ def test_golden_checkpoint_loads_bit_exact(label: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("label", LABELS)
 def test_golden_checkpoint_opens_and_validates(label: str, tmp_path: Path, capsys) -> None:
-    """open_source reads every tensor and object of it; 'dcpbridge validate --checksums' passes."""
+    """open_source reads every tensor and object of it; 'dcpbridge validate --checksums' and
+    'dcpbridge fsck' pass; load_common_state_dict returns the whole common state."""
     man = _manifest(label)
     root = _copy(label, tmp_path)
     names = ["ckpt", "ckpt2"] if man["incremental"] else ["ckpt"]
@@ -133,6 +134,7 @@ def test_golden_checkpoint_opens_and_validates(label: str, tmp_path: Path, capsy
             source.close()
         code = cli.main(["validate", str(root / name), "--checksums"])
         assert code == 0, capsys.readouterr()
+        assert cli.main(["fsck", str(root)]) == 0, capsys.readouterr()  # nothing orphaned
         common = db.load_common_state_dict(root / name)
         for key, value in {**mg.COMMON, **mg.common_tensors()}.items():
             assert_same(common[key], value, f"{name}: common {key}")
