@@ -50,6 +50,16 @@ def _copy(label: str, tmp_path: Path) -> Path:
     return dst
 
 
+def _checkpoints(man: dict[str, Any]) -> list[tuple[str, bool, bool]]:
+    """(folder, whether it holds the --many tensors, whether w.f32 was bumped) of a fixture."""
+    out = [("ckpt", man["many"], False)]
+    if man["incremental"]:  # format 5: ckpt2 references ckpt's unchanged chunks
+        out.append(("ckpt2", man["many"], True))
+    if man.get("torch_dist"):  # Megatron-Core torch_dist, and dcpbridge without checksums
+        out += [("tdist", False, False), ("nosum", False, False)]
+    return out
+
+
 def _template(many: bool) -> dict[str, Any]:
     """A one-process template asking for every stored tensor whole and both object cells."""
     sd: dict[str, Any] = {}
@@ -97,26 +107,21 @@ def _check_loaded(out: dict[str, Any], many: bool, bump: bool = False) -> None:
 @pytest.mark.parametrize("label", LABELS)
 def test_golden_checkpoint_loads_bit_exact(label: str, tmp_path: Path) -> None:
     """db.load of the older 2-rank save in one process returns exactly what was written."""
-    man = _manifest(label)
     root = _copy(label, tmp_path)
-    out = db.load(_template(man["many"]), root / "ckpt")
-    _check_loaded(out, man["many"])
-    if man["incremental"]:  # format 5: ckpt2 references ckpt's unchanged chunks
-        out = db.load(_template(man["many"]), root / "ckpt2")
-        _check_loaded(out, man["many"], bump=True)
+    for name, many, bump in _checkpoints(_manifest(label)):
+        out = db.load(_template(many), root / name)
+        _check_loaded(out, many, bump)
 
 
 @pytest.mark.parametrize("label", LABELS)
 def test_golden_checkpoint_opens_and_validates(label: str, tmp_path: Path, capsys) -> None:
     """open_source reads every tensor and object of it; 'dcpbridge validate --checksums' and
     'dcpbridge fsck' pass; load_common_state_dict returns the whole common state."""
-    man = _manifest(label)
     root = _copy(label, tmp_path)
-    names = ["ckpt", "ckpt2"] if man["incremental"] else ["ckpt"]
-    for name, bump in zip(names, (False, True)):
+    for name, many, bump in _checkpoints(_manifest(label)):
         source = db.open_source(root / name)
         try:
-            expected = mg.expected_tensors(man["many"])
+            expected = mg.expected_tensors(many)
             if bump:
                 expected["w.f32"] = expected["w.f32"] + 1
             if set(source.tensors) != set(expected):  # plain common tensors, since 13a68b3
@@ -186,8 +191,8 @@ def test_golden_checkpoint_loads_on_two_ranks_in_another_layout(
     """2 ranks (gloo) load the older checkpoint resharded, fully parallel or not, bit-exact."""
     man = _manifest(label)
     root = _copy(label, tmp_path)
-    for name, bump in [("ckpt", False), ("ckpt2", True)][: 2 if man["incremental"] else 1]:
-        args = (str(root / name), man["many"], fully_parallel, bump)
+    for name, many, bump in _checkpoints(man):
+        args = (str(root / name), many, fully_parallel, bump)
         assert pool.run(load_on_two_ranks, 2, *args, timeout=120) == ["ok", "ok"]
 
 
