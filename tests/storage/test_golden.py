@@ -232,6 +232,26 @@ def _whole(step: int) -> Any:
     return db.ShardedTensor.from_box("w", mg.values(step, (4, 6), torch.float32), (4, 6), (0, 0))
 
 
+@pytest.mark.parametrize("label", [lb for lb in LABELS if _manifest(lb).get("optimizer")])
+def test_golden_optimizer_state_resumes(label: str, tmp_path: Path) -> None:
+    """Model and AdamW state of an older save go back into a fresh model and optimizer (the
+    optimizer key scheme and param groups by identity), equal to what the old run held."""
+    root = _copy(label, tmp_path)
+    model, opt = mg.optimizer_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    db.init_optimizer_state(opt)
+    msd = mg.optimizer_template(model)
+    template = {"model": msd, "optimizer": db.optimizer_sharded_state_dict(opt, msd)}
+    out = db.load(template, root / "optim")
+    db.load_optimizer_state(opt, out["optimizer"])
+    expected = torch.load(root / "optim-expected.pt", weights_only=True)
+    assert_same(dict(model.state_dict()), dict(expected["model"]), "model")
+    assert_same(opt.state_dict(), expected["optimizer"], "optimizer")
+    assert out["iteration"] == 2
+
+
 @pytest.mark.parametrize("label", LABELS)
 def test_golden_plain_dcp_save_loads(label: str, tmp_path: Path) -> None:
     """The older plain dcp.save through dcpbridge's planner and writer: tuples and lists come
