@@ -64,8 +64,8 @@ def _template(many: bool) -> dict[str, Any]:
     """A one-process template asking for every stored tensor whole and both object cells."""
     sd: dict[str, Any] = {}
     for key, (shape, dtype, _) in mg.tensor_specs(many).items():
-        fill = torch.full(shape, 7, dtype=dtype) if dtype != torch.bool else torch.ones(shape)
-        sd[key] = db.ShardedTensor.from_box(key, fill.to(dtype), shape, (0,) * len(shape))
+        fill = torch.full(shape, 7).to(dtype)  # not the stored values: the load must fill them
+        sd[key] = db.ShardedTensor.from_box(key, fill, shape, (0,) * len(shape))
     for r in range(mg.WORLD):
         sd[f"rng{r}"] = db.ShardedObject("rng", None, (mg.WORLD,), (r,))
     sd |= {k: torch.full_like(v, 3) for k, v in mg.common_tensors().items()}
