@@ -83,7 +83,8 @@ FORMAT_NAME = "dcpbridge"
 # 4: a tensor chunk's checksums cover tiles chosen from its shape (storage/format/checksum.py), so
 #    a column slice verifies without reading whole rows; items as packed columns ("items"),
 #    or one JSON object per item in small documents.
-# 3: items as packed columns, flat checksum blocks. 2: one JSON object per item, and the
+# 3: items as packed columns, flat checksum blocks (3 with one object per item: version 4's
+#    tiles, written before they were named 4). 2: one JSON object per item, and the
 #    document ends with a digest of itself. 1: version 2 without the digest. All load.
 FORMAT_VERSION = 5
 # Documents with at most this many items list one JSON object per item (easy to read by
@@ -473,7 +474,9 @@ def _decode_header(doc: dict[str, Any]) -> _Header:
             raise CorruptCheckpointError(f"files: {name!r} is not a data file of save {save_id!r}")
     if len(set(files)) != len(files):
         raise CorruptCheckpointError("files: a file is listed twice")
-    tiled = version >= 4
+    # storageio's version 3 (874c9bc to 7089f2d, before the merge that made it version 4)
+    # listed one object per item with tiled checksums; main's version 3 always packs "items"
+    tiled = version >= 4 or (version == 3 and "items" not in doc)
     prefixes = _int(doc.get("prefixes", 1), "prefixes", 1, MAX_PREFIXES)
     return _Header(
         save_id, tuple(files), world_size, block, algorithm, float(created), tiled, prefixes
@@ -487,7 +490,7 @@ def _check_header(header: _Header, table: ItemTable) -> None:
 
 def _decode(doc: dict[str, Any], version: int) -> Metadata:
     header = _decode_header(doc)
-    if version == 3 or (version >= 4 and "items" in doc):
+    if version >= 3 and "items" in doc:
         table = _columns_table(doc, header)
     else:
         table = rows_table(doc, header.files, header.block, header.world_size, tiled=header.tiled)
