@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dcpbridge as db
 from dcpbridge.engine import incremental
 from dcpbridge.engine.incremental import fsck
+from tests.support.dist_pool import Rank
 
 STEPS = 30
 N = 48
@@ -28,22 +30,32 @@ def _template() -> dict[str, torch.Tensor]:
     return {"base": torch.zeros(N, N), "ad": torch.zeros(4, N)}
 
 
-def _writer(root: str, async_save: bool) -> None:
-    """The training job: STEPS incremental saves, two kept (retention after every commit)."""
+def _writer(root: str, async_save: bool, pause: float = 0.0) -> None:
+    """The training job: STEPS incremental saves ``pause`` seconds apart, two kept (retention
+    after every commit)."""
     mgr = db.CheckpointManager(
         root, every=1, keep_last=2, async_save=async_save, incremental=True, writer="thread"
     )
     for step in range(1, STEPS + 1):
         mgr.save(step, _state(step))
+        time.sleep(pause)
     mgr.close()
+
+
+def _start_writer(
+    root: str, async_save: bool, pause: float = 0.0
+) -> multiprocessing.process.BaseProcess:
+    """The writer job, in a process of its own (a fork server without this one's threads)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    job = ctx.Process(target=_writer, args=(root, async_save, pause))
+    job.start()
+    return job
 
 
 def _beside(root: str, async_save: bool, look: Callable[[], None]) -> int:
     """Run ``look`` in a loop while a writer process saves under ``root``; the loops run."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    job = ctx.Process(target=_writer, args=(root, async_save))
-    job.start()
+    job = _start_writer(root, async_save)
     rounds, deadline = 0, time.monotonic() + 60
     try:
         while job.is_alive() and time.monotonic() < deadline:
@@ -115,3 +127,49 @@ def test_fsck_beside_the_writer_reports_no_missing_or_unreadable_files(tmp_path,
     found = fsck(root)
     assert found.checkpoints == [f"step_{s:08d}" for s in (STEPS - 1, STEPS)]
     assert (found.orphans, found.missing, found.unreadable) == ([], [], [])
+
+
+def _ready(rank: Rank) -> int:
+    return rank.rank
+
+
+def _load_oldest_in_a_loop(rank: Rank, root: str) -> list[str]:
+    """An evaluation job of 2 ranks: load rank 0's oldest kept step until the writer's last
+    step is there; the outcome of every round (the same on every rank, or the job diverged)."""
+    mgr = db.CheckpointManager(root, async_save=False, process_group=rank.group)
+    outcomes: list[str] = []
+    deadline = time.monotonic() + 60
+    while True:
+        steps = mgr.all_steps() if rank.rank == 0 else []
+        chosen = [steps[0] if steps else None, STEPS in steps or time.monotonic() > deadline]
+        dist.broadcast_object_list(chosen, src=0, group=rank.group)
+        step, last = chosen
+        if last:
+            return outcomes
+        if step is None:
+            continue
+        try:
+            out = mgr.load(_template(), step=step)
+        except db.CheckpointError as e:
+            outcomes.append(f"{step} {type(e).__name__}")
+            continue
+        expected = _state(step)
+        same = torch.equal(out["base"], expected["base"]) and torch.equal(out["ad"], expected["ad"])
+        outcomes.append(f"{step} {'ok' if same and out['step'] == step else 'WRONG BYTES'}")
+
+
+@pytest.mark.timeout(120)
+def test_a_two_rank_loader_beside_the_writer_fails_alike_on_every_rank(pool, tmp_path):
+    """A step deleted by retention during a 2-rank load fails that load on both ranks (the
+    ranks stay in step), and a load that returns has the exact bytes."""
+    root = str(tmp_path / "run")
+    pool.run(_ready, 2)  # the ranks up before the writer starts
+    job = _start_writer(root, False, pause=0.15)
+    try:
+        ranks = pool.run(_load_oldest_in_a_loop, 2, root, timeout=90)
+    finally:
+        job.join(60)
+    assert job.exitcode == 0
+    assert ranks[0] == ranks[1]
+    assert not [o for o in ranks[0] if o.endswith("WRONG BYTES")]
+    assert any(o.endswith(" ok") for o in ranks[0]), ranks[0]
