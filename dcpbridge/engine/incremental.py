@@ -187,15 +187,15 @@ def _folders(root: Location) -> list[str]:
     return sorted(n for n, t in zip(names, types) if t == "directory")
 
 
-def _replaced(root: Location, docs: dict[str, bytes], names: set[str]) -> set[str]:
-    """Those of checkpoints ``names`` whose commit document is no longer the one read in
-    ``docs``: deleted (retention) or saved again while fsck looked, so the files the old one
-    named are not missing from any checkpoint."""
+def _replaced(root: Location, docs: dict[str, bytes | None], names: set[str]) -> set[str]:
+    """Those of folders ``names`` whose commit document is no longer the one read in ``docs``
+    (None: none): deleted (retention), saved again or committed while fsck looked, so what
+    the old one named is not missing, and what the new one names is no orphan."""
     out = set()
     for name in names:
-        store = storage_for(child(root, name))
+        location = child(root, name)
         try:
-            now = store.read_file(child(root, name).path(METADATA_FILE))
+            now = storage_for(location).read_file(location.path(METADATA_FILE))
         except FileNotFoundError:
             now = None
         if now != docs[name]:
@@ -219,16 +219,18 @@ def fsck(url: str, storage_options: dict | None = None, *, fix: bool = False) ->
     root = resolve(url, storage_options)
     report = FsckReport()
     users: dict[tuple[str, str], list[str]] = {}
-    docs: dict[str, bytes] = {}  # each checkpoint's commit document as read
+    docs: dict[str, bytes | None] = {}  # each folder's commit document as read (None: none)
     folders = _folders(root)
     for name in folders:
         location = child(root, name)
         store = storage_for(location)
         if not store.exists(METADATA_FILE):
+            docs[name] = None
             continue
         try:
             raw = store.read_file(location.path(METADATA_FILE))
         except FileNotFoundError:  # deleted since (retention beside): no checkpoint now
+            docs[name] = None
             continue
         except Exception as e:
             report.checkpoints.append(name)
@@ -248,6 +250,8 @@ def fsck(url: str, storage_options: dict | None = None, *, fix: bool = False) ->
             present.add((name, path))
             if (name, path) not in users and _is_orphan(path):
                 orphans.setdefault(name, []).append(path)
+    for name in _replaced(root, docs, {n for n in orphans if n in docs}):
+        del orphans[name]  # a save's files, committed (or removed) while fsck looked
     report.orphans = [f"{d}/{p}" for d, ps in sorted(orphans.items()) for p in ps]
     lacking = {key: u for key, u in users.items() if key not in present}
     gone = _replaced(root, docs, {n for u in lacking.values() for n in u})
