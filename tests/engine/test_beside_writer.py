@@ -55,7 +55,7 @@ def _start_writer(
 
 
 def _beside(root: str, async_save: bool, look: Callable[[], None]) -> int:
-    """Run ``look`` in a loop while a writer process saves under ``root``; the loops run."""
+    """Run ``look`` in a loop while a writer process saves under ``root``; the rounds run."""
     job = _start_writer(root, async_save)
     rounds, deadline = 0, time.monotonic() + 60
     try:
@@ -131,6 +131,7 @@ def test_fsck_beside_the_writer_reports_no_missing_or_unreadable_files(tmp_path,
 
 
 def _ready(rank: Rank) -> int:
+    """Nothing: starts the pool's ranks."""
     return rank.rank
 
 
