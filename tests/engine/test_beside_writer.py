@@ -208,7 +208,7 @@ def _checking_writer(root: str, broken_log: str) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_fsck_fix_beside_the_writer_never_removes_files_of_a_step_committed_meanwhile(
+def test_fsck_fix_beside_the_writer_keeps_the_files_of_a_step_committed_meanwhile(
     tmp_path, monkeypatch
 ):
     """fsck --fix lists folders, reads the commit files, then lists and removes orphans: a
