@@ -187,6 +187,22 @@ def _folders(root: Location) -> list[str]:
     return sorted(n for n, t in zip(names, types) if t == "directory")
 
 
+def _replaced(root: Location, docs: dict[str, bytes | None], names: set[str]) -> set[str]:
+    """Those of folders ``names`` whose commit document is no longer the one read in ``docs``
+    (None: none): deleted (retention), saved again or committed while fsck looked, so what
+    the old one named is not missing, and what the new one names is no orphan."""
+    out = set()
+    for name in names:
+        location = child(root, name)
+        try:
+            now = storage_for(location).read_file(location.path(METADATA_FILE))
+        except FileNotFoundError:
+            now = None
+        if now != docs[name]:
+            out.add(name)
+    return out
+
+
 def _is_orphan(path: str) -> bool:
     """Files a checkpoint folder holds only while a save runs or after a crash: in the folder
     itself or one of its spread folders, never deeper (a checkpoint nested in it)."""
@@ -203,15 +219,27 @@ def fsck(url: str, storage_options: dict | None = None, *, fix: bool = False) ->
     root = resolve(url, storage_options)
     report = FsckReport()
     users: dict[tuple[str, str], list[str]] = {}
+    docs: dict[str, bytes | None] = {}  # each folder's commit document as read (None: none)
     folders = _folders(root)
     for name in folders:
         location = child(root, name)
         store = storage_for(location)
         if not store.exists(METADATA_FILE):
+            docs[name] = None
+            continue
+        try:
+            raw = store.read_file(location.path(METADATA_FILE))
+        except FileNotFoundError:  # deleted since (retention beside): no checkpoint now
+            docs[name] = None
+            continue
+        except Exception as e:
+            report.checkpoints.append(name)
+            report.unreadable.append(f"{name}: {e}")
             continue
         report.checkpoints.append(name)
+        docs[name] = raw
         try:
-            for key in needed_by(name, store.read_file(location.path(METADATA_FILE))):
+            for key in needed_by(name, raw):
                 users.setdefault(key, []).append(name)
         except Exception as e:
             report.unreadable.append(f"{name}: {e}")
@@ -222,11 +250,15 @@ def fsck(url: str, storage_options: dict | None = None, *, fix: bool = False) ->
             present.add((name, path))
             if (name, path) not in users and _is_orphan(path):
                 orphans.setdefault(name, []).append(path)
+    for name in _replaced(root, docs, {n for n in orphans if n in docs}):
+        del orphans[name]  # a save's files, committed (or removed) while fsck looked
     report.orphans = [f"{d}/{p}" for d, ps in sorted(orphans.items()) for p in ps]
+    lacking = {key: u for key, u in users.items() if key not in present}
+    gone = _replaced(root, docs, {n for u in lacking.values() for n in u})
     report.missing = [
-        f"{d}/{p} (needed by {', '.join(sorted(u))})"
-        for (d, p), u in sorted(users.items())
-        if (d, p) not in present
+        f"{d}/{p} (needed by {', '.join(sorted(kept))})"
+        for (d, p), u in sorted(lacking.items())
+        if (kept := [n for n in u if n not in gone])
     ]
     if fix and not report.unreadable:
         for name, paths in orphans.items():
