@@ -28,8 +28,9 @@ def diagnose_missing_metadata(store: Storage, url: str) -> Exception:
     if data:
         return IncompleteCheckpointError(
             f"{url} is an incomplete checkpoint: {len(data)} data file(s) (e.g. {data[0]}) exist "
-            f"but the commit file {METADATA_FILE} does not, so the save that wrote them did not "
-            "finish. Re-save, or load an earlier checkpoint."
+            f"but the commit file {METADATA_FILE} does not: the save that wrote them did not "
+            "finish, or the checkpoint is being deleted (retention removes the commit file "
+            "first). Re-save, or load another checkpoint."
         )
     if ".metadata" in names:
         return NotACheckpointError(
