@@ -307,6 +307,12 @@ def restore_optim_state(loaded: StateDict) -> StateDict:
     for param_id, tensors in loaded.get("state", {}).items():
         entry = dict(tensors)
         for key, value in shared.items():
+            if key in entry:  # would replace the loaded per-parameter state, silently
+                raise OptimizerStateError(
+                    f"optimizer state {key!r}: the checkpoint holds it per parameter and "
+                    "stored once (shared_state) too; it is not a checkpoint of this optimizer's "
+                    "state (damaged, or another program's)"
+                )
             entry[key] = types.get(param_id, {}).get(key, _ValueType.of(value)).make(key, value)
         entry.update(local["excluded"].get(param_id, {}))
         state[param_id] = entry

@@ -376,3 +376,28 @@ def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path, rows):
     for message in messages:
         assert "'row_var'" in message
         assert "not shaped like its parameter" in message and "exclude_keys" in message
+
+
+def test_a_stored_shared_entry_named_like_a_per_parameter_one_is_refused(tmp_path):
+    """A checkpoint whose shared_state also holds ``exp_avg`` (damaged, or another program's)
+    replaced every parameter's loaded exp_avg moment with that one number, silently (the
+    optimizer then failed in its next step). Now OptimizerStateError names the entry, and
+    the optimizer keeps its own state."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"]["exp_avg"] = 3.0
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
+    db.init_optimizer_state(new)
+    before = {i: dict(s) for i, s in new.state_dict()["state"].items()}
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load_optimizer_state(new, loaded)
+    message = str(raised.value)
+    assert "'exp_avg'" in message and "stored once" in message, message
+    after = new.state_dict()["state"]
+    for i, entry in before.items():
+        assert all(torch.equal(after[i][k], v) for k, v in entry.items() if k != "exp_avg")
+        assert isinstance(after[i]["exp_avg"], torch.Tensor)
