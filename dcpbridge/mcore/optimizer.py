@@ -22,6 +22,7 @@ After ``dcpbridge.load``, ``restore_optim_state`` turns the result back into wha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -40,6 +41,7 @@ from dcpbridge.model.mapping import (
 )
 from dcpbridge.model.state import leaves
 from dcpbridge.planners.protocol import leaf_kind
+from dcpbridge.storage.format.table import shown_value
 
 KEEP_VARS_HINT = (
     " Make sure the model sharded state dict holds the original torch.nn.Parameters (not "
@@ -287,7 +289,7 @@ def optim_state_to_sharding_state(
     if shared:
         optim_state_dict["shared_state"] = {k: _shared_value(k, v) for k, v in shared.items()}
     optim_state_dict["local"] = LocalNonpersistentObject(
-        {"groups": local_groups, "types": types, "excluded": excluded}
+        {"groups": local_groups, "types": types, "excluded": excluded, "hyper": live_hyper(groups)}
     )
 
 
@@ -325,7 +327,66 @@ def restore_optim_state(loaded: StateDict) -> StateDict:
     return {"state": state, "param_groups": _match_groups(loaded["param_groups"], local)}
 
 
-def _match_groups(saved: Mapping[str, Any], local: Mapping[str, Any]) -> list[dict[str, Any]]:
+def live_hyper(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """This optimizer's hyper-parameters by group identity, kept apart from the load
+    template (a load replaces those): what a checkpoint's values are checked against."""
+    return {identity: dict(group) for identity, group in groups.items()}
+
+
+def _fits(live: Any, stored: Any) -> bool:
+    """Whether a stored hyper-parameter can stand where this optimizer keeps ``live``: a
+    flag for a flag, a number no float overflows on and no NaN for a number or one-element
+    tensor (an int or a float: ``lr=1`` and ``lr=1e-3`` are both a learning rate), a sequence
+    of as many fitting values for a sequence, text for text, None, a flag or a number for
+    None; anything for other kinds (not checked)."""
+    if isinstance(live, bool):
+        return isinstance(stored, bool)
+    if isinstance(live, (int, float)) or (isinstance(live, torch.Tensor) and live.numel() == 1):
+        if isinstance(stored, torch.Tensor):
+            stored = stored.item() if stored.numel() == 1 else None
+        if isinstance(stored, bool) or not isinstance(stored, (int, float)):
+            return False
+        try:
+            return not math.isnan(float(stored))
+        except OverflowError:
+            return False
+    if isinstance(live, (tuple, list)):
+        return (
+            isinstance(stored, (tuple, list))
+            and len(stored) == len(live)
+            and all(_fits(a, b) for a, b in zip(live, stored))
+        )
+    if isinstance(live, str):
+        return isinstance(stored, str)
+    if live is None:
+        return stored is None or isinstance(stored, bool) or _fits(0.0, stored)
+    return True
+
+
+def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> Mapping[str, Any]:
+    """A saved group's hyper-parameters, each checked against this optimizer's (a damaged or
+    foreign checkpoint's would fail the next step, or train on silently)."""
+    if not isinstance(stored, Mapping):
+        raise OptimizerStateError(
+            f"param group {identity!r}: the checkpoint holds {type(stored).__name__}, not a "
+            "mapping of hyper-parameters"
+        )
+    for name, value in live.items():
+        if name in stored and not _fits(value, stored[name]):
+            raise OptimizerStateError(
+                f"param group {identity!r}: hyper-parameter {name!r} of the checkpoint "
+                f"({shown_value(stored[name])}) does not fit this optimizer's "
+                f"({shown_value(value)})"
+            )
+    return stored
+
+
+def _match_groups(saved: Any, local: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if not isinstance(saved, Mapping):
+        raise OptimizerStateError(
+            f"the checkpoint's param_groups is a {type(saved).__name__}, not a mapping of "
+            "group identities to hyper-parameters"
+        )
     current = [identity for identity, _ in local["groups"]]
     only_current = [g for g in current if g not in saved]
     only_saved = [g for g in saved if g not in current]
@@ -335,7 +396,11 @@ def _match_groups(saved: Mapping[str, Any], local: Mapping[str, Any]) -> list[di
             f"groups with no saved counterpart: {only_current}; saved groups with no current "
             f"counterpart: {only_saved}"
         )
-    return [{**saved[identity], **fields} for identity, fields in local["groups"]]
+    hyper = local.get("hyper", {})
+    return [
+        {**_check_hyper(identity, hyper.get(identity, {}), saved[identity]), **fields}
+        for identity, fields in local["groups"]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -401,3 +401,57 @@ def test_a_stored_shared_entry_named_like_a_per_parameter_one_is_refused(tmp_pat
     for i, entry in before.items():
         assert all(torch.equal(after[i][k], v) for k, v in entry.items() if k != "exp_avg")
         assert isinstance(after[i]["exp_avg"], torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    ("name", "stored"),
+    [
+        ("lr", "0.1"),
+        ("lr", None),
+        ("lr", True),
+        ("lr", float("nan")),
+        ("lr", 10**400),
+        ("lr", {"x": 1}),
+        ("betas", (0.9,)),
+        ("betas", [0.9, "a"]),
+        ("betas", 0.9),
+        ("amsgrad", 0),
+    ],
+    ids=["text", "none", "bool", "nan", "10e400", "dict", "short", "text-in", "scalar", "int-flag"],
+)
+def test_a_stored_hyper_parameter_the_optimizer_cannot_use_is_refused(tmp_path, name, stored):
+    """A checkpoint's param-group hyper-parameter of another kind than this optimizer's (text
+    for lr, one beta, NaN, a number no float holds) went into the optimizer as it was: its
+    next step raised a bare TypeError, ValueError or OverflowError, or trained on silently
+    (NaN parameters, lr=True as 1.0). Now OptimizerStateError names the group and the entry,
+    and the optimizer keeps its own hyper-parameters."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["param_groups"]["#0"][name] = stored
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5, betas=(0.8, 0.9))
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load_optimizer_state(new, loaded)
+    message = str(raised.value)
+    assert f"param group '#0': hyper-parameter {name!r}" in message, message
+    assert new.param_groups[0]["lr"] == 0.5 and new.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def test_stored_hyper_parameters_of_a_compatible_kind_load(tmp_path):
+    """What a checkpoint may hold for this optimizer's hyper-parameters: an int lr where it
+    keeps a float, betas as a list, entries it does not know (an LR scheduler's initial_lr)."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["param_groups"]["#0"].update(lr=1, betas=[0.5, 0.75], initial_lr=0.25)
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5)
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    db.load_optimizer_state(new, db.load(template, tmp_path)["o"])
+    group = new.param_groups[0]
+    assert (group["lr"], list(group["betas"]), group["initial_lr"]) == (1, [0.5, 0.75], 0.25)
