@@ -304,6 +304,11 @@ def restore_optim_state(loaded: StateDict) -> StateDict:
     if isinstance(local, LocalNonpersistentObject):
         local = local.unwrap()
     shared = loaded.get("shared_state", {})
+    if not isinstance(shared, Mapping):
+        raise OptimizerStateError(
+            f"the checkpoint's optimizer shared_state is a {type(shared).__name__}, not a "
+            "mapping of entries stored once (step)"
+        )
     types: dict[int, dict[str, _ValueType]] = local["types"]
     state: dict[int, dict[str, Any]] = {}
     for param_id, tensors in loaded.get("state", {}).items():

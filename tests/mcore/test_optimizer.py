@@ -455,3 +455,20 @@ def test_stored_hyper_parameters_of_a_compatible_kind_load(tmp_path):
     db.load_optimizer_state(new, db.load(template, tmp_path)["o"])
     group = new.param_groups[0]
     assert (group["lr"], list(group["betas"]), group["initial_lr"]) == (1, [0.5, 0.75], 0.25)
+
+
+@pytest.mark.parametrize("stored", [[1, 2], 5], ids=["list", "number"])
+def test_a_stored_shared_state_that_is_no_mapping_is_refused(tmp_path, stored):
+    """A checkpoint's shared_state that is no mapping (damaged, or another program's), loaded
+    by an optimizer that stores none (SGD), raised a bare AttributeError out of restore."""
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net.fc(net.scale).sum().backward()
+    opt.step()
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"] = stored
+    db.save({"o": saved}, tmp_path)
+    template = {"o": db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError, match="shared_state is a"):
+        db.restore_optim_state(loaded)
