@@ -3,6 +3,7 @@ size, the position jumps without replay, hostile saved state is refused, the loa
 
 from __future__ import annotations
 
+import json
 import random
 import warnings
 
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 import dcpbridge as db
 from dcpbridge.model.data_position import epoch_seed
 from dcpbridge.model.per_rank import check_per_rank
+from dcpbridge.storage.format.document import sign_document
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -336,3 +338,40 @@ def test_dropping_counts_the_samples_every_saved_rank_held(tmp_path):
     with pytest.warns(db.DataStateDroppedWarning, match="the 11 samples they held"):
         out = db.load({"loader": fresh}, path, reshard_data_state="drop")
     assert out["loader"] is fresh and fresh.value == [] and out["step"] == 3
+
+
+def _grid_resized(path: str, key: str, size: int) -> None:
+    """Re-sign ``path``'s commit file with ShardedObject ``key``'s one-cell grid (and its
+    sample count's) named a grid of ``size`` cells, as a damaged or hostile document would."""
+    meta = f"{path}/dcpbridge.json"
+    with open(meta) as f:
+        raw = f.read()
+    for name in (key, key + ".samples"):
+        raw = raw.replace(f'"{name}/shard_0_1"', f'"{name}/shard_0_{size}"')
+    doc = json.loads(raw)
+    for info in doc["planner_data"]["objects"].values():
+        info["global_shape"] = [size]
+    with open(meta, "wb") as f:
+        f.write(sign_document(doc))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["raise", "drop"])
+def test_a_stored_grid_of_a_trillion_ranks_is_refused_at_once(tmp_path, mode):
+    """A per-rank state's grid size comes from the checkpoint's object names: one cell named
+    ``key/shard_0_1000000000000`` made the layout check build a set of 10**12 ranks (memory
+    without bound, the load never returned). Now the missing ranks are found from the cells
+    present: DataLayoutError naming the state, the first missing ranks and their count."""
+    size = 10**12
+    cells = [f"loader/shard_0_{size}", f"loader.samples/shard_0_{size}"]
+    state = db.PerRankState("loader", None, 0, 1)
+    with pytest.raises(db.DataLayoutError, match=r"holds no state of rank\(s\) 1, 2, ") as e:
+        check_per_rank({"l": state}, cells, mode)
+    assert f"{size - 1} of {size} ranks" in str(e.value)
+    path = str(tmp_path / "ck")
+    db.save({"loader": db.PerRankState("loader", [7], 0, 1, samples=lambda: 1)}, path)
+    _grid_resized(path, "loader", size)
+    back = db.PerRankState("loader", [], 0, 1)
+    with pytest.raises(db.DataLayoutError, match="per-rank state 'loader'"):
+        db.load({"loader": back}, path, reshard_data_state=mode)
+    assert back.value == []
