@@ -7,6 +7,7 @@ floats and tuples, so it loads with ``weights_only`` safety.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -63,6 +64,8 @@ class RNGState:
             if type(pos) is not int or not 0 <= pos <= _MT_WORDS:
                 # NumPy takes any position; its next draw would read outside the key
                 raise ValueError(f"numpy position {pos!r} is outside [0, {_MT_WORDS}]")
+            if not _finite(gauss):  # NumPy takes NaN or infinity: its next normal draw
+                raise ValueError(f"numpy cached gaussian {gauss!r} is not a finite number")
             np_state = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
             for what, check in (("torch", state_dict["torch"]), *(("cuda", c) for c in cuda)):
                 if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
@@ -70,6 +73,12 @@ class RNGState:
             python = state_dict["python"]
             if _wide_words(python):  # random.setstate keeps each word's low 32 bits, silently
                 raise ValueError("python state holds words outside [0, 2**32)")
+            if (
+                isinstance(python, tuple)
+                and len(python) == 3
+                and not (python[2] is None or _finite(python[2]))
+            ):  # random.setstate takes any object: the next random.gauss() returns it
+                raise ValueError(f"python cached gaussian {python[2]!r} is not a finite number")
             saved = _current()  # all or nothing: a state that fails puts every one back
             try:
                 random.setstate(python)
@@ -90,6 +99,16 @@ def _wide_words(python: Any) -> bool:
     if not (isinstance(python, tuple) and len(python) == 3 and isinstance(python[1], tuple)):
         return False  # not a state: random.setstate refuses it
     return any(type(w) is int and not 0 <= w < 1 << 32 for w in python[1][:-1])
+
+
+def _finite(value: Any) -> bool:
+    """Whether ``value`` is a number a generator caches as its next normal sample."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _current() -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:

@@ -375,3 +375,41 @@ def test_a_stored_grid_of_a_trillion_ranks_is_refused_at_once(tmp_path, mode):
     with pytest.raises(db.DataLayoutError, match="per-rank state 'loader'"):
         db.load({"loader": back}, path, reshard_data_state=mode)
     assert back.value == []
+
+
+def _python_gauss(stored: dict, gauss: object) -> None:
+    version, words, _ = stored["python"]
+    stored["python"] = (version, words, gauss)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: _python_gauss(s, "abc"),  # random.gauss() then raised a bare TypeError
+        lambda s: _python_gauss(s, float("nan")),  # drawn as the next normal sample
+        lambda s: _python_gauss(s, 10**400),  # drawn as the next normal sample
+        lambda s: _python_gauss(s, [1.0]),
+        lambda s: _numpy_state(s, has_gauss=1, gauss=float("nan")),
+        lambda s: _numpy_state(s, has_gauss=1, gauss=float("-inf")),
+    ],
+    ids=["python-text", "python-nan", "python-huge", "python-list", "numpy-nan", "numpy-inf"],
+)
+def test_an_rng_state_with_a_cached_gaussian_no_generator_makes_is_refused(tmp_path, edit):
+    """Python's and NumPy's generators keep the second normal sample of a pair; a stored one
+    that no generator makes (text, a list, NaN, infinity, 10**400) was set as it was: the next
+    ``random.gauss()`` raised a bare TypeError or returned it, ``np.random.standard_normal()``
+    returned NaN. Now DataStateError names it, through a real checkpoint, and no generator
+    changes."""
+    stored = db.RNGState().state_dict()
+    edit(stored)
+    path = str(tmp_path / "rng")
+    db.save({"rng": db.PerRankState("rng", stored, 0, 1)}, path)
+    random.seed(6)
+    np.random.seed(6)
+    before = (random.getstate(), np.random.get_state())
+    with pytest.raises(db.DataStateError, match=r"state 'rng'.*cached gaussian") as err:
+        db.load({"rng": db.PerRankState("rng", db.RNGState(), 0, 1)}, path)
+    assert isinstance(err.value.__cause__, db.DataStateError)
+    after = (random.getstate(), np.random.get_state())
+    assert after[0] == before[0] and np.array_equal(after[1][1], before[1][1])
+    assert after[1][2:] == before[1][2:]
