@@ -162,6 +162,9 @@ class _ValueType:
             )
             if whole and _number(made) != _number(value):
                 raise ValueError("not a whole number")
+            number = _number(made)
+            if key in SHARED_KEYS and isinstance(number, (int, float)) and not _is_count(number):
+                raise ValueError("a step count is a finite whole number >= 0")
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise OptimizerStateError(
                 f"optimizer state {key!r}: the checkpoint's value {value!r} does not fit this "
@@ -191,6 +194,11 @@ class _ValueType:
 def _number(value: Any) -> Any:
     """A one-element tensor's number, or ``value`` itself."""
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def _is_count(number: float) -> bool:
+    """Whether ``number`` counts steps (an optimizer's ``step``): finite, whole, not negative."""
+    return math.isfinite(number) and number >= 0 and float(number).is_integer()
 
 
 def _comparable(value: Any) -> Any:

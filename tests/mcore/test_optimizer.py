@@ -472,3 +472,28 @@ def test_a_stored_shared_state_that_is_no_mapping_is_refused(tmp_path, stored):
     loaded = db.load(template, tmp_path)["o"]
     with pytest.raises(db.OptimizerStateError, match="shared_state is a"):
         db.restore_optim_state(loaded)
+
+
+@pytest.mark.parametrize(
+    "stored", [float("nan"), float("inf"), -3, 2.5, torch.tensor(-1.0)], ids=str
+)
+def test_a_stored_step_that_is_no_count_is_an_optimizer_state_error(tmp_path, stored):
+    """A shared ``step`` is a count of steps taken; one that is none (NaN, infinity, negative,
+    a fraction, from a damaged or foreign checkpoint) was restored as it was: Adam's next step
+    made every parameter NaN, or raised a bare RuntimeError or ZeroDivisionError. Now
+    OptimizerStateError names it, and the optimizer's state is untouched."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"]["step"] = stored
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load_optimizer_state(new, loaded)
+    message = str(raised.value)
+    assert message.startswith("optimizer state 'step': the checkpoint's value "), message
+    assert "a step count" in message, message
+    assert all(s["step"].item() == 1.0 for s in new.state.values())
