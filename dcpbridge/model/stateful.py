@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dcpbridge.errors import DataStateError
+from dcpbridge.errors import DataStateError, OptimizerStateError
 from dcpbridge.model.mapping import ShardedTensor
 
 _NEVER = frozenset(
@@ -49,9 +49,32 @@ def load_into(template: Any, result: Any) -> Any:
         return result
     for key, value in template.items():
         if key in result and is_stateful(value):
+            if isinstance(value, torch.optim.Optimizer):
+                _check_param_ids(key, value, result[key])
             try:
                 value.load_state_dict(result[key])
             except DataStateError as e:
                 raise type(e)(f"state {key!r}: {e}") from e
             result[key] = value
     return result
+
+
+def _param_ids(state: Any) -> list[Any] | None:
+    """Each param group's ``params`` of an optimizer state dict (None: not one)."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+        return None
+    return [g.get("params") for g in groups]
+
+
+def _check_param_ids(key: str, optimizer: torch.optim.Optimizer, loaded: Any) -> None:
+    """A top-level optimizer's loaded ``params`` ids must be its own: its ``load_state_dict``
+    maps them to its parameters by position, so a checkpoint's duplicated, reordered or
+    out-of-range ids would hand parameters each other's state, silently."""
+    mine, stored = _param_ids(optimizer.state_dict()), _param_ids(loaded)
+    if stored != mine:
+        raise OptimizerStateError(
+            f"state {key!r}: the checkpoint's optimizer param groups list parameter ids "
+            f"{stored if stored is not None else type(loaded).__name__}, this optimizer's are "
+            f"{mine}; it is not this optimizer's state (damaged, or another program's)"
+        )

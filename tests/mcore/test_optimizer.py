@@ -497,3 +497,52 @@ def test_a_stored_step_that_is_no_count_is_an_optimizer_state_error(tmp_path, st
     assert message.startswith("optimizer state 'step': the checkpoint's value "), message
     assert "a step count" in message, message
     assert all(s["step"].item() == 1.0 for s in new.state.values())
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [([0, 0, 1], "[0, 0, 1]"), ([0, 1, 7], "[0, 1, 7]"), ([2, 1, 0], "[2, 1, 0]")],
+    ids=["duplicated", "out-of-range", "reordered"],
+)
+def test_a_top_level_optimizer_refuses_stored_param_ids_not_its_own(tmp_path, params, needle):
+    """A torch optimizer at the top level of the state is loaded through its own
+    ``load_state_dict``, which maps the stored ``params`` ids to its parameters by position:
+    a checkpoint whose ids were duplicated or out of range gave parameter 1 parameter 0's
+    moments, parameter 2 parameter 1's, and left parameter 0 without state, silently. Now
+    OptimizerStateError names the state's key before the optimizer changes."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    opt = torch.optim.Adam(ps, lr=0.1)
+    for i, p in enumerate(ps):
+        p.grad = torch.full((3,), float(i + 1))
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["params"] = params
+    db.save({"opt": sd}, tmp_path)
+    new = torch.optim.Adam([nn.Parameter(torch.zeros(3)) for _ in range(3)], lr=0.5)
+    db.init_optimizer_state(new)
+    before = {k: v.clone() for k, v in new.state_dict()["state"][0].items()}
+    with pytest.raises(db.OptimizerStateError, match="state 'opt'") as raised:
+        db.load({"opt": new}, tmp_path)
+    assert needle in str(raised.value) and "[0, 1, 2]" in str(raised.value)
+    assert all(isinstance(p, torch.Tensor) for p in new.state)
+    assert new.param_groups[0]["lr"] == 0.5
+    assert before.keys() == new.state_dict()["state"][0].keys()
+
+
+def test_a_top_level_optimizer_round_trips(tmp_path):
+    """The same optimizer at the top level, untampered, resumes exactly."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    opt = torch.optim.Adam(ps, lr=0.1)
+    for i, p in enumerate(ps):
+        p.grad = torch.full((3,), float(i + 1))
+    opt.step()
+    db.save({"opt": opt}, tmp_path)
+    new = torch.optim.Adam([nn.Parameter(torch.zeros(3)) for _ in range(3)], lr=0.5)
+    db.init_optimizer_state(new)
+    db.load({"opt": new}, tmp_path)
+    want, got = opt.state_dict(), new.state_dict()
+    assert got["param_groups"][0]["lr"] == 0.1
+    for i in range(3):
+        assert all(torch.equal(got["state"][i][k], v) for k, v in want["state"][i].items())
