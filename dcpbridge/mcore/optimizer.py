@@ -40,6 +40,7 @@ from dcpbridge.model.mapping import (
     StateDict,
 )
 from dcpbridge.model.state import leaves
+from dcpbridge.model.stateful import fits_hyper
 from dcpbridge.planners.protocol import leaf_kind
 from dcpbridge.storage.format.table import shown_value
 
@@ -346,36 +347,6 @@ def live_hyper(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, A
     return {identity: dict(group) for identity, group in groups.items()}
 
 
-def _fits(live: Any, stored: Any) -> bool:
-    """Whether a stored hyper-parameter can stand where this optimizer keeps ``live``: a
-    flag for a flag, a number no float overflows on and no NaN for a number or one-element
-    tensor (an int or a float: ``lr=1`` and ``lr=1e-3`` are both a learning rate), a sequence
-    of as many fitting values for a sequence, text for text, None, a flag or a number for
-    None; anything for other kinds (not checked)."""
-    if isinstance(live, bool):
-        return isinstance(stored, bool)
-    if isinstance(live, (int, float)) or (isinstance(live, torch.Tensor) and live.numel() == 1):
-        if isinstance(stored, torch.Tensor):
-            stored = stored.item() if stored.numel() == 1 else None
-        if isinstance(stored, bool) or not isinstance(stored, (int, float)):
-            return False
-        try:
-            return not math.isnan(float(stored))
-        except OverflowError:
-            return False
-    if isinstance(live, (tuple, list)):
-        return (
-            isinstance(stored, (tuple, list))
-            and len(stored) == len(live)
-            and all(_fits(a, b) for a, b in zip(live, stored))
-        )
-    if isinstance(live, str):
-        return isinstance(stored, str)
-    if live is None:
-        return stored is None or isinstance(stored, bool) or _fits(0.0, stored)
-    return True
-
-
 def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> Mapping[str, Any]:
     """A saved group's hyper-parameters, each checked against this optimizer's (a damaged or
     foreign checkpoint's would fail the next step, or train on silently)."""
@@ -385,7 +356,7 @@ def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> Mapping
             "mapping of hyper-parameters"
         )
     for name, value in live.items():
-        if name in stored and not _fits(value, stored[name]):
+        if name in stored and not fits_hyper(value, stored[name]):
             raise OptimizerStateError(
                 f"param group {identity!r}: hyper-parameter {name!r} of the checkpoint "
                 f"({shown_value(stored[name])}) does not fit this optimizer's "

@@ -546,3 +546,30 @@ def test_a_top_level_optimizer_round_trips(tmp_path):
     assert got["param_groups"][0]["lr"] == 0.1
     for i in range(3):
         assert all(torch.equal(got["state"][i][k], v) for k, v in want["state"][i].items())
+
+
+@pytest.mark.parametrize(
+    ("name", "stored"),
+    [("lr", "0.1"), ("lr", float("nan")), ("betas", (0.9,)), ("amsgrad", 0)],
+    ids=["text", "nan", "short", "int-flag"],
+)
+def test_a_top_level_optimizer_refuses_stored_hyper_parameters_it_cannot_use(
+    tmp_path, name, stored
+):
+    """As for the sharded optimizer state: a top-level optimizer took the checkpoint's
+    hyper-parameters as stored (its next step then raised a bare TypeError or ValueError, or
+    trained on NaN). Now OptimizerStateError names the state, group and entry."""
+    ps = [nn.Parameter(torch.randn(3)) for _ in range(2)]
+    opt = torch.optim.Adam(ps, lr=0.1)
+    for p in ps:
+        p.grad = torch.ones(3)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0][name] = stored
+    db.save({"opt": sd}, tmp_path)
+    new = torch.optim.Adam([nn.Parameter(torch.zeros(3)) for _ in range(2)], lr=0.5)
+    db.init_optimizer_state(new)
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load({"opt": new}, tmp_path)
+    assert f"state 'opt': param group 0: hyper-parameter {name!r}" in str(raised.value)
+    assert new.param_groups[0]["lr"] == 0.5 and new.param_groups[0]["betas"] == (0.9, 0.999)
