@@ -70,6 +70,8 @@ class RNGState:
             for what, check in (("torch", state_dict["torch"]), *(("cuda", c) for c in cuda)):
                 if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
                     raise TypeError(f"{what} state must be a uint8 tensor")
+            if not _torch_normals_finite(state_dict["torch"]):  # torch takes NaN there too
+                raise ValueError("torch cached normal sample is not a finite number")
             python = state_dict["python"]
             if _wide_words(python):  # random.setstate keeps each word's low 32 bits, silently
                 raise ValueError("python state holds words outside [0, 2**32)")
@@ -109,6 +111,27 @@ def _finite(value: Any) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+_TORCH_STATE_BYTES = 5056  # torch's CPU generator state, in the layout read below
+
+
+def _torch_normals_finite(state: torch.Tensor) -> bool:
+    """Whether a stored torch CPU generator state's cached normal samples, where it marks
+    them valid, are finite: the doubles ``normal_x``, ``normal_y``, ``normal_rho`` (flag at
+    byte 5040) and the float at byte 5048 (flag at 5052). A state of another size (another
+    layout) is left to torch."""
+    if state.dim() != 1 or state.numel() != _TORCH_STATE_BYTES:
+        return True
+    raw = state.contiguous().numpy().tobytes()
+    doubles = np.frombuffer(raw, dtype=np.float64, count=3, offset=5016)
+    if (
+        np.frombuffer(raw, dtype=np.int32, count=1, offset=5040)[0]
+        and not np.isfinite(doubles).all()
+    ):
+        return False
+    single = np.frombuffer(raw, dtype=np.float32, count=1, offset=5048)
+    return not (raw[5052] and not np.isfinite(single).all())
 
 
 def _current() -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:

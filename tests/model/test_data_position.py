@@ -413,3 +413,35 @@ def test_an_rng_state_with_a_cached_gaussian_no_generator_makes_is_refused(tmp_p
     after = (random.getstate(), np.random.get_state())
     assert after[0] == before[0] and np.array_equal(after[1][1], before[1][1])
     assert after[1][2:] == before[1][2:]
+
+
+def _torch_cached_normal(stored: dict, *, double: bool) -> None:
+    """Set the cached normal sample in a stored CPU generator state to NaN (torch's layout:
+    normal_x, normal_y, normal_rho and normal_is_valid at bytes 5016-5044, then the float
+    sample and its flag at 5048 and 5052)."""
+    raw = bytearray(stored["torch"].numpy().tobytes())
+    if double:
+        raw[5024:5032] = np.float64(np.nan).tobytes()  # normal_y: the cached double
+        raw[5040:5044] = np.int32(1).tobytes()
+    else:
+        raw[5048:5052] = np.float32(np.nan).tobytes()
+        raw[5052] = 1
+    stored["torch"] = torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+@pytest.mark.parametrize("double", [False, True], ids=["float", "double"])
+def test_an_rng_state_with_a_nan_torch_normal_sample_is_refused(tmp_path, double):
+    """torch's CPU generator state caches a normal sample too; torch takes a NaN there, and
+    the next ``torch.randn`` (float) or ``normal_`` (float64) started with NaN. Now DataStateError names it, through a real
+    checkpoint, and torch's generator is unchanged."""
+    assert db.RNGState().state_dict()["torch"].numel() == 5056  # the layout edited here
+    stored = db.RNGState().state_dict()
+    _torch_cached_normal(stored, double=double)
+    path = str(tmp_path / "rng")
+    db.save({"rng": db.PerRankState("rng", stored, 0, 1)}, path)
+    torch.manual_seed(6)
+    before = torch.get_rng_state()
+    with pytest.raises(db.DataStateError, match=r"state 'rng'.*torch cached normal sample"):
+        db.load({"rng": db.PerRankState("rng", db.RNGState(), 0, 1)}, path)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.randn(4).isfinite().all()
