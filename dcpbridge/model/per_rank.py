@@ -93,6 +93,12 @@ class PerRankState:
         else:
             self.value = inner
 
+    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise where the value's own check refuses its loaded cell, changing nothing."""
+        check = getattr(self.value, "_check_state_dict", None)
+        if callable(check):
+            check(state_dict["state"])
+
     def __repr__(self) -> str:
         return (
             f"PerRankState(key={self.key!r}, rank={self.rank}, size={self.size}, "

@@ -38,54 +38,13 @@ class RNGState:
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Set every generator to a stored state (checked: it comes from storage)."""
-        if not isinstance(state_dict, Mapping) or set(state_dict) != _KEYS:
-            got = (
-                sorted(map(str, state_dict))
-                if isinstance(state_dict, Mapping)
-                else type(state_dict)
-            )
-            raise DataStateError(f"RNG state must be a mapping with keys {sorted(_KEYS)}: {got!r}")
-        cuda = state_dict["cuda"]
-        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not isinstance(cuda, list) or (cuda and len(cuda) != devices):
-            raise DataStateError(
-                f"the RNG state holds {len(cuda) if isinstance(cuda, list) else '?'} CUDA "
-                f"generator(s) and this process sees {devices} device(s)"
-            )
+        python, np_state, cpu, cuda = _checked(state_dict)
+        saved = _current()  # all or nothing: a state that fails puts every one back
         try:
-            name, key, pos, has_gauss, gauss = state_dict["numpy"]
-            if not isinstance(key, torch.Tensor) or key.dtype != torch.int64:
-                raise TypeError(f"numpy key must be an int64 tensor, got {type(key).__name__}")
-            if key.shape != (_MT_WORDS,):
-                raise ValueError(f"numpy key must hold {_MT_WORDS} words, got {list(key.shape)}")
-            if int(key.min()) < 0 or int(key.max()) >= 1 << 32:
-                # uint32 words: astype would keep only the low 32 bits of each, silently
-                raise ValueError("numpy key holds words outside [0, 2**32)")
-            if type(pos) is not int or not 0 <= pos <= _MT_WORDS:
-                # NumPy takes any position; its next draw would read outside the key
-                raise ValueError(f"numpy position {pos!r} is outside [0, {_MT_WORDS}]")
-            if not _finite(gauss):  # NumPy takes NaN or infinity: its next normal draw
-                raise ValueError(f"numpy cached gaussian {gauss!r} is not a finite number")
-            np_state = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
-            for what, check in (("torch", state_dict["torch"]), *(("cuda", c) for c in cuda)):
-                if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
-                    raise TypeError(f"{what} state must be a uint8 tensor")
-            if not _torch_normals_finite(state_dict["torch"]):  # torch takes NaN there too
-                raise ValueError("torch cached normal sample is not a finite number")
-            python = state_dict["python"]
-            if _wide_words(python):  # random.setstate keeps each word's low 32 bits, silently
-                raise ValueError("python state holds words outside [0, 2**32)")
-            if (
-                isinstance(python, tuple)
-                and len(python) == 3
-                and not (python[2] is None or _finite(python[2]))
-            ):  # random.setstate takes any object: the next random.gauss() returns it
-                raise ValueError(f"python cached gaussian {python[2]!r} is not a finite number")
-            saved = _current()  # all or nothing: a state that fails puts every one back
             try:
                 random.setstate(python)
                 np.random.set_state(np_state)
-                torch.set_rng_state(state_dict["torch"])
+                torch.set_rng_state(cpu)
                 if cuda:
                     torch.cuda.set_rng_state_all(cuda)
             except BaseException:
@@ -93,6 +52,58 @@ class RNGState:
                 raise
         except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as e:
             raise DataStateError(f"RNG state cannot be restored: {e}") from e
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        """Raise ``DataStateError`` where ``load_state_dict`` would refuse ``state_dict``
+        before setting anything (a load checks every state before it changes any)."""
+        _checked(state_dict)
+
+
+def _checked(state_dict: Any) -> tuple[Any, tuple[Any, ...], torch.Tensor, list[torch.Tensor]]:
+    """A stored state's (Python, NumPy, torch, CUDA) parts, each checked as far as it can be
+    without setting it; ``DataStateError`` naming what is wrong."""
+    if not isinstance(state_dict, Mapping) or set(state_dict) != _KEYS:
+        got = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict)
+        raise DataStateError(f"RNG state must be a mapping with keys {sorted(_KEYS)}: {got!r}")
+    cuda = state_dict["cuda"]
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not isinstance(cuda, list) or (cuda and len(cuda) != devices):
+        raise DataStateError(
+            f"the RNG state holds {len(cuda) if isinstance(cuda, list) else '?'} CUDA "
+            f"generator(s) and this process sees {devices} device(s)"
+        )
+    try:
+        name, key, pos, has_gauss, gauss = state_dict["numpy"]
+        if not isinstance(key, torch.Tensor) or key.dtype != torch.int64:
+            raise TypeError(f"numpy key must be an int64 tensor, got {type(key).__name__}")
+        if key.shape != (_MT_WORDS,):
+            raise ValueError(f"numpy key must hold {_MT_WORDS} words, got {list(key.shape)}")
+        if int(key.min()) < 0 or int(key.max()) >= 1 << 32:
+            # uint32 words: astype would keep only the low 32 bits of each, silently
+            raise ValueError("numpy key holds words outside [0, 2**32)")
+        if type(pos) is not int or not 0 <= pos <= _MT_WORDS:
+            # NumPy takes any position; its next draw would read outside the key
+            raise ValueError(f"numpy position {pos!r} is outside [0, {_MT_WORDS}]")
+        if not _finite(gauss):  # NumPy takes NaN or infinity: its next normal draw
+            raise ValueError(f"numpy cached gaussian {gauss!r} is not a finite number")
+        np_state = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
+        for what, check in (("torch", state_dict["torch"]), *(("cuda", c) for c in cuda)):
+            if not isinstance(check, torch.Tensor) or check.dtype != torch.uint8:
+                raise TypeError(f"{what} state must be a uint8 tensor")
+        if not _torch_normals_finite(state_dict["torch"]):  # torch takes NaN there too
+            raise ValueError("torch cached normal sample is not a finite number")
+        python = state_dict["python"]
+        if _wide_words(python):  # random.setstate keeps each word's low 32 bits, silently
+            raise ValueError("python state holds words outside [0, 2**32)")
+        if (
+            isinstance(python, tuple)
+            and len(python) == 3
+            and not (python[2] is None or _finite(python[2]))
+        ):  # random.setstate takes any object: the next random.gauss() returns it
+            raise ValueError(f"python cached gaussian {python[2]!r} is not a finite number")
+        return python, np_state, state_dict["torch"], cuda
+    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as e:
+        raise DataStateError(f"RNG state cannot be restored: {e}") from e
 
 
 def _wide_words(python: Any) -> bool:

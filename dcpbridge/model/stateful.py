@@ -46,19 +46,29 @@ def state_dicts(tree: Any) -> Any:
 def load_into(template: Any, result: Any) -> Any:
     """Hand each top-level Stateful of ``template`` its loaded state; ``result`` keeps the
     Stateful object itself at that key, as ``dcp.load`` leaves it in the state dict. A data
-    position or stream that refuses its state is named by its key."""
+    position or stream that refuses its state is named by its key; dcpbridge's own (samplers,
+    per-rank states, RNG states, optimizers) are all checked before any of them changes."""
     if not isinstance(template, Mapping) or not isinstance(result, dict):
         return result
-    for key, value in template.items():
-        if key in result and is_stateful(value):
-            if isinstance(value, torch.optim.Optimizer):
-                _check_optimizer_state(key, value, result[key])
-            try:
-                value.load_state_dict(result[key])
-            except DataStateError as e:
-                raise type(e)(f"state {key!r}: {e}") from e
-            result[key] = value
+    loading = [(k, v) for k, v in template.items() if k in result and is_stateful(v)]
+    for key, value in loading:  # every state checked before any changes (no half-loaded job)
+        if isinstance(value, torch.optim.Optimizer):
+            _check_optimizer_state(key, value, result[key])
+        check = getattr(value, "_check_state_dict", None)
+        if callable(check):
+            _named(key, check, result[key])
+    for key, value in loading:
+        _named(key, value.load_state_dict, result[key])
+        result[key] = value
     return result
+
+
+def _named(key: str, call: Any, state: Any) -> None:
+    """``call(state)``, a data position or stream that refuses it named by its key."""
+    try:
+        call(state)
+    except DataStateError as e:
+        raise type(e)(f"state {key!r}: {e}") from e
 
 
 _LOCAL_FIELDS = ("params", "param_names")  # a param group's own entries, not hyper-parameters

@@ -445,3 +445,25 @@ def test_an_rng_state_with_a_nan_torch_normal_sample_is_refused(tmp_path, double
         db.load({"rng": db.PerRankState("rng", db.RNGState(), 0, 1)}, path)
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.randn(4).isfinite().all()
+
+
+@pytest.mark.parametrize("order", ["data-first", "rng-first"])
+def test_a_refused_rng_state_leaves_the_data_position_unchanged(tmp_path, order):
+    """Top-level Statefuls were loaded one by one: a checkpoint whose RNG cell is refused
+    (here a NaN cached gaussian) raised only after the sampler before it had jumped to the
+    checkpoint's position, so the job's live state was half the checkpoint's. Now every
+    dcpbridge Stateful's state is checked before any of them changes."""
+    saved = sampler()
+    for _ in zip(range(3), iter(saved)):
+        saved.mark_consumed()
+    rng = db.RNGState().state_dict()
+    _numpy_state(rng, has_gauss=1, gauss=float("nan"))
+    cells = {"data": saved, "rng": db.PerRankState("rng", rng, 0, 1)}
+    path = str(tmp_path / "ck")
+    db.save(dict(sorted(cells.items(), reverse=order == "rng-first")), path)
+    fresh = sampler()
+    template = {"data": fresh, "rng": db.PerRankState("rng", db.RNGState(), 0, 1)}
+    template = dict(sorted(template.items(), reverse=order == "rng-first"))
+    with pytest.raises(db.DataStateError, match=r"state 'rng'.*cached gaussian"):
+        db.load(template, path)
+    assert fresh.consumed_samples == 0 and fresh.state_dict() == sampler().state_dict()
