@@ -347,9 +347,10 @@ def live_hyper(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, A
     return {identity: dict(group) for identity, group in groups.items()}
 
 
-def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> Mapping[str, Any]:
+def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> dict[str, Any]:
     """A saved group's hyper-parameters, each checked against this optimizer's (a damaged or
-    foreign checkpoint's would fail the next step, or train on silently)."""
+    foreign checkpoint's would fail the next step, or train on silently), without the
+    group's rank-local fields."""
     if not isinstance(stored, Mapping):
         raise OptimizerStateError(
             f"param group {identity!r}: the checkpoint holds {type(stored).__name__}, not a "
@@ -362,7 +363,8 @@ def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> Mapping
                 f"({shown_value(stored[name])}) does not fit this optimizer's "
                 f"({shown_value(value)})"
             )
-    return stored
+    # params and param_names are this rank's own (never saved): a checkpoint's never count
+    return {k: v for k, v in stored.items() if k not in _LOCAL_GROUP_FIELDS}
 
 
 def _match_groups(saved: Any, local: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -573,3 +573,22 @@ def test_a_top_level_optimizer_refuses_stored_hyper_parameters_it_cannot_use(
         db.load({"opt": new}, tmp_path)
     assert f"state 'opt': param group 0: hyper-parameter {name!r}" in str(raised.value)
     assert new.param_groups[0]["lr"] == 0.5 and new.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_stored_param_names_never_reach_the_optimizer(tmp_path):
+    """A param group's ``params`` and ``param_names`` name this rank's own parameters and are
+    never saved; a checkpoint holding ``param_names`` anyway (damaged, or crafted) had them
+    merged into an optimizer without names (its next to_model_space save would then name
+    parameters wrongly, or refuse). Now the optimizer keeps its own."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["param_groups"]["#0"].update(param_names=["fc.bias", "scale"], params=[5, 5])
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5)
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    db.load_optimizer_state(new, db.load(template, tmp_path)["o"])
+    group = new.param_groups[0]
+    assert "param_names" not in group and group["lr"] == 0.1
+    assert [id(p) for p in group["params"]] == [id(net.scale), id(net.fc.weight), id(net.fc.bias)]
