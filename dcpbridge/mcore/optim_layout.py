@@ -26,6 +26,7 @@ from dcpbridge.mcore.optimizer import (
     SHARED_KEYS,
     _shared_value,
     _ValueType,
+    live_hyper,
     restore_optim_state,
     split_param_groups,
 )
@@ -118,7 +119,13 @@ def to_model_space(
     out: StateDict = {"state": state, "param_groups": groups}
     if shared:
         out["shared_state"] = {k: _shared_value(k, v) for k, v in shared.items()}
-    local = {"groups": local_groups, "types": types, "excluded": excluded, "keys": keys}
+    local = {
+        "groups": local_groups,
+        "types": types,
+        "excluded": excluded,
+        "keys": keys,
+        "hyper": live_hyper(groups),
+    }
     out["local"] = LocalNonpersistentObject(local)
     return out
 

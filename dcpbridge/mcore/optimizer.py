@@ -22,6 +22,7 @@ After ``dcpbridge.load``, ``restore_optim_state`` turns the result back into wha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -39,7 +40,9 @@ from dcpbridge.model.mapping import (
     StateDict,
 )
 from dcpbridge.model.state import leaves
+from dcpbridge.model.stateful import fits_hyper
 from dcpbridge.planners.protocol import leaf_kind
+from dcpbridge.storage.format.table import shown_value
 
 KEEP_VARS_HINT = (
     " Make sure the model sharded state dict holds the original torch.nn.Parameters (not "
@@ -160,6 +163,9 @@ class _ValueType:
             )
             if whole and _number(made) != _number(value):
                 raise ValueError("not a whole number")
+            number = _number(made)
+            if key in SHARED_KEYS and isinstance(number, (int, float)) and not _is_count(number):
+                raise ValueError("a step count is a finite whole number >= 0")
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise OptimizerStateError(
                 f"optimizer state {key!r}: the checkpoint's value {value!r} does not fit this "
@@ -189,6 +195,11 @@ class _ValueType:
 def _number(value: Any) -> Any:
     """A one-element tensor's number, or ``value`` itself."""
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def _is_count(number: float) -> bool:
+    """Whether ``number`` counts steps (an optimizer's ``step``): finite, whole, not negative."""
+    return math.isfinite(number) and number >= 0 and float(number).is_integer()
 
 
 def _comparable(value: Any) -> Any:
@@ -287,7 +298,7 @@ def optim_state_to_sharding_state(
     if shared:
         optim_state_dict["shared_state"] = {k: _shared_value(k, v) for k, v in shared.items()}
     optim_state_dict["local"] = LocalNonpersistentObject(
-        {"groups": local_groups, "types": types, "excluded": excluded}
+        {"groups": local_groups, "types": types, "excluded": excluded, "hyper": live_hyper(groups)}
     )
 
 
@@ -302,11 +313,22 @@ def restore_optim_state(loaded: StateDict) -> StateDict:
     if isinstance(local, LocalNonpersistentObject):
         local = local.unwrap()
     shared = loaded.get("shared_state", {})
+    if not isinstance(shared, Mapping):
+        raise OptimizerStateError(
+            f"the checkpoint's optimizer shared_state is a {type(shared).__name__}, not a "
+            "mapping of entries stored once (step)"
+        )
     types: dict[int, dict[str, _ValueType]] = local["types"]
     state: dict[int, dict[str, Any]] = {}
     for param_id, tensors in loaded.get("state", {}).items():
         entry = dict(tensors)
         for key, value in shared.items():
+            if key in entry:  # would replace the loaded per-parameter state, silently
+                raise OptimizerStateError(
+                    f"optimizer state {key!r}: the checkpoint holds it per parameter and "
+                    "stored once (shared_state) too; it is not a checkpoint of this optimizer's "
+                    "state (damaged, or another program's)"
+                )
             entry[key] = types.get(param_id, {}).get(key, _ValueType.of(value)).make(key, value)
         entry.update(local["excluded"].get(param_id, {}))
         state[param_id] = entry
@@ -319,7 +341,38 @@ def restore_optim_state(loaded: StateDict) -> StateDict:
     return {"state": state, "param_groups": _match_groups(loaded["param_groups"], local)}
 
 
-def _match_groups(saved: Mapping[str, Any], local: Mapping[str, Any]) -> list[dict[str, Any]]:
+def live_hyper(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """This optimizer's hyper-parameters by group identity, kept apart from the load
+    template (a load replaces those): what a checkpoint's values are checked against."""
+    return {identity: dict(group) for identity, group in groups.items()}
+
+
+def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> dict[str, Any]:
+    """A saved group's hyper-parameters, each checked against this optimizer's (a damaged or
+    foreign checkpoint's would fail the next step, or train on silently), without the
+    group's rank-local fields."""
+    if not isinstance(stored, Mapping):
+        raise OptimizerStateError(
+            f"param group {identity!r}: the checkpoint holds {type(stored).__name__}, not a "
+            "mapping of hyper-parameters"
+        )
+    for name, value in live.items():
+        if name in stored and not fits_hyper(value, stored[name]):
+            raise OptimizerStateError(
+                f"param group {identity!r}: hyper-parameter {name!r} of the checkpoint "
+                f"({shown_value(stored[name])}) does not fit this optimizer's "
+                f"({shown_value(value)})"
+            )
+    # params and param_names are this rank's own (never saved): a checkpoint's never count
+    return {k: v for k, v in stored.items() if k not in _LOCAL_GROUP_FIELDS}
+
+
+def _match_groups(saved: Any, local: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if not isinstance(saved, Mapping):
+        raise OptimizerStateError(
+            f"the checkpoint's param_groups is a {type(saved).__name__}, not a mapping of "
+            "group identities to hyper-parameters"
+        )
     current = [identity for identity, _ in local["groups"]]
     only_current = [g for g in current if g not in saved]
     only_saved = [g for g in saved if g not in current]
@@ -329,7 +382,11 @@ def _match_groups(saved: Mapping[str, Any], local: Mapping[str, Any]) -> list[di
             f"groups with no saved counterpart: {only_current}; saved groups with no current "
             f"counterpart: {only_saved}"
         )
-    return [{**saved[identity], **fields} for identity, fields in local["groups"]]
+    hyper = local.get("hyper", {})
+    return [
+        {**_check_hyper(identity, hyper.get(identity, {}), saved[identity]), **fields}
+        for identity, fields in local["groups"]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -264,6 +264,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self._drawn = self._consumed
         self._generation += 1
 
+    def _check_state_dict(self, state_dict: Any) -> None:
+        """Raise ``DataStateError`` where ``load_state_dict`` would refuse ``state_dict``,
+        changing nothing (a load checks every state before it changes any)."""
+        self._check_same(parse_position(state_dict))
+
     def _check_same(self, pos: Position) -> None:
         def refuse(stored: str, mine: str, name: str) -> DataStateError:
             return DataStateError(

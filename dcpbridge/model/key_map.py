@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dcpbridge.errors import InvalidArgumentError
+from dcpbridge.errors import InvalidArgumentError, ShapeMismatchError
 from dcpbridge.model.intake import own_tensor
 from dcpbridge.model.mapping import ShardedTensor, ShardedTensorFactory
 from dcpbridge.planners.leaves import tensor_boxes
@@ -136,6 +136,11 @@ class KeyMap:
         for target in lengths:
             if target in stored:
                 shape = getattr(stored[target], "global_shape", stored[target])
+                if not len(shape):  # no axis to stack layers along: IndexError otherwise
+                    raise ShapeMismatchError(
+                        f"key map: the checkpoint's {target!r} is a 0-dim tensor, not a stack of "
+                        "layers"
+                    )
                 lengths[target] = int(shape[0])
         return lengths
 

@@ -12,6 +12,7 @@ modes. The decisions here are pure functions of the checkpoint's stored keys.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,12 @@ class PerRankState:
         else:
             self.value = inner
 
+    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise where the value's own check refuses its loaded cell, changing nothing."""
+        check = getattr(self.value, "_check_state_dict", None)
+        if callable(check):
+            check(state_dict["state"])
+
     def __repr__(self) -> str:
         return (
             f"PerRankState(key={self.key!r}, rank={self.rank}, size={self.size}, "
@@ -130,10 +137,14 @@ def _saved_size(path: str, state: PerRankState, grid: dict[tuple[int, ...], set]
         raise DataLayoutError(
             f"{what}: the checkpoint holds it as grids {sorted(grid)}, not one grid of ranks"
         )
-    size = shape[0]
-    missing = sorted(set(range(size)) - {o[0] for o in grid[shape]})
-    if missing:
-        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+    size = shape[0]  # from the stored names (hostile): never a range of it built whole
+    present = {o[0] for o in grid[shape] if o[0] < size}
+    if len(present) < size:
+        first = list(itertools.islice((r for r in range(size) if r not in present), 10))
+        count = size - len(present)
+        shown = ", ".join(map(str, first)) + (
+            f" ... ({count} of {size} ranks)" if count > 10 else ""
+        )
         raise DataLayoutError(
             f"{what}: the checkpoint was saved by {size} ranks but holds no state of rank(s) "
             f"{shown}; their streams cannot be restored and would silently restart. Load a "

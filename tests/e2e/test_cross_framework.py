@@ -465,6 +465,20 @@ def test_key_map_rules():
         db.KeyMap({"a.{i}.{i}": "b.{i}"})
 
 
+def test_key_map_refuses_a_stored_stack_that_is_no_stack(tmp_path):
+    """A checkpoint whose stacked key holds a 0-dim tensor (another program's, or damaged)
+    made ``KeyMap.apply(..., stored=load_tensors_metadata(dir))`` raise a bare IndexError
+    reading its layer count; now ShapeMismatchError names the key."""
+    path = str(tmp_path / "ck")
+    db.save({"stack.w": torch.tensor(1.0)}, path)
+    km = db.KeyMap({"layers.{i}.w": "stack.w"})
+    template = {"layers": {"0": {"w": torch.zeros(3)}}}
+    with pytest.raises(db.ShapeMismatchError, match=r"'stack\.w'.*0-dim"):
+        km.apply(template, stored=db.load_tensors_metadata(path))
+    with pytest.raises(db.ShapeMismatchError, match=r"'stack\.w'.*0-dim"):
+        km.apply(template, stored={"stack.w": ()})
+
+
 def _named_net_and_adamw() -> tuple[Net, torch.optim.Optimizer]:
     net = Net()
     with torch.no_grad():

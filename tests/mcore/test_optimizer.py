@@ -376,3 +376,219 @@ def test_state_not_shaped_like_its_parameter_is_refused(pool, tmp_path, rows):
     for message in messages:
         assert "'row_var'" in message
         assert "not shaped like its parameter" in message and "exclude_keys" in message
+
+
+def test_a_stored_shared_entry_named_like_a_per_parameter_one_is_refused(tmp_path):
+    """A checkpoint whose shared_state also holds ``exp_avg`` (damaged, or another program's)
+    replaced every parameter's loaded exp_avg moment with that one number, silently (the
+    optimizer then failed in its next step). Now OptimizerStateError names the entry, and
+    the optimizer keeps its own state."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"]["exp_avg"] = 3.0
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
+    db.init_optimizer_state(new)
+    before = {i: dict(s) for i, s in new.state_dict()["state"].items()}
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load_optimizer_state(new, loaded)
+    message = str(raised.value)
+    assert "'exp_avg'" in message and "stored once" in message, message
+    after = new.state_dict()["state"]
+    for i, entry in before.items():
+        assert all(torch.equal(after[i][k], v) for k, v in entry.items() if k != "exp_avg")
+        assert isinstance(after[i]["exp_avg"], torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    ("name", "stored"),
+    [
+        ("lr", "0.1"),
+        ("lr", None),
+        ("lr", True),
+        ("lr", float("nan")),
+        ("lr", 10**400),
+        ("lr", {"x": 1}),
+        ("betas", (0.9,)),
+        ("betas", [0.9, "a"]),
+        ("betas", 0.9),
+        ("amsgrad", 0),
+    ],
+    ids=["text", "none", "bool", "nan", "10e400", "dict", "short", "text-in", "scalar", "int-flag"],
+)
+def test_a_stored_hyper_parameter_the_optimizer_cannot_use_is_refused(tmp_path, name, stored):
+    """A checkpoint's param-group hyper-parameter of another kind than this optimizer's (text
+    for lr, one beta, NaN, a number no float holds) went into the optimizer as it was: its
+    next step raised a bare TypeError, ValueError or OverflowError, or trained on silently
+    (NaN parameters, lr=True as 1.0). Now OptimizerStateError names the group and the entry,
+    and the optimizer keeps its own hyper-parameters."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["param_groups"]["#0"][name] = stored
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5, betas=(0.8, 0.9))
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load_optimizer_state(new, loaded)
+    message = str(raised.value)
+    assert f"param group '#0': hyper-parameter {name!r}" in message, message
+    assert new.param_groups[0]["lr"] == 0.5 and new.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def test_stored_hyper_parameters_of_a_compatible_kind_load(tmp_path):
+    """What a checkpoint may hold for this optimizer's hyper-parameters: an int lr where it
+    keeps a float, betas as a list, entries it does not know (an LR scheduler's initial_lr)."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["param_groups"]["#0"].update(lr=1, betas=[0.5, 0.75], initial_lr=0.25)
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5)
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    db.load_optimizer_state(new, db.load(template, tmp_path)["o"])
+    group = new.param_groups[0]
+    assert (group["lr"], list(group["betas"]), group["initial_lr"]) == (1, [0.5, 0.75], 0.25)
+
+
+@pytest.mark.parametrize("stored", [[1, 2], 5], ids=["list", "number"])
+def test_a_stored_shared_state_that_is_no_mapping_is_refused(tmp_path, stored):
+    """A checkpoint's shared_state that is no mapping (damaged, or another program's), loaded
+    by an optimizer that stores none (SGD), raised a bare AttributeError out of restore."""
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net.fc(net.scale).sum().backward()
+    opt.step()
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"] = stored
+    db.save({"o": saved}, tmp_path)
+    template = {"o": db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError, match="shared_state is a"):
+        db.restore_optim_state(loaded)
+
+
+@pytest.mark.parametrize(
+    "stored", [float("nan"), float("inf"), -3, 2.5, torch.tensor(-1.0)], ids=str
+)
+def test_a_stored_step_that_is_no_count_is_an_optimizer_state_error(tmp_path, stored):
+    """A shared ``step`` is a count of steps taken; one that is none (NaN, infinity, negative,
+    a fraction, from a damaged or foreign checkpoint) was restored as it was: Adam's next step
+    made every parameter NaN, or raised a bare RuntimeError or ZeroDivisionError. Now
+    OptimizerStateError names it, and the optimizer's state is untouched."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["shared_state"]["step"] = stored
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    loaded = db.load(template, tmp_path)["o"]
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load_optimizer_state(new, loaded)
+    message = str(raised.value)
+    assert message.startswith("optimizer state 'step': the checkpoint's value "), message
+    assert "a step count" in message, message
+    assert all(s["step"].item() == 1.0 for s in new.state.values())
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [([0, 0, 1], "[0, 0, 1]"), ([0, 1, 7], "[0, 1, 7]"), ([2, 1, 0], "[2, 1, 0]")],
+    ids=["duplicated", "out-of-range", "reordered"],
+)
+def test_a_top_level_optimizer_refuses_stored_param_ids_not_its_own(tmp_path, params, needle):
+    """A torch optimizer at the top level of the state is loaded through its own
+    ``load_state_dict``, which maps the stored ``params`` ids to its parameters by position:
+    a checkpoint whose ids were duplicated or out of range gave parameter 1 parameter 0's
+    moments, parameter 2 parameter 1's, and left parameter 0 without state, silently. Now
+    OptimizerStateError names the state's key before the optimizer changes."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    opt = torch.optim.Adam(ps, lr=0.1)
+    for i, p in enumerate(ps):
+        p.grad = torch.full((3,), float(i + 1))
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["params"] = params
+    db.save({"opt": sd}, tmp_path)
+    new = torch.optim.Adam([nn.Parameter(torch.zeros(3)) for _ in range(3)], lr=0.5)
+    db.init_optimizer_state(new)
+    before = {k: v.clone() for k, v in new.state_dict()["state"][0].items()}
+    with pytest.raises(db.OptimizerStateError, match="state 'opt'") as raised:
+        db.load({"opt": new}, tmp_path)
+    assert needle in str(raised.value) and "[0, 1, 2]" in str(raised.value)
+    assert all(isinstance(p, torch.Tensor) for p in new.state)
+    assert new.param_groups[0]["lr"] == 0.5
+    assert before.keys() == new.state_dict()["state"][0].keys()
+
+
+def test_a_top_level_optimizer_round_trips(tmp_path):
+    """The same optimizer at the top level, untampered, resumes exactly."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    opt = torch.optim.Adam(ps, lr=0.1)
+    for i, p in enumerate(ps):
+        p.grad = torch.full((3,), float(i + 1))
+    opt.step()
+    db.save({"opt": opt}, tmp_path)
+    new = torch.optim.Adam([nn.Parameter(torch.zeros(3)) for _ in range(3)], lr=0.5)
+    db.init_optimizer_state(new)
+    db.load({"opt": new}, tmp_path)
+    want, got = opt.state_dict(), new.state_dict()
+    assert got["param_groups"][0]["lr"] == 0.1
+    for i in range(3):
+        assert all(torch.equal(got["state"][i][k], v) for k, v in want["state"][i].items())
+
+
+@pytest.mark.parametrize(
+    ("name", "stored"),
+    [("lr", "0.1"), ("lr", float("nan")), ("betas", (0.9,)), ("amsgrad", 0)],
+    ids=["text", "nan", "short", "int-flag"],
+)
+def test_a_top_level_optimizer_refuses_stored_hyper_parameters_it_cannot_use(
+    tmp_path, name, stored
+):
+    """As for the sharded optimizer state: a top-level optimizer took the checkpoint's
+    hyper-parameters as stored (its next step then raised a bare TypeError or ValueError, or
+    trained on NaN). Now OptimizerStateError names the state, group and entry."""
+    ps = [nn.Parameter(torch.randn(3)) for _ in range(2)]
+    opt = torch.optim.Adam(ps, lr=0.1)
+    for p in ps:
+        p.grad = torch.ones(3)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0][name] = stored
+    db.save({"opt": sd}, tmp_path)
+    new = torch.optim.Adam([nn.Parameter(torch.zeros(3)) for _ in range(2)], lr=0.5)
+    db.init_optimizer_state(new)
+    with pytest.raises(db.OptimizerStateError) as raised:
+        db.load({"opt": new}, tmp_path)
+    assert f"state 'opt': param group 0: hyper-parameter {name!r}" in str(raised.value)
+    assert new.param_groups[0]["lr"] == 0.5 and new.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_stored_param_names_never_reach_the_optimizer(tmp_path):
+    """A param group's ``params`` and ``param_names`` name this rank's own parameters and are
+    never saved; a checkpoint holding ``param_names`` anyway (damaged, or crafted) had them
+    merged into an optimizer without names (its next to_model_space save would then name
+    parameters wrongly, or refuse). Now the optimizer keeps its own."""
+    net = Net()
+    opt = stepped_adam(net, steps=1)
+    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
+    saved["param_groups"]["#0"].update(param_names=["fc.bias", "scale"], params=[5, 5])
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5)
+    db.init_optimizer_state(new)
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    db.load_optimizer_state(new, db.load(template, tmp_path)["o"])
+    group = new.param_groups[0]
+    assert "param_names" not in group and group["lr"] == 0.1
+    assert [id(p) for p in group["params"]] == [id(net.scale), id(net.fc.weight), id(net.fc.bias)]

@@ -3,6 +3,7 @@ size, the position jumps without replay, hostile saved state is refused, the loa
 
 from __future__ import annotations
 
+import json
 import random
 import warnings
 
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 import dcpbridge as db
 from dcpbridge.model.data_position import epoch_seed
 from dcpbridge.model.per_rank import check_per_rank
+from dcpbridge.storage.format.document import sign_document
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -336,3 +338,132 @@ def test_dropping_counts_the_samples_every_saved_rank_held(tmp_path):
     with pytest.warns(db.DataStateDroppedWarning, match="the 11 samples they held"):
         out = db.load({"loader": fresh}, path, reshard_data_state="drop")
     assert out["loader"] is fresh and fresh.value == [] and out["step"] == 3
+
+
+def _grid_resized(path: str, key: str, size: int) -> None:
+    """Re-sign ``path``'s commit file with ShardedObject ``key``'s one-cell grid (and its
+    sample count's) named a grid of ``size`` cells, as a damaged or hostile document would."""
+    meta = f"{path}/dcpbridge.json"
+    with open(meta) as f:
+        raw = f.read()
+    for name in (key, key + ".samples"):
+        raw = raw.replace(f'"{name}/shard_0_1"', f'"{name}/shard_0_{size}"')
+    doc = json.loads(raw)
+    for info in doc["planner_data"]["objects"].values():
+        info["global_shape"] = [size]
+    with open(meta, "wb") as f:
+        f.write(sign_document(doc))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["raise", "drop"])
+def test_a_stored_grid_of_a_trillion_ranks_is_refused_at_once(tmp_path, mode):
+    """A per-rank state's grid size comes from the checkpoint's object names: one cell named
+    ``key/shard_0_1000000000000`` made the layout check build a set of 10**12 ranks (memory
+    without bound, the load never returned). Now the missing ranks are found from the cells
+    present: DataLayoutError naming the state, the first missing ranks and their count."""
+    size = 10**12
+    cells = [f"loader/shard_0_{size}", f"loader.samples/shard_0_{size}"]
+    state = db.PerRankState("loader", None, 0, 1)
+    with pytest.raises(db.DataLayoutError, match=r"holds no state of rank\(s\) 1, 2, ") as e:
+        check_per_rank({"l": state}, cells, mode)
+    assert f"{size - 1} of {size} ranks" in str(e.value)
+    path = str(tmp_path / "ck")
+    db.save({"loader": db.PerRankState("loader", [7], 0, 1, samples=lambda: 1)}, path)
+    _grid_resized(path, "loader", size)
+    back = db.PerRankState("loader", [], 0, 1)
+    with pytest.raises(db.DataLayoutError, match="per-rank state 'loader'"):
+        db.load({"loader": back}, path, reshard_data_state=mode)
+    assert back.value == []
+
+
+def _python_gauss(stored: dict, gauss: object) -> None:
+    version, words, _ = stored["python"]
+    stored["python"] = (version, words, gauss)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: _python_gauss(s, "abc"),  # random.gauss() then raised a bare TypeError
+        lambda s: _python_gauss(s, float("nan")),  # drawn as the next normal sample
+        lambda s: _python_gauss(s, 10**400),  # drawn as the next normal sample
+        lambda s: _python_gauss(s, [1.0]),
+        lambda s: _numpy_state(s, has_gauss=1, gauss=float("nan")),
+        lambda s: _numpy_state(s, has_gauss=1, gauss=float("-inf")),
+    ],
+    ids=["python-text", "python-nan", "python-huge", "python-list", "numpy-nan", "numpy-inf"],
+)
+def test_an_rng_state_with_a_cached_gaussian_no_generator_makes_is_refused(tmp_path, edit):
+    """Python's and NumPy's generators keep the second normal sample of a pair; a stored one
+    that no generator makes (text, a list, NaN, infinity, 10**400) was set as it was: the next
+    ``random.gauss()`` raised a bare TypeError or returned it, ``np.random.standard_normal()``
+    returned NaN. Now DataStateError names it, through a real checkpoint, and no generator
+    changes."""
+    stored = db.RNGState().state_dict()
+    edit(stored)
+    path = str(tmp_path / "rng")
+    db.save({"rng": db.PerRankState("rng", stored, 0, 1)}, path)
+    random.seed(6)
+    np.random.seed(6)
+    before = (random.getstate(), np.random.get_state())
+    with pytest.raises(db.DataStateError, match=r"state 'rng'.*cached gaussian") as err:
+        db.load({"rng": db.PerRankState("rng", db.RNGState(), 0, 1)}, path)
+    assert isinstance(err.value.__cause__, db.DataStateError)
+    after = (random.getstate(), np.random.get_state())
+    assert after[0] == before[0] and np.array_equal(after[1][1], before[1][1])
+    assert after[1][2:] == before[1][2:]
+
+
+def _torch_cached_normal(stored: dict, *, double: bool) -> None:
+    """Set the cached normal sample in a stored CPU generator state to NaN (torch's layout:
+    normal_x, normal_y, normal_rho and normal_is_valid at bytes 5016-5044, then the float
+    sample and its flag at 5048 and 5052)."""
+    raw = bytearray(stored["torch"].numpy().tobytes())
+    if double:
+        raw[5024:5032] = np.float64(np.nan).tobytes()  # normal_y: the cached double
+        raw[5040:5044] = np.int32(1).tobytes()
+    else:
+        raw[5048:5052] = np.float32(np.nan).tobytes()
+        raw[5052] = 1
+    stored["torch"] = torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+@pytest.mark.parametrize("double", [False, True], ids=["float", "double"])
+def test_an_rng_state_with_a_nan_torch_normal_sample_is_refused(tmp_path, double):
+    """torch's CPU generator state caches a normal sample too; torch takes a NaN there, and
+    the next ``torch.randn`` (float) or ``normal_`` (float64) started with NaN. Now DataStateError names it, through a real
+    checkpoint, and torch's generator is unchanged."""
+    assert db.RNGState().state_dict()["torch"].numel() == 5056  # the layout edited here
+    stored = db.RNGState().state_dict()
+    _torch_cached_normal(stored, double=double)
+    path = str(tmp_path / "rng")
+    db.save({"rng": db.PerRankState("rng", stored, 0, 1)}, path)
+    torch.manual_seed(6)
+    before = torch.get_rng_state()
+    with pytest.raises(db.DataStateError, match=r"state 'rng'.*torch cached normal sample"):
+        db.load({"rng": db.PerRankState("rng", db.RNGState(), 0, 1)}, path)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.randn(4).isfinite().all()
+
+
+@pytest.mark.parametrize("order", ["data-first", "rng-first"])
+def test_a_refused_rng_state_leaves_the_data_position_unchanged(tmp_path, order):
+    """Top-level Statefuls were loaded one by one: a checkpoint whose RNG cell is refused
+    (here a NaN cached gaussian) raised only after the sampler before it had jumped to the
+    checkpoint's position, so the job's live state was half the checkpoint's. Now every
+    dcpbridge Stateful's state is checked before any of them changes."""
+    saved = sampler()
+    for _ in zip(range(3), iter(saved)):
+        saved.mark_consumed()
+    rng = db.RNGState().state_dict()
+    _numpy_state(rng, has_gauss=1, gauss=float("nan"))
+    cells = {"data": saved, "rng": db.PerRankState("rng", rng, 0, 1)}
+    path = str(tmp_path / "ck")
+    db.save(dict(sorted(cells.items(), reverse=order == "rng-first")), path)
+    fresh = sampler()
+    template = {"data": fresh, "rng": db.PerRankState("rng", db.RNGState(), 0, 1)}
+    template = dict(sorted(template.items(), reverse=order == "rng-first"))
+    with pytest.raises(db.DataStateError, match=r"state 'rng'.*cached gaussian"):
+        db.load(template, path)
+    assert fresh.consumed_samples == 0 and fresh.state_dict() == sampler().state_dict()
