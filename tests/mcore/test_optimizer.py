@@ -250,6 +250,29 @@ def test_model_space_refuses_two_parameters_of_one_name():
     assert "'weight' (state ids [0, 2])" in message and "'bias' (state ids [1, 3])" in message
 
 
+def _tampered_load(tmp_path, tamper, kept=None, **adam):
+    """An Adam state saved after ``tamper(saved)`` edits it, loaded (not restored yet) into a
+    new Adam with hyper-parameters ``adam`` (lr 0.1 unless given) and per-parameter ``step``
+    ``kept`` (None: its own); returns (the new optimizer, what the load returned)."""
+    net = Net()
+    saved = db.optimizer_sharded_state_dict(
+        stepped_adam(net, steps=1), net_sharded(net, whole=True)
+    )
+    tamper(saved)
+    db.save({"o": saved}, tmp_path)
+    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], **({"lr": 0.1} | adam))
+    db.init_optimizer_state(new)
+    for state in new.state.values():
+        state["step"] = state["step"] if kept is None else kept
+    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
+    return new, db.load(template, tmp_path)["o"]
+
+
+def _step_to(stored):
+    """A tamper setting the saved shared ``step`` to ``stored``."""
+    return lambda saved: saved["shared_state"].update(step=stored)
+
+
 @pytest.mark.parametrize(
     ("stored", "needles"),
     [
@@ -265,17 +288,8 @@ def test_a_stored_step_the_optimizer_cannot_hold_is_an_optimizer_state_error(
     """A checkpoint's shared ``step`` that does not fit this optimizer's (another program's
     state, a damaged one) raised torch's RuntimeError or TypeError out of restore, or was
     truncated (2.5 restored as 2 into an integer step). Now OptimizerStateError names it."""
-    net = Net()
-    opt = stepped_adam(net, steps=1)
-    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
-    saved["shared_state"]["step"] = stored
-    db.save({"o": saved}, tmp_path)
-    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
-    db.init_optimizer_state(new)
-    for state in new.state.values():  # an optimizer keeping its steps as integers
-        state["step"] = torch.tensor(1) if isinstance(stored, float) else state["step"]
-    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
-    loaded = db.load(template, tmp_path)["o"]
+    kept = torch.tensor(1) if isinstance(stored, float) else None  # steps kept as integers
+    _, loaded = _tampered_load(tmp_path, _step_to(stored), kept)
     with pytest.raises(db.OptimizerStateError) as raised:
         db.restore_optim_state(loaded)
     message = str(raised.value)
@@ -293,17 +307,7 @@ def test_a_stored_step_beyond_the_optimizers_number_is_an_optimizer_state_error(
     """A stored step no Python int or float can hold (infinity for an optimizer counting
     steps as ints, 10**400 for one keeping a float) raised a bare OverflowError out of
     restore; now OptimizerStateError names it."""
-    net = Net()
-    opt = stepped_adam(net, steps=1)
-    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
-    saved["shared_state"]["step"] = stored
-    db.save({"o": saved}, tmp_path)
-    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
-    db.init_optimizer_state(new)
-    for state in new.state.values():
-        state["step"] = kept
-    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
-    loaded = db.load(template, tmp_path)["o"]
+    _, loaded = _tampered_load(tmp_path, _step_to(stored), kept)
     with pytest.raises(db.OptimizerStateError, match="optimizer state 'step'") as raised:
         db.restore_optim_state(loaded)
     assert isinstance(raised.value.__cause__, OverflowError)
@@ -425,15 +429,12 @@ def test_a_stored_hyper_parameter_the_optimizer_cannot_use_is_refused(tmp_path, 
     next step raised a bare TypeError, ValueError or OverflowError, or trained on silently
     (NaN parameters, lr=True as 1.0). Now OptimizerStateError names the group and the entry,
     and the optimizer keeps its own hyper-parameters."""
-    net = Net()
-    opt = stepped_adam(net, steps=1)
-    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
-    saved["param_groups"]["#0"][name] = stored
-    db.save({"o": saved}, tmp_path)
-    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5, betas=(0.8, 0.9))
-    db.init_optimizer_state(new)
-    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
-    loaded = db.load(template, tmp_path)["o"]
+    new, loaded = _tampered_load(
+        tmp_path,
+        lambda saved: saved["param_groups"]["#0"].update({name: stored}),
+        lr=0.5,
+        betas=(0.8, 0.9),
+    )
     with pytest.raises(db.OptimizerStateError) as raised:
         db.load_optimizer_state(new, loaded)
     message = str(raised.value)
@@ -444,15 +445,12 @@ def test_a_stored_hyper_parameter_the_optimizer_cannot_use_is_refused(tmp_path, 
 def test_stored_hyper_parameters_of_a_compatible_kind_load(tmp_path):
     """What a checkpoint may hold for this optimizer's hyper-parameters: an int lr where it
     keeps a float, betas as a list, entries it does not know (an LR scheduler's initial_lr)."""
-    net = Net()
-    opt = stepped_adam(net, steps=1)
-    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
-    saved["param_groups"]["#0"].update(lr=1, betas=[0.5, 0.75], initial_lr=0.25)
-    db.save({"o": saved}, tmp_path)
-    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.5)
-    db.init_optimizer_state(new)
-    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
-    db.load_optimizer_state(new, db.load(template, tmp_path)["o"])
+    new, loaded = _tampered_load(
+        tmp_path,
+        lambda saved: saved["param_groups"]["#0"].update(lr=1, betas=[0.5, 0.75], initial_lr=0.25),
+        lr=0.5,
+    )
+    db.load_optimizer_state(new, loaded)
     group = new.param_groups[0]
     assert (group["lr"], list(group["betas"]), group["initial_lr"]) == (1, [0.5, 0.75], 0.25)
 
@@ -482,21 +480,24 @@ def test_a_stored_step_that_is_no_count_is_an_optimizer_state_error(tmp_path, st
     a fraction, from a damaged or foreign checkpoint) was restored as it was: Adam's next step
     made every parameter NaN, or raised a bare RuntimeError or ZeroDivisionError. Now
     OptimizerStateError names it, and the optimizer's state is untouched."""
-    net = Net()
-    opt = stepped_adam(net, steps=1)
-    saved = db.optimizer_sharded_state_dict(opt, net_sharded(net, whole=True))
-    saved["shared_state"]["step"] = stored
-    db.save({"o": saved}, tmp_path)
-    new = torch.optim.Adam([net.scale, net.fc.weight, net.fc.bias], lr=0.1)
-    db.init_optimizer_state(new)
-    template = {"o": db.optimizer_sharded_state_dict(new, net_sharded(net, whole=True))}
-    loaded = db.load(template, tmp_path)["o"]
+    new, loaded = _tampered_load(tmp_path, _step_to(stored))
     with pytest.raises(db.OptimizerStateError) as raised:
         db.load_optimizer_state(new, loaded)
     message = str(raised.value)
     assert message.startswith("optimizer state 'step': the checkpoint's value "), message
     assert "a step count" in message, message
     assert all(s["step"].item() == 1.0 for s in new.state.values())
+
+
+def _stepped_three() -> torch.optim.Adam:
+    """An Adam over three parameters, one step taken (each with its own moments)."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    opt = torch.optim.Adam(ps, lr=0.1)
+    for i, p in enumerate(ps):
+        p.grad = torch.full((3,), float(i + 1))
+    opt.step()
+    return opt
 
 
 @pytest.mark.parametrize(
@@ -510,12 +511,7 @@ def test_a_top_level_optimizer_refuses_stored_param_ids_not_its_own(tmp_path, pa
     a checkpoint whose ids were duplicated or out of range gave parameter 1 parameter 0's
     moments, parameter 2 parameter 1's, and left parameter 0 without state, silently. Now
     OptimizerStateError names the state's key before the optimizer changes."""
-    torch.manual_seed(0)
-    ps = [nn.Parameter(torch.randn(3)) for _ in range(3)]
-    opt = torch.optim.Adam(ps, lr=0.1)
-    for i, p in enumerate(ps):
-        p.grad = torch.full((3,), float(i + 1))
-    opt.step()
+    opt = _stepped_three()
     sd = opt.state_dict()
     sd["param_groups"][0]["params"] = params
     db.save({"opt": sd}, tmp_path)
@@ -532,12 +528,7 @@ def test_a_top_level_optimizer_refuses_stored_param_ids_not_its_own(tmp_path, pa
 
 def test_a_top_level_optimizer_round_trips(tmp_path):
     """The same optimizer at the top level, untampered, resumes exactly."""
-    torch.manual_seed(0)
-    ps = [nn.Parameter(torch.randn(3)) for _ in range(3)]
-    opt = torch.optim.Adam(ps, lr=0.1)
-    for i, p in enumerate(ps):
-        p.grad = torch.full((3,), float(i + 1))
-    opt.step()
+    opt = _stepped_three()
     db.save({"opt": opt}, tmp_path)
     new = torch.optim.Adam([nn.Parameter(torch.zeros(3)) for _ in range(3)], lr=0.5)
     db.init_optimizer_state(new)
