@@ -40,9 +40,8 @@ from dcpbridge.model.mapping import (
     StateDict,
 )
 from dcpbridge.model.state import leaves
-from dcpbridge.model.stateful import fits_hyper
+from dcpbridge.model.stateful import LOCAL_GROUP_FIELDS, check_hyper
 from dcpbridge.planners.protocol import leaf_kind
-from dcpbridge.storage.format.table import shown_value
 
 KEEP_VARS_HINT = (
     " Make sure the model sharded state dict holds the original torch.nn.Parameters (not "
@@ -50,7 +49,6 @@ KEEP_VARS_HINT = (
 )
 GROUP_KEY = "group_key"  # a param group's stable identity (set by dcpbridge.get_param_groups)
 SHARED_KEYS = frozenset({"step"})  # per-parameter entries always stored once
-_LOCAL_GROUP_FIELDS = ("params", "param_names")
 
 ShardedParam = ShardedTensor | ShardedTensorFactory
 
@@ -238,8 +236,8 @@ def split_param_groups(
         identity = _group_identity(group, index)
         if identity in groups:
             raise OptimizerStateError(f"two param groups share the identity {identity!r}")
-        groups[identity] = {k: v for k, v in group.items() if k not in _LOCAL_GROUP_FIELDS}
-        local_groups.append((identity, {k: group[k] for k in _LOCAL_GROUP_FIELDS if k in group}))
+        groups[identity] = {k: v for k, v in group.items() if k not in LOCAL_GROUP_FIELDS}
+        local_groups.append((identity, {k: group[k] for k in LOCAL_GROUP_FIELDS if k in group}))
     return groups, local_groups
 
 
@@ -356,15 +354,9 @@ def _check_hyper(identity: str, live: Mapping[str, Any], stored: Any) -> dict[st
             f"param group {identity!r}: the checkpoint holds {type(stored).__name__}, not a "
             "mapping of hyper-parameters"
         )
-    for name, value in live.items():
-        if name in stored and not fits_hyper(value, stored[name]):
-            raise OptimizerStateError(
-                f"param group {identity!r}: hyper-parameter {name!r} of the checkpoint "
-                f"({shown_value(stored[name])}) does not fit this optimizer's "
-                f"({shown_value(value)})"
-            )
+    check_hyper(f"param group {identity!r}", live, stored)
     # params and param_names are this rank's own (never saved): a checkpoint's never count
-    return {k: v for k, v in stored.items() if k not in _LOCAL_GROUP_FIELDS}
+    return {k: v for k, v in stored.items() if k not in LOCAL_GROUP_FIELDS}
 
 
 def _match_groups(saved: Any, local: Mapping[str, Any]) -> list[dict[str, Any]]:

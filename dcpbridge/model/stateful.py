@@ -71,7 +71,7 @@ def _named(key: str, call: Any, state: Any) -> None:
         raise type(e)(f"state {key!r}: {e}") from e
 
 
-_LOCAL_FIELDS = ("params", "param_names")  # a param group's own entries, not hyper-parameters
+LOCAL_GROUP_FIELDS = ("params", "param_names")  # a param group's own entries, not hyper-parameters
 
 
 def _param_ids(state: Any) -> list[Any] | None:
@@ -95,13 +95,19 @@ def _check_optimizer_state(key: str, optimizer: torch.optim.Optimizer, loaded: A
             f"{mine}; it is not this optimizer's state (damaged, or another program's)"
         )
     for i, (live, saved) in enumerate(zip(optimizer.param_groups, loaded["param_groups"])):
-        for name, value in live.items():
-            if name in _LOCAL_FIELDS or name not in saved or fits_hyper(value, saved[name]):
-                continue
-            raise OptimizerStateError(
-                f"state {key!r}: param group {i}: hyper-parameter {name!r} of the checkpoint "
-                f"({shown_value(saved[name])}) does not fit this optimizer's ({shown_value(value)})"
-            )
+        check_hyper(f"state {key!r}: param group {i}", live, saved)
+
+
+def check_hyper(where: str, live: Mapping[str, Any], stored: Mapping[str, Any]) -> None:
+    """``OptimizerStateError`` naming ``where`` and the entry where one of a group's stored
+    hyper-parameters does not fit this optimizer's (``fits_hyper``); its own fields pass."""
+    for name, value in live.items():
+        if name in LOCAL_GROUP_FIELDS or name not in stored or fits_hyper(value, stored[name]):
+            continue
+        raise OptimizerStateError(
+            f"{where}: hyper-parameter {name!r} of the checkpoint "
+            f"({shown_value(stored[name])}) does not fit this optimizer's ({shown_value(value)})"
+        )
 
 
 def fits_hyper(live: Any, stored: Any) -> bool:
