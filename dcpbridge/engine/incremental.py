@@ -223,13 +223,9 @@ def fsck(url: str, storage_options: dict | None = None, *, fix: bool = False) ->
     folders = _folders(root)
     for name in folders:
         location = child(root, name)
-        store = storage_for(location)
-        if not store.exists(METADATA_FILE):
-            docs[name] = None
-            continue
-        try:
-            raw = store.read_file(location.path(METADATA_FILE))
-        except FileNotFoundError:  # deleted since (retention beside): no checkpoint now
+        try:  # one read per folder (no check first): absent, or deleted by retention beside
+            raw = storage_for(location).read_file(location.path(METADATA_FILE))
+        except FileNotFoundError:
             docs[name] = None
             continue
         except Exception as e:
@@ -250,15 +246,17 @@ def fsck(url: str, storage_options: dict | None = None, *, fix: bool = False) ->
             present.add((name, path))
             if (name, path) not in users and _is_orphan(path):
                 orphans.setdefault(name, []).append(path)
-    for name in _replaced(root, docs, {n for n in orphans if n in docs}):
-        del orphans[name]  # a save's files, committed (or removed) while fsck looked
-    report.orphans = [f"{d}/{p}" for d, ps in sorted(orphans.items()) for p in ps]
     lacking = {key: u for key, u in users.items() if key not in present}
-    gone = _replaced(root, docs, {n for u in lacking.values() for n in u})
+    # folders whose commit changed while fsck looked (one read each): a save's files, committed
+    # or removed meanwhile, are no orphans; what a deleted step needed is not missing
+    changed = _replaced(root, docs, {n for n in orphans if n in docs}.union(*lacking.values()))
+    for name in changed & orphans.keys():
+        del orphans[name]
+    report.orphans = [f"{d}/{p}" for d, ps in sorted(orphans.items()) for p in ps]
     report.missing = [
         f"{d}/{p} (needed by {', '.join(sorted(kept))})"
         for (d, p), u in sorted(lacking.items())
-        if (kept := [n for n in u if n not in gone])
+        if (kept := [n for n in u if n not in changed])
     ]
     if fix and not report.unreadable:
         for name, paths in orphans.items():
